@@ -1,0 +1,78 @@
+use std::time::Duration;
+
+/// Engine settings. Build with `EngineConfig::default().memory_limit(256 << 20)`.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// The one memory limit in bytes; `None` = 50% of RAM or of the cgroup limit.
+    pub memory_limit: Option<usize>,
+    /// Chunk size of row blocks in bytes (power of two, 4 KiB..=64 MiB). Default 64 KiB.
+    pub chunk_size: usize,
+    /// Largest encoded row accepted, in bytes. Rows above a chunk but under this get a
+    /// dedicated (counted) allocation. Default 16 MiB.
+    pub max_row_bytes: usize,
+    /// A table's active delta is sealed and flushed when it holds this many bytes.
+    /// `None` = limit / 16, clamped to 1 MiB..=64 MiB.
+    pub table_flush_bytes: Option<usize>,
+    /// How long a write waits for the background writer to free memory before it returns
+    /// [`crate::Error::MemoryLimit`]. Default 30 s.
+    pub backpressure_timeout: Duration,
+    /// Background flush threads. Default 2.
+    pub writer_threads: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            memory_limit: None,
+            chunk_size: gritdb_memctl::DEFAULT_CHUNK_SIZE,
+            max_row_bytes: 16 << 20,
+            table_flush_bytes: None,
+            backpressure_timeout: Duration::from_secs(30),
+            writer_threads: 2,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Sets the memory limit in bytes.
+    #[must_use]
+    pub fn memory_limit(mut self, bytes: usize) -> Self {
+        self.memory_limit = Some(bytes);
+        self
+    }
+
+    /// Sets the chunk size in bytes.
+    #[must_use]
+    pub fn chunk_size(mut self, bytes: usize) -> Self {
+        self.chunk_size = bytes;
+        self
+    }
+
+    /// Sets the largest accepted encoded row in bytes.
+    #[must_use]
+    pub fn max_row_bytes(mut self, bytes: usize) -> Self {
+        self.max_row_bytes = bytes;
+        self
+    }
+
+    /// Sets the per-table flush threshold in bytes.
+    #[must_use]
+    pub fn table_flush_bytes(mut self, bytes: usize) -> Self {
+        self.table_flush_bytes = Some(bytes);
+        self
+    }
+
+    /// Sets the backpressure wait.
+    #[must_use]
+    pub fn backpressure_timeout(mut self, d: Duration) -> Self {
+        self.backpressure_timeout = d;
+        self
+    }
+
+    /// Sets the number of background flush threads (at least 1).
+    #[must_use]
+    pub fn writer_threads(mut self, n: usize) -> Self {
+        self.writer_threads = n.max(1);
+        self
+    }
+}

@@ -1,0 +1,452 @@
+use crate::config::EngineConfig;
+use crate::error::{Error, Result, io};
+use crate::table::{Table, TableInner, TableState, lock};
+use crate::writer::Writer;
+use arrow_schema::SchemaRef;
+use gritdb_memctl::{Category, ControllerConfig, MemoryController, MemoryReport};
+use gritdb_storage::TableStore;
+use gritdb_unify::{DeltaStore, RowCodec};
+use std::collections::{BTreeMap, VecDeque};
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+/// The default data directory of [`Engine::open_default`].
+pub const DEFAULT_DATA_DIR: &str = "./gritdb-data";
+
+pub(crate) struct Shared {
+    pub(crate) ctl: Arc<MemoryController>,
+    pub(crate) config: EngineConfig,
+}
+
+impl Shared {
+    /// Per-table flush threshold: configured, else limit / 16 clamped to 1 MiB..=64 MiB.
+    pub(crate) fn table_flush_bytes(&self) -> usize {
+        self.config.table_flush_bytes.unwrap_or_else(|| (self.ctl.limit() / 16).clamp(1 << 20, 64 << 20))
+    }
+}
+
+pub(crate) struct EngineInner {
+    dir: PathBuf,
+    pub(crate) shared: Arc<Shared>,
+    tables: RwLock<BTreeMap<String, Arc<TableInner>>>,
+    pub(crate) writer: Writer,
+    next_table_id: AtomicU64,
+    closed: AtomicBool,
+    _lock: fs::File,
+}
+
+impl EngineInner {
+    pub(crate) fn check_open(&self) -> Result<()> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::Closed("the engine".into()));
+        }
+        Ok(())
+    }
+
+    fn tables_read(&self) -> RwLockReadGuard<'_, BTreeMap<String, Arc<TableInner>>> {
+        self.tables.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn tables_write(&self) -> RwLockWriteGuard<'_, BTreeMap<String, Arc<TableInner>>> {
+        self.tables.write().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn all_tables(&self) -> Vec<Arc<TableInner>> {
+        self.tables_read().values().cloned().collect()
+    }
+
+    /// Seals the largest active deltas across all tables and queues their flush. With
+    /// `urgent` (a write just failed for memory) it seals until a quarter of the limit is
+    /// queued; otherwise only when `used` passes 7/8 of the limit (RocksDB's
+    /// `WriteBufferManager` flush point), until 3/4 would remain. Returns `true` when the
+    /// writer has work that will free memory.
+    pub(crate) fn relieve_pressure(&self, urgent: bool) -> bool {
+        let ctl = &self.shared.ctl;
+        let (used, limit) = (ctl.used(), ctl.limit());
+        if !urgent && used <= limit / 8 * 7 {
+            return true;
+        }
+        let target = if urgent { limit / 4 } else { used.saturating_sub(limit / 4 * 3) };
+        let mut by_size: Vec<(usize, Arc<TableInner>)> =
+            self.all_tables().into_iter().map(|t| (t.active_bytes(), t)).collect();
+        by_size.sort_by(|a, b| b.0.cmp(&a.0));
+        let mut queued = 0usize;
+        let mut busy = false;
+        for (bytes, t) in by_size {
+            let mut g = lock(&t.state);
+            let Some(st) = g.as_mut() else { continue };
+            let waiting = !st.sealed.is_empty() || st.store.staged_count() > 0;
+            let sealed_now = queued < target && bytes > 0 && t.seal(st);
+            drop(g);
+            if sealed_now {
+                queued += bytes;
+            }
+            if sealed_now || waiting {
+                busy = true;
+                self.writer.schedule(&t);
+            }
+        }
+        if urgent && queued > 0 {
+            tracing::info!(queued, used, limit, "memory pressure: sealed the largest deltas");
+        }
+        busy || self.writer.in_flight() > 0
+    }
+
+    /// Waits (at most until `deadline`, in steps of 100 ms) for the writer to free memory.
+    /// Returns `false` when the deadline passed or nothing is being flushed.
+    pub(crate) fn wait_for_memory(&self, deadline: Instant) -> bool {
+        let now = Instant::now();
+        if now >= deadline {
+            return false;
+        }
+        self.shared.ctl.wait_for_release((deadline - now).min(Duration::from_millis(100)));
+        true
+    }
+}
+
+impl Drop for EngineInner {
+    fn drop(&mut self) {
+        self.writer.shutdown();
+    }
+}
+
+/// An embedded gritdb engine over one data directory.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use arrow_array::{Int64Array, RecordBatch, StringArray};
+/// use arrow_schema::{DataType, Field, Schema};
+///
+/// let engine = gritdb::Engine::open("./gritdb-data", gritdb::EngineConfig::default().memory_limit(256 << 20))?;
+/// let schema = Arc::new(Schema::new(vec![
+///     Field::new("id", DataType::Int64, false),
+///     Field::new("name", DataType::Utf8, true),
+/// ]));
+/// let users = engine.create_table("users", schema.clone(), &["id"])?;
+/// let batch = RecordBatch::try_new(schema, vec![
+///     Arc::new(Int64Array::from(vec![1, 2])),
+///     Arc::new(StringArray::from(vec![Some("ada"), None])),
+/// ])?;
+/// users.insert(&batch)?;
+/// users.flush()?;
+/// println!("{}", engine.memory_report());
+/// engine.close()?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct Engine {
+    inner: Arc<EngineInner>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").field("dir", &self.inner.dir).finish()
+    }
+}
+
+/// Checks a table name: 1..=255 bytes, no `/`, `\`, NUL or control characters, not `.`/`..`
+/// and no `..` inside. (Names never become paths — table directories are named by id — but
+/// these rules keep names portable to tools that do.)
+fn validate_name(name: &str) -> Result<()> {
+    let bad = |reason| Err(Error::InvalidTableName { name: name.to_owned(), reason });
+    if name.is_empty() {
+        return bad("empty");
+    }
+    if name.len() > 255 {
+        return bad("longer than 255 bytes");
+    }
+    if name.contains(['/', '\\']) {
+        return bad("contains a path separator");
+    }
+    if name.chars().any(char::is_control) {
+        return bad("contains NUL or a control character");
+    }
+    if name.contains("..") || name == "." {
+        return bad("contains `..` or is `.`");
+    }
+    if name.trim() != name {
+        return bad("starts or ends with whitespace");
+    }
+    Ok(())
+}
+
+impl Engine {
+    /// Opens (creating if needed) the data directory `dir`.
+    ///
+    /// Takes an exclusive lock on `dir/LOCK`, removes leftovers of interrupted drops and
+    /// creates, and opens every table (manifest, deletion vectors, key index).
+    ///
+    /// # Errors
+    /// [`Error::Io`] when `dir` cannot be created or is not a directory or not writable,
+    /// [`Error::Locked`] when another engine holds it, [`Error::Config`] for a bad
+    /// configuration, [`Error::Storage`] for a corrupt table.
+    pub fn open(dir: impl AsRef<Path>, config: EngineConfig) -> Result<Self> {
+        let dir = dir.as_ref().to_path_buf();
+        if dir.exists() && !dir.is_dir() {
+            return Err(Error::Io {
+                path: dir.clone(),
+                source: std::io::Error::new(std::io::ErrorKind::NotADirectory, "data dir path is a file"),
+            });
+        }
+        fs::create_dir_all(&dir).map_err(io(&dir))?;
+        let lock_path = dir.join("LOCK");
+        let mut lock_file = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&lock_path)
+            .map_err(io(&lock_path))?;
+        match lock_file.try_lock() {
+            Ok(()) => {}
+            Err(fs::TryLockError::WouldBlock) => {
+                let holder = fs::read_to_string(&lock_path).unwrap_or_default().trim().to_owned();
+                return Err(Error::Locked { path: lock_path, holder: format!("pid {holder}") });
+            }
+            Err(fs::TryLockError::Error(e)) => return Err(Error::Io { path: lock_path, source: e }),
+        }
+        lock_file.set_len(0).and_then(|()| write!(lock_file, "{}", std::process::id())).map_err(io(&lock_path))?;
+
+        if config.max_row_bytes == 0 {
+            return Err(Error::Config("max_row_bytes must be positive".into()));
+        }
+        let ctl = MemoryController::new(ControllerConfig {
+            memory_limit: config.memory_limit,
+            chunk_size: config.chunk_size,
+            ..ControllerConfig::default()
+        })?;
+        let tables_dir = dir.join("tables");
+        let trash = dir.join("trash");
+        fs::create_dir_all(&tables_dir).map_err(io(&tables_dir))?;
+        if trash.exists() {
+            fs::remove_dir_all(&trash).map_err(io(&trash))?;
+        }
+        fs::create_dir_all(&trash).map_err(io(&trash))?;
+        let writer = Writer::new(config.writer_threads)?;
+        let shared = Arc::new(Shared { ctl: Arc::clone(&ctl), config });
+        let mut tables = BTreeMap::new();
+        let mut max_id = 0u64;
+        for e in fs::read_dir(&tables_dir).map_err(io(&tables_dir))?.flatten() {
+            let path = e.path();
+            let Some(id) = e.file_name().to_str().and_then(|n| n.strip_prefix('t')).and_then(|n| n.parse::<u64>().ok()) else {
+                continue;
+            };
+            max_id = max_id.max(id);
+            if !path.join(gritdb_storage::MANIFEST_FILE).exists() {
+                tracing::info!(dir = %path.display(), "removing table directory without manifest (interrupted create)");
+                fs::remove_dir_all(&path).map_err(io(&path))?;
+                continue;
+            }
+            let manifest = TableStore::read_manifest(&path)?;
+            let name = manifest.table.clone();
+            let account = ctl.register_table(&name);
+            let store = TableStore::open(&path, &ctl, Some(&account), manifest)?;
+            let codec = Arc::new(RowCodec::new(Arc::clone(store.schema()), store.key_columns(), shared.config.max_row_bytes)?);
+            let inner = TableInner {
+                name: name.clone(),
+                id,
+                dir: path.clone(),
+                codec: Arc::clone(&codec),
+                account: account.clone(),
+                state: Mutex::new(Some(TableState {
+                    active: DeltaStore::new(codec, &ctl, Some(&account)),
+                    sealed: VecDeque::new(),
+                    store,
+                    last_flush_error: None,
+                })),
+                flush_lock: Mutex::new(()),
+                flush_scheduled: AtomicBool::new(false),
+                seq: AtomicU64::new(1),
+                shared: Arc::clone(&shared),
+            };
+            tables.insert(name, Arc::new(inner));
+        }
+        tracing::info!(dir = %dir.display(), tables = tables.len(), limit = ctl.limit(), "engine opened");
+        Ok(Self {
+            inner: Arc::new(EngineInner {
+                dir,
+                shared,
+                tables: RwLock::new(tables),
+                writer,
+                next_table_id: AtomicU64::new(max_id + 1),
+                closed: AtomicBool::new(false),
+                _lock: lock_file,
+            }),
+        })
+    }
+
+    /// Opens [`DEFAULT_DATA_DIR`] (`./gritdb-data`) with the default configuration (memory
+    /// limit 50% of RAM or of the cgroup limit).
+    ///
+    /// # Errors
+    /// As [`Engine::open`].
+    pub fn open_default() -> Result<Self> {
+        Self::open(DEFAULT_DATA_DIR, EngineConfig::default())
+    }
+
+    /// The data directory.
+    pub fn dir(&self) -> &Path {
+        &self.inner.dir
+    }
+
+    /// Creates a table with an Arrow schema and primary-key columns (in key order). The table
+    /// is durable when this returns.
+    ///
+    /// # Errors
+    /// [`Error::InvalidTableName`], [`Error::TableExists`] (names compare case-insensitively),
+    /// [`Error::InvalidPrimaryKey`] (empty, unknown or repeated column),
+    /// [`Error::Input`] for an unsupported column type, [`Error::Storage`] on I/O failure.
+    pub fn create_table(&self, name: &str, schema: SchemaRef, primary_key: &[&str]) -> Result<Table> {
+        self.inner.check_open()?;
+        validate_name(name)?;
+        if primary_key.is_empty() {
+            return Err(Error::InvalidPrimaryKey("at least one primary-key column is required".into()));
+        }
+        let mut key_cols = Vec::with_capacity(primary_key.len());
+        for k in primary_key {
+            let i = schema.index_of(k).map_err(|_| Error::InvalidPrimaryKey(format!("column `{k}` is not in the schema")))?;
+            if key_cols.contains(&i) {
+                return Err(Error::InvalidPrimaryKey(format!("column `{k}` is named twice")));
+            }
+            key_cols.push(i);
+        }
+        let mut names = std::collections::HashSet::new();
+        for f in schema.fields() {
+            if !names.insert(f.name().to_lowercase()) {
+                return Err(Error::Input(gritdb_unify::UnifyError::SchemaMismatch {
+                    detail: format!("column name `{}` appears twice (names compare case-insensitively)", f.name()),
+                }));
+            }
+        }
+        let shared = &self.inner.shared;
+        let codec = Arc::new(RowCodec::new(Arc::clone(&schema), &key_cols, shared.config.max_row_bytes)?);
+        let mut tables = self.inner.tables_write();
+        let lower = name.to_lowercase();
+        if tables.keys().any(|k| k.to_lowercase() == lower) {
+            return Err(Error::TableExists { name: name.to_owned() });
+        }
+        let id = self.inner.next_table_id.fetch_add(1, Ordering::AcqRel);
+        let dir = self.inner.dir.join("tables").join(format!("t{id}"));
+        let account = shared.ctl.register_table(name);
+        let store = TableStore::create(&dir, name, Arc::clone(&schema), &key_cols, &shared.ctl, Some(&account))?;
+        let inner = Arc::new(TableInner {
+            name: name.to_owned(),
+            id,
+            dir,
+            codec: Arc::clone(&codec),
+            account: account.clone(),
+            state: Mutex::new(Some(TableState {
+                active: DeltaStore::new(codec, &shared.ctl, Some(&account)),
+                sealed: VecDeque::new(),
+                store,
+                last_flush_error: None,
+            })),
+            flush_lock: Mutex::new(()),
+            flush_scheduled: AtomicBool::new(false),
+            seq: AtomicU64::new(1),
+            shared: Arc::clone(shared),
+        });
+        tables.insert(name.to_owned(), Arc::clone(&inner));
+        drop(tables);
+        tracing::debug!(table = name, id, "table created");
+        Ok(Table { inner, engine: Arc::clone(&self.inner) })
+    }
+
+    /// A handle to an existing table.
+    ///
+    /// # Errors
+    /// [`Error::TableNotFound`].
+    pub fn table(&self, name: &str) -> Result<Table> {
+        self.inner.check_open()?;
+        let t = self.inner.tables_read().get(name).cloned().ok_or_else(|| Error::TableNotFound { name: name.to_owned() })?;
+        Ok(Table { inner: t, engine: Arc::clone(&self.inner) })
+    }
+
+    /// Names of all tables, sorted.
+    pub fn table_names(&self) -> Vec<String> {
+        self.inner.tables_read().keys().cloned().collect()
+    }
+
+    /// Drops a table: every accounted byte it holds is released at once, and its directory is
+    /// removed (renamed into `trash/` first, so a crash never leaves half a table visible).
+    /// Handles to it return [`Error::TableNotFound`] afterwards.
+    ///
+    /// # Errors
+    /// [`Error::TableNotFound`], [`Error::Io`] when the directory cannot be removed.
+    pub fn drop_table(&self, name: &str) -> Result<()> {
+        self.inner.check_open()?;
+        let t = self.inner.tables_write().remove(name).ok_or_else(|| Error::TableNotFound { name: name.to_owned() })?;
+        let state = lock(&t.state).take();
+        drop(state);
+        let trash = self.inner.dir.join("trash").join(format!("t{}", t.id));
+        fs::rename(&t.dir, &trash).map_err(io(&t.dir))?;
+        fs::remove_dir_all(&trash).map_err(io(&trash))?;
+        tracing::debug!(table = name, "table dropped");
+        Ok(())
+    }
+
+    /// Engine memory by category and table beside RSS, VmHWM and the allocator's figures.
+    pub fn memory_report(&self) -> MemoryReport {
+        self.inner.shared.ctl.report()
+    }
+
+    /// The memory controller (limit, used, peak, per-category figures).
+    pub fn memory(&self) -> &Arc<MemoryController> {
+        &self.inner.shared.ctl
+    }
+
+    /// Gives cached free chunks back to the allocator; returns the bytes released.
+    pub fn release_cached_memory(&self) -> usize {
+        self.inner.shared.ctl.trim_free_chunks(0)
+    }
+
+    /// Changes the memory limit at run time. Lowering it below what is in use seals and
+    /// flushes every table and trims cached chunks.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when `bytes` is below two chunks; [`Error::MemoryLimit`] when memory in
+    /// use is still above the new limit after flushing (the new limit stays in force: writes
+    /// wait or fail until memory falls under it); [`Error::Storage`] when a flush fails.
+    pub fn set_memory_limit(&self, bytes: usize) -> Result<()> {
+        let ctl = &self.inner.shared.ctl;
+        ctl.set_limit(bytes)?;
+        if ctl.used() > bytes {
+            for t in self.inner.all_tables() {
+                Table { inner: t, engine: Arc::clone(&self.inner) }.flush()?;
+            }
+            ctl.trim_free_chunks(0);
+        }
+        if ctl.used() > bytes {
+            return Err(ctl.limit_error(Category::RowBlocks, 0).into());
+        }
+        Ok(())
+    }
+
+    /// Flushes every table.
+    ///
+    /// # Errors
+    /// The first flush error.
+    pub fn flush_all(&self) -> Result<()> {
+        for t in self.inner.all_tables() {
+            Table { inner: t, engine: Arc::clone(&self.inner) }.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Flushes every table, stops the background writer and closes the engine.
+    ///
+    /// Dropping an engine without `close` loses rows not yet flushed (there is no write-ahead
+    /// log yet); committed files are never affected.
+    ///
+    /// # Errors
+    /// The first flush error (the engine is closed anyway).
+    pub fn close(self) -> Result<()> {
+        let res = self.flush_all();
+        self.inner.closed.store(true, Ordering::Release);
+        self.inner.writer.shutdown();
+        res
+    }
+}

@@ -1,0 +1,171 @@
+use gritdb_memctl::{Category, Consumer, MemoryError, format_bytes};
+use gritdb_storage::StorageError;
+use gritdb_unify::UnifyError;
+use std::path::PathBuf;
+
+/// Result type of gritdb.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Every error gritdb returns. Bad input is rejected whole: when a write returns an error,
+/// nothing of its batch was applied.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The memory limit was reached and backpressure (waiting for the background writer to
+    /// flush) did not free enough within the configured wait.
+    #[error(
+        "memory limit reached: requested {} for {category}, {} of {} in use; top consumers: {}. \
+         Raise the limit (EngineConfig::memory_limit / Engine::set_memory_limit) or write less at once",
+        format_bytes(*requested), format_bytes(*used), format_bytes(*limit), top_list(top)
+    )]
+    MemoryLimit {
+        /// Bytes asked for.
+        requested: usize,
+        /// Accounted bytes when the request failed.
+        used: usize,
+        /// The limit in bytes.
+        limit: usize,
+        /// Category of the failed request.
+        category: Category,
+        /// Biggest categories and tables, largest first.
+        top: Vec<Consumer>,
+    },
+    /// Another memory-controller error (configuration, injected fault).
+    #[error(transparent)]
+    Memory(MemoryError),
+    /// A table name is not acceptable.
+    #[error("invalid table name {name:?}: {reason}")]
+    InvalidTableName {
+        /// The name given.
+        name: String,
+        /// Why it is refused.
+        reason: &'static str,
+    },
+    /// A table of that name (compared case-insensitively) exists.
+    #[error("table `{name}` already exists")]
+    TableExists {
+        /// The name given.
+        name: String,
+    },
+    /// No table of that name.
+    #[error("table `{name}` does not exist")]
+    TableNotFound {
+        /// The name given.
+        name: String,
+    },
+    /// The primary-key definition is invalid.
+    #[error("invalid primary key: {0}")]
+    InvalidPrimaryKey(String),
+    /// A projected column does not exist.
+    #[error("column `{column}` does not exist in table `{table}`")]
+    ColumnNotFound {
+        /// Table name.
+        table: String,
+        /// Column asked for.
+        column: String,
+    },
+    /// `insert` of a key that already exists.
+    #[error("table `{table}`: primary key at row {row} already exists; use upsert to replace rows")]
+    KeyExists {
+        /// Table name.
+        table: String,
+        /// Row index within the batch.
+        row: usize,
+    },
+    /// `update` of a key that does not exist.
+    #[error("table `{table}`: primary key at row {row} does not exist; update only replaces existing rows (use upsert)")]
+    KeyNotFound {
+        /// Table name.
+        table: String,
+        /// Row index within the batch.
+        row: usize,
+    },
+    /// Two rows of one batch have the same primary key.
+    #[error("table `{table}`: rows {first} and {row} of the batch have the same primary key")]
+    DuplicateKey {
+        /// Table name.
+        table: String,
+        /// First row with the key.
+        first: usize,
+        /// The repeating row.
+        row: usize,
+    },
+    /// The batch or row does not fit the table (schema, nulls, types, size).
+    #[error(transparent)]
+    Input(UnifyError),
+    /// A storage failure (I/O, Parquet, corrupt files).
+    #[error(transparent)]
+    Storage(StorageError),
+    /// File-system failure outside a table (data dir, lock file).
+    #[error("I/O error on {}: {source}", path.display())]
+    Io {
+        /// The path involved.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The data directory is already opened by another engine.
+    #[error("data directory {} is locked by another gritdb engine ({holder}); close it first", path.display())]
+    Locked {
+        /// The lock file.
+        path: PathBuf,
+        /// What the lock file says about the holder (process id).
+        holder: String,
+    },
+    /// The engine was closed or the table dropped.
+    #[error("{0} is closed")]
+    Closed(String),
+    /// A configuration value is out of range.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+}
+
+fn top_list(top: &[Consumer]) -> String {
+    if top.is_empty() {
+        return "none".into();
+    }
+    top.iter().map(|c| format!("{} {}", c.name, format_bytes(c.bytes))).collect::<Vec<_>>().join(", ")
+}
+
+impl From<MemoryError> for Error {
+    fn from(e: MemoryError) -> Self {
+        match e {
+            MemoryError::Limit { requested, used, limit, category, top } => {
+                Error::MemoryLimit { requested, used, limit, category, top }
+            }
+            MemoryError::Config(s) => Error::Config(s),
+            other => Error::Memory(other),
+        }
+    }
+}
+
+impl From<UnifyError> for Error {
+    fn from(e: UnifyError) -> Self {
+        match e {
+            UnifyError::Memory(m) => m.into(),
+            other => Error::Input(other),
+        }
+    }
+}
+
+impl From<StorageError> for Error {
+    fn from(e: StorageError) -> Self {
+        match e {
+            StorageError::Memory(m) => m.into(),
+            other => Error::Storage(other),
+        }
+    }
+}
+
+impl Error {
+    /// True for [`Error::MemoryLimit`].
+    pub fn is_memory_limit(&self) -> bool {
+        matches!(self, Error::MemoryLimit { .. })
+    }
+}
+
+pub(crate) fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Error {
+    let path = path.into();
+    move |source| Error::Io { path, source }
+}

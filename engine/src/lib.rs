@@ -1,0 +1,45 @@
+//! # gritdb — an embedded columnar analytics engine whose ingest is memory-governed
+//!
+//! A Rust service links gritdb, writes rows by primary key (insert / upsert / update /
+//! delete) as Arrow `RecordBatch`es and reads them back with scans. Every byte the engine
+//! holds for rows, flush batches, key indexes and buffers is carved from budgeted chunks or
+//! reserved, counted by category and kept under one memory limit ([`EngineConfig`],
+//! [`Engine::set_memory_limit`], [`Engine::memory_report`]).
+//!
+//! ```text
+//! Table::insert/upsert/update/delete ──> validate (schema, nulls, duplicates) ──> unify::DeltaStore
+//!     (one bump allocation per row in accounted row blocks; key -> newest row)
+//!         │ seal at table_flush_bytes or under memory pressure (largest deltas first)
+//!         ▼
+//!     background writer: rows -> Arrow arrays in a batch block, staged (index + deletion
+//!     vectors updated, row blocks released), then Parquet write + fsync + manifest commit
+//!     without the table lock
+//!         ▼
+//!     storage: <dir>/tables/t<id>/{manifest.json, f*.parquet, f*.dv*}
+//! ```
+//!
+//! See `docs/architecture.md` and `docs/memory.md` in the repository.
+
+mod config;
+mod engine;
+mod error;
+mod scan;
+mod table;
+mod writer;
+
+pub use config::EngineConfig;
+pub use engine::{DEFAULT_DATA_DIR, Engine};
+pub use error::{Error, Result};
+pub use scan::{Scan, ScanOptions};
+pub use table::{Table, TableStats};
+
+/// Memory-controller types re-exported for reports and configuration.
+pub mod memory {
+    pub use gritdb_memctl::{
+        AllocatorKind, AllocatorStats, Category, CategoryReport, Consumer, MemoryController, MemoryReport,
+        ProcessView, TableReport, format_bytes,
+    };
+}
+
+pub use arrow_array;
+pub use arrow_schema;

@@ -1,0 +1,166 @@
+use crate::error::{Error, Result};
+use crate::table::TableInner;
+use arrow_array::{BooleanArray, RecordBatch};
+use arrow_select::filter::filter_record_batch;
+use gritdb_memctl::Category;
+use gritdb_storage::{FileScan, ScanSource, StorageError, read_file};
+use std::collections::VecDeque;
+
+/// What a scan reads.
+#[derive(Debug, Clone)]
+pub struct ScanOptions {
+    projection: Option<Vec<String>>,
+    batch_rows: usize,
+}
+
+impl Default for ScanOptions {
+    fn default() -> Self {
+        Self { projection: None, batch_rows: 8192 }
+    }
+}
+
+impl ScanOptions {
+    /// Only these columns, in this order (default: all columns).
+    #[must_use]
+    pub fn projection<I, S>(mut self, columns: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.projection = Some(columns.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// Largest batch returned, in rows (default 8,192).
+    #[must_use]
+    pub fn batch_rows(mut self, rows: usize) -> Self {
+        self.batch_rows = rows.max(1);
+        self
+    }
+}
+
+type FileIter = Box<dyn Iterator<Item = Result<RecordBatch, StorageError>> + Send>;
+
+/// A streaming scan over one snapshot: an iterator of `Result<RecordBatch>`.
+///
+/// The snapshot is taken when the scan is created: in-memory deltas are copied into
+/// batch blocks counted under `scan_buffers` (released when the batches are dropped), file
+/// lists and deletion vectors are cloned; files are then read one row group batch at a time.
+pub struct Scan {
+    memory: VecDeque<RecordBatch>,
+    files: VecDeque<FileScan>,
+    current: Option<FileIter>,
+    projection: Option<Vec<usize>>,
+    batch_rows: usize,
+}
+
+impl std::fmt::Debug for Scan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scan").field("memory_batches", &self.memory.len()).field("files", &self.files.len()).finish()
+    }
+}
+
+impl Scan {
+    pub(crate) fn new(inner: &TableInner, options: ScanOptions) -> Result<Self> {
+        let schema = inner.codec.schema();
+        let projection = match &options.projection {
+            None => None,
+            Some(cols) => Some(
+                cols.iter()
+                    .map(|c| {
+                        schema.index_of(c).map_err(|_| Error::ColumnNotFound { table: inner.name.clone(), column: c.clone() })
+                    })
+                    .collect::<Result<Vec<_>>>()?,
+            ),
+        };
+        let g = inner.state()?;
+        let st = g.as_ref().ok_or_else(|| Error::TableNotFound { name: inner.name.clone() })?;
+        let mut memory = Vec::new();
+        memory.push(st.active.to_batches(Category::ScanBuffers, false, |_| true)?.puts);
+        for k in (0..st.sealed.len()).rev() {
+            let newer = st.sealed.range(k + 1..);
+            let b = st.sealed[k].to_batches(Category::ScanBuffers, false, |key| {
+                st.active.get(key).is_none() && newer.clone().all(|n| n.get(key).is_none())
+            })?;
+            memory.push(b.puts);
+        }
+        let delta_keys = st
+            .active
+            .entries()
+            .map(|(k, _)| k)
+            .chain(st.sealed.iter().flat_map(|s| s.entries().map(|(k, _)| k)));
+        let files = st.store.scan_files(delta_keys);
+        drop(g);
+        let mut out = VecDeque::new();
+        for b in memory {
+            push_sliced(&mut out, b, options.batch_rows, projection.as_deref())?;
+        }
+        Ok(Self { memory: out, files: files.into(), current: None, projection, batch_rows: options.batch_rows })
+    }
+
+    fn open_next_file(&mut self) -> Result<bool> {
+        let Some(f) = self.files.pop_front() else { return Ok(false) };
+        match f.source {
+            ScanSource::Memory(batch) => {
+                let batch = if f.deleted.is_empty() {
+                    batch
+                } else {
+                    let keep: BooleanArray = (0..batch.num_rows() as u32).map(|r| Some(!f.deleted.contains(r))).collect();
+                    filter_record_batch(&batch, &keep)?
+                };
+                push_sliced(&mut self.memory, batch, self.batch_rows, self.projection.as_deref())?;
+            }
+            ScanSource::File(path) => {
+                let it = read_file(&path, self.projection.as_deref(), f.deleted, self.batch_rows)?;
+                self.current = Some(Box::new(it));
+            }
+        }
+        Ok(true)
+    }
+}
+
+fn push_sliced(out: &mut VecDeque<RecordBatch>, b: RecordBatch, rows: usize, projection: Option<&[usize]>) -> Result<()> {
+    if b.num_rows() == 0 {
+        return Ok(());
+    }
+    let b = match projection {
+        Some(p) => b.project(p)?,
+        None => b,
+    };
+    let mut at = 0;
+    while at < b.num_rows() {
+        let len = rows.min(b.num_rows() - at);
+        out.push_back(b.slice(at, len));
+        at += len;
+    }
+    Ok(())
+}
+
+impl Iterator for Scan {
+    type Item = Result<RecordBatch>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            if let Some(b) = self.memory.pop_front() {
+                return Some(Ok(b));
+            }
+            if let Some(it) = self.current.as_mut() {
+                match it.next() {
+                    Some(r) => return Some(r.map_err(Error::from)),
+                    None => self.current = None,
+                }
+            }
+            match self.open_next_file() {
+                Ok(true) => {}
+                Ok(false) => return None,
+                Err(e) => return Some(Err(e)),
+            }
+        }
+    }
+}
+
+impl From<arrow_schema::ArrowError> for Error {
+    fn from(e: arrow_schema::ArrowError) -> Self {
+        Error::Storage(StorageError::Arrow(e))
+    }
+}

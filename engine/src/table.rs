@@ -1,0 +1,441 @@
+use crate::engine::Shared;
+use crate::error::{Error, Result};
+use crate::scan::{Scan, ScanOptions};
+use arrow_array::RecordBatch;
+use gritdb_memctl::{Category, TableAccount};
+use gritdb_storage::TableStore;
+use gritdb_unify::{DeltaStore, Lookup, RowCodec};
+use hashbrown::HashTable;
+use std::collections::VecDeque;
+use std::hash::BuildHasher;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Instant;
+
+/// How a batch of rows is applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WriteMode {
+    Insert,
+    Upsert,
+    Update,
+}
+
+pub(crate) struct TableState {
+    pub(crate) active: DeltaStore,
+    /// Sealed deltas waiting for the writer, oldest first.
+    pub(crate) sealed: VecDeque<Arc<DeltaStore>>,
+    pub(crate) store: TableStore,
+    pub(crate) last_flush_error: Option<String>,
+}
+
+impl TableState {
+    /// Newest version of `key` across the layers: active, sealed (newest first), files.
+    pub(crate) fn exists(&self, key: &[u8]) -> bool {
+        match self.active.get(key) {
+            Some(l) => l == Lookup::Put,
+            None => self.exists_below_active(key),
+        }
+    }
+
+    pub(crate) fn exists_below_active(&self, key: &[u8]) -> bool {
+        for s in self.sealed.iter().rev() {
+            if let Some(l) = s.get(key) {
+                return l == Lookup::Put;
+            }
+        }
+        self.store.contains_key(key)
+    }
+}
+
+/// Shared state of one table. Handles ([`Table`]) point at it.
+pub(crate) struct TableInner {
+    pub(crate) name: String,
+    pub(crate) id: u64,
+    pub(crate) dir: PathBuf,
+    pub(crate) codec: Arc<RowCodec>,
+    pub(crate) account: TableAccount,
+    /// `None` once dropped: every byte the table held is released at that moment.
+    pub(crate) state: Mutex<Option<TableState>>,
+    /// Serialises flushes of this table (held across encode/write/fsync; never needed by
+    /// ingest, delete, drop or limit changes).
+    pub(crate) flush_lock: Mutex<()>,
+    pub(crate) flush_scheduled: AtomicBool,
+    pub(crate) seq: AtomicU64,
+    pub(crate) shared: Arc<Shared>,
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic inside a critical section of these locks leaves the state consistent (every
+    // mutation is applied after its fallible steps), so poisoning is ignored.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl TableInner {
+    pub(crate) fn state(&self) -> Result<MutexGuard<'_, Option<TableState>>> {
+        let g = lock(&self.state);
+        if g.is_none() {
+            return Err(Error::TableNotFound { name: self.name.clone() });
+        }
+        Ok(g)
+    }
+
+    fn new_delta(&self) -> DeltaStore {
+        DeltaStore::new(Arc::clone(&self.codec), &self.shared.ctl, Some(&self.account))
+    }
+
+    /// Seals the active delta (when not empty) and hands it to the writer queue.
+    pub(crate) fn seal(&self, st: &mut TableState) -> bool {
+        if st.active.is_empty() {
+            return false;
+        }
+        let old = std::mem::replace(&mut st.active, self.new_delta());
+        st.sealed.push_back(Arc::new(old));
+        true
+    }
+
+    /// Active delta bytes (for choosing what to flush under pressure).
+    pub(crate) fn active_bytes(&self) -> usize {
+        lock(&self.state).as_ref().map_or(0, |s| s.active.bytes())
+    }
+
+    /// Writes every sealed delta and staged file of this table; returns rows written.
+    /// Holds the table state lock only for in-memory steps, never across encode/write/fsync.
+    pub(crate) fn flush_sealed(&self) -> Result<u64> {
+        let _flush = lock(&self.flush_lock);
+        let mut rows = 0u64;
+        loop {
+            self.commit_staged()?;
+            let sealed = {
+                let g = self.state()?;
+                let Some(st) = g.as_ref() else { break };
+                match st.sealed.front() {
+                    Some(s) => Arc::clone(s),
+                    None => break,
+                }
+            };
+            // Rows -> Arrow arrays in a batch block (no lock: the sealed delta is immutable).
+            let batches = sealed.to_batches(Category::BatchBlocks, true, |_| true)?;
+            rows += batches.puts.num_rows() as u64;
+            {
+                let mut g = self.state()?;
+                let Some(st) = g.as_mut() else { break };
+                st.store.stage(&batches.puts, &batches.delete_keys)?;
+                if st.sealed.front().is_some_and(|s| Arc::ptr_eq(s, &sealed)) {
+                    st.sealed.pop_front();
+                }
+            }
+            // The sealed delta's row blocks go back to the pool here, before any disk write
+            // (unless a running scan still holds the delta).
+            drop(sealed);
+            drop(batches);
+            self.commit_staged()?;
+        }
+        Ok(rows)
+    }
+
+    /// Writes and commits staged files in order. Data file, deletion vectors and manifest are
+    /// written without the state lock.
+    fn commit_staged(&self) -> Result<()> {
+        loop {
+            let (plan, ctl, account, opts) = {
+                let g = self.state()?;
+                let Some(st) = g.as_ref() else { return Ok(()) };
+                let Some(plan) = st.store.plan_commit() else { return Ok(()) };
+                (plan, Arc::clone(st.store.controller()), st.store.account().cloned(), st.store.write_options().clone())
+            };
+            let mut plan = plan;
+            if let Err(e) = plan.execute(&opts, &ctl, account.as_ref()) {
+                let err: Error = e.into();
+                if let Ok(mut g) = self.state()
+                    && let Some(st) = g.as_mut()
+                {
+                    st.last_flush_error = Some(err.to_string());
+                }
+                return Err(err);
+            }
+            let mut g = self.state()?;
+            if let Some(st) = g.as_mut() {
+                st.store.finish_commit(plan);
+                st.last_flush_error = None;
+            }
+        }
+    }
+}
+
+/// A handle to one table. Cheap to clone; every method is thread-safe.
+///
+/// Writes take Arrow `RecordBatch`es whose columns match the table schema exactly (names and
+/// types in order). A write either applies the whole batch or returns an error and applies
+/// nothing.
+#[derive(Clone)]
+pub struct Table {
+    pub(crate) inner: Arc<TableInner>,
+    pub(crate) engine: Arc<crate::engine::EngineInner>,
+}
+
+impl std::fmt::Debug for Table {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Table").field("name", &self.inner.name).finish()
+    }
+}
+
+impl Table {
+    /// Table name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// Arrow schema.
+    pub fn schema(&self) -> arrow_schema::SchemaRef {
+        Arc::clone(self.inner.codec.schema())
+    }
+
+    /// Primary-key column names.
+    pub fn primary_key(&self) -> Vec<String> {
+        let s = self.inner.codec.schema();
+        self.inner.codec.keys().columns().iter().map(|&i| s.field(i).name().clone()).collect()
+    }
+
+    /// Inserts rows; returns rows inserted.
+    ///
+    /// # Errors
+    /// [`Error::KeyExists`] when a key is already in the table, [`Error::DuplicateKey`] for a
+    /// key repeated inside the batch, [`Error::Input`] for schema mismatches or nulls in key
+    /// or non-nullable columns, [`Error::MemoryLimit`] when memory cannot be had after
+    /// backpressure. On any error nothing of the batch is applied.
+    pub fn insert(&self, batch: &RecordBatch) -> Result<usize> {
+        self.write(batch, WriteMode::Insert)
+    }
+
+    /// Inserts rows, replacing rows with the same key; returns rows written.
+    ///
+    /// # Errors
+    /// As [`Table::insert`], except that existing keys are replaced.
+    pub fn upsert(&self, batch: &RecordBatch) -> Result<usize> {
+        self.write(batch, WriteMode::Upsert)
+    }
+
+    /// Replaces existing rows; returns rows updated. A key that does not exist rejects the
+    /// whole batch with [`Error::KeyNotFound`] (nothing is applied).
+    ///
+    /// # Errors
+    /// As [`Table::insert`], plus [`Error::KeyNotFound`].
+    pub fn update(&self, batch: &RecordBatch) -> Result<usize> {
+        self.write(batch, WriteMode::Update)
+    }
+
+    /// Deletes rows by key. `keys` holds exactly the primary-key columns (names and types in
+    /// key order). Returns rows deleted: keys that do not exist, or repeat within `keys`,
+    /// count once or not at all.
+    ///
+    /// # Errors
+    /// [`Error::Input`] for a wrong key schema or a null key; [`Error::MemoryLimit`].
+    pub fn delete(&self, keys: &RecordBatch) -> Result<usize> {
+        self.engine.check_open()?;
+        let codec = &self.inner.codec;
+        codec.validate_keys(keys)?;
+        let rows = codec.keys().encode_key_columns(keys.columns())?;
+        let unique = unique_rows(&rows);
+        self.with_backpressure(|st| {
+            let mut items = Vec::new();
+            for &i in &unique {
+                let key = rows.row(i);
+                let key = key.as_ref();
+                match st.active.get(key) {
+                    Some(Lookup::Put) => items.push((i, st.exists_below_active(key))),
+                    Some(Lookup::Deleted) => {}
+                    None => {
+                        if st.exists_below_active(key) {
+                            items.push((i, true));
+                        }
+                    }
+                }
+            }
+            let seq = self.inner.seq.fetch_add(items.len() as u64, Ordering::AcqRel);
+            st.active.apply_deletes(&rows, &items, seq)?;
+            Ok(items.len())
+        })
+    }
+
+    fn write(&self, batch: &RecordBatch, mode: WriteMode) -> Result<usize> {
+        self.engine.check_open()?;
+        let codec = &self.inner.codec;
+        codec.validate(batch)?;
+        let n = batch.num_rows();
+        if n == 0 {
+            return Ok(0);
+        }
+        let keys = codec.keys().encode_batch(batch)?;
+        if let Some((first, row)) = first_duplicate(&keys) {
+            return Err(Error::DuplicateKey { table: self.inner.name.clone(), first, row });
+        }
+        self.with_backpressure(|st| {
+            match mode {
+                WriteMode::Insert => {
+                    if let Some(row) = (0..n).find(|&i| st.exists(keys.row(i).as_ref())) {
+                        return Err(Error::KeyExists { table: self.inner.name.clone(), row });
+                    }
+                }
+                WriteMode::Update => {
+                    if let Some(row) = (0..n).find(|&i| !st.exists(keys.row(i).as_ref())) {
+                        return Err(Error::KeyNotFound { table: self.inner.name.clone(), row });
+                    }
+                }
+                WriteMode::Upsert => {}
+            }
+            let seq = self.inner.seq.fetch_add(n as u64, Ordering::AcqRel);
+            st.active.apply_puts(batch, &keys, seq)?;
+            Ok(n)
+        })
+    }
+
+    /// Runs `apply` under the table lock; when it fails for memory, asks the writer to flush
+    /// the largest deltas and waits (bounded by `backpressure_timeout`) before trying again.
+    fn with_backpressure(&self, mut apply: impl FnMut(&mut TableState) -> Result<usize>) -> Result<usize> {
+        let deadline = Instant::now() + self.inner.shared.config.backpressure_timeout;
+        let mut waited = false;
+        loop {
+            let res = {
+                let mut g = self.inner.state()?;
+                let st = g.as_mut().ok_or_else(|| Error::TableNotFound { name: self.inner.name.clone() })?;
+                let res = apply(st);
+                if res.is_ok() && st.active.bytes() >= self.inner.shared.table_flush_bytes() && self.inner.seal(st) {
+                    self.engine.writer.schedule(&self.inner);
+                }
+                res
+            };
+            match res {
+                Err(e) if e.is_memory_limit() => {
+                    if !waited {
+                        tracing::info!(table = %self.inner.name, "backpressure: waiting for the writer to free memory");
+                        waited = true;
+                    }
+                    if !self.engine.relieve_pressure(true) || !self.engine.wait_for_memory(deadline) {
+                        tracing::warn!(table = %self.inner.name, error = %e, "memory limit error returned");
+                        return Err(e);
+                    }
+                }
+                other => {
+                    if waited {
+                        tracing::info!(table = %self.inner.name, "backpressure ended");
+                    }
+                    if other.is_ok() {
+                        self.engine.relieve_pressure(false);
+                    }
+                    return other;
+                }
+            }
+        }
+    }
+
+    /// Makes everything written so far durable in committed Parquet files; returns rows
+    /// written to new files.
+    ///
+    /// # Errors
+    /// [`Error::Storage`] on I/O failure (the rows stay in memory and are retried by the next
+    /// flush), [`Error::MemoryLimit`].
+    pub fn flush(&self) -> Result<u64> {
+        {
+            let mut g = self.inner.state()?;
+            if let Some(st) = g.as_mut() {
+                self.inner.seal(st);
+            }
+        }
+        self.inner.flush_sealed()
+    }
+
+    /// Reads a consistent snapshot of the table: committed files minus deletion vectors,
+    /// merged with sealed and active deltas (newest version of each key wins).
+    ///
+    /// # Errors
+    /// [`Error::ColumnNotFound`] for an unknown projected column, [`Error::MemoryLimit`] when
+    /// the delta snapshot cannot be budgeted.
+    pub fn scan(&self, options: ScanOptions) -> Result<Scan> {
+        self.engine.check_open()?;
+        Scan::new(&self.inner, options)
+    }
+
+    /// Live rows (files minus deletion vectors, plus deltas).
+    ///
+    /// # Errors
+    /// [`Error::TableNotFound`] after the table was dropped.
+    pub fn row_count(&self) -> Result<u64> {
+        let mut n = 0u64;
+        for b in self.scan(ScanOptions::default().projection(self.primary_key()))? {
+            n += b?.num_rows() as u64;
+        }
+        Ok(n)
+    }
+
+    /// Table figures: files, rows, delta and index bytes.
+    ///
+    /// # Errors
+    /// [`Error::TableNotFound`] after the table was dropped.
+    pub fn stats(&self) -> Result<TableStats> {
+        let g = self.inner.state()?;
+        let st = g.as_ref().ok_or_else(|| Error::TableNotFound { name: self.inner.name.clone() })?;
+        Ok(TableStats {
+            files: st.store.file_count(),
+            file_rows: st.store.live_rows(),
+            active_delta_bytes: st.active.bytes(),
+            sealed_deltas: st.sealed.len(),
+            key_index_bytes: st.store.index().bytes(),
+            accounted_bytes: self.inner.account.total_bytes(),
+            manifest_version: st.store.version(),
+            last_flush_error: st.last_flush_error.clone(),
+        })
+    }
+}
+
+/// Figures of one table ([`Table::stats`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct TableStats {
+    /// Data files (committed and staged).
+    pub files: usize,
+    /// Live rows in files.
+    pub file_rows: u64,
+    /// Bytes of the active delta (row blocks + key map).
+    pub active_delta_bytes: usize,
+    /// Sealed deltas waiting for the writer.
+    pub sealed_deltas: usize,
+    /// Key index bytes (hash table + key stores).
+    pub key_index_bytes: usize,
+    /// All bytes accounted to the table.
+    pub accounted_bytes: usize,
+    /// Manifest version of the last commit.
+    pub manifest_version: u64,
+    /// The last background flush error, if the last flush failed.
+    pub last_flush_error: Option<String>,
+}
+
+/// Indices of the first occurrence of each distinct key.
+fn unique_rows(rows: &arrow_row::Rows) -> Vec<usize> {
+    let hasher = hashbrown::DefaultHashBuilder::default();
+    let mut seen: HashTable<usize> = HashTable::with_capacity(rows.num_rows());
+    let mut out = Vec::with_capacity(rows.num_rows());
+    for i in 0..rows.num_rows() {
+        let k = rows.row(i);
+        let h = hasher.hash_one(k.as_ref());
+        if seen.find(h, |&j| rows.row(j).as_ref() == k.as_ref()).is_none() {
+            seen.insert_unique(h, i, |&j| hasher.hash_one(rows.row(j).as_ref()));
+            out.push(i);
+        }
+    }
+    out
+}
+
+/// The first pair `(first, row)` of rows with equal keys.
+fn first_duplicate(rows: &arrow_row::Rows) -> Option<(usize, usize)> {
+    let hasher = hashbrown::DefaultHashBuilder::default();
+    let mut seen: HashTable<usize> = HashTable::with_capacity(rows.num_rows());
+    for i in 0..rows.num_rows() {
+        let k = rows.row(i);
+        let h = hasher.hash_one(k.as_ref());
+        if let Some(&j) = seen.find(h, |&j| rows.row(j).as_ref() == k.as_ref()) {
+            return Some((j, i));
+        }
+        seen.insert_unique(h, i, |&j| hasher.hash_one(rows.row(j).as_ref()));
+    }
+    None
+}

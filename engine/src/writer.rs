@@ -1,0 +1,84 @@
+//! The background writer: a tokio runtime owned by the engine whose blocking tasks flush
+//! sealed deltas. It is the one place gritdb spawns tasks (see `clippy.toml`).
+
+use crate::error::{Error, Result};
+use crate::table::{TableInner, lock};
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use tokio::sync::{Semaphore, mpsc};
+
+pub(crate) struct Writer {
+    rt: Mutex<Option<tokio::runtime::Runtime>>,
+    tx: mpsc::UnboundedSender<Arc<TableInner>>,
+    in_flight: Arc<AtomicUsize>,
+}
+
+impl Writer {
+    pub(crate) fn new(threads: usize) -> Result<Self> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .max_blocking_threads(threads.max(1))
+            .thread_name("gritdb-writer")
+            .build()
+            .map_err(|e| Error::Io { path: "tokio runtime".into(), source: e })?;
+        let (tx, mut rx) = mpsc::unbounded_channel::<Arc<TableInner>>();
+        let in_flight = Arc::new(AtomicUsize::new(0));
+        let sem = Arc::new(Semaphore::new(threads.max(1)));
+        let done = Arc::clone(&in_flight);
+        // The dispatcher: one task receiving flush requests; each flush runs as a blocking task
+        // bounded by the semaphore (at most `threads` flushes at once). Dropping the runtime
+        // (Writer::shutdown) aborts it.
+        #[allow(clippy::disallowed_methods)]
+        rt.spawn(async move {
+            while let Some(table) = rx.recv().await {
+                let Ok(permit) = Arc::clone(&sem).acquire_owned().await else { break };
+                let done = Arc::clone(&done);
+                #[allow(clippy::disallowed_methods)]
+                tokio::task::spawn_blocking(move || {
+                    table.flush_scheduled.store(false, Ordering::Release);
+                    run_flush(&table);
+                    drop(permit);
+                    done.fetch_sub(1, Ordering::AcqRel);
+                });
+            }
+        });
+        Ok(Self { rt: Mutex::new(Some(rt)), tx, in_flight })
+    }
+
+    /// Queues a flush of `table` unless one is already queued.
+    pub(crate) fn schedule(&self, table: &Arc<TableInner>) {
+        if table.flush_scheduled.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.in_flight.fetch_add(1, Ordering::AcqRel);
+        if self.tx.send(Arc::clone(table)).is_err() {
+            table.flush_scheduled.store(false, Ordering::Release);
+            self.in_flight.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Flushes queued or running.
+    pub(crate) fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Acquire)
+    }
+
+    /// Stops the runtime without blocking (safe inside another tokio runtime).
+    pub(crate) fn shutdown(&self) {
+        if let Some(rt) = lock(&self.rt).take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+fn run_flush(table: &TableInner) {
+    let res = std::panic::catch_unwind(AssertUnwindSafe(|| table.flush_sealed()));
+    match res {
+        Ok(Ok(rows)) => tracing::debug!(table = %table.name, rows, "background flush done"),
+        Ok(Err(Error::TableNotFound { .. })) => {} // dropped meanwhile
+        Ok(Err(e)) => {
+            tracing::error!(table = %table.name, error = %e, "background flush failed; rows stay in memory and are retried");
+        }
+        Err(_) => tracing::error!(table = %table.name, "background flush panicked; rows stay in memory"),
+    }
+}

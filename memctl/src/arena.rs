@@ -1,0 +1,290 @@
+use crate::category::Category;
+use crate::controller::{MemoryController, MemoryError, Reservation, TableAccount};
+use std::sync::Arc;
+
+/// Where one row lives inside a [`RowArena`]: block id, byte offset and length (12 bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RowRef {
+    block: u32,
+    offset: u32,
+    len: u32,
+}
+
+impl RowRef {
+    /// Length of the row in bytes.
+    pub fn len(self) -> usize {
+        self.len as usize
+    }
+
+    /// True for a zero-length row.
+    pub fn is_empty(self) -> bool {
+        self.len == 0
+    }
+}
+
+struct Block {
+    data: Box<[u8]>,
+    used: usize,
+    live: u32,
+    /// A dedicated allocation for one row larger than a chunk (not from the pool).
+    oversize: bool,
+}
+
+/// Bump allocator for encoded rows over pool chunks: **one allocation per row**.
+///
+/// - A row is placed at the bump pointer of the active chunk; a row that does not fit starts a
+///   new chunk (the old tail stays unused: it is padding, counted in `row_blocks`).
+/// - A row larger than a chunk gets a dedicated allocation of exactly its length, counted in
+///   `row_blocks` too.
+/// - Each block keeps a live-row count; [`RowArena::free`] decrements it, and a block whose
+///   rows are all freed goes back to the pool whole (the active chunk stays until replaced).
+/// - Dropping the arena returns every block.
+///
+/// The block table (`Vec` of block headers) is counted under `metadata`.
+pub struct RowArena {
+    ctl: Arc<MemoryController>,
+    table: Option<TableAccount>,
+    blocks: Vec<Option<Block>>,
+    free_ids: Vec<u32>,
+    active: Option<u32>,
+    /// Chunks acquired ahead by [`RowArena::prepare`], used before asking the pool.
+    spare: Vec<Box<[u8]>>,
+    /// Oversize bytes reserved ahead by [`RowArena::prepare`].
+    prepaid_oversize: usize,
+    meta: Reservation,
+    live_rows: usize,
+    bytes: usize,
+}
+
+impl std::fmt::Debug for RowArena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RowArena").field("live_rows", &self.live_rows).field("bytes", &self.bytes).finish()
+    }
+}
+
+impl RowArena {
+    /// An empty arena; it holds no chunk until the first row.
+    pub fn new(ctl: &Arc<MemoryController>, table: Option<&TableAccount>) -> Self {
+        Self {
+            ctl: Arc::clone(ctl),
+            table: table.cloned(),
+            blocks: Vec::new(),
+            free_ids: Vec::new(),
+            active: None,
+            spare: Vec::new(),
+            prepaid_oversize: 0,
+            meta: Reservation::new(ctl, Category::Metadata, table),
+            live_rows: 0,
+            bytes: 0,
+        }
+    }
+
+    /// Live rows.
+    pub fn live_rows(&self) -> usize {
+        self.live_rows
+    }
+
+    /// Accounted bytes held by this arena (chunks, oversize rows, spare chunks), excluding
+    /// its block table.
+    pub fn bytes(&self) -> usize {
+        self.bytes + self.spare.len() * self.ctl.chunk_size() + self.prepaid_oversize
+    }
+
+    fn active_room(&self) -> usize {
+        match self.active {
+            Some(id) => self.blocks[id as usize].as_ref().map_or(0, |b| b.data.len() - b.used),
+            None => 0,
+        }
+    }
+
+    /// Acquires, ahead of time, every chunk and oversize byte needed to allocate rows of
+    /// `sizes` (in order), so the following [`RowArena::alloc`] calls for them cannot fail.
+    /// This is what lets a batch be applied all-or-nothing.
+    ///
+    /// # Errors
+    /// [`MemoryError`] when the budget cannot be had; nothing stays acquired then.
+    pub fn prepare(&mut self, sizes: impl IntoIterator<Item = usize>) -> Result<(), MemoryError> {
+        let chunk = self.ctl.chunk_size();
+        let mut room = self.active_room();
+        let mut chunks = 0usize;
+        let mut oversize = 0usize;
+        for len in sizes {
+            if len > chunk {
+                oversize += len;
+            } else if len > room {
+                chunks += 1;
+                room = chunk - len;
+            } else {
+                room -= len;
+            }
+        }
+        let have = self.spare.len();
+        let need = chunks.saturating_sub(have);
+        let mut got = Vec::with_capacity(need);
+        for _ in 0..need {
+            match self.ctl.acquire_chunk(self.table.as_ref()) {
+                Ok(c) => got.push(c),
+                Err(e) => {
+                    for c in got {
+                        self.ctl.release_chunk(c, self.table.as_ref());
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        let extra_oversize = oversize.saturating_sub(self.prepaid_oversize);
+        if extra_oversize > 0 {
+            if let Err(e) = self.ctl.try_reserve(Category::RowBlocks, self.table.as_ref(), extra_oversize) {
+                for c in got {
+                    self.ctl.release_chunk(c, self.table.as_ref());
+                }
+                return Err(e);
+            }
+            self.prepaid_oversize += extra_oversize;
+        }
+        self.spare.extend(got);
+        Ok(())
+    }
+
+    /// Gives back chunks and oversize budget acquired by [`RowArena::prepare`] but not used.
+    pub fn release_spare(&mut self) {
+        for c in self.spare.drain(..) {
+            self.ctl.release_chunk(c, self.table.as_ref());
+        }
+        if self.prepaid_oversize > 0 {
+            self.ctl.release(Category::RowBlocks, self.table.as_ref(), self.prepaid_oversize);
+            self.prepaid_oversize = 0;
+        }
+    }
+
+    fn insert_block(&mut self, block: Block) -> Result<u32, MemoryError> {
+        if let Some(id) = self.free_ids.pop() {
+            self.blocks[id as usize] = Some(block);
+            return Ok(id);
+        }
+        if self.blocks.len() == self.blocks.capacity() {
+            let new_cap = (self.blocks.capacity() * 2).max(4);
+            let header = std::mem::size_of::<Option<Block>>();
+            self.meta.try_resize(new_cap * header)?;
+            self.blocks.reserve_exact(new_cap - self.blocks.len());
+            // free_ids never holds more ids than there are blocks.
+            let id_cap = new_cap.saturating_sub(self.free_ids.capacity());
+            self.free_ids.reserve_exact(id_cap);
+            self.meta.try_resize(new_cap * (header + 4))?;
+        }
+        self.blocks.push(Some(block));
+        Ok((self.blocks.len() - 1) as u32)
+    }
+
+    /// Allocates `len` bytes for one row and returns its place and the bytes to fill.
+    ///
+    /// # Errors
+    /// [`MemoryError`] when a new chunk or the oversize allocation cannot be budgeted.
+    pub fn alloc(&mut self, len: usize) -> Result<(RowRef, &mut [u8]), MemoryError> {
+        let chunk = self.ctl.chunk_size();
+        let id = if len > chunk {
+            if self.prepaid_oversize >= len {
+                self.prepaid_oversize -= len;
+            } else {
+                self.ctl.try_reserve(Category::RowBlocks, self.table.as_ref(), len)?;
+            }
+            let block = Block { data: vec![0u8; len].into_boxed_slice(), used: 0, live: 0, oversize: true };
+            match self.insert_block(block) {
+                Ok(id) => id,
+                Err(e) => {
+                    self.ctl.release(Category::RowBlocks, self.table.as_ref(), len);
+                    return Err(e);
+                }
+            }
+        } else if self.active_room() >= len && self.active.is_some() {
+            self.active.unwrap_or_default()
+        } else {
+            let data = match self.spare.pop() {
+                Some(c) => c,
+                None => self.ctl.acquire_chunk(self.table.as_ref())?,
+            };
+            let id = match self.insert_block(Block { data, used: 0, live: 0, oversize: false }) {
+                Ok(id) => id,
+                Err(e) => return Err(e),
+            };
+            if let Some(old) = self.active.replace(id) {
+                self.release_if_empty(old);
+            }
+            id
+        };
+        let block = self.blocks[id as usize].as_mut().expect("block id just set"); // infallible
+        if block.oversize {
+            self.bytes += len;
+        } else if block.used == 0 {
+            self.bytes += block.data.len();
+        }
+        let offset = block.used;
+        block.used += len;
+        block.live += 1;
+        self.live_rows += 1;
+        let r = RowRef { block: id, offset: offset as u32, len: len as u32 };
+        Ok((r, &mut block.data[offset..offset + len]))
+    }
+
+    /// The bytes of a live row.
+    ///
+    /// # Panics
+    /// If `r` was freed or comes from another arena (a bug in the caller).
+    pub fn get(&self, r: RowRef) -> &[u8] {
+        let b = self.blocks[r.block as usize].as_ref().expect("row of a freed block");
+        &b.data[r.offset as usize..(r.offset + r.len) as usize]
+    }
+
+    /// The bytes of a live row, for writing.
+    ///
+    /// # Panics
+    /// If `r` was freed or comes from another arena (a bug in the caller).
+    pub fn get_mut(&mut self, r: RowRef) -> &mut [u8] {
+        let b = self.blocks[r.block as usize].as_mut().expect("row of a freed block");
+        &mut b.data[r.offset as usize..(r.offset + r.len) as usize]
+    }
+
+    /// Frees one row; its block goes back to the pool when it was the last live row there.
+    pub fn free(&mut self, r: RowRef) {
+        let Some(b) = self.blocks[r.block as usize].as_mut() else { return };
+        debug_assert!(b.live > 0);
+        b.live -= 1;
+        self.live_rows -= 1;
+        if b.live == 0 && self.active != Some(r.block) {
+            self.release_block(r.block);
+        }
+    }
+
+    fn release_if_empty(&mut self, id: u32) {
+        if self.blocks[id as usize].as_ref().is_some_and(|b| b.live == 0) {
+            self.release_block(id);
+        }
+    }
+
+    fn release_block(&mut self, id: u32) {
+        let Some(b) = self.blocks[id as usize].take() else { return };
+        self.free_ids.push(id);
+        if b.oversize {
+            self.bytes -= b.data.len();
+            self.ctl.release(Category::RowBlocks, self.table.as_ref(), b.data.len());
+        } else {
+            self.bytes -= b.data.len();
+            self.ctl.release_chunk(b.data, self.table.as_ref());
+        }
+    }
+
+    /// Number of blocks currently held (chunks and oversize rows).
+    pub fn block_count(&self) -> usize {
+        self.blocks.iter().filter(|b| b.is_some()).count()
+    }
+}
+
+impl Drop for RowArena {
+    fn drop(&mut self) {
+        self.release_spare();
+        self.active = None;
+        for id in 0..self.blocks.len() {
+            self.release_block(id as u32);
+        }
+    }
+}

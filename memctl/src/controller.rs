@@ -1,0 +1,560 @@
+use crate::category::{Category, CounterSet};
+use crate::limit::default_memory_limit;
+use crate::report::format_bytes;
+use serde::Serialize;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
+use std::time::Duration;
+
+/// Default chunk size: 64 KiB. Small enough that 500 tables with a few rows each hold 32 MiB
+/// of row blocks, large enough that one chunk holds ~400 TPC-H lineitem rows.
+pub const DEFAULT_CHUNK_SIZE: usize = 64 << 10;
+
+/// Settings of a [`MemoryController`].
+#[derive(Debug, Clone)]
+pub struct ControllerConfig {
+    /// The one limit, in bytes. `None`: [`default_memory_limit`] (50% of RAM or cgroup limit).
+    pub memory_limit: Option<usize>,
+    /// Chunk size in bytes; a power of two between 4 KiB and 64 MiB.
+    pub chunk_size: usize,
+    /// Share of the limit cached empty chunks may occupy, as a divisor (8 = one eighth).
+    pub free_chunk_divisor: usize,
+}
+
+impl Default for ControllerConfig {
+    fn default() -> Self {
+        Self { memory_limit: None, chunk_size: DEFAULT_CHUNK_SIZE, free_chunk_divisor: 8 }
+    }
+}
+
+/// One consumer named in a [`MemoryError::Limit`]: a category or a table, with its bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Consumer {
+    /// `category:row_blocks` or `table:orders`.
+    pub name: String,
+    /// Bytes currently held.
+    pub bytes: usize,
+}
+
+/// Errors of the memory controller.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum MemoryError {
+    /// Granting `requested` bytes would take the accounted total above the limit.
+    #[error(
+        "memory limit reached: requested {} for {category}, {} of {} in use; top consumers: {}. \
+         Raise the limit (EngineConfig::memory_limit / set_memory_limit), or flush and drop tables",
+        format_bytes(*requested), format_bytes(*used), format_bytes(*limit), format_top(top)
+    )]
+    Limit {
+        /// Bytes asked for.
+        requested: usize,
+        /// Accounted bytes at the time of the request.
+        used: usize,
+        /// The limit in bytes.
+        limit: usize,
+        /// Category the request was for.
+        category: Category,
+        /// Biggest categories and tables, largest first.
+        top: Vec<Consumer>,
+    },
+    /// A configuration value is out of range.
+    #[error("invalid memory configuration: {0}")]
+    Config(String),
+    /// A failure injected by the `fault-injection` test hook.
+    #[error("injected allocation failure (fault-injection hook) for {category}")]
+    Injected {
+        /// Category the failed request was for.
+        category: Category,
+    },
+}
+
+fn format_top(top: &[Consumer]) -> String {
+    if top.is_empty() {
+        return "none".to_owned();
+    }
+    top.iter().map(|c| format!("{} {}", c.name, format_bytes(c.bytes))).collect::<Vec<_>>().join(", ")
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding one of these locks cannot leave the protected counters
+    // half-updated (each critical section is a single push/pop), so poisoning is ignored.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+pub(crate) struct TableInner {
+    pub(crate) id: u64,
+    pub(crate) name: String,
+    pub(crate) counters: CounterSet,
+    ctl: Weak<MemoryController>,
+}
+
+impl Drop for TableInner {
+    fn drop(&mut self) {
+        if let Some(ctl) = self.ctl.upgrade() {
+            lock(&ctl.tables).remove(&self.id);
+        }
+    }
+}
+
+/// Per-table accounting handle. Cheap to clone; the table's row in reports disappears when the
+/// last clone is dropped. Bytes reserved with a table account count both engine-wide and for
+/// the table.
+#[derive(Clone)]
+pub struct TableAccount(pub(crate) Arc<TableInner>);
+
+impl std::fmt::Debug for TableAccount {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TableAccount").field("id", &self.0.id).field("name", &self.0.name).finish()
+    }
+}
+
+impl TableAccount {
+    /// The table's name as registered.
+    pub fn name(&self) -> &str {
+        &self.0.name
+    }
+
+    /// Bytes this table currently holds in `category`.
+    pub fn bytes(&self, category: Category) -> usize {
+        self.0.counters[category.index()].get()
+    }
+
+    /// Bytes this table currently holds in all categories.
+    pub fn total_bytes(&self) -> usize {
+        self.0.counters.iter().map(crate::category::Counters::get).sum()
+    }
+}
+
+/// The memory controller: one limit, per-category counters, a chunk pool.
+///
+/// Shared as `Arc<MemoryController>`; every method takes `&self` and is thread-safe.
+pub struct MemoryController {
+    limit: AtomicUsize,
+    used: AtomicUsize,
+    peak: AtomicUsize,
+    pub(crate) counters: CounterSet,
+    pub(crate) tables: Mutex<HashMap<u64, Weak<TableInner>>>,
+    next_table: AtomicU64,
+    chunk_size: usize,
+    free_chunk_divisor: usize,
+    free: Mutex<Vec<Box<[u8]>>>,
+    release_lock: Mutex<u64>,
+    release_cv: Condvar,
+    waiters: AtomicUsize,
+    fault_countdown: std::sync::atomic::AtomicI64,
+    weak_self: Weak<MemoryController>,
+}
+
+impl std::fmt::Debug for MemoryController {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryController")
+            .field("limit", &self.limit())
+            .field("used", &self.used())
+            .field("chunk_size", &self.chunk_size)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MemoryController {
+    /// Creates a controller.
+    ///
+    /// # Errors
+    /// [`MemoryError::Config`] when the chunk size is not a power of two in 4 KiB..=64 MiB, or
+    /// the limit is smaller than two chunks (one active chunk plus one more for a row that
+    /// straddles it).
+    pub fn new(config: ControllerConfig) -> Result<Arc<Self>, MemoryError> {
+        let chunk_size = config.chunk_size;
+        if !chunk_size.is_power_of_two() || !(4 << 10..=64 << 20).contains(&chunk_size) {
+            return Err(MemoryError::Config(format!(
+                "chunk size must be a power of two between 4 KiB and 64 MiB, got {chunk_size} bytes"
+            )));
+        }
+        let limit = config.memory_limit.unwrap_or_else(default_memory_limit);
+        Self::check_limit(limit, chunk_size)?;
+        Ok(Arc::new_cyclic(|weak| Self {
+            limit: AtomicUsize::new(limit),
+            used: AtomicUsize::new(0),
+            peak: AtomicUsize::new(0),
+            counters: Default::default(),
+            tables: Mutex::new(HashMap::new()),
+            next_table: AtomicU64::new(1),
+            chunk_size,
+            free_chunk_divisor: config.free_chunk_divisor.max(1),
+            free: Mutex::new(Vec::new()),
+            release_lock: Mutex::new(0),
+            release_cv: Condvar::new(),
+            waiters: AtomicUsize::new(0),
+            fault_countdown: std::sync::atomic::AtomicI64::new(-1),
+            weak_self: weak.clone(),
+        }))
+    }
+
+    fn check_limit(limit: usize, chunk_size: usize) -> Result<(), MemoryError> {
+        let min = 2 * chunk_size;
+        if limit < min {
+            return Err(MemoryError::Config(format!(
+                "memory limit {limit} bytes is below the minimum of two chunks ({min} bytes)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The limit in bytes.
+    pub fn limit(&self) -> usize {
+        self.limit.load(Ordering::Acquire)
+    }
+
+    /// Accounted bytes across all categories (free chunks included).
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Acquire)
+    }
+
+    /// High-water mark of [`Self::used`] since creation or the last [`Self::reset_peaks`].
+    pub fn peak(&self) -> usize {
+        self.peak.load(Ordering::Acquire)
+    }
+
+    /// Chunk size in bytes.
+    pub fn chunk_size(&self) -> usize {
+        self.chunk_size
+    }
+
+    /// Current bytes in one category, engine-wide.
+    pub fn category_bytes(&self, category: Category) -> usize {
+        self.counters[category.index()].get()
+    }
+
+    /// High-water mark of one category.
+    pub fn category_peak(&self, category: Category) -> usize {
+        self.counters[category.index()].peak.load(Ordering::Acquire)
+    }
+
+    /// Sets the limit at run time and trims cached chunks above the new share.
+    ///
+    /// Memory already held above a lowered limit is not taken back here: owners (the engine's
+    /// writer) must flush; new reservations fail until `used` is below the limit again.
+    ///
+    /// # Errors
+    /// [`MemoryError::Config`] when `bytes` is below two chunks.
+    pub fn set_limit(&self, bytes: usize) -> Result<(), MemoryError> {
+        Self::check_limit(bytes, self.chunk_size)?;
+        let old = self.limit.swap(bytes, Ordering::AcqRel);
+        tracing::info!(old_limit = old, new_limit = bytes, "memory limit changed");
+        self.trim_free_chunks(self.free_chunk_cap());
+        Ok(())
+    }
+
+    /// Resets the high-water marks (engine-wide, per category, per table) to current values.
+    pub fn reset_peaks(&self) {
+        self.peak.store(self.used(), Ordering::Release);
+        for c in &self.counters {
+            c.reset_peak();
+        }
+        for t in self.live_tables() {
+            for c in &t.0.counters {
+                c.reset_peak();
+            }
+        }
+    }
+
+    /// Registers a table and returns its accounting handle.
+    pub fn register_table(&self, name: &str) -> TableAccount {
+        let id = self.next_table.fetch_add(1, Ordering::Relaxed);
+        let inner = Arc::new(TableInner {
+            id,
+            name: name.to_owned(),
+            counters: Default::default(),
+            ctl: self.weak_self.clone(),
+        });
+        lock(&self.tables).insert(id, Arc::downgrade(&inner));
+        TableAccount(inner)
+    }
+
+    pub(crate) fn live_tables(&self) -> Vec<TableAccount> {
+        let mut v: Vec<TableAccount> =
+            lock(&self.tables).values().filter_map(Weak::upgrade).map(TableAccount).collect();
+        v.sort_by_key(|t| t.0.id);
+        v
+    }
+
+    /// Number of registered tables (live accounting handles).
+    pub fn table_count(&self) -> usize {
+        lock(&self.tables).len()
+    }
+
+    /// Makes the `n`th following chunk acquisition or reservation fail with
+    /// [`MemoryError::Injected`] (`n = 0`: the next one). `None` disarms.
+    /// Only active with the `fault-injection` feature.
+    pub fn inject_failure_after(&self, n: Option<u64>) {
+        self.fault_countdown.store(n.map_or(-1, |n| n as i64), Ordering::Release);
+    }
+
+    fn injected(&self, category: Category) -> Result<(), MemoryError> {
+        if cfg!(feature = "fault-injection") {
+            let prev = self.fault_countdown.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+                if v >= 0 { Some(v - 1) } else { None }
+            });
+            if prev == Ok(0) {
+                self.counters[category.index()].failures.fetch_add(1, Ordering::Relaxed);
+                return Err(MemoryError::Injected { category });
+            }
+        }
+        Ok(())
+    }
+
+    /// Reserves `bytes` in `category` (and for `table`), or fails without side effects.
+    ///
+    /// # Errors
+    /// [`MemoryError::Limit`] when `used + bytes` would exceed the limit even after trimming
+    /// cached free chunks.
+    pub fn try_reserve(
+        &self,
+        category: Category,
+        table: Option<&TableAccount>,
+        bytes: usize,
+    ) -> Result<(), MemoryError> {
+        self.injected(category)?;
+        self.grow_used(category, bytes)?;
+        self.counters[category.index()].add(bytes);
+        if let Some(t) = table {
+            t.0.counters[category.index()].add(bytes);
+        }
+        Ok(())
+    }
+
+    /// Releases `bytes` previously reserved with [`Self::try_reserve`].
+    pub fn release(&self, category: Category, table: Option<&TableAccount>, bytes: usize) {
+        if bytes == 0 {
+            return;
+        }
+        self.counters[category.index()].sub(bytes);
+        if let Some(t) = table {
+            t.0.counters[category.index()].sub(bytes);
+        }
+        self.used.fetch_sub(bytes, Ordering::AcqRel);
+        self.notify_release();
+    }
+
+    fn grow_used(&self, category: Category, bytes: usize) -> Result<(), MemoryError> {
+        let mut trimmed = false;
+        loop {
+            let limit = self.limit();
+            let cur = self.used.load(Ordering::Acquire);
+            let new = cur.saturating_add(bytes);
+            if new > limit {
+                if !trimmed && self.category_bytes(Category::FreeChunks) > 0 {
+                    trimmed = true;
+                    self.trim_free_chunks(0);
+                    continue;
+                }
+                self.counters[category.index()].failures.fetch_add(1, Ordering::Relaxed);
+                return Err(self.limit_error(category, bytes));
+            }
+            if self.used.compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                self.peak.fetch_max(new, Ordering::AcqRel);
+                return Ok(());
+            }
+        }
+    }
+
+    /// Builds the limit error for a request of `requested` bytes, naming the biggest
+    /// categories and tables.
+    pub fn limit_error(&self, category: Category, requested: usize) -> MemoryError {
+        let mut top: Vec<Consumer> = Category::ALL
+            .iter()
+            .map(|c| Consumer { name: format!("category:{c}"), bytes: self.category_bytes(*c) })
+            .filter(|c| c.bytes > 0)
+            .collect();
+        top.sort_by(|a, b| b.bytes.cmp(&a.bytes));
+        top.truncate(3);
+        let mut tables: Vec<Consumer> = self
+            .live_tables()
+            .iter()
+            .map(|t| Consumer { name: format!("table:{}", t.name()), bytes: t.total_bytes() })
+            .filter(|c| c.bytes > 0)
+            .collect();
+        tables.sort_by(|a, b| b.bytes.cmp(&a.bytes));
+        tables.truncate(3);
+        top.extend(tables);
+        MemoryError::Limit { requested, used: self.used(), limit: self.limit(), category, top }
+    }
+
+    fn notify_release(&self) {
+        if self.waiters.load(Ordering::Acquire) > 0 {
+            let mut generation = lock(&self.release_lock);
+            *generation = generation.wrapping_add(1);
+            self.release_cv.notify_all();
+        }
+    }
+
+    /// Blocks the calling thread until some accounted memory is released or `timeout` passes.
+    /// Returns `true` when a release happened. Used for ingest backpressure.
+    pub fn wait_for_release(&self, timeout: Duration) -> bool {
+        self.waiters.fetch_add(1, Ordering::AcqRel);
+        let generation = lock(&self.release_lock);
+        let start = *generation;
+        let (g, _) = self
+            .release_cv
+            .wait_timeout_while(generation, timeout, |g| *g == start)
+            .unwrap_or_else(PoisonError::into_inner);
+        let released = *g != start;
+        drop(g);
+        self.waiters.fetch_sub(1, Ordering::AcqRel);
+        released
+    }
+
+    // ---- chunk pool -------------------------------------------------------------------
+
+    fn free_chunk_cap(&self) -> usize {
+        self.limit() / self.free_chunk_divisor
+    }
+
+    /// Takes one chunk for a row arena, counted under `row_blocks` (and the table).
+    pub(crate) fn acquire_chunk(&self, table: Option<&TableAccount>) -> Result<Box<[u8]>, MemoryError> {
+        self.injected(Category::RowBlocks)?;
+        let size = self.chunk_size;
+        let cached = lock(&self.free).pop();
+        if let Some(chunk) = cached {
+            // Move the bytes from free_chunks to row_blocks: `used` is unchanged.
+            self.counters[Category::FreeChunks.index()].sub(size);
+            self.counters[Category::RowBlocks.index()].add(size);
+            if let Some(t) = table {
+                t.0.counters[Category::RowBlocks.index()].add(size);
+            }
+            return Ok(chunk);
+        }
+        self.grow_used(Category::RowBlocks, size)?;
+        self.counters[Category::RowBlocks.index()].add(size);
+        if let Some(t) = table {
+            t.0.counters[Category::RowBlocks.index()].add(size);
+        }
+        Ok(vec![0u8; size].into_boxed_slice())
+    }
+
+    /// Returns a chunk taken with [`Self::acquire_chunk`]: cached as `free_chunks` while the
+    /// cache is under its share of the limit, otherwise given back to the allocator.
+    pub(crate) fn release_chunk(&self, chunk: Box<[u8]>, table: Option<&TableAccount>) {
+        let size = chunk.len();
+        debug_assert_eq!(size, self.chunk_size);
+        self.counters[Category::RowBlocks.index()].sub(size);
+        if let Some(t) = table {
+            t.0.counters[Category::RowBlocks.index()].sub(size);
+        }
+        let cap = self.free_chunk_cap();
+        let mut free = lock(&self.free);
+        if (free.len() + 1) * size <= cap {
+            free.push(chunk);
+            drop(free);
+            self.counters[Category::FreeChunks.index()].add(size);
+        } else {
+            drop(free);
+            drop(chunk);
+            self.used.fetch_sub(size, Ordering::AcqRel);
+        }
+        self.notify_release();
+    }
+
+    /// Gives cached free chunks back to the allocator until at most `keep_bytes` remain cached.
+    /// Returns the bytes released.
+    pub fn trim_free_chunks(&self, keep_bytes: usize) -> usize {
+        let size = self.chunk_size;
+        let released: Vec<Box<[u8]>> = {
+            let mut free = lock(&self.free);
+            let keep = keep_bytes / size;
+            if free.len() <= keep {
+                return 0;
+            }
+            free.drain(keep..).collect()
+        };
+        let bytes = released.len() * size;
+        drop(released);
+        self.counters[Category::FreeChunks.index()].current.fetch_sub(bytes, Ordering::AcqRel);
+        self.counters[Category::FreeChunks.index()].frees.fetch_add(1, Ordering::Relaxed);
+        self.used.fetch_sub(bytes, Ordering::AcqRel);
+        self.notify_release();
+        bytes
+    }
+}
+
+/// RAII budget for memory that does not come from chunks (index tables, writer buffers, scan
+/// buffers, metadata). Dropping it releases what it holds.
+pub struct Reservation {
+    ctl: Arc<MemoryController>,
+    category: Category,
+    table: Option<TableAccount>,
+    size: usize,
+}
+
+impl std::fmt::Debug for Reservation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reservation").field("category", &self.category).field("size", &self.size).finish()
+    }
+}
+
+impl Reservation {
+    /// An empty reservation in `category`, optionally attributed to `table`.
+    pub fn new(ctl: &Arc<MemoryController>, category: Category, table: Option<&TableAccount>) -> Self {
+        Self { ctl: Arc::clone(ctl), category, table: table.cloned(), size: 0 }
+    }
+
+    /// Bytes held.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// The category this reservation counts in.
+    pub fn category(&self) -> Category {
+        self.category
+    }
+
+    /// Grows by `bytes`.
+    ///
+    /// # Errors
+    /// [`MemoryError::Limit`] (nothing changes) when the limit would be exceeded.
+    pub fn try_grow(&mut self, bytes: usize) -> Result<(), MemoryError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.ctl.try_reserve(self.category, self.table.as_ref(), bytes)?;
+        self.size += bytes;
+        Ok(())
+    }
+
+    /// Shrinks by `bytes` (at most what is held).
+    pub fn shrink(&mut self, bytes: usize) {
+        let bytes = bytes.min(self.size);
+        self.ctl.release(self.category, self.table.as_ref(), bytes);
+        self.size -= bytes;
+    }
+
+    /// Grows or shrinks to exactly `bytes`.
+    ///
+    /// # Errors
+    /// [`MemoryError::Limit`] when growing would exceed the limit (the size is unchanged).
+    pub fn try_resize(&mut self, bytes: usize) -> Result<(), MemoryError> {
+        if bytes > self.size {
+            self.try_grow(bytes - self.size)
+        } else {
+            self.shrink(self.size - bytes);
+            Ok(())
+        }
+    }
+
+    /// Releases everything held.
+    pub fn free(&mut self) {
+        self.shrink(self.size);
+    }
+
+    /// The controller this reservation draws from.
+    pub fn controller(&self) -> &Arc<MemoryController> {
+        &self.ctl
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.free();
+    }
+}

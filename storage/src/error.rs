@@ -1,0 +1,49 @@
+use arrow_schema::ArrowError;
+use gritdb_memctl::MemoryError;
+use parquet::errors::ParquetError;
+use std::path::PathBuf;
+
+/// Errors of the storage layer.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StorageError {
+    /// A file-system call failed.
+    #[error("I/O error on {}: {source}", path.display())]
+    Io {
+        /// The file or directory involved.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The manifest cannot be parsed or is inconsistent.
+    #[error("corrupt manifest {}: {detail}. The table cannot be opened; restore the directory from a backup", path.display())]
+    CorruptManifest {
+        /// The manifest path.
+        path: PathBuf,
+        /// What is wrong.
+        detail: String,
+    },
+    /// A data file cannot be read as the manifest says it should.
+    #[error("corrupt data file {}: {detail}", path.display())]
+    CorruptFile {
+        /// The data file path.
+        path: PathBuf,
+        /// What is wrong.
+        detail: String,
+    },
+    /// Parquet encoding or decoding failed.
+    #[error("parquet error: {0}")]
+    Parquet(#[from] ParquetError),
+    /// Arrow failed.
+    #[error("arrow error: {0}")]
+    Arrow(#[from] ArrowError),
+    /// No memory budget for index or writer buffers.
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+}
+
+pub(crate) fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> StorageError {
+    let path = path.into();
+    move |source| StorageError::Io { path, source }
+}

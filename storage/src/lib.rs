@@ -1,0 +1,29 @@
+//! # gritdb-storage — Parquet data files, manifest, deletion vectors, key index
+//!
+//! One directory per table:
+//! ```text
+//! <table dir>/manifest.json        the committed state (atomic replace: tmp, fsync, rename, fsync dir)
+//! <table dir>/f000001.parquet      data files (immutable once written)
+//! <table dir>/f000001.dv7          deletion vector of f000001 as of manifest version 7 (roaring)
+//! ```
+//! A row of a data file is live unless its position is in the file's deletion vector.
+//! Files not named by the manifest (a crash between writing a file and committing the
+//! manifest) and `*.tmp` files are removed on open.
+//!
+//! The [`KeyIndex`] maps each live primary key (`arrow-row` bytes, the same encoding the delta
+//! store uses) to `(file, row)`. Its key bytes live in per-file key stores; equality is always
+//! checked on the full key bytes, never on the hash alone.
+//!
+//! Nothing here knows about row blocks: it takes Arrow batches and key bytes.
+
+mod error;
+mod index;
+mod manifest;
+mod table;
+mod write;
+
+pub use error::StorageError;
+pub use index::{FileKeys, KeyIndex, Loc};
+pub use manifest::{FileMeta, Manifest, MANIFEST_FILE};
+pub use table::{CommitPlan, FileScan, ScanSource, Staged, TableStore};
+pub use write::{WriteOptions, read_file, write_data_file};

@@ -1,0 +1,114 @@
+use crate::error::{StorageError, io};
+use arrow_schema::Schema;
+use serde::{Deserialize, Serialize};
+use std::fs;
+use std::io::Write;
+use std::path::Path;
+
+/// The manifest's file name inside a table directory.
+pub const MANIFEST_FILE: &str = "manifest.json";
+const FORMAT: u32 = 1;
+
+/// One data file as committed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FileMeta {
+    /// File id (unique within the table, increasing).
+    pub id: u32,
+    /// File name inside the table directory.
+    pub name: String,
+    /// Rows in the file (deleted ones included).
+    pub rows: u64,
+    /// File size in bytes.
+    pub bytes: u64,
+    /// Name of the deletion-vector file, if any row is deleted.
+    pub dv: Option<String>,
+    /// Rows in the deletion vector.
+    pub deleted: u64,
+}
+
+/// The committed state of a table.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Format version of this file (1).
+    pub format: u32,
+    /// Table name.
+    pub table: String,
+    /// Increases by one with every commit.
+    pub version: u64,
+    /// Arrow schema of the table.
+    pub schema: Schema,
+    /// Primary-key column names, in key order.
+    pub primary_key: Vec<String>,
+    /// Next data file id.
+    pub next_file_id: u32,
+    /// Live data files.
+    pub files: Vec<FileMeta>,
+}
+
+impl Manifest {
+    /// A version-1 manifest of an empty table.
+    pub fn new(table: &str, schema: Schema, primary_key: Vec<String>) -> Self {
+        Self { format: FORMAT, table: table.to_owned(), version: 1, schema, primary_key, next_file_id: 1, files: vec![] }
+    }
+
+    /// Reads and checks `<dir>/manifest.json`.
+    ///
+    /// # Errors
+    /// [`StorageError::Io`] when unreadable, [`StorageError::CorruptManifest`] when it does not
+    /// parse or is inconsistent.
+    pub fn read(dir: &Path) -> Result<Self, StorageError> {
+        let path = dir.join(MANIFEST_FILE);
+        let text = fs::read(&path).map_err(io(&path))?;
+        let m: Manifest = serde_json::from_slice(&text)
+            .map_err(|e| StorageError::CorruptManifest { path: path.clone(), detail: e.to_string() })?;
+        if m.format != FORMAT {
+            return Err(StorageError::CorruptManifest { path, detail: format!("unknown format {}", m.format) });
+        }
+        for f in &m.files {
+            if f.id >= m.next_file_id || f.name.contains('/') || f.deleted > f.rows {
+                return Err(StorageError::CorruptManifest { path, detail: format!("bad file entry {f:?}") });
+            }
+        }
+        for k in &m.primary_key {
+            if m.schema.index_of(k).is_err() {
+                return Err(StorageError::CorruptManifest { path, detail: format!("primary key column `{k}` not in schema") });
+            }
+        }
+        Ok(m)
+    }
+
+    /// Writes the manifest atomically: `manifest.json.tmp`, fsync, rename over
+    /// `manifest.json`, fsync the directory.
+    ///
+    /// # Errors
+    /// [`StorageError::Io`]; the previous manifest stays in place and the tmp file is removed.
+    pub fn write(&self, dir: &Path) -> Result<(), StorageError> {
+        let bytes = serde_json::to_vec_pretty(self).map_err(|e| StorageError::CorruptManifest {
+            path: dir.join(MANIFEST_FILE),
+            detail: e.to_string(),
+        })?;
+        write_atomic(dir, MANIFEST_FILE, &bytes)
+    }
+}
+
+/// Writes `name` in `dir` atomically (tmp + fsync + rename + fsync dir).
+pub(crate) fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), StorageError> {
+    let tmp = dir.join(format!("{name}.tmp"));
+    let dst = dir.join(name);
+    let res = (|| {
+        let mut f = fs::File::create(&tmp).map_err(io(&tmp))?;
+        f.write_all(bytes).map_err(io(&tmp))?;
+        f.sync_all().map_err(io(&tmp))?;
+        fs::rename(&tmp, &dst).map_err(io(&dst))?;
+        sync_dir(dir)
+    })();
+    if res.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    res
+}
+
+/// fsyncs a directory so a rename or create inside it is durable.
+pub(crate) fn sync_dir(dir: &Path) -> Result<(), StorageError> {
+    fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
+}

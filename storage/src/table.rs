@@ -1,0 +1,510 @@
+use crate::error::{StorageError, io};
+use crate::index::{FileKeys, KeyIndex, Loc, encode_keys, key_converter};
+use crate::manifest::{FileMeta, MANIFEST_FILE, Manifest, write_atomic};
+use crate::write::{WriteOptions, write_data_file};
+use arrow_array::RecordBatch;
+use arrow_row::RowConverter;
+use arrow_schema::{Schema, SchemaRef};
+use gritdb_memctl::{Category, MemoryController, Reservation, TableAccount};
+use parquet::arrow::ProjectionMask;
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use roaring::RoaringBitmap;
+use std::collections::{BTreeMap, VecDeque};
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+struct DataFile {
+    meta: FileMeta,
+    /// The rows, in memory, until the file is committed.
+    pending: Option<RecordBatch>,
+    /// Deleted rows as seen by readers (committed + staged deletes).
+    dv_live: RoaringBitmap,
+    /// Deleted rows as of the committed manifest.
+    dv_committed: RoaringBitmap,
+}
+
+/// A flush staged in memory: index and deletion vectors already updated, rows not yet in a
+/// committed file.
+#[derive(Debug, Clone)]
+pub struct Staged {
+    /// New data file id, when the flush has rows to write.
+    pub file_id: Option<u32>,
+    /// Rows deleted in older files by this flush.
+    pub dv_additions: Vec<Loc>,
+}
+
+/// Where a scan reads a file's rows from.
+#[derive(Debug, Clone)]
+pub enum ScanSource {
+    /// A staged file not yet written: its rows in memory.
+    Memory(RecordBatch),
+    /// A committed data file.
+    File(PathBuf),
+}
+
+/// One file of a scan snapshot.
+#[derive(Debug, Clone)]
+pub struct FileScan {
+    /// File id.
+    pub id: u32,
+    /// Rows source.
+    pub source: ScanSource,
+    /// Rows to skip: deletion vector plus rows replaced by newer in-memory versions.
+    pub deleted: Arc<RoaringBitmap>,
+}
+
+/// Everything one commit writes, prepared under the table lock and executed outside it.
+#[derive(Debug)]
+pub struct CommitPlan {
+    data: Option<(String, RecordBatch)>,
+    dvs: Vec<(u32, String, RoaringBitmap)>,
+    manifest: Manifest,
+    obsolete: Vec<String>,
+    dir: PathBuf,
+    written_bytes: u64,
+}
+
+impl CommitPlan {
+    /// Writes the data file, deletion vectors and manifest (no table lock needed).
+    ///
+    /// # Errors
+    /// [`StorageError`]; nothing of this commit is visible then (the old manifest stands).
+    pub fn execute(&mut self, opts: &WriteOptions, ctl: &Arc<MemoryController>, table: Option<&TableAccount>) -> Result<(), StorageError> {
+        if let Some((name, batch)) = &self.data {
+            self.written_bytes = write_data_file(&self.dir, name, batch, opts, ctl, table)?;
+            if let Some(f) = self.manifest.files.iter_mut().find(|f| &f.name == name) {
+                f.bytes = self.written_bytes;
+            }
+        }
+        for (_, name, bm) in &self.dvs {
+            let mut bytes = Vec::with_capacity(bm.serialized_size());
+            bm.serialize_into(&mut bytes).map_err(io(self.dir.join(name)))?;
+            write_atomic(&self.dir, name, &bytes)?;
+        }
+        self.manifest.write(&self.dir)?;
+        for name in &self.obsolete {
+            let _ = fs::remove_file(self.dir.join(name));
+        }
+        Ok(())
+    }
+}
+
+/// The files, deletion vectors and key index of one table.
+pub struct TableStore {
+    dir: PathBuf,
+    name: String,
+    schema: SchemaRef,
+    primary_key: Vec<String>,
+    key_cols: Vec<usize>,
+    conv: RowConverter,
+    ctl: Arc<MemoryController>,
+    account: Option<TableAccount>,
+    files: BTreeMap<u32, DataFile>,
+    keys: BTreeMap<u32, FileKeys>,
+    index: KeyIndex,
+    version: u64,
+    next_file_id: u32,
+    staged: VecDeque<Staged>,
+    meta: Reservation,
+    opts: WriteOptions,
+}
+
+impl std::fmt::Debug for TableStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TableStore").field("name", &self.name).field("files", &self.files.len()).finish()
+    }
+}
+
+fn file_name(id: u32) -> String {
+    format!("f{id:06}.parquet")
+}
+
+impl TableStore {
+    /// Creates the table directory `dir` (must not exist) with a version-1 manifest.
+    ///
+    /// # Errors
+    /// [`StorageError::Io`] (also when `dir` exists), [`StorageError::Arrow`] for key types that
+    /// cannot be row-encoded.
+    pub fn create(
+        dir: &Path,
+        name: &str,
+        schema: SchemaRef,
+        key_cols: &[usize],
+        ctl: &Arc<MemoryController>,
+        account: Option<&TableAccount>,
+    ) -> Result<Self, StorageError> {
+        let primary_key = key_cols.iter().map(|&i| schema.field(i).name().clone()).collect::<Vec<_>>();
+        let conv = key_converter(&schema, key_cols)?;
+        fs::create_dir(dir).map_err(io(dir))?;
+        let m = Manifest::new(name, schema.as_ref().clone(), primary_key.clone());
+        if let Err(e) = m.write(dir) {
+            let _ = fs::remove_dir_all(dir);
+            return Err(e);
+        }
+        let mut s = Self::empty(dir, name, schema, primary_key, key_cols.to_vec(), conv, ctl, account);
+        s.account_metadata();
+        Ok(s)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn empty(
+        dir: &Path,
+        name: &str,
+        schema: SchemaRef,
+        primary_key: Vec<String>,
+        key_cols: Vec<usize>,
+        conv: RowConverter,
+        ctl: &Arc<MemoryController>,
+        account: Option<&TableAccount>,
+    ) -> Self {
+        Self {
+            dir: dir.to_path_buf(),
+            name: name.to_owned(),
+            schema,
+            primary_key,
+            key_cols,
+            conv,
+            ctl: Arc::clone(ctl),
+            account: account.cloned(),
+            files: BTreeMap::new(),
+            keys: BTreeMap::new(),
+            index: KeyIndex::new(ctl, account),
+            version: 1,
+            next_file_id: 1,
+            staged: VecDeque::new(),
+            meta: Reservation::new(ctl, Category::Metadata, account),
+            opts: WriteOptions::default(),
+        }
+    }
+
+    /// Reads the manifest of `dir` and only that (for the catalog at engine open).
+    ///
+    /// # Errors
+    /// As [`Manifest::read`].
+    pub fn read_manifest(dir: &Path) -> Result<Manifest, StorageError> {
+        Manifest::read(dir)
+    }
+
+    /// Opens a table directory: reads the manifest and deletion vectors, rebuilds the key index
+    /// from the key columns of every data file, and removes files the manifest does not name.
+    ///
+    /// # Errors
+    /// [`StorageError::CorruptManifest`], [`StorageError::CorruptFile`] (missing or truncated
+    /// data file), [`StorageError::Io`], [`StorageError::Memory`].
+    pub fn open(
+        dir: &Path,
+        ctl: &Arc<MemoryController>,
+        account: Option<&TableAccount>,
+        manifest: Manifest,
+    ) -> Result<Self, StorageError> {
+        let schema: SchemaRef = Arc::new(manifest.schema.clone());
+        let key_cols = manifest
+            .primary_key
+            .iter()
+            .map(|k| schema.index_of(k))
+            .collect::<Result<Vec<_>, _>>()?;
+        let conv = key_converter(&schema, &key_cols)?;
+        let mut s = Self::empty(dir, &manifest.table, schema, manifest.primary_key.clone(), key_cols, conv, ctl, account);
+        s.version = manifest.version;
+        s.next_file_id = manifest.next_file_id;
+        let mut known: std::collections::HashSet<String> = [MANIFEST_FILE.to_owned()].into();
+        for f in &manifest.files {
+            known.insert(f.name.clone());
+            let dv = match &f.dv {
+                Some(name) => {
+                    known.insert(name.clone());
+                    let p = dir.join(name);
+                    let bytes = fs::read(&p).map_err(io(&p))?;
+                    RoaringBitmap::deserialize_from(&bytes[..])
+                        .map_err(|e| StorageError::CorruptFile { path: p.clone(), detail: e.to_string() })?
+                }
+                None => RoaringBitmap::new(),
+            };
+            let path = dir.join(&f.name);
+            let keys = s.read_keys(&path, f.rows)?;
+            s.index.reserve(keys.len(), s.key_bytes() + keys.bytes(), &s.keys)?;
+            s.keys.insert(f.id, keys);
+            let fk = &s.keys[&f.id];
+            for row in 0..fk.len() as u32 {
+                if !dv.contains(row) {
+                    let loc = Loc { file: f.id, row };
+                    if let Some(old) = s.index.insert(fk.get(row as usize), loc, &s.keys) {
+                        tracing::warn!(table = %s.name, ?old, ?loc, "duplicate live key across files; newer file wins");
+                    }
+                }
+            }
+            s.files.insert(f.id, DataFile { meta: f.clone(), pending: None, dv_live: dv.clone(), dv_committed: dv });
+        }
+        s.index.account(s.key_bytes());
+        if let Ok(rd) = fs::read_dir(dir) {
+            for e in rd.flatten() {
+                let n = e.file_name().to_string_lossy().into_owned();
+                if !known.contains(&n) {
+                    tracing::info!(table = %s.name, file = %n, "removing file not named by the manifest");
+                    let _ = fs::remove_file(e.path());
+                }
+            }
+        }
+        s.account_metadata();
+        Ok(s)
+    }
+
+    fn read_keys(&self, path: &Path, rows: u64) -> Result<FileKeys, StorageError> {
+        let corrupt = |detail: String| StorageError::CorruptFile { path: path.to_path_buf(), detail };
+        let file = fs::File::open(path).map_err(io(path))?;
+        let builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| corrupt(e.to_string()))?;
+        let mask = ProjectionMask::roots(builder.parquet_schema(), self.key_cols.iter().copied());
+        let reader = builder.with_projection(mask).with_batch_size(64 << 10).build()?;
+        let mut parts = Vec::new();
+        for b in reader {
+            let b = b.map_err(|e| corrupt(e.to_string()))?;
+            parts.push(self.conv.convert_columns(b.columns())?);
+        }
+        let total: usize = parts.iter().map(arrow_row::Rows::num_rows).sum();
+        if total as u64 != rows {
+            return Err(corrupt(format!("manifest says {rows} rows, file has {total}")));
+        }
+        // Concatenate the parts' rows into one key store.
+        let mut all = self.conv.empty_rows(total, 0);
+        for p in &parts {
+            for r in p {
+                all.push(r);
+            }
+        }
+        Ok(FileKeys::from_rows(&all))
+    }
+
+    fn key_bytes(&self) -> usize {
+        self.keys.values().map(FileKeys::bytes).sum()
+    }
+
+    fn account_metadata(&mut self) {
+        let per_file = std::mem::size_of::<DataFile>() + 64;
+        let bytes: usize = self
+            .files
+            .values()
+            .map(|f| per_file + f.dv_live.serialized_size() + f.dv_committed.serialized_size())
+            .sum::<usize>()
+            + std::mem::size_of::<Self>();
+        if self.meta.try_resize(bytes).is_err() {
+            tracing::warn!(table = %self.name, bytes, "metadata accounting above limit");
+        }
+    }
+
+    /// Table name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Table directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Arrow schema.
+    pub fn schema(&self) -> &SchemaRef {
+        &self.schema
+    }
+
+    /// Primary-key column names.
+    pub fn primary_key(&self) -> &[String] {
+        &self.primary_key
+    }
+
+    /// Primary-key column indices.
+    pub fn key_columns(&self) -> &[usize] {
+        &self.key_cols
+    }
+
+    /// Manifest version of the last commit.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// Data files (committed and staged).
+    pub fn file_count(&self) -> usize {
+        self.files.len()
+    }
+
+    /// Live rows in files (rows minus deletion vectors), staged files included.
+    pub fn live_rows(&self) -> u64 {
+        self.files.values().map(|f| f.meta.rows - f.dv_live.len()).sum()
+    }
+
+    /// The key index.
+    pub fn index(&self) -> &KeyIndex {
+        &self.index
+    }
+
+    /// True when `key` (arrow-row bytes) is live in some file.
+    pub fn contains_key(&self, key: &[u8]) -> bool {
+        self.index.get(key, &self.keys).is_some()
+    }
+
+    /// Stages a flush in memory: puts become a new (pending) data file and the index points
+    /// their keys at it; older versions of those keys and `delete_keys` go into deletion
+    /// vectors. Readers see the result at once; [`Self::plan_commit`] makes it durable.
+    ///
+    /// # Errors
+    /// [`StorageError::Memory`] when the index cannot grow (nothing changed then),
+    /// [`StorageError::Arrow`].
+    pub fn stage(&mut self, puts: &RecordBatch, delete_keys: &RecordBatch) -> Result<Option<Staged>, StorageError> {
+        if puts.num_rows() == 0 && delete_keys.num_rows() == 0 {
+            return Ok(None);
+        }
+        let del_rows = self.conv.convert_columns(delete_keys.columns())?;
+        let file_id = (puts.num_rows() > 0).then_some(self.next_file_id);
+        let mut additions = Vec::new();
+        if let Some(id) = file_id {
+            let rows = encode_keys(&self.conv, puts, &self.key_cols)?;
+            let fk = FileKeys::from_rows(&rows);
+            drop(rows);
+            self.index.reserve(fk.len(), self.key_bytes() + fk.bytes(), &self.keys)?;
+            self.keys.insert(id, fk);
+            let fk = &self.keys[&id];
+            for row in 0..fk.len() as u32 {
+                if let Some(old) = self.index.insert(fk.get(row as usize), Loc { file: id, row }, &self.keys) {
+                    additions.push(old);
+                }
+            }
+            self.next_file_id += 1;
+            let meta = FileMeta { id, name: file_name(id), rows: puts.num_rows() as u64, bytes: 0, dv: None, deleted: 0 };
+            self.files.insert(
+                id,
+                DataFile { meta, pending: Some(puts.clone()), dv_live: RoaringBitmap::new(), dv_committed: RoaringBitmap::new() },
+            );
+        }
+        for r in &del_rows {
+            if let Some(old) = self.index.remove(r.as_ref(), &self.keys) {
+                additions.push(old);
+            }
+        }
+        for loc in &additions {
+            if let Some(f) = self.files.get_mut(&loc.file) {
+                f.dv_live.insert(loc.row);
+            }
+        }
+        self.index.account(self.key_bytes());
+        self.account_metadata();
+        let staged = Staged { file_id, dv_additions: additions };
+        self.staged.push_back(staged.clone());
+        Ok(Some(staged))
+    }
+
+    /// Flushes staged but not yet committed.
+    pub fn staged_count(&self) -> usize {
+        self.staged.len()
+    }
+
+    /// Prepares the commit of the oldest staged flush (`None` when nothing is staged).
+    pub fn plan_commit(&self) -> Option<CommitPlan> {
+        let st = self.staged.front()?;
+        let next_version = self.version + 1;
+        let mut by_file: BTreeMap<u32, RoaringBitmap> = BTreeMap::new();
+        for loc in &st.dv_additions {
+            by_file.entry(loc.file).or_default().insert(loc.row);
+        }
+        let mut files = Vec::new();
+        let mut dvs = Vec::new();
+        let mut obsolete = Vec::new();
+        let mut data = None;
+        for (id, f) in &self.files {
+            let is_new = Some(*id) == st.file_id;
+            if f.pending.is_some() && !is_new {
+                continue; // staged later; not part of this commit
+            }
+            let mut meta = f.meta.clone();
+            if let Some(add) = by_file.get(id) {
+                let bm = &f.dv_committed | add;
+                let name = format!("f{id:06}.dv{next_version}");
+                if let Some(old) = &meta.dv {
+                    obsolete.push(old.clone());
+                }
+                meta.dv = Some(name.clone());
+                meta.deleted = bm.len();
+                dvs.push((*id, name, bm));
+            }
+            if is_new {
+                data = f.pending.clone().map(|b| (meta.name.clone(), b));
+            }
+            files.push(meta);
+        }
+        let manifest = Manifest {
+            format: 1,
+            table: self.name.clone(),
+            version: next_version,
+            schema: self.schema.as_ref().clone(),
+            primary_key: self.primary_key.clone(),
+            next_file_id: self.next_file_id,
+            files,
+        };
+        Some(CommitPlan { data, dvs, manifest, obsolete, dir: self.dir.clone(), written_bytes: 0 })
+    }
+
+    /// Applies an executed commit plan: the staged file becomes a committed file (its rows
+    /// are now read from disk and its in-memory batch is dropped).
+    pub fn finish_commit(&mut self, plan: CommitPlan) {
+        let Some(st) = self.staged.pop_front() else { return };
+        for (id, name, bm) in plan.dvs {
+            if let Some(f) = self.files.get_mut(&id) {
+                f.meta.dv = Some(name);
+                f.meta.deleted = bm.len();
+                f.dv_committed = bm;
+            }
+        }
+        if let Some(id) = st.file_id
+            && let Some(f) = self.files.get_mut(&id)
+        {
+            f.pending = None;
+            f.meta.bytes = plan.written_bytes;
+        }
+        self.version = plan.manifest.version;
+        self.account_metadata();
+    }
+
+    /// The memory controller this table's index and metadata draw from.
+    pub fn controller(&self) -> &Arc<MemoryController> {
+        &self.ctl
+    }
+
+    /// The table's accounting handle.
+    pub fn account(&self) -> Option<&TableAccount> {
+        self.account.as_ref()
+    }
+
+    /// Write options for data files.
+    pub fn write_options(&self) -> &WriteOptions {
+        &self.opts
+    }
+
+    /// A scan snapshot: every file with its rows to skip — its deletion vector plus the rows of
+    /// every key in `newer_keys` (keys that newer in-memory layers hold).
+    pub fn scan_files<'a>(&self, newer_keys: impl Iterator<Item = &'a [u8]>) -> Vec<FileScan> {
+        let mut masks: BTreeMap<u32, RoaringBitmap> = BTreeMap::new();
+        for k in newer_keys {
+            if let Some(loc) = self.index.get(k, &self.keys) {
+                masks.entry(loc.file).or_default().insert(loc.row);
+            }
+        }
+        self.files
+            .iter()
+            .map(|(id, f)| {
+                let deleted = match masks.remove(id) {
+                    Some(m) => &f.dv_live | &m,
+                    None => f.dv_live.clone(),
+                };
+                let source = match &f.pending {
+                    Some(b) => ScanSource::Memory(b.clone()),
+                    None => ScanSource::File(self.dir.join(&f.meta.name)),
+                };
+                FileScan { id: *id, source, deleted: Arc::new(deleted) }
+            })
+            .collect()
+    }
+
+    /// Schema of the key columns.
+    pub fn key_schema(&self) -> SchemaRef {
+        Arc::new(Schema::new(self.key_cols.iter().map(|&i| self.schema.field(i).clone()).collect::<Vec<_>>()))
+    }
+}

@@ -1,0 +1,124 @@
+use crate::error::{StorageError, io};
+use crate::manifest::sync_dir;
+use arrow_array::{BooleanArray, RecordBatch};
+use arrow_select::filter::filter_record_batch;
+use gritdb_memctl::{Category, MemoryController, Reservation, TableAccount};
+use parquet::arrow::ArrowWriter;
+use parquet::arrow::ProjectionMask;
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use parquet::basic::Compression;
+use parquet::file::properties::WriterProperties;
+use roaring::RoaringBitmap;
+use std::fs;
+use std::path::Path;
+use std::sync::Arc;
+
+/// How data files are written.
+#[derive(Debug, Clone)]
+pub struct WriteOptions {
+    /// Rows handed to the Parquet writer at a time.
+    pub write_batch_rows: usize,
+    /// A row group is closed once the writer's in-progress bytes pass this (bytes), so writer
+    /// memory stays bounded for wide tables. Default 32 MiB.
+    pub row_group_bytes: usize,
+    /// Upper bound on rows per row group. Default 1,048,576 (Parquet's default).
+    pub row_group_rows: usize,
+}
+
+impl Default for WriteOptions {
+    fn default() -> Self {
+        Self { write_batch_rows: 8192, row_group_bytes: 32 << 20, row_group_rows: 1 << 20 }
+    }
+}
+
+/// Writes `batch` as the Parquet file `dir/name`: written to `name.tmp`, fsynced, renamed,
+/// directory fsynced, so the file is either absent or complete. The writer's buffers are
+/// reserved under `write_buffers` as they grow (`ArrowWriter::memory_size`).
+/// Returns the file size in bytes.
+///
+/// # Errors
+/// [`StorageError::Io`], [`StorageError::Parquet`], [`StorageError::Memory`]; the tmp file is
+/// removed on error.
+pub fn write_data_file(
+    dir: &Path,
+    name: &str,
+    batch: &RecordBatch,
+    opts: &WriteOptions,
+    ctl: &Arc<MemoryController>,
+    table: Option<&TableAccount>,
+) -> Result<u64, StorageError> {
+    let tmp = dir.join(format!("{name}.tmp"));
+    let dst = dir.join(name);
+    let res = (|| {
+        let file = fs::File::create(&tmp).map_err(io(&tmp))?;
+        let props = WriterProperties::builder()
+            .set_compression(Compression::SNAPPY)
+            .set_max_row_group_row_count(Some(opts.row_group_rows.max(1)))
+            .build();
+        let mut writer = ArrowWriter::try_new(file, batch.schema(), Some(props))?;
+        let mut buffers = Reservation::new(ctl, Category::WriteBuffers, table);
+        let step = opts.write_batch_rows.max(1);
+        let mut at = 0;
+        while at < batch.num_rows() {
+            let len = step.min(batch.num_rows() - at);
+            writer.write(&batch.slice(at, len))?;
+            at += len;
+            buffers.try_resize(writer.memory_size())?;
+            if writer.in_progress_size() >= opts.row_group_bytes {
+                writer.flush()?;
+                buffers.try_resize(writer.memory_size())?;
+            }
+        }
+        let file = writer.into_inner()?;
+        drop(buffers);
+        file.sync_all().map_err(io(&tmp))?;
+        let size = file.metadata().map_err(io(&tmp))?.len();
+        drop(file);
+        fs::rename(&tmp, &dst).map_err(io(&dst))?;
+        sync_dir(dir)?;
+        Ok(size)
+    })();
+    if res.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    res
+}
+
+/// Reads a data file, keeping only columns `projection` (indices into the table schema;
+/// `None` = all) and rows not in `deleted`, in batches of up to `batch_rows`.
+///
+/// # Errors
+/// [`StorageError::Io`] when the file cannot be opened, [`StorageError::Parquet`] when it is
+/// not valid Parquet; the iterator yields later decoding errors.
+pub fn read_file(
+    path: &Path,
+    projection: Option<&[usize]>,
+    deleted: Arc<RoaringBitmap>,
+    batch_rows: usize,
+) -> Result<impl Iterator<Item = Result<RecordBatch, StorageError>> + Send + use<>, StorageError> {
+    let file = fs::File::open(path).map_err(io(path))?;
+    let mut builder = ParquetRecordBatchReaderBuilder::try_new(file)?.with_batch_size(batch_rows.max(1));
+    if let Some(p) = projection {
+        let mask = ProjectionMask::roots(builder.parquet_schema(), p.iter().copied());
+        builder = builder.with_projection(mask);
+    }
+    let reader = builder.build()?;
+    let mut row = 0u32;
+    Ok(reader.filter_map(move |b| {
+        let b = match b {
+            Ok(b) => b,
+            Err(e) => return Some(Err(StorageError::Arrow(e))),
+        };
+        let start = row;
+        row += b.num_rows() as u32;
+        if deleted.range_cardinality(start..row) == 0 {
+            return Some(Ok(b));
+        }
+        let keep: BooleanArray = (start..row).map(|r| Some(!deleted.contains(r))).collect();
+        match filter_record_batch(&b, &keep) {
+            Ok(f) if f.num_rows() == 0 => None,
+            Ok(f) => Some(Ok(f)),
+            Err(e) => Some(Err(StorageError::Arrow(e))),
+        }
+    }))
+}

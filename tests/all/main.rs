@@ -1,0 +1,6 @@
+//! gritdb integration tests (one binary; see STYLE.md item 15).
+
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
+mod smoke;

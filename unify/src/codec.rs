@@ -1,0 +1,369 @@
+use crate::error::UnifyError;
+use arrow_array::cast::AsArray;
+use arrow_array::{Array, ArrayRef, BinaryViewArray, RecordBatch, StringViewArray};
+
+use arrow_row::{RowConverter, Rows, SortField};
+use arrow_schema::{DataType, SchemaRef};
+use std::sync::Arc;
+
+/// Bytes of the row header: op (1) + seq (8) + key length (4).
+pub(crate) const HEADER: usize = 13;
+/// `op` of a put row.
+pub(crate) const OP_PUT: u8 = 1;
+/// `op` of a tombstone.
+pub(crate) const OP_DELETE: u8 = 2;
+
+/// How a column is laid out in a row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ColKind {
+    /// One byte, 0 or 1.
+    Bool,
+    /// A fixed-width value of this many bytes, copied as Arrow stores it (little endian).
+    Fixed(usize),
+    /// Utf8 / Binary (`i32` offsets in Arrow).
+    Off32,
+    /// LargeUtf8 / LargeBinary (`i64` offsets in Arrow).
+    Off64,
+    /// Utf8View / BinaryView.
+    View,
+}
+
+impl ColKind {
+    fn of(dt: &DataType) -> Option<Self> {
+        Some(match dt {
+            DataType::Boolean => ColKind::Bool,
+            DataType::Int8 | DataType::UInt8 => ColKind::Fixed(1),
+            DataType::Int16 | DataType::UInt16 | DataType::Float16 => ColKind::Fixed(2),
+            DataType::Int32 | DataType::UInt32 | DataType::Float32 | DataType::Date32 | DataType::Time32(_) => {
+                ColKind::Fixed(4)
+            }
+            DataType::Int64
+            | DataType::UInt64
+            | DataType::Float64
+            | DataType::Date64
+            | DataType::Time64(_)
+            | DataType::Timestamp(_, _)
+            | DataType::Duration(_) => ColKind::Fixed(8),
+            DataType::Decimal128(_, _) => ColKind::Fixed(16),
+            DataType::Utf8 | DataType::Binary => ColKind::Off32,
+            DataType::LargeUtf8 | DataType::LargeBinary => ColKind::Off64,
+            DataType::Utf8View | DataType::BinaryView => ColKind::View,
+            _ => return None,
+        })
+    }
+
+    /// Bytes of this column's fixed slot in a row.
+    fn slot_width(self) -> usize {
+        match self {
+            ColKind::Bool => 1,
+            ColKind::Fixed(w) => w,
+            ColKind::Off32 | ColKind::Off64 | ColKind::View => 4,
+        }
+    }
+
+    pub(crate) fn is_var(self) -> bool {
+        matches!(self, ColKind::Off32 | ColKind::Off64 | ColKind::View)
+    }
+}
+
+/// Encodes primary keys as `arrow-row` bytes: canonical, memcmp-comparable, and identical for
+/// every encoder built from the same key types (the storage crate builds the same one).
+#[derive(Debug)]
+pub struct KeyEncoder {
+    converter: RowConverter,
+    columns: Vec<usize>,
+}
+
+impl KeyEncoder {
+    /// An encoder for the key columns `columns` (indices into `schema`).
+    ///
+    /// # Errors
+    /// [`UnifyError::Arrow`] when a key type cannot be row-encoded.
+    pub fn new(schema: &SchemaRef, columns: &[usize]) -> Result<Self, UnifyError> {
+        let fields = columns.iter().map(|&i| SortField::new(schema.field(i).data_type().clone())).collect();
+        Ok(Self { converter: RowConverter::new(fields)?, columns: columns.to_vec() })
+    }
+
+    /// Key bytes of every row of a full-schema batch.
+    ///
+    /// # Errors
+    /// [`UnifyError::Arrow`] on an encoding failure.
+    pub fn encode_batch(&self, batch: &RecordBatch) -> Result<Rows, UnifyError> {
+        let cols: Vec<ArrayRef> = self.columns.iter().map(|&i| Arc::clone(batch.column(i))).collect();
+        Ok(self.converter.convert_columns(&cols)?)
+    }
+
+    /// Key bytes of every row of a batch holding only the key columns, in key order.
+    ///
+    /// # Errors
+    /// [`UnifyError::Arrow`] on an encoding failure.
+    pub fn encode_key_columns(&self, cols: &[ArrayRef]) -> Result<Rows, UnifyError> {
+        Ok(self.converter.convert_columns(cols)?)
+    }
+
+    /// Decodes key bytes back into key columns.
+    ///
+    /// # Errors
+    /// [`UnifyError::Arrow`] on a decoding failure.
+    pub fn decode<'a>(&self, keys: impl IntoIterator<Item = &'a [u8]>) -> Result<Vec<ArrayRef>, UnifyError> {
+        let parser = self.converter.parser();
+        let rows: Vec<arrow_row::Row<'_>> = keys.into_iter().map(|k| parser.parse(k)).collect();
+        Ok(self.converter.convert_rows(rows)?)
+    }
+
+    /// Key column indices in the table schema.
+    pub fn columns(&self) -> &[usize] {
+        &self.columns
+    }
+}
+
+/// The row codec of one table: validates batches against the schema and knows the row layout.
+#[derive(Debug)]
+pub struct RowCodec {
+    schema: SchemaRef,
+    kinds: Vec<ColKind>,
+    slot_offsets: Vec<usize>,
+    bitmap_len: usize,
+    fixed_len: usize,
+    keys: KeyEncoder,
+    max_row_bytes: usize,
+}
+
+impl RowCodec {
+    /// A codec for `schema` with primary-key columns `key_columns` (indices), refusing rows
+    /// that encode to more than `max_row_bytes`.
+    ///
+    /// # Errors
+    /// [`UnifyError::UnsupportedType`] for a column type outside the supported list.
+    pub fn new(schema: SchemaRef, key_columns: &[usize], max_row_bytes: usize) -> Result<Self, UnifyError> {
+        let mut kinds = Vec::with_capacity(schema.fields().len());
+        let mut slot_offsets = Vec::with_capacity(schema.fields().len());
+        let bitmap_len = schema.fields().len().div_ceil(8);
+        let mut off = 0;
+        for f in schema.fields() {
+            let kind = ColKind::of(f.data_type()).ok_or_else(|| UnifyError::UnsupportedType {
+                column: f.name().clone(),
+                data_type: f.data_type().clone(),
+            })?;
+            kinds.push(kind);
+            slot_offsets.push(off);
+            off += kind.slot_width();
+        }
+        let keys = KeyEncoder::new(&schema, key_columns)?;
+        Ok(Self { schema, kinds, slot_offsets, bitmap_len, fixed_len: off, keys, max_row_bytes })
+    }
+
+    /// The table schema.
+    pub fn schema(&self) -> &SchemaRef {
+        &self.schema
+    }
+
+    /// The key encoder.
+    pub fn keys(&self) -> &KeyEncoder {
+        &self.keys
+    }
+
+    pub(crate) fn kinds(&self) -> &[ColKind] {
+        &self.kinds
+    }
+
+    pub(crate) fn slot_offset(&self, col: usize) -> usize {
+        self.slot_offsets[col]
+    }
+
+    pub(crate) fn bitmap_len(&self) -> usize {
+        self.bitmap_len
+    }
+
+    pub(crate) fn fixed_len(&self) -> usize {
+        self.fixed_len
+    }
+
+    /// Checks a full-row batch against the table: same column names, types in order; no null
+    /// in a key column or a non-nullable column. Nullability declared on the batch's fields is
+    /// not compared (Arrow producers often mark every field nullable); actual nulls are.
+    ///
+    /// # Errors
+    /// [`UnifyError::SchemaMismatch`], [`UnifyError::NullKey`], [`UnifyError::NullInNonNullable`].
+    pub fn validate(&self, batch: &RecordBatch) -> Result<(), UnifyError> {
+        let want = self.schema.fields();
+        let got = batch.schema();
+        check_columns(want.iter().map(|f| (f.name(), f.data_type())), got.fields().iter().map(|f| (f.name(), f.data_type())))?;
+        for (i, f) in want.iter().enumerate() {
+            let col = batch.column(i);
+            if col.null_count() == 0 {
+                continue;
+            }
+            let row = first_null(col.as_ref());
+            if self.keys.columns.contains(&i) {
+                return Err(UnifyError::NullKey { column: f.name().clone(), row });
+            }
+            if !f.is_nullable() {
+                return Err(UnifyError::NullInNonNullable { column: f.name().clone(), row });
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks a batch that holds only the key columns (for delete).
+    ///
+    /// # Errors
+    /// [`UnifyError::SchemaMismatch`], [`UnifyError::NullKey`].
+    pub fn validate_keys(&self, batch: &RecordBatch) -> Result<(), UnifyError> {
+        let want = self.keys.columns.iter().map(|&i| self.schema.field(i));
+        let got = batch.schema();
+        check_columns(want.map(|f| (f.name(), f.data_type())), got.fields().iter().map(|f| (f.name(), f.data_type())))?;
+        for (j, &i) in self.keys.columns.iter().enumerate() {
+            let col = batch.column(j);
+            if col.null_count() > 0 {
+                return Err(UnifyError::NullKey { column: self.schema.field(i).name().clone(), row: first_null(col.as_ref()) });
+            }
+        }
+        Ok(())
+    }
+
+    /// Encoded size in bytes of each row of `batch` whose key bytes are `keys`.
+    ///
+    /// # Errors
+    /// [`UnifyError::RowTooLarge`] naming the first row above the maximum.
+    pub(crate) fn row_sizes(&self, batch: &RecordBatch, keys: &Rows, readers: &[ColReader<'_>]) -> Result<Vec<usize>, UnifyError> {
+        let base = HEADER + self.bitmap_len + self.fixed_len;
+        let mut sizes: Vec<usize> = (0..batch.num_rows()).map(|i| base + keys.row(i).as_ref().len()).collect();
+        for (j, r) in readers.iter().enumerate() {
+            if self.kinds[j].is_var() {
+                for (i, s) in sizes.iter_mut().enumerate() {
+                    *s += r.var_len(i);
+                }
+            }
+        }
+        if let Some((row, &bytes)) = sizes.iter().enumerate().find(|(_, s)| **s > self.max_row_bytes) {
+            return Err(UnifyError::RowTooLarge { row, bytes, max: self.max_row_bytes });
+        }
+        Ok(sizes)
+    }
+}
+
+fn check_columns<'a>(
+    want: impl ExactSizeIterator<Item = (&'a String, &'a DataType)>,
+    got: impl ExactSizeIterator<Item = (&'a String, &'a DataType)>,
+) -> Result<(), UnifyError> {
+    let want: Vec<_> = want.collect();
+    let got: Vec<_> = got.collect();
+    for (i, (name, dt)) in want.iter().enumerate() {
+        match got.get(i) {
+            None => {
+                return Err(UnifyError::SchemaMismatch { detail: format!("missing column `{name}` ({dt}) at position {i}") });
+            }
+            Some((gname, gdt)) if gname != name => {
+                return Err(UnifyError::SchemaMismatch {
+                    detail: format!("column {i} is `{gname}`, expected `{name}` ({dt})"),
+                });
+            }
+            Some((_, gdt)) if gdt != dt => {
+                return Err(UnifyError::SchemaMismatch { detail: format!("column `{name}` has type {gdt}, expected {dt}") });
+            }
+            _ => {}
+        }
+    }
+    if got.len() > want.len() {
+        let (name, dt) = got[want.len()];
+        return Err(UnifyError::SchemaMismatch { detail: format!("extra column `{name}` ({dt}) not in the table") });
+    }
+    Ok(())
+}
+
+fn first_null(a: &dyn Array) -> usize {
+    (0..a.len()).find(|&i| a.is_null(i)).unwrap_or(0)
+}
+
+/// Reads values of one Arrow column for encoding.
+pub(crate) enum ColReader<'a> {
+    Bool(&'a arrow_array::BooleanArray),
+    Fixed { values: arrow_buffer::Buffer, start: usize, width: usize, nulls: Option<&'a arrow_buffer::NullBuffer> },
+    Off32 { offsets: &'a [i32], values: &'a [u8], nulls: Option<&'a arrow_buffer::NullBuffer> },
+    Off64 { offsets: &'a [i64], values: &'a [u8], nulls: Option<&'a arrow_buffer::NullBuffer> },
+    StrView(&'a StringViewArray),
+    BinView(&'a BinaryViewArray),
+}
+
+impl<'a> ColReader<'a> {
+    pub(crate) fn new(a: &'a ArrayRef, kind: ColKind) -> Self {
+        match kind {
+            ColKind::Bool => ColReader::Bool(a.as_boolean()),
+            ColKind::Fixed(width) => {
+                // Every fixed-width Arrow type keeps its values in buffer 0, `width` bytes each,
+                // little endian, starting at the array's offset. (Cloning the buffer is an
+                // `Arc` increment.)
+                let data = a.to_data();
+                let values = data.buffers()[0].clone();
+                ColReader::Fixed { values, start: data.offset() * width, width, nulls: a.nulls() }
+            }
+            ColKind::Off32 => match a.data_type() {
+                DataType::Utf8 => {
+                    let s = a.as_string::<i32>();
+                    ColReader::Off32 { offsets: s.value_offsets(), values: s.value_data(), nulls: a.nulls() }
+                }
+                _ => {
+                    let s = a.as_binary::<i32>();
+                    ColReader::Off32 { offsets: s.value_offsets(), values: s.value_data(), nulls: a.nulls() }
+                }
+            },
+            ColKind::Off64 => match a.data_type() {
+                DataType::LargeUtf8 => {
+                    let s = a.as_string::<i64>();
+                    ColReader::Off64 { offsets: s.value_offsets(), values: s.value_data(), nulls: a.nulls() }
+                }
+                _ => {
+                    let s = a.as_binary::<i64>();
+                    ColReader::Off64 { offsets: s.value_offsets(), values: s.value_data(), nulls: a.nulls() }
+                }
+            },
+            ColKind::View => match a.data_type() {
+                DataType::Utf8View => ColReader::StrView(a.as_string_view()),
+                _ => ColReader::BinView(a.as_binary_view()),
+            },
+        }
+    }
+
+    pub(crate) fn is_null(&self, i: usize) -> bool {
+        match self {
+            ColReader::Bool(a) => a.is_null(i),
+            ColReader::Fixed { nulls, .. } | ColReader::Off32 { nulls, .. } | ColReader::Off64 { nulls, .. } => {
+                nulls.is_some_and(|n| n.is_null(i))
+            }
+            ColReader::StrView(a) => a.is_null(i),
+            ColReader::BinView(a) => a.is_null(i),
+        }
+    }
+
+    /// Bytes of a variable-length value (empty for null or fixed columns).
+    pub(crate) fn var_value(&self, i: usize) -> &'a [u8] {
+        if self.is_null(i) {
+            return &[];
+        }
+        match self {
+            ColReader::Off32 { offsets, values, .. } => &values[offsets[i] as usize..offsets[i + 1] as usize],
+            ColReader::Off64 { offsets, values, .. } => &values[offsets[i] as usize..offsets[i + 1] as usize],
+            ColReader::StrView(a) => a.value(i).as_bytes(),
+            ColReader::BinView(a) => a.value(i),
+            _ => &[],
+        }
+    }
+
+    pub(crate) fn var_len(&self, i: usize) -> usize {
+        self.var_value(i).len()
+    }
+
+    /// Writes the fixed-slot value of row `i` into `out` (its slot width).
+    pub(crate) fn write_fixed(&self, i: usize, out: &mut [u8]) {
+        match self {
+            ColReader::Bool(a) => out[0] = u8::from(!a.is_null(i) && a.value(i)),
+            ColReader::Fixed { values, start, width, .. } => {
+                let at = start + i * width;
+                out.copy_from_slice(&values.as_slice()[at..at + width]);
+            }
+            _ => {}
+        }
+    }
+}
+

@@ -1,0 +1,519 @@
+use crate::codec::{ColKind, ColReader, HEADER, OP_DELETE, OP_PUT, RowCodec};
+use crate::error::UnifyError;
+use arrow_array::{ArrayRef, RecordBatch, make_array};
+use arrow_buffer::Buffer;
+use arrow_data::ArrayData;
+use arrow_row::Rows;
+use arrow_schema::{DataType, Schema, SchemaRef};
+use gritdb_memctl::{BatchBlock, Category, MemoryController, Reservation, RowArena, RowRef, TableAccount};
+use hashbrown::{DefaultHashBuilder, HashTable};
+use std::hash::BuildHasher;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+/// What a delta holds for a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lookup {
+    /// The newest version is a row (insert, upsert or update).
+    Put,
+    /// The newest version is a delete (tombstone).
+    Deleted,
+}
+
+/// Arrow batches built from a delta.
+#[derive(Debug)]
+pub struct DeltaBatches {
+    /// Rows put (full table schema), sorted by key when asked.
+    pub puts: RecordBatch,
+    /// Keys deleted (key columns only), sorted by key when asked.
+    pub delete_keys: RecordBatch,
+}
+
+fn key_of(row: &[u8]) -> &[u8] {
+    let len = u32::from_le_bytes([row[9], row[10], row[11], row[12]]) as usize;
+    &row[HEADER..HEADER + len]
+}
+
+fn op_of(row: &[u8]) -> u8 {
+    row[0]
+}
+
+/// Bytes held by a `HashTable<RowRef>` of `capacity`: buckets × (entry + control byte) + one
+/// group of trailing control bytes. hashbrown: capacity = buckets − 1 below 8 buckets, else
+/// buckets × 7/8.
+fn table_bytes(capacity: usize) -> usize {
+    if capacity == 0 {
+        return 0;
+    }
+    let buckets = if capacity < 8 { capacity + 1 } else { capacity / 7 * 8 };
+    buckets * (std::mem::size_of::<RowRef>() + 1) + 16
+}
+
+/// Smallest hashbrown capacity that holds `n` entries (for budgeting before growth).
+fn capacity_for(n: usize) -> usize {
+    if n < 4 {
+        3
+    } else if n < 8 {
+        7
+    } else {
+        (n * 8 / 7).next_power_of_two() / 8 * 7
+    }
+}
+
+/// One table's in-memory delta: encoded rows in a [`RowArena`] and a key → newest-row map.
+///
+/// Semantics of the primitive operations (the engine layers insert/update checks on top):
+/// - [`DeltaStore::apply_puts`]: each row becomes the newest version of its key here; an older
+///   version in this delta is freed.
+/// - [`DeltaStore::apply_deletes`]: with a tombstone, the key's newest version becomes
+///   "deleted" (it may exist in older layers); without, the key's entry here is simply removed.
+///
+/// Memory: row bytes under `row_blocks`, the map under `key_index`, both for the table.
+pub struct DeltaStore {
+    codec: Arc<RowCodec>,
+    ctl: Arc<MemoryController>,
+    table: Option<TableAccount>,
+    arena: RowArena,
+    map: HashTable<RowRef>,
+    map_res: Reservation,
+    hasher: DefaultHashBuilder,
+    puts: usize,
+    tombstones: usize,
+    max_seq: u64,
+}
+
+impl std::fmt::Debug for DeltaStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeltaStore").field("puts", &self.puts).field("tombstones", &self.tombstones).finish()
+    }
+}
+
+impl DeltaStore {
+    /// An empty delta; it holds no memory until the first row.
+    pub fn new(codec: Arc<RowCodec>, ctl: &Arc<MemoryController>, table: Option<&TableAccount>) -> Self {
+        Self {
+            codec,
+            ctl: Arc::clone(ctl),
+            table: table.cloned(),
+            arena: RowArena::new(ctl, table),
+            map: HashTable::new(),
+            map_res: Reservation::new(ctl, Category::KeyIndex, table),
+            hasher: DefaultHashBuilder::default(),
+            puts: 0,
+            tombstones: 0,
+            max_seq: 0,
+        }
+    }
+
+    /// The codec.
+    pub fn codec(&self) -> &Arc<RowCodec> {
+        &self.codec
+    }
+
+    /// Keys with a put row.
+    pub fn puts(&self) -> usize {
+        self.puts
+    }
+
+    /// Keys with a tombstone.
+    pub fn tombstones(&self) -> usize {
+        self.tombstones
+    }
+
+    /// Keys held (puts + tombstones).
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// True when the delta holds no key.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Accounted bytes: row blocks plus the key map.
+    pub fn bytes(&self) -> usize {
+        self.arena.bytes() + self.map_res.size()
+    }
+
+    /// Highest sequence number applied.
+    pub fn max_seq(&self) -> u64 {
+        self.max_seq
+    }
+
+    fn hash(&self, key: &[u8]) -> u64 {
+        self.hasher.hash_one(key)
+    }
+
+    /// The newest entry for `key` (arrow-row bytes), if this delta holds one.
+    pub fn get(&self, key: &[u8]) -> Option<Lookup> {
+        let h = self.hash(key);
+        let arena = &self.arena;
+        self.map.find(h, |r| key_of(arena.get(*r)) == key).map(|r| {
+            if op_of(arena.get(*r)) == OP_PUT { Lookup::Put } else { Lookup::Deleted }
+        })
+    }
+
+    /// Every key with its entry kind.
+    pub fn entries(&self) -> impl Iterator<Item = (&[u8], Lookup)> {
+        self.map.iter().map(|r| {
+            let row = self.arena.get(*r);
+            (key_of(row), if op_of(row) == OP_PUT { Lookup::Put } else { Lookup::Deleted })
+        })
+    }
+
+    /// Budgets and grows the map so `additional` more keys fit without reallocation.
+    fn reserve_map(&mut self, additional: usize) -> Result<(), UnifyError> {
+        let need = self.map.len() + additional;
+        if need <= self.map.capacity() {
+            return Ok(());
+        }
+        let new_cap = capacity_for(need);
+        let old_bytes = table_bytes(self.map.capacity());
+        // While hashbrown rehashes, old and new tables exist together: budget both.
+        self.map_res.try_resize(old_bytes + table_bytes(new_cap))?;
+        let arena = &self.arena;
+        let hasher = &self.hasher;
+        self.map.reserve(need - self.map.len(), |r| hasher.hash_one(key_of(arena.get(*r))));
+        let actual = table_bytes(self.map.capacity());
+        self.map_res.try_resize(actual).ok();
+        Ok(())
+    }
+
+    /// Encodes and stores every row of `batch` (already validated by [`RowCodec::validate`];
+    /// `keys` from [`crate::KeyEncoder::encode_batch`]) with sequence numbers `seq, seq+1, ...`.
+    /// All memory is budgeted before the first row is written, so on error nothing changed.
+    ///
+    /// # Errors
+    /// [`UnifyError::RowTooLarge`], [`UnifyError::Memory`].
+    pub fn apply_puts(&mut self, batch: &RecordBatch, keys: &Rows, seq: u64) -> Result<(), UnifyError> {
+        let n = batch.num_rows();
+        if n == 0 {
+            return Ok(());
+        }
+        let codec = Arc::clone(&self.codec);
+        let kinds = codec.kinds();
+        let readers: Vec<ColReader<'_>> =
+            batch.columns().iter().zip(kinds).map(|(a, k)| ColReader::new(a, *k)).collect();
+        let sizes = codec.row_sizes(batch, keys, &readers)?;
+        self.reserve_map(n)?;
+        self.arena.prepare(sizes.iter().copied())?;
+
+        let bitmap_len = codec.bitmap_len();
+        let fixed_start = bitmap_len;
+        let var_start = bitmap_len + codec.fixed_len();
+        let mut refs = Vec::with_capacity(n);
+        let mut bodies = Vec::with_capacity(n);
+        for (i, &size) in sizes.iter().enumerate() {
+            let key = keys.row(i);
+            let key = key.as_ref();
+            let (r, buf) = self.arena.alloc(size)?;
+            buf[0] = OP_PUT;
+            buf[1..9].copy_from_slice(&(seq + i as u64).to_le_bytes());
+            buf[9..13].copy_from_slice(&(key.len() as u32).to_le_bytes());
+            buf[HEADER..HEADER + key.len()].copy_from_slice(key);
+            let body = HEADER + key.len();
+            buf[body..body + bitmap_len].fill(0);
+            refs.push(r);
+            bodies.push(body);
+        }
+        self.arena.release_spare();
+        let mut var_pos = vec![0u32; if kinds.iter().any(|k| k.is_var()) { n } else { 0 }];
+        for (j, reader) in readers.iter().enumerate() {
+            let slot = codec.slot_offset(j);
+            let kind = kinds[j];
+            for i in 0..n {
+                let row = self.arena.get_mut(refs[i]);
+                let body = bodies[i];
+                let null = reader.is_null(i);
+                if null {
+                    row[body + j / 8] |= 1 << (j % 8);
+                }
+                let at = body + fixed_start + slot;
+                if kind.is_var() {
+                    let v = reader.var_value(i);
+                    let from = body + var_start + var_pos[i] as usize;
+                    row[from..from + v.len()].copy_from_slice(v);
+                    var_pos[i] += v.len() as u32;
+                    row[at..at + 4].copy_from_slice(&var_pos[i].to_le_bytes());
+                } else if null {
+                    let w = if let ColKind::Fixed(w) = kind { w } else { 1 };
+                    row[at..at + w].fill(0);
+                } else {
+                    let w = if let ColKind::Fixed(w) = kind { w } else { 1 };
+                    reader.write_fixed(i, &mut row[at..at + w]);
+                }
+            }
+        }
+        for (i, r) in refs.into_iter().enumerate() {
+            self.install(keys.row(i).as_ref(), r, true);
+        }
+        self.max_seq = self.max_seq.max(seq + n as u64 - 1);
+        Ok(())
+    }
+
+    /// Makes `r` the newest entry of `key`, freeing the one it replaces.
+    fn install(&mut self, key: &[u8], r: RowRef, put: bool) {
+        let h = self.hash(key);
+        let arena = &self.arena;
+        let hasher = &self.hasher;
+        let old = match self.map.find_mut(h, |x| key_of(arena.get(*x)) == key) {
+            Some(slot) => Some(std::mem::replace(slot, r)),
+            None => {
+                self.map.insert_unique(h, r, |x| hasher.hash_one(key_of(arena.get(*x))));
+                None
+            }
+        };
+        if let Some(old) = old {
+            self.count_removed(old);
+            self.arena.free(old);
+        }
+        if put { self.puts += 1 } else { self.tombstones += 1 }
+    }
+
+    fn count_removed(&mut self, r: RowRef) {
+        if op_of(self.arena.get(r)) == OP_PUT { self.puts -= 1 } else { self.tombstones -= 1 }
+    }
+
+    /// Deletes keys: `items` lists `(row index in keys, tombstone)`. With `tombstone` the key
+    /// gets a tombstone row (an older layer may hold it); without, its entry here is removed.
+    /// All memory is budgeted first; on error nothing changed.
+    ///
+    /// # Errors
+    /// [`UnifyError::Memory`].
+    pub fn apply_deletes(&mut self, keys: &Rows, items: &[(usize, bool)], seq: u64) -> Result<(), UnifyError> {
+        let tomb: Vec<usize> = items.iter().filter(|(_, t)| *t).map(|(i, _)| *i).collect();
+        self.reserve_map(tomb.len())?;
+        self.arena.prepare(tomb.iter().map(|&i| HEADER + keys.row(i).as_ref().len()))?;
+        for (k, &(i, t)) in items.iter().enumerate() {
+            let key = keys.row(i);
+            let key = key.as_ref();
+            if t {
+                let (r, buf) = self.arena.alloc(HEADER + key.len())?;
+                buf[0] = OP_DELETE;
+                buf[1..9].copy_from_slice(&(seq + k as u64).to_le_bytes());
+                buf[9..13].copy_from_slice(&(key.len() as u32).to_le_bytes());
+                buf[HEADER..].copy_from_slice(key);
+                self.install(key, r, false);
+            } else {
+                let h = self.hash(key);
+                let arena = &self.arena;
+                if let Ok(entry) = self.map.find_entry(h, |x| key_of(arena.get(*x)) == key) {
+                    let (old, _) = entry.remove();
+                    self.count_removed(old);
+                    self.arena.free(old);
+                }
+            }
+        }
+        self.arena.release_spare();
+        if !items.is_empty() {
+            self.max_seq = self.max_seq.max(seq + items.len() as u64 - 1);
+        }
+        Ok(())
+    }
+
+    /// Builds Arrow batches of this delta's puts (full rows) and deletes (key columns), keeping
+    /// only keys for which `keep` is true, sorted by key when `sorted`. The put arrays live in
+    /// one [`BatchBlock`] counted under `category` (`batch_blocks` for a flush, `scan_buffers`
+    /// for a scan) and released when the last array is dropped.
+    ///
+    /// # Errors
+    /// [`UnifyError::Memory`] when the block cannot be budgeted; [`UnifyError::Arrow`].
+    pub fn to_batches(
+        &self,
+        category: Category,
+        sorted: bool,
+        keep: impl Fn(&[u8]) -> bool,
+    ) -> Result<DeltaBatches, UnifyError> {
+        let mut puts = Vec::with_capacity(self.puts);
+        let mut dels = Vec::with_capacity(self.tombstones);
+        for r in &self.map {
+            let row = self.arena.get(*r);
+            if !keep(key_of(row)) {
+                continue;
+            }
+            if op_of(row) == OP_PUT { puts.push(*r) } else { dels.push(*r) }
+        }
+        if sorted {
+            puts.sort_unstable_by(|a, b| key_of(self.arena.get(*a)).cmp(key_of(self.arena.get(*b))));
+            dels.sort_unstable_by(|a, b| key_of(self.arena.get(*a)).cmp(key_of(self.arena.get(*b))));
+        }
+        let puts = self.decode(&puts, category)?;
+        let key_schema = self.key_schema();
+        let delete_keys = if dels.is_empty() {
+            RecordBatch::new_empty(key_schema)
+        } else {
+            let cols = self.codec.keys().decode(dels.iter().map(|r| key_of(self.arena.get(*r))))?;
+            RecordBatch::try_new(key_schema, cols)?
+        };
+        Ok(DeltaBatches { puts, delete_keys })
+    }
+
+    /// Schema of the key columns.
+    pub fn key_schema(&self) -> SchemaRef {
+        let s = self.codec.schema();
+        Arc::new(Schema::new(
+            self.codec.keys().columns().iter().map(|&i| s.field(i).clone()).collect::<Vec<_>>(),
+        ))
+    }
+
+    fn decode(&self, rows: &[RowRef], category: Category) -> Result<RecordBatch, UnifyError> {
+        let codec = &self.codec;
+        let schema = codec.schema();
+        let n = rows.len();
+        if n == 0 {
+            return Ok(RecordBatch::new_empty(Arc::clone(schema)));
+        }
+        let kinds = codec.kinds();
+        let bitmap_len = codec.bitmap_len();
+        let fixed_len = codec.fixed_len();
+        let body_of = |row: &[u8]| HEADER + key_of(row).len();
+        let slot_u32 = |row: &[u8], body: usize, j: usize| {
+            let at = body + bitmap_len + codec.slot_offset(j);
+            u32::from_le_bytes([row[at], row[at + 1], row[at + 2], row[at + 3]]) as usize
+        };
+        // Pass 1: bytes of each variable-length column (for views: only values > 12 bytes).
+        let var_cols: Vec<usize> = (0..kinds.len()).filter(|&j| kinds[j].is_var()).collect();
+        let mut var_total = vec![0usize; kinds.len()];
+        for r in rows {
+            let row = self.arena.get(*r);
+            let body = body_of(row);
+            let mut prev = 0;
+            for &j in &var_cols {
+                let end = slot_u32(row, body, j);
+                let len = end - prev;
+                prev = end;
+                if kinds[j] != ColKind::View || len > 12 {
+                    var_total[j] += len;
+                }
+            }
+        }
+        // Layout: per column, [validity] then its buffers; each region 16-byte aligned.
+        let align = |x: usize| x.div_ceil(16) * 16;
+        let bits = n.div_ceil(8);
+        let mut regions: Vec<Vec<(usize, usize)>> = Vec::with_capacity(kinds.len());
+        let mut total = 0usize;
+        let mut take = |len: usize| {
+            let at = total;
+            total += align(len);
+            (at, len)
+        };
+        for (j, kind) in kinds.iter().enumerate() {
+            let mut r = Vec::with_capacity(3);
+            r.push(if schema.field(j).is_nullable() { take(bits) } else { (0, 0) });
+            match kind {
+                ColKind::Bool => r.push(take(bits)),
+                ColKind::Fixed(w) => r.push(take(n * w)),
+                ColKind::Off32 => {
+                    r.push(take((n + 1) * 4));
+                    r.push(take(var_total[j]));
+                }
+                ColKind::Off64 => {
+                    r.push(take((n + 1) * 8));
+                    r.push(take(var_total[j]));
+                }
+                ColKind::View => {
+                    r.push(take(n * 16));
+                    r.push(take(var_total[j]));
+                }
+            }
+            regions.push(r);
+        }
+        let mut block = BatchBlock::new(&self.ctl, category, self.table.as_ref(), total)?;
+        let mut null_counts = vec![0usize; kinds.len()];
+        {
+            let out = block.bytes_mut();
+            for (j, kind) in kinds.iter().enumerate() {
+                let reg = &regions[j];
+                let nullable = schema.field(j).is_nullable();
+                let slot = codec.slot_offset(j);
+                let prev_var = var_cols.iter().take_while(|&&c| c < j).last().copied();
+                let mut var_off = 0usize;
+                if matches!(kind, ColKind::Off32 | ColKind::Off64) {
+                    // offsets[0] = 0 is already zero.
+                }
+                for (i, r) in rows.iter().enumerate() {
+                    let row = self.arena.get(*r);
+                    let body = body_of(row);
+                    let null = row[body + j / 8] & (1 << (j % 8)) != 0;
+                    if nullable && !null {
+                        out[reg[0].0 + i / 8] |= 1 << (i % 8);
+                    }
+                    if null {
+                        null_counts[j] += 1;
+                    }
+                    let at = body + bitmap_len + slot;
+                    match kind {
+                        ColKind::Bool => {
+                            if row[at] != 0 {
+                                out[reg[1].0 + i / 8] |= 1 << (i % 8);
+                            }
+                        }
+                        ColKind::Fixed(w) => {
+                            let dst = reg[1].0 + i * w;
+                            out[dst..dst + w].copy_from_slice(&row[at..at + w]);
+                        }
+                        ColKind::Off32 | ColKind::Off64 | ColKind::View => {
+                            let end = slot_u32(row, body, j);
+                            let start = prev_var.map_or(0, |p| slot_u32(row, body, p));
+                            let v = &row[body + bitmap_len + fixed_len + start..body + bitmap_len + fixed_len + end];
+                            match kind {
+                                ColKind::Off32 => {
+                                    let d = reg[2].0 + var_off;
+                                    out[d..d + v.len()].copy_from_slice(v);
+                                    var_off += v.len();
+                                    let o = reg[1].0 + (i + 1) * 4;
+                                    out[o..o + 4].copy_from_slice(&(var_off as i32).to_le_bytes());
+                                }
+                                ColKind::Off64 => {
+                                    let d = reg[2].0 + var_off;
+                                    out[d..d + v.len()].copy_from_slice(v);
+                                    var_off += v.len();
+                                    let o = reg[1].0 + (i + 1) * 8;
+                                    out[o..o + 8].copy_from_slice(&(var_off as i64).to_le_bytes());
+                                }
+                                _ => {
+                                    let view = if v.len() > 12 {
+                                        let d = reg[2].0 + var_off;
+                                        out[d..d + v.len()].copy_from_slice(v);
+                                        let view = arrow_array::builder::make_view(v, 0, var_off as u32);
+                                        var_off += v.len();
+                                        view
+                                    } else {
+                                        arrow_array::builder::make_view(v, 0, 0)
+                                    };
+                                    let o = reg[1].0 + i * 16;
+                                    out[o..o + 16].copy_from_slice(&view.to_le_bytes());
+                                }
+                            }
+                        }
+                    }
+                }
+                if i32::try_from(var_off).is_err() && *kind == ColKind::Off32 {
+                    return Err(UnifyError::Arrow(arrow_schema::ArrowError::OffsetOverflowError(var_off)));
+                }
+            }
+        }
+        let block = Arc::new(block);
+        let base = block.bytes().as_ptr();
+        let buffer = |(at, len): (usize, usize)| -> Buffer {
+            // SAFETY: `at + len` lies within the block (the layout above sums every region into
+            // `total`, the block's size); the block is immutable from here on and `owner` keeps
+            // it alive for as long as any buffer points into it.
+            unsafe {
+                let ptr = NonNull::new_unchecked(base.add(at).cast_mut());
+                Buffer::from_custom_allocation(ptr, len, Arc::clone(&block) as Arc<dyn arrow_buffer::alloc::Allocation>)
+            }
+        };
+        let mut columns: Vec<ArrayRef> = Vec::with_capacity(kinds.len());
+        for (j, kind) in kinds.iter().enumerate() {
+            let reg = &regions[j];
+            let dt: DataType = schema.field(j).data_type().clone();
+            let nulls = (null_counts[j] > 0).then(|| buffer(reg[0]));
+            let buffers: Vec<Buffer> = reg[1..].iter().map(|r| buffer(*r)).collect();
+            let _ = kind;
+            let data = ArrayData::try_new(dt, n, nulls, 0, buffers, vec![])?;
+            columns.push(make_array(data));
+        }
+        Ok(RecordBatch::try_new(Arc::clone(schema), columns)?)
+    }
+}

@@ -3,4 +3,9 @@
 #[global_allocator]
 static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
+mod accounting;
+mod bad_input;
+mod model;
+mod runtime;
 mod smoke;
+mod tpch;

@@ -1,0 +1,205 @@
+//! Bad input: every case is a typed error and leaves the table unchanged.
+
+use arrow::array::{ArrayRef, Float64Array, Int32Array, Int64Array, RecordBatch, StringArray};
+use arrow::datatypes::{DataType, Field, Schema};
+use gritdb::{Engine, EngineConfig, Error, ScanOptions};
+use gritdb_tests::*;
+use std::sync::Arc;
+
+fn setup() -> (tempfile::TempDir, Engine, gritdb::Table) {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
+    t.insert(&composite_batch(&[((1, 1), (Some(10), Some("a".into()))), ((2, 2), (Some(20), None))])).unwrap();
+    t.flush().unwrap();
+    t.insert(&composite_batch(&[((3, 3), (Some(30), Some("c".into())))])).unwrap();
+    (dir, engine, t)
+}
+
+fn snapshot(t: &gritdb::Table) -> std::collections::BTreeMap<(i64, i32), Row> {
+    collect_composite(t.scan(ScanOptions::default()).unwrap())
+}
+
+fn batch_with(columns: Vec<(&str, DataType, bool, ArrayRef)>) -> RecordBatch {
+    let schema = Arc::new(Schema::new(columns.iter().map(|(n, d, null, _)| Field::new(*n, d.clone(), *null)).collect::<Vec<_>>()));
+    RecordBatch::try_new(schema, columns.into_iter().map(|c| c.3).collect()).unwrap()
+}
+
+#[test]
+fn null_in_primary_key_names_the_row() {
+    let (_d, _e, t) = setup();
+    let before = snapshot(&t);
+    let b = batch_with(vec![
+        ("k1", DataType::Int64, true, Arc::new(Int64Array::from(vec![Some(7), None]))),
+        ("k2", DataType::Int32, false, Arc::new(Int32Array::from(vec![1, 1]))),
+        ("v", DataType::Int64, true, Arc::new(Int64Array::from(vec![1, 2]))),
+        ("s", DataType::Utf8, true, Arc::new(StringArray::from(vec!["x", "y"]))),
+    ]);
+    match t.insert(&b) {
+        Err(Error::Input(gritdb_unify_error)) => {
+            let msg = gritdb_unify_error.to_string();
+            assert!(msg.contains("primary-key column `k1` is null at row 1"), "{msg}");
+        }
+        other => panic!("expected a null-key error, got {other:?}"),
+    }
+    assert!(t.upsert(&b).is_err());
+    assert_eq!(snapshot(&t), before);
+}
+
+#[test]
+fn schema_mismatches_are_rejected() {
+    let (_d, _e, t) = setup();
+    let before = snapshot(&t);
+    let k1: ArrayRef = Arc::new(Int64Array::from(vec![9]));
+    let k2: ArrayRef = Arc::new(Int32Array::from(vec![9]));
+    let v: ArrayRef = Arc::new(Int64Array::from(vec![9]));
+    let s: ArrayRef = Arc::new(StringArray::from(vec!["z"]));
+    let cases = vec![
+        ("missing column", batch_with(vec![
+            ("k1", DataType::Int64, false, k1.clone()),
+            ("k2", DataType::Int32, false, k2.clone()),
+            ("v", DataType::Int64, true, v.clone()),
+        ]), "missing column `s`"),
+        ("wrong type", batch_with(vec![
+            ("k1", DataType::Int64, false, k1.clone()),
+            ("k2", DataType::Int32, false, k2.clone()),
+            ("v", DataType::Float64, true, Arc::new(Float64Array::from(vec![9.0]))),
+            ("s", DataType::Utf8, true, s.clone()),
+        ]), "column `v` has type Float64, expected Int64"),
+        ("extra column", batch_with(vec![
+            ("k1", DataType::Int64, false, k1.clone()),
+            ("k2", DataType::Int32, false, k2.clone()),
+            ("v", DataType::Int64, true, v.clone()),
+            ("s", DataType::Utf8, true, s.clone()),
+            ("w", DataType::Int64, true, v.clone()),
+        ]), "extra column `w`"),
+        ("renamed column", batch_with(vec![
+            ("k1", DataType::Int64, false, k1.clone()),
+            ("k2", DataType::Int32, false, k2.clone()),
+            ("value", DataType::Int64, true, v.clone()),
+            ("s", DataType::Utf8, true, s.clone()),
+        ]), "column 2 is `value`, expected `v`"),
+    ];
+    for (what, b, text) in cases {
+        for res in [t.insert(&b), t.upsert(&b), t.update(&b)] {
+            match res {
+                Err(Error::Input(e)) => assert!(e.to_string().contains(text), "{what}: {e}"),
+                other => panic!("{what}: expected a schema error, got {other:?}"),
+            }
+        }
+    }
+    // Key batch for delete must be exactly the key columns.
+    let bad_keys = batch_with(vec![("k1", DataType::Int64, false, k1.clone())]);
+    assert!(matches!(t.delete(&bad_keys), Err(Error::Input(_))));
+    assert_eq!(snapshot(&t), before);
+}
+
+#[test]
+fn null_in_non_nullable_column_is_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    let schema = Arc::new(Schema::new(vec![Field::new("id", DataType::Int64, false), Field::new("n", DataType::Int64, false)]));
+    let t = engine.create_table("nn", schema, &["id"]).unwrap();
+    let b = batch_with(vec![
+        ("id", DataType::Int64, false, Arc::new(Int64Array::from(vec![1, 2, 3]))),
+        ("n", DataType::Int64, true, Arc::new(Int64Array::from(vec![Some(1), Some(2), None]))),
+    ]);
+    let err = t.insert(&b).unwrap_err();
+    assert!(err.to_string().contains("column `n` is declared non-nullable but is null at row 2"), "{err}");
+    assert_eq!(t.row_count().unwrap(), 0);
+}
+
+#[test]
+fn duplicate_keys_and_existence_rules() {
+    let (_d, _e, t) = setup();
+    let before = snapshot(&t);
+    // Duplicate inside one batch.
+    let dup = composite_batch(&[((8, 8), (None, None)), ((9, 9), (None, None)), ((8, 8), (Some(1), None))]);
+    for res in [t.insert(&dup), t.upsert(&dup)] {
+        assert!(matches!(res, Err(Error::DuplicateKey { first: 0, row: 2, .. })), "{res:?}");
+    }
+    // Existing key in a file (1,1) and in the delta (3,3).
+    let clash_file = composite_batch(&[((8, 8), (None, None)), ((1, 1), (None, None))]);
+    assert!(matches!(t.insert(&clash_file), Err(Error::KeyExists { row: 1, .. })));
+    let clash_delta = composite_batch(&[((3, 3), (None, None))]);
+    assert!(matches!(t.insert(&clash_delta), Err(Error::KeyExists { row: 0, .. })));
+    // Update of a missing key rejects the whole batch.
+    let upd = composite_batch(&[((1, 1), (Some(0), None)), ((77, 7), (None, None))]);
+    assert!(matches!(t.update(&upd), Err(Error::KeyNotFound { row: 1, .. })));
+    assert_eq!(snapshot(&t), before);
+    // Delete of absent keys counts zero and changes nothing.
+    assert_eq!(t.delete(&composite_keys(&[(100, 1), (101, 1)])).unwrap(), 0);
+    assert_eq!(snapshot(&t), before);
+    // A deleted key can be inserted again.
+    assert_eq!(t.delete(&composite_keys(&[(1, 1)])).unwrap(), 1);
+    assert_eq!(t.insert(&composite_batch(&[((1, 1), (Some(5), None))])).unwrap(), 1);
+    assert_eq!(snapshot(&t)[&(1, 1)], (Some(5), None));
+}
+
+#[test]
+fn table_names_and_definitions() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    let long = "x".repeat(256);
+    for bad in ["", "a/b", "a\\b", "..", "a..b", "nul\0x", "tab\tx", long.as_str(), " lead"] {
+        assert!(
+            matches!(engine.create_table(bad, composite_schema(), &["k1"]), Err(Error::InvalidTableName { .. })),
+            "{bad:?} must be refused"
+        );
+    }
+    engine.create_table("Orders", composite_schema(), &["k1", "k2"]).unwrap();
+    assert!(matches!(engine.create_table("orders", composite_schema(), &["k1"]), Err(Error::TableExists { .. })));
+    assert!(matches!(engine.create_table("x", composite_schema(), &[]), Err(Error::InvalidPrimaryKey(_))));
+    assert!(matches!(engine.create_table("x", composite_schema(), &["nope"]), Err(Error::InvalidPrimaryKey(_))));
+    assert!(matches!(engine.create_table("x", composite_schema(), &["k1", "k1"]), Err(Error::InvalidPrimaryKey(_))));
+    let list = Arc::new(Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new("l", DataType::List(Arc::new(Field::new("item", DataType::Int64, true))), true),
+    ]));
+    assert!(matches!(engine.create_table("x", list, &["id"]), Err(Error::Input(_))));
+    assert!(matches!(engine.drop_table("nope"), Err(Error::TableNotFound { .. })));
+    assert!(matches!(engine.table("x"), Err(Error::TableNotFound { .. })));
+    assert_eq!(engine.table_names(), vec!["Orders".to_owned()]);
+    assert!(matches!(
+        engine.table("Orders").unwrap().scan(ScanOptions::default().projection(["nope"])),
+        Err(Error::ColumnNotFound { .. })
+    ));
+}
+
+#[test]
+fn data_dir_problems_and_exclusive_lock() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, b"x").unwrap();
+    assert!(matches!(Engine::open(&file, EngineConfig::default()), Err(Error::Io { .. })));
+    let data = dir.path().join("data");
+    let first = Engine::open(&data, EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    match Engine::open(&data, EngineConfig::default().memory_limit(64 << 20)) {
+        Err(Error::Locked { holder, .. }) => assert_eq!(holder, format!("pid {}", std::process::id())),
+        other => panic!("expected Locked, got {other:?}"),
+    }
+    first.close().unwrap();
+    Engine::open(&data, EngineConfig::default().memory_limit(64 << 20)).unwrap();
+}
+
+#[test]
+fn memory_limit_and_row_size_configuration() {
+    let dir = tempfile::tempdir().unwrap();
+    assert!(matches!(Engine::open(dir.path().join("a"), EngineConfig::default().memory_limit(0)), Err(Error::Config(_))));
+    assert!(matches!(Engine::open(dir.path().join("b"), EngineConfig::default().memory_limit(64 << 10)), Err(Error::Config(_))));
+    assert!(matches!(Engine::open(dir.path().join("c"), EngineConfig::default().chunk_size(3000)), Err(Error::Config(_))));
+    let engine = Engine::open(dir.path().join("d"), EngineConfig::default().memory_limit(64 << 20).max_row_bytes(200 << 10)).unwrap();
+    assert!(matches!(engine.set_memory_limit(0), Err(Error::Config(_))));
+    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
+    // Above a chunk (64 KiB) but under the maximum: an oversize row, works end to end.
+    let big = "b".repeat(100 << 10);
+    t.insert(&composite_batch(&[((1, 1), (Some(1), Some(big.clone()))), ((2, 2), (Some(2), Some("small".into())))])).unwrap();
+    // Above the maximum: typed error naming the row, nothing applied.
+    let huge = "h".repeat(300 << 10);
+    let err = t.insert(&composite_batch(&[((3, 3), (None, None)), ((4, 4), (None, Some(huge)))])).unwrap_err();
+    assert!(err.to_string().contains("row 1 encodes to"), "{err}");
+    t.flush().unwrap();
+    let got = collect_composite(t.scan(ScanOptions::default()).unwrap());
+    assert_eq!(got.len(), 2);
+    assert_eq!(got[&(1, 1)].1.as_deref(), Some(big.as_str()));
+}

@@ -1,3 +1,5 @@
+use gritdb_storage::{StdFs, Vfs};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Engine settings. Build with `EngineConfig::default().memory_limit(256 << 20)`.
@@ -18,6 +20,9 @@ pub struct EngineConfig {
     pub backpressure_timeout: Duration,
     /// Background flush threads. Default 2.
     pub writer_threads: usize,
+    /// The file layer data files, deletion vectors and manifests are written through.
+    /// Default: the real file system ([`StdFs`]). Tests pass a [`gritdb_storage::FaultFs`].
+    pub vfs: Arc<dyn Vfs>,
 }
 
 impl Default for EngineConfig {
@@ -29,6 +34,7 @@ impl Default for EngineConfig {
             table_flush_bytes: None,
             backpressure_timeout: Duration::from_secs(30),
             writer_threads: 2,
+            vfs: Arc::new(StdFs),
         }
     }
 }
@@ -66,6 +72,13 @@ impl EngineConfig {
     #[must_use]
     pub fn backpressure_timeout(mut self, d: Duration) -> Self {
         self.backpressure_timeout = d;
+        self
+    }
+
+    /// Sets the file layer (for fault injection).
+    #[must_use]
+    pub fn vfs(mut self, vfs: Arc<dyn Vfs>) -> Self {
+        self.vfs = vfs;
         self
     }
 

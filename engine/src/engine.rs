@@ -243,7 +243,7 @@ impl Engine {
             let manifest = TableStore::read_manifest(&path)?;
             let name = manifest.table.clone();
             let account = ctl.register_table(&name);
-            let store = TableStore::open(&path, &ctl, Some(&account), manifest)?;
+            let store = TableStore::open(Arc::clone(&shared.config.vfs), &path, &ctl, Some(&account), manifest)?;
             let codec = Arc::new(RowCodec::new(Arc::clone(store.schema()), store.key_columns(), shared.config.max_row_bytes)?);
             let inner = TableInner {
                 name: name.clone(),
@@ -331,7 +331,7 @@ impl Engine {
         let id = self.inner.next_table_id.fetch_add(1, Ordering::AcqRel);
         let dir = self.inner.dir.join("tables").join(format!("t{id}"));
         let account = shared.ctl.register_table(name);
-        let store = TableStore::create(&dir, name, Arc::clone(&schema), &key_cols, &shared.ctl, Some(&account))?;
+        let store = TableStore::create(Arc::clone(&shared.config.vfs), &dir, name, Arc::clone(&schema), &key_cols, &shared.ctl, Some(&account))?;
         let inner = Arc::new(TableInner {
             name: name.to_owned(),
             id,
@@ -388,6 +388,20 @@ impl Engine {
         Ok(())
     }
 
+    /// Tables whose last flush failed, with the error text: the engine is degraded while this
+    /// is not empty (rows stay in memory and are served; flushes are retried).
+    pub fn degraded_tables(&self) -> Vec<(String, String)> {
+        self.inner
+            .all_tables()
+            .iter()
+            .filter_map(|t| {
+                let g = lock(&t.state);
+                let err = g.as_ref()?.last_flush_error.clone()?;
+                Some((t.name.clone(), err))
+            })
+            .collect()
+    }
+
     /// Engine memory by category and table beside RSS, VmHWM and the allocator's figures.
     pub fn memory_report(&self) -> MemoryReport {
         self.inner.shared.ctl.report()
@@ -403,24 +417,31 @@ impl Engine {
         self.inner.shared.ctl.trim_free_chunks(0)
     }
 
-    /// Changes the memory limit at run time. Lowering it below what is in use seals and
-    /// flushes every table and trims cached chunks.
+    /// Changes the memory limit at run time.
+    ///
+    /// Cached free chunks are trimmed to the new share at once. When the memory in use is
+    /// above the new limit, the largest deltas of every table are sealed and handed to the
+    /// background writer, and this call waits (at most `backpressure_timeout`) until the
+    /// accounted total is under the limit. It never waits on a flush lock, so a stuck disk
+    /// cannot block it beyond that bound.
     ///
     /// # Errors
-    /// [`Error::Config`] when `bytes` is below two chunks; [`Error::MemoryLimit`] when memory in
-    /// use is still above the new limit after flushing (the new limit stays in force: writes
-    /// wait or fail until memory falls under it); [`Error::Storage`] when a flush fails.
+    /// [`Error::Config`] when `bytes` is below two chunks; [`Error::MemoryLimit`] (with the
+    /// figures reached) when memory in use is still above the new limit after the wait — the
+    /// new limit stays in force: writes wait or fail until memory falls under it.
     pub fn set_memory_limit(&self, bytes: usize) -> Result<()> {
         let ctl = &self.inner.shared.ctl;
         ctl.set_limit(bytes)?;
-        if ctl.used() > bytes {
-            for t in self.inner.all_tables() {
-                Table { inner: t, engine: Arc::clone(&self.inner) }.flush()?;
-            }
+        let deadline = Instant::now() + self.inner.shared.config.backpressure_timeout;
+        while ctl.used() > bytes {
             ctl.trim_free_chunks(0);
-        }
-        if ctl.used() > bytes {
-            return Err(ctl.limit_error(Category::RowBlocks, 0).into());
+            if ctl.used() <= bytes {
+                break;
+            }
+            if !self.inner.relieve_pressure(true) || !self.inner.wait_for_memory(deadline) {
+                tracing::warn!(limit = bytes, used = ctl.used(), "lowered limit not reached");
+                return Err(ctl.limit_error(Category::RowBlocks, 0).into());
+            }
         }
         Ok(())
     }

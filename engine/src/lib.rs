@@ -41,5 +41,10 @@ pub mod memory {
     };
 }
 
+/// The file layer, for fault injection ([`EngineConfig::vfs`]).
+pub mod vfs {
+    pub use gritdb_storage::{FaultFs, FsOp, StdFs, Vfs, VfsFile};
+}
+
 pub use arrow_array;
 pub use arrow_schema;

@@ -20,10 +20,12 @@ mod error;
 mod index;
 mod manifest;
 mod table;
+mod vfs;
 mod write;
 
 pub use error::StorageError;
 pub use index::{FileKeys, KeyIndex, Loc};
 pub use manifest::{FileMeta, Manifest, MANIFEST_FILE};
 pub use table::{CommitPlan, FileScan, ScanSource, Staged, TableStore};
+pub use vfs::{FaultFs, FsOp, StdFs, Vfs, VfsFile};
 pub use write::{WriteOptions, read_file, write_data_file};

@@ -1,8 +1,9 @@
 use crate::error::{StorageError, io};
+use crate::vfs::Vfs;
 use arrow_schema::Schema;
 use serde::{Deserialize, Serialize};
 use std::fs;
-use std::io::Write;
+use std::io::Write as _;
 use std::path::Path;
 
 /// The manifest's file name inside a table directory.
@@ -82,33 +83,29 @@ impl Manifest {
     ///
     /// # Errors
     /// [`StorageError::Io`]; the previous manifest stays in place and the tmp file is removed.
-    pub fn write(&self, dir: &Path) -> Result<(), StorageError> {
+    pub fn write(&self, vfs: &dyn Vfs, dir: &Path) -> Result<(), StorageError> {
         let bytes = serde_json::to_vec_pretty(self).map_err(|e| StorageError::CorruptManifest {
             path: dir.join(MANIFEST_FILE),
             detail: e.to_string(),
         })?;
-        write_atomic(dir, MANIFEST_FILE, &bytes)
+        write_atomic(vfs, dir, MANIFEST_FILE, &bytes)
     }
 }
 
 /// Writes `name` in `dir` atomically (tmp + fsync + rename + fsync dir).
-pub(crate) fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), StorageError> {
+pub(crate) fn write_atomic(vfs: &dyn Vfs, dir: &Path, name: &str, bytes: &[u8]) -> Result<(), StorageError> {
     let tmp = dir.join(format!("{name}.tmp"));
     let dst = dir.join(name);
     let res = (|| {
-        let mut f = fs::File::create(&tmp).map_err(io(&tmp))?;
+        let mut f = vfs.create(&tmp).map_err(io(&tmp))?;
         f.write_all(bytes).map_err(io(&tmp))?;
         f.sync_all().map_err(io(&tmp))?;
-        fs::rename(&tmp, &dst).map_err(io(&dst))?;
-        sync_dir(dir)
+        drop(f);
+        vfs.rename(&tmp, &dst).map_err(io(&dst))?;
+        vfs.sync_dir(dir).map_err(io(dir))
     })();
     if res.is_err() {
-        let _ = fs::remove_file(&tmp);
+        let _ = vfs.remove_file(&tmp);
     }
     res
-}
-
-/// fsyncs a directory so a rename or create inside it is durable.
-pub(crate) fn sync_dir(dir: &Path) -> Result<(), StorageError> {
-    fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
 }

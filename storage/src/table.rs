@@ -1,6 +1,7 @@
 use crate::error::{StorageError, io};
 use crate::index::{FileKeys, KeyIndex, Loc, encode_keys, key_converter};
 use crate::manifest::{FileMeta, MANIFEST_FILE, Manifest, write_atomic};
+use crate::vfs::Vfs;
 use crate::write::{WriteOptions, write_data_file};
 use arrow_array::RecordBatch;
 use arrow_row::RowConverter;
@@ -63,6 +64,7 @@ pub struct CommitPlan {
     obsolete: Vec<String>,
     dir: PathBuf,
     written_bytes: u64,
+    vfs: Arc<dyn Vfs>,
 }
 
 impl CommitPlan {
@@ -72,7 +74,7 @@ impl CommitPlan {
     /// [`StorageError`]; nothing of this commit is visible then (the old manifest stands).
     pub fn execute(&mut self, opts: &WriteOptions, ctl: &Arc<MemoryController>, table: Option<&TableAccount>) -> Result<(), StorageError> {
         if let Some((name, batch)) = &self.data {
-            self.written_bytes = write_data_file(&self.dir, name, batch, opts, ctl, table)?;
+            self.written_bytes = write_data_file(self.vfs.as_ref(), &self.dir, name, batch, opts, ctl, table)?;
             if let Some(f) = self.manifest.files.iter_mut().find(|f| &f.name == name) {
                 f.bytes = self.written_bytes;
             }
@@ -80,11 +82,11 @@ impl CommitPlan {
         for (_, name, bm) in &self.dvs {
             let mut bytes = Vec::with_capacity(bm.serialized_size());
             bm.serialize_into(&mut bytes).map_err(io(self.dir.join(name)))?;
-            write_atomic(&self.dir, name, &bytes)?;
+            write_atomic(self.vfs.as_ref(), &self.dir, name, &bytes)?;
         }
-        self.manifest.write(&self.dir)?;
+        self.manifest.write(self.vfs.as_ref(), &self.dir)?;
         for name in &self.obsolete {
-            let _ = fs::remove_file(self.dir.join(name));
+            let _ = self.vfs.remove_file(&self.dir.join(name));
         }
         Ok(())
     }
@@ -108,6 +110,7 @@ pub struct TableStore {
     staged: VecDeque<Staged>,
     meta: Reservation,
     opts: WriteOptions,
+    vfs: Arc<dyn Vfs>,
 }
 
 impl std::fmt::Debug for TableStore {
@@ -127,6 +130,7 @@ impl TableStore {
     /// [`StorageError::Io`] (also when `dir` exists), [`StorageError::Arrow`] for key types that
     /// cannot be row-encoded.
     pub fn create(
+        vfs: Arc<dyn Vfs>,
         dir: &Path,
         name: &str,
         schema: SchemaRef,
@@ -136,19 +140,20 @@ impl TableStore {
     ) -> Result<Self, StorageError> {
         let primary_key = key_cols.iter().map(|&i| schema.field(i).name().clone()).collect::<Vec<_>>();
         let conv = key_converter(&schema, key_cols)?;
-        fs::create_dir(dir).map_err(io(dir))?;
+        vfs.create_dir(dir).map_err(io(dir))?;
         let m = Manifest::new(name, schema.as_ref().clone(), primary_key.clone());
-        if let Err(e) = m.write(dir) {
+        if let Err(e) = m.write(vfs.as_ref(), dir) {
             let _ = fs::remove_dir_all(dir);
             return Err(e);
         }
-        let mut s = Self::empty(dir, name, schema, primary_key, key_cols.to_vec(), conv, ctl, account);
+        let mut s = Self::empty(vfs, dir, name, schema, primary_key, key_cols.to_vec(), conv, ctl, account);
         s.account_metadata();
         Ok(s)
     }
 
     #[allow(clippy::too_many_arguments)]
     fn empty(
+        vfs: Arc<dyn Vfs>,
         dir: &Path,
         name: &str,
         schema: SchemaRef,
@@ -175,6 +180,7 @@ impl TableStore {
             staged: VecDeque::new(),
             meta: Reservation::new(ctl, Category::Metadata, account),
             opts: WriteOptions::default(),
+            vfs,
         }
     }
 
@@ -193,6 +199,7 @@ impl TableStore {
     /// [`StorageError::CorruptManifest`], [`StorageError::CorruptFile`] (missing or truncated
     /// data file), [`StorageError::Io`], [`StorageError::Memory`].
     pub fn open(
+        vfs: Arc<dyn Vfs>,
         dir: &Path,
         ctl: &Arc<MemoryController>,
         account: Option<&TableAccount>,
@@ -205,7 +212,7 @@ impl TableStore {
             .map(|k| schema.index_of(k))
             .collect::<Result<Vec<_>, _>>()?;
         let conv = key_converter(&schema, &key_cols)?;
-        let mut s = Self::empty(dir, &manifest.table, schema, manifest.primary_key.clone(), key_cols, conv, ctl, account);
+        let mut s = Self::empty(vfs, dir, &manifest.table, schema, manifest.primary_key.clone(), key_cols, conv, ctl, account);
         s.version = manifest.version;
         s.next_file_id = manifest.next_file_id;
         let mut known: std::collections::HashSet<String> = [MANIFEST_FILE.to_owned()].into();
@@ -439,7 +446,7 @@ impl TableStore {
             next_file_id: self.next_file_id,
             files,
         };
-        Some(CommitPlan { data, dvs, manifest, obsolete, dir: self.dir.clone(), written_bytes: 0 })
+        Some(CommitPlan { data, dvs, manifest, obsolete, dir: self.dir.clone(), written_bytes: 0, vfs: Arc::clone(&self.vfs) })
     }
 
     /// Applies an executed commit plan: the staged file becomes a committed file (its rows

@@ -1,5 +1,5 @@
 use crate::error::{StorageError, io};
-use crate::manifest::sync_dir;
+use crate::vfs::Vfs;
 use arrow_array::{BooleanArray, RecordBatch};
 use arrow_select::filter::filter_record_batch;
 use gritdb_memctl::{Category, MemoryController, Reservation, TableAccount};
@@ -40,6 +40,7 @@ impl Default for WriteOptions {
 /// [`StorageError::Io`], [`StorageError::Parquet`], [`StorageError::Memory`]; the tmp file is
 /// removed on error.
 pub fn write_data_file(
+    vfs: &dyn Vfs,
     dir: &Path,
     name: &str,
     batch: &RecordBatch,
@@ -50,36 +51,38 @@ pub fn write_data_file(
     let tmp = dir.join(format!("{name}.tmp"));
     let dst = dir.join(name);
     let res = (|| {
-        let file = fs::File::create(&tmp).map_err(io(&tmp))?;
+        let seen = Arc::new(std::sync::Mutex::new(None));
+        let file = Recording { inner: vfs.create(&tmp).map_err(io(&tmp))?, seen: Arc::clone(&seen) };
         let props = WriterProperties::builder()
             .set_compression(Compression::SNAPPY)
             .set_max_row_group_row_count(Some(opts.row_group_rows.max(1)))
             .build();
-        let mut writer = ArrowWriter::try_new(file, batch.schema(), Some(props))?;
+        let pq = |e: parquet::errors::ParquetError| parquet_io(e, &tmp, &seen);
+        let mut writer = ArrowWriter::try_new(file, batch.schema(), Some(props)).map_err(pq)?;
         let mut buffers = Reservation::new(ctl, Category::WriteBuffers, table);
         let step = opts.write_batch_rows.max(1);
         let mut at = 0;
         while at < batch.num_rows() {
             let len = step.min(batch.num_rows() - at);
-            writer.write(&batch.slice(at, len))?;
+            writer.write(&batch.slice(at, len)).map_err(pq)?;
             at += len;
             buffers.try_resize(writer.memory_size())?;
             if writer.in_progress_size() >= opts.row_group_bytes {
-                writer.flush()?;
+                writer.flush().map_err(pq)?;
                 buffers.try_resize(writer.memory_size())?;
             }
         }
-        let file = writer.into_inner()?;
+        let mut file = writer.into_inner().map_err(pq)?.inner;
         drop(buffers);
         file.sync_all().map_err(io(&tmp))?;
-        let size = file.metadata().map_err(io(&tmp))?.len();
+        let size = file.len().map_err(io(&tmp))?;
         drop(file);
-        fs::rename(&tmp, &dst).map_err(io(&dst))?;
-        sync_dir(dir)?;
+        vfs.rename(&tmp, &dst).map_err(io(&dst))?;
+        vfs.sync_dir(dir).map_err(io(dir))?;
         Ok(size)
     })();
     if res.is_err() {
-        let _ = fs::remove_file(&tmp);
+        let _ = vfs.remove_file(&tmp);
     }
     res
 }
@@ -121,4 +124,51 @@ pub fn read_file(
             Err(e) => Some(Err(StorageError::Arrow(e))),
         }
     }))
+}
+
+/// The Parquet writer's sink: remembers the last I/O error, because Parquet reports some of
+/// them only as text ("fail to get inner writer: ...").
+struct Recording {
+    inner: Box<dyn crate::vfs::VfsFile>,
+    seen: Arc<std::sync::Mutex<Option<(std::io::ErrorKind, Option<i32>, String)>>>,
+}
+
+impl Recording {
+    fn note(&self, e: &std::io::Error) {
+        if let Ok(mut s) = self.seen.lock() {
+            *s = Some((e.kind(), e.raw_os_error(), e.to_string()));
+        }
+    }
+}
+
+impl std::io::Write for Recording {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.inner.write(buf).inspect_err(|e| self.note(e))
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush().inspect_err(|e| self.note(e))
+    }
+}
+
+type Seen = std::sync::Mutex<Option<(std::io::ErrorKind, Option<i32>, String)>>;
+
+/// Turns a Parquet error caused by the sink back into [`StorageError::Io`] (with the path),
+/// so ENOSPC and EIO read as what they are.
+fn parquet_io(e: parquet::errors::ParquetError, path: &Path, seen: &Seen) -> StorageError {
+    if let parquet::errors::ParquetError::External(inner) = e {
+        return match inner.downcast::<std::io::Error>() {
+            Ok(io_err) => StorageError::Io { path: path.to_path_buf(), source: *io_err },
+            Err(other) => StorageError::Parquet(parquet::errors::ParquetError::External(other)),
+        };
+    }
+    if let Ok(mut s) = seen.lock()
+        && let Some((kind, raw, msg)) = s.take()
+    {
+        let source = match raw {
+            Some(code) => std::io::Error::from_raw_os_error(code),
+            None => std::io::Error::new(kind, msg),
+        };
+        return StorageError::Io { path: path.to_path_buf(), source };
+    }
+    StorageError::Parquet(e)
 }

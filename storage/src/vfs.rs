@@ -1,0 +1,235 @@
+//! The file layer data files, deletion vectors and manifests are written through.
+//!
+//! [`StdFs`] is the real file system. [`FaultFs`] wraps it for tests and for users who want to
+//! rehearse failures: it can fail the Nth write-side operation with an OS error (ENOSPC, EIO),
+//! or stall every write and fsync until released — which is how the tests prove that a stuck
+//! disk never blocks ingest, deletes, drops or memory reclamation.
+
+use std::fmt::Debug;
+use std::fs;
+use std::io::{self, Write};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+
+/// A file opened for writing through a [`Vfs`].
+pub trait VfsFile: Write + Send {
+    /// Flushes data and metadata to stable storage (`fsync`).
+    fn sync_all(&mut self) -> io::Result<()>;
+    /// Current length in bytes.
+    fn len(&self) -> io::Result<u64>;
+    /// True when the file is empty.
+    fn is_empty(&self) -> io::Result<bool> {
+        Ok(self.len()? == 0)
+    }
+}
+
+/// The write side of the file system, as storage uses it. Reads go to `std::fs` directly.
+pub trait Vfs: Send + Sync + Debug {
+    /// Creates (or truncates) a file for writing.
+    fn create(&self, path: &Path) -> io::Result<Box<dyn VfsFile>>;
+    /// Renames `from` to `to`, replacing `to` (atomic on POSIX file systems).
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
+    /// Removes a file.
+    fn remove_file(&self, path: &Path) -> io::Result<()>;
+    /// Creates a directory.
+    fn create_dir(&self, path: &Path) -> io::Result<()>;
+    /// fsyncs a directory so renames and creates inside it are durable.
+    fn sync_dir(&self, path: &Path) -> io::Result<()>;
+}
+
+/// The real file system.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct StdFs;
+
+struct StdFile(fs::File);
+
+impl Write for StdFile {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.write(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.0.flush()
+    }
+}
+
+impl VfsFile for StdFile {
+    fn sync_all(&mut self) -> io::Result<()> {
+        self.0.sync_all()
+    }
+    fn len(&self) -> io::Result<u64> {
+        Ok(self.0.metadata()?.len())
+    }
+}
+
+impl Vfs for StdFs {
+    fn create(&self, path: &Path) -> io::Result<Box<dyn VfsFile>> {
+        Ok(Box::new(StdFile(fs::File::create(path)?)))
+    }
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        fs::rename(from, to)
+    }
+    fn remove_file(&self, path: &Path) -> io::Result<()> {
+        fs::remove_file(path)
+    }
+    fn create_dir(&self, path: &Path) -> io::Result<()> {
+        fs::create_dir(path)
+    }
+    fn sync_dir(&self, path: &Path) -> io::Result<()> {
+        fs::File::open(path)?.sync_all()
+    }
+}
+
+/// Which operation a [`FaultFs`] step was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FsOp {
+    /// `create`
+    Create,
+    /// a `write` call
+    Write,
+    /// `sync_all` of a file
+    Sync,
+    /// `rename`
+    Rename,
+    /// `sync_dir`
+    SyncDir,
+    /// `create_dir`
+    CreateDir,
+}
+
+#[derive(Debug, Default)]
+struct FaultState {
+    fail_at: Option<(u64, i32)>,
+    fail_all: Option<i32>,
+    stall: bool,
+}
+
+/// A [`Vfs`] over [`StdFs`] that injects faults. Every write-side operation is one step
+/// (counted from 0); `remove_file` never fails (cleanup must be possible).
+#[derive(Debug, Clone, Default)]
+pub struct FaultFs {
+    inner: Arc<FaultInner>,
+}
+
+#[derive(Debug, Default)]
+struct FaultInner {
+    steps: AtomicU64,
+    state: Mutex<FaultState>,
+    cv: Condvar,
+    stalled: AtomicBool,
+}
+
+impl FaultFs {
+    /// A fault layer that injects nothing until told to.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Write-side operations performed so far.
+    pub fn steps(&self) -> u64 {
+        self.inner.steps.load(Ordering::Acquire)
+    }
+
+    /// Makes step `n` (counting from the current step count, 0 = the next) fail with the OS
+    /// error `errno` (e.g. `libc::ENOSPC` = 28, `libc::EIO` = 5).
+    pub fn fail_step(&self, n: u64, errno: i32) {
+        let at = self.steps() + n;
+        self.lock().fail_at = Some((at, errno));
+    }
+
+    /// Makes every write-side operation fail with `errno` until [`Self::heal`].
+    pub fn fail_all(&self, errno: i32) {
+        self.lock().fail_all = Some(errno);
+    }
+
+    /// Blocks every following write and fsync until [`Self::heal`].
+    pub fn stall(&self) {
+        self.lock().stall = true;
+    }
+
+    /// True while an operation is blocked by [`Self::stall`].
+    pub fn is_stalled(&self) -> bool {
+        self.inner.stalled.load(Ordering::Acquire)
+    }
+
+    /// Clears every injected fault and releases stalled operations.
+    pub fn heal(&self) {
+        let mut s = self.lock();
+        *s = FaultState::default();
+        self.inner.cv.notify_all();
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, FaultState> {
+        self.inner.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn step(&self, op: FsOp) -> io::Result<()> {
+        let step = self.inner.steps.fetch_add(1, Ordering::AcqRel);
+        let mut s = self.lock();
+        if s.stall && matches!(op, FsOp::Write | FsOp::Sync) {
+            self.inner.stalled.store(true, Ordering::Release);
+            while s.stall {
+                s = self.inner.cv.wait(s).unwrap_or_else(PoisonError::into_inner);
+            }
+            self.inner.stalled.store(false, Ordering::Release);
+        }
+        if let Some(errno) = s.fail_all {
+            return Err(io::Error::from_raw_os_error(errno));
+        }
+        if let Some((at, errno)) = s.fail_at
+            && at == step
+        {
+            s.fail_at = None;
+            return Err(io::Error::from_raw_os_error(errno));
+        }
+        Ok(())
+    }
+}
+
+struct FaultFile {
+    inner: Box<dyn VfsFile>,
+    fs: FaultFs,
+}
+
+impl Write for FaultFile {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.fs.step(FsOp::Write)?;
+        self.inner.write(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+impl VfsFile for FaultFile {
+    fn sync_all(&mut self) -> io::Result<()> {
+        self.fs.step(FsOp::Sync)?;
+        self.inner.sync_all()
+    }
+    fn len(&self) -> io::Result<u64> {
+        self.inner.len()
+    }
+}
+
+impl Vfs for FaultFs {
+    fn create(&self, path: &Path) -> io::Result<Box<dyn VfsFile>> {
+        self.step(FsOp::Create)?;
+        Ok(Box::new(FaultFile { inner: StdFs.create(path)?, fs: self.clone() }))
+    }
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        self.step(FsOp::Rename)?;
+        StdFs.rename(from, to)
+    }
+    fn remove_file(&self, path: &Path) -> io::Result<()> {
+        StdFs.remove_file(path)
+    }
+    fn create_dir(&self, path: &Path) -> io::Result<()> {
+        self.step(FsOp::CreateDir)?;
+        StdFs.create_dir(path)
+    }
+    fn sync_dir(&self, path: &Path) -> io::Result<()> {
+        self.step(FsOp::SyncDir)?;
+        StdFs.sync_dir(path)
+    }
+}

@@ -1,4 +1,4 @@
-use gritdb_storage::{StdFs, Vfs};
+use gritdb_storage::{StdFs, Vfs, WalSync};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,6 +20,11 @@ pub struct EngineConfig {
     pub backpressure_timeout: Duration,
     /// Background flush threads. Default 2.
     pub writer_threads: usize,
+    /// When write-ahead-log appends reach stable storage: fsync per write call (default) or
+    /// group commit every [`Self::wal_sync_interval`].
+    pub wal_sync: WalSync,
+    /// Group-commit interval of [`WalSync::Relaxed`]. Default 10 ms.
+    pub wal_sync_interval: Duration,
     /// The file layer data files, deletion vectors and manifests are written through.
     /// Default: the real file system ([`StdFs`]). Tests pass a [`gritdb_storage::FaultFs`].
     pub vfs: Arc<dyn Vfs>,
@@ -35,6 +40,8 @@ impl Default for EngineConfig {
             backpressure_timeout: Duration::from_secs(30),
             writer_threads: 2,
             vfs: Arc::new(StdFs),
+            wal_sync: WalSync::PerBatch,
+            wal_sync_interval: Duration::from_millis(10),
         }
     }
 }
@@ -72,6 +79,13 @@ impl EngineConfig {
     #[must_use]
     pub fn backpressure_timeout(mut self, d: Duration) -> Self {
         self.backpressure_timeout = d;
+        self
+    }
+
+    /// Sets the write-ahead-log sync mode.
+    #[must_use]
+    pub fn wal_sync(mut self, mode: WalSync) -> Self {
+        self.wal_sync = mode;
         self
     }
 

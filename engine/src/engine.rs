@@ -4,14 +4,14 @@ use crate::table::{Table, TableInner, TableState, lock};
 use crate::writer::Writer;
 use arrow_schema::SchemaRef;
 use gritdb_memctl::{Category, ControllerConfig, MemoryController, MemoryReport};
-use gritdb_storage::TableStore;
+use gritdb_storage::{TableStore, WAL_DIR, Wal, WalSync};
 use gritdb_unify::{DeltaStore, RowCodec};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 /// The default data directory of [`Engine::open_default`].
@@ -20,9 +20,39 @@ pub const DEFAULT_DATA_DIR: &str = "./gritdb-data";
 pub(crate) struct Shared {
     pub(crate) ctl: Arc<MemoryController>,
     pub(crate) config: EngineConfig,
+    wal: OnceLock<Wal>,
+    /// Table id -> highest sequence number in committed files (absent: dropped).
+    flushed: Mutex<HashMap<u64, u64>>,
 }
 
 impl Shared {
+    pub(crate) fn wal(&self) -> Result<&Wal> {
+        self.wal.get().ok_or_else(|| Error::Closed("the write-ahead log (engine still opening)".into()))
+    }
+
+    /// Records that `table`'s committed files cover writes up to `seq`, then deletes WAL
+    /// segments no table needs any more.
+    pub(crate) fn note_flushed(&self, table: u64, seq: Option<u64>) {
+        {
+            let mut f = lock(&self.flushed);
+            match seq {
+                Some(s) => {
+                    f.insert(table, s);
+                }
+                None => {
+                    f.remove(&table);
+                }
+            }
+        }
+        if let Some(wal) = self.wal.get() {
+            let f = lock(&self.flushed);
+            let removed = wal.truncate(|t, q| f.get(&t).is_none_or(|done| *done >= q));
+            if removed > 0 {
+                tracing::debug!(removed, "write-ahead log segments removed");
+            }
+        }
+    }
+
     /// Per-table flush threshold: configured, else limit / 16 clamped to 1 MiB..=64 MiB.
     pub(crate) fn table_flush_bytes(&self) -> usize {
         self.config.table_flush_bytes.unwrap_or_else(|| (self.ctl.limit() / 16).clamp(1 << 20, 64 << 20))
@@ -226,8 +256,8 @@ impl Engine {
         }
         fs::create_dir_all(&trash).map_err(io(&trash))?;
         let writer = Writer::new(config.writer_threads)?;
-        let shared = Arc::new(Shared { ctl: Arc::clone(&ctl), config });
-        let mut tables = BTreeMap::new();
+        let shared = Arc::new(Shared { ctl: Arc::clone(&ctl), config, wal: OnceLock::new(), flushed: Mutex::new(HashMap::new()) });
+        let mut tables: BTreeMap<String, Arc<TableInner>> = BTreeMap::new();
         let mut max_id = 0u64;
         for e in fs::read_dir(&tables_dir).map_err(io(&tables_dir))?.flatten() {
             let path = e.path();
@@ -244,6 +274,7 @@ impl Engine {
             let name = manifest.table.clone();
             let account = ctl.register_table(&name);
             let store = TableStore::open(Arc::clone(&shared.config.vfs), &path, &ctl, Some(&account), manifest)?;
+            let next_seq = store.flushed_seq() + 1;
             let codec = Arc::new(RowCodec::new(Arc::clone(store.schema()), store.key_columns(), shared.config.max_row_bytes)?);
             let inner = TableInner {
                 name: name.clone(),
@@ -259,12 +290,36 @@ impl Engine {
                 })),
                 flush_lock: Mutex::new(()),
                 flush_scheduled: AtomicBool::new(false),
-                seq: AtomicU64::new(1),
+                seq: AtomicU64::new(next_seq),
                 shared: Arc::clone(&shared),
             };
+            lock(&shared.flushed).insert(id, inner.flushed_seq());
             tables.insert(name, Arc::new(inner));
         }
-        tracing::info!(dir = %dir.display(), tables = tables.len(), limit = ctl.limit(), "engine opened");
+        // Replay the write-ahead log: every record newer than its table's committed files.
+        let by_id: HashMap<u64, Arc<TableInner>> = tables.values().map(|t| (t.id, Arc::clone(t))).collect();
+        let mut replayed = 0u64;
+        let wal_dir = dir.join(WAL_DIR);
+        let wal = Wal::open(&wal_dir, Arc::clone(&shared.config.vfs), shared.config.wal_sync, &ctl, |rec| -> Result<()> {
+            max_id = max_id.max(rec.table);
+            let Some(t) = by_id.get(&rec.table) else { return Ok(()) };
+            t.seq.fetch_max(rec.last_seq + 1, Ordering::AcqRel);
+            if rec.first_seq <= t.flushed_seq() {
+                return Ok(());
+            }
+            replayed += rec.batch.num_rows() as u64;
+            t.replay(&rec)
+        })?;
+        if shared.wal.set(wal).is_err() {
+            return Err(Error::Closed("write-ahead log opened twice".into()));
+        }
+        if let Ok(wal) = shared.wal() {
+            max_id = max_id.max(wal.max_table_id());
+        }
+        if shared.config.wal_sync == WalSync::Relaxed {
+            writer.start_wal_ticker(Arc::downgrade(&shared), shared.config.wal_sync_interval);
+        }
+        tracing::info!(dir = %dir.display(), tables = tables.len(), replayed_rows = replayed, limit = ctl.limit(), "engine opened");
         Ok(Self {
             inner: Arc::new(EngineInner {
                 dir,
@@ -349,6 +404,7 @@ impl Engine {
             seq: AtomicU64::new(1),
             shared: Arc::clone(shared),
         });
+        lock(&shared.flushed).insert(id, 0);
         tables.insert(name.to_owned(), Arc::clone(&inner));
         drop(tables);
         tracing::debug!(table = name, id, "table created");
@@ -383,6 +439,9 @@ impl Engine {
         drop(state);
         let trash = self.inner.dir.join("trash").join(format!("t{}", t.id));
         fs::rename(&t.dir, &trash).map_err(io(&t.dir))?;
+        // The rename is the commit point of the drop: make it durable before the WAL forgets.
+        fs::File::open(self.inner.dir.join("tables")).and_then(|d| d.sync_all()).map_err(io(&t.dir))?;
+        self.inner.shared.note_flushed(t.id, None);
         fs::remove_dir_all(&trash).map_err(io(&trash))?;
         tracing::debug!(table = name, "table dropped");
         Ok(())
@@ -400,6 +459,11 @@ impl Engine {
                 Some((t.name.clone(), err))
             })
             .collect()
+    }
+
+    /// Write-ahead-log segments kept and their bytes.
+    pub fn wal_usage(&self) -> (usize, u64) {
+        self.inner.shared.wal().map_or((0, 0), |w| (w.segment_count(), w.bytes()))
     }
 
     /// Engine memory by category and table beside RSS, VmHWM and the allocator's figures.
@@ -459,13 +523,19 @@ impl Engine {
 
     /// Flushes every table, stops the background writer and closes the engine.
     ///
-    /// Dropping an engine without `close` loses rows not yet flushed (there is no write-ahead
-    /// log yet); committed files are never affected.
+    /// Dropping an engine without `close` loses nothing acknowledged: rows not yet in files
+    /// are replayed from the write-ahead log at the next open.
     ///
     /// # Errors
     /// The first flush error (the engine is closed anyway).
     pub fn close(self) -> Result<()> {
-        let res = self.flush_all();
+        let mut res = self.flush_all();
+        if let Ok(wal) = self.inner.shared.wal()
+            && let Err(e) = wal.sync()
+            && res.is_ok()
+        {
+            res = Err(e.into());
+        }
         self.inner.closed.store(true, Ordering::Release);
         self.inner.writer.shutdown();
         res

@@ -31,6 +31,7 @@ pub use config::EngineConfig;
 pub use engine::{DEFAULT_DATA_DIR, Engine};
 pub use error::{Error, Result};
 pub use scan::{Scan, ScanOptions};
+pub use gritdb_storage::WalSync;
 pub use table::{Table, TableStats};
 
 /// Memory-controller types re-exported for reports and configuration.

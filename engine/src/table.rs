@@ -3,7 +3,7 @@ use crate::error::{Error, Result};
 use crate::scan::{Scan, ScanOptions};
 use arrow_array::RecordBatch;
 use gritdb_memctl::{Category, TableAccount};
-use gritdb_storage::TableStore;
+use gritdb_storage::{TableStore, WalOp, WalRecord};
 use gritdb_unify::{DeltaStore, Lookup, RowCodec};
 use hashbrown::HashTable;
 use std::collections::VecDeque;
@@ -94,6 +94,59 @@ impl TableInner {
         true
     }
 
+    /// Highest write sequence number in committed files.
+    pub(crate) fn flushed_seq(&self) -> u64 {
+        lock(&self.state).as_ref().map_or(0, |s| s.store.flushed_seq())
+    }
+
+    /// Re-applies one write-ahead-log record at open (puts as upsert, deletes as delete),
+    /// flushing inline when memory runs short.
+    pub(crate) fn replay(&self, rec: &WalRecord) -> Result<()> {
+        for attempt in 0..2 {
+            let res = {
+                let mut g = self.state()?;
+                let Some(st) = g.as_mut() else { return Ok(()) };
+                let res = match rec.op {
+                    WalOp::Put => {
+                        self.codec.validate(&rec.batch)?;
+                        let keys = self.codec.keys().encode_batch(&rec.batch)?;
+                        st.active.apply_puts(&rec.batch, &keys, rec.first_seq, || Ok::<(), Error>(()))
+                    }
+                    WalOp::Delete => {
+                        self.codec.validate_keys(&rec.batch)?;
+                        let keys = self.codec.keys().encode_key_columns(rec.batch.columns())?;
+                        let items: Vec<(usize, bool)> = unique_rows(&keys)
+                            .into_iter()
+                            .filter_map(|i| {
+                                let k = keys.row(i);
+                                match st.active.get(k.as_ref()) {
+                                    Some(Lookup::Put) => Some((i, st.exists_below_active(k.as_ref()))),
+                                    Some(Lookup::Deleted) => None,
+                                    None => st.exists_below_active(k.as_ref()).then_some((i, true)),
+                                }
+                            })
+                            .collect();
+                        st.active.apply_deletes(&keys, &items, rec.first_seq, || Ok::<(), Error>(()))
+                    }
+                };
+                if res.is_ok() && st.active.bytes() >= self.shared.table_flush_bytes() {
+                    self.seal(st);
+                }
+                res
+            };
+            match res {
+                Err(e) if e.is_memory_limit() && attempt == 0 => {
+                    if let Some(st) = lock(&self.state).as_mut() {
+                        self.seal(st);
+                    }
+                    self.flush_sealed()?;
+                }
+                other => return other,
+            }
+        }
+        Ok(())
+    }
+
     /// Active delta bytes (for choosing what to flush under pressure).
     pub(crate) fn active_bytes(&self) -> usize {
         lock(&self.state).as_ref().map_or(0, |s| s.active.bytes())
@@ -120,7 +173,7 @@ impl TableInner {
             {
                 let mut g = self.state()?;
                 let Some(st) = g.as_mut() else { break };
-                st.store.stage(&batches.puts, &batches.delete_keys)?;
+                st.store.stage(&batches.puts, &batches.delete_keys, sealed.max_seq())?;
                 if st.sealed.front().is_some_and(|s| Arc::ptr_eq(s, &sealed)) {
                     st.sealed.pop_front();
                 }
@@ -155,9 +208,14 @@ impl TableInner {
                 return Err(err);
             }
             let mut g = self.state()?;
-            if let Some(st) = g.as_mut() {
+            let flushed = g.as_mut().map(|st| {
                 st.store.finish_commit(plan);
                 st.last_flush_error = None;
+                st.store.flushed_seq()
+            });
+            drop(g);
+            if let Some(seq) = flushed {
+                self.shared.note_flushed(self.id, Some(seq));
             }
         }
     }
@@ -252,8 +310,15 @@ impl Table {
                     }
                 }
             }
-            let seq = self.inner.seq.fetch_add(items.len() as u64, Ordering::AcqRel);
-            st.active.apply_deletes(&rows, &items, seq)?;
+            if items.is_empty() {
+                return Ok(0);
+            }
+            let n = items.len() as u64;
+            let seq = self.inner.seq.fetch_add(n, Ordering::AcqRel);
+            let wal = self.inner.shared.wal()?;
+            st.active.apply_deletes(&rows, &items, seq, || {
+                wal.append(WalOp::Delete, self.inner.id, seq, seq + n - 1, keys).map_err(Error::from)
+            })?;
             Ok(items.len())
         })
     }
@@ -285,7 +350,10 @@ impl Table {
                 WriteMode::Upsert => {}
             }
             let seq = self.inner.seq.fetch_add(n as u64, Ordering::AcqRel);
-            st.active.apply_puts(batch, &keys, seq)?;
+            let wal = self.inner.shared.wal()?;
+            st.active.apply_puts(batch, &keys, seq, || {
+                wal.append(WalOp::Put, self.inner.id, seq, seq + n as u64 - 1, batch).map_err(Error::from)
+            })?;
             Ok(n)
         })
     }

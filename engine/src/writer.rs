@@ -20,6 +20,7 @@ impl Writer {
             .worker_threads(1)
             .max_blocking_threads(threads.max(1))
             .thread_name("gritdb-writer")
+            .enable_time()
             .build()
             .map_err(|e| Error::Io { path: "tokio runtime".into(), source: e })?;
         let (tx, mut rx) = mpsc::unbounded_channel::<Arc<TableInner>>();
@@ -44,6 +45,26 @@ impl Writer {
             }
         });
         Ok(Self { rt: Mutex::new(Some(rt)), tx, in_flight })
+    }
+
+    /// Starts the group-commit tick of [`gritdb_storage::WalSync::Relaxed`]: fsyncs the WAL
+    /// every `interval` while the engine lives.
+    pub(crate) fn start_wal_ticker(&self, shared: std::sync::Weak<crate::engine::Shared>, interval: std::time::Duration) {
+        let g = lock(&self.rt);
+        let Some(rt) = g.as_ref() else { return };
+        #[allow(clippy::disallowed_methods)]
+        rt.spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            loop {
+                tick.tick().await;
+                let Some(shared) = shared.upgrade() else { break };
+                if let Ok(wal) = shared.wal()
+                    && let Err(e) = wal.sync()
+                {
+                    tracing::error!(error = %e, "write-ahead log group commit failed");
+                }
+            }
+        });
     }
 
     /// Queues a flush of `table` unless one is already queued.

@@ -32,6 +32,16 @@ pub enum StorageError {
         /// What is wrong.
         detail: String,
     },
+    /// A write-ahead-log record is damaged somewhere other than a torn tail.
+    #[error("corrupt write-ahead log {} at byte {offset}: {detail}. Acknowledged writes after this point cannot be recovered automatically; move the file aside to open without them", path.display())]
+    CorruptWal {
+        /// The segment path.
+        path: PathBuf,
+        /// Byte offset of the bad record.
+        offset: u64,
+        /// What is wrong.
+        detail: String,
+    },
     /// Parquet encoding or decoding failed.
     #[error("parquet error: {0}")]
     Parquet(#[from] ParquetError),

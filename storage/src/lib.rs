@@ -21,6 +21,7 @@ mod index;
 mod manifest;
 mod table;
 mod vfs;
+mod wal;
 mod write;
 
 pub use error::StorageError;
@@ -28,4 +29,5 @@ pub use index::{FileKeys, KeyIndex, Loc};
 pub use manifest::{FileMeta, Manifest, MANIFEST_FILE};
 pub use table::{CommitPlan, FileScan, ScanSource, Staged, TableStore};
 pub use vfs::{FaultFs, FsOp, StdFs, Vfs, VfsFile};
+pub use wal::{SEGMENT_BYTES, WAL_DIR, Wal, WalOp, WalRecord, WalSync, decode_segment};
 pub use write::{WriteOptions, read_file, write_data_file};

@@ -42,6 +42,10 @@ pub struct Manifest {
     pub primary_key: Vec<String>,
     /// Next data file id.
     pub next_file_id: u32,
+    /// Every write with a sequence number up to this one is in the committed files (the
+    /// write-ahead log needs to keep only later records of this table).
+    #[serde(default)]
+    pub flushed_seq: u64,
     /// Live data files.
     pub files: Vec<FileMeta>,
 }
@@ -49,7 +53,7 @@ pub struct Manifest {
 impl Manifest {
     /// A version-1 manifest of an empty table.
     pub fn new(table: &str, schema: Schema, primary_key: Vec<String>) -> Self {
-        Self { format: FORMAT, table: table.to_owned(), version: 1, schema, primary_key, next_file_id: 1, files: vec![] }
+        Self { format: FORMAT, table: table.to_owned(), version: 1, schema, primary_key, next_file_id: 1, flushed_seq: 0, files: vec![] }
     }
 
     /// Reads and checks `<dir>/manifest.json`.

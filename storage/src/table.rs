@@ -33,6 +33,8 @@ pub struct Staged {
     pub file_id: Option<u32>,
     /// Rows deleted in older files by this flush.
     pub dv_additions: Vec<Loc>,
+    /// Highest write sequence number the flush covers.
+    pub max_seq: u64,
 }
 
 /// Where a scan reads a file's rows from.
@@ -108,6 +110,7 @@ pub struct TableStore {
     version: u64,
     next_file_id: u32,
     staged: VecDeque<Staged>,
+    flushed_seq: u64,
     meta: Reservation,
     opts: WriteOptions,
     vfs: Arc<dyn Vfs>,
@@ -178,6 +181,7 @@ impl TableStore {
             version: 1,
             next_file_id: 1,
             staged: VecDeque::new(),
+            flushed_seq: 0,
             meta: Reservation::new(ctl, Category::Metadata, account),
             opts: WriteOptions::default(),
             vfs,
@@ -215,6 +219,7 @@ impl TableStore {
         let mut s = Self::empty(vfs, dir, &manifest.table, schema, manifest.primary_key.clone(), key_cols, conv, ctl, account);
         s.version = manifest.version;
         s.next_file_id = manifest.next_file_id;
+        s.flushed_seq = manifest.flushed_seq;
         let mut known: std::collections::HashSet<String> = [MANIFEST_FILE.to_owned()].into();
         for f in &manifest.files {
             known.insert(f.name.clone());
@@ -356,7 +361,7 @@ impl TableStore {
     /// # Errors
     /// [`StorageError::Memory`] when the index cannot grow (nothing changed then),
     /// [`StorageError::Arrow`].
-    pub fn stage(&mut self, puts: &RecordBatch, delete_keys: &RecordBatch) -> Result<Option<Staged>, StorageError> {
+    pub fn stage(&mut self, puts: &RecordBatch, delete_keys: &RecordBatch, max_seq: u64) -> Result<Option<Staged>, StorageError> {
         if puts.num_rows() == 0 && delete_keys.num_rows() == 0 {
             return Ok(None);
         }
@@ -394,9 +399,14 @@ impl TableStore {
         }
         self.index.account(self.key_bytes());
         self.account_metadata();
-        let staged = Staged { file_id, dv_additions: additions };
+        let staged = Staged { file_id, dv_additions: additions, max_seq };
         self.staged.push_back(staged.clone());
         Ok(Some(staged))
+    }
+
+    /// Every write with a sequence number up to this one is in committed files.
+    pub fn flushed_seq(&self) -> u64 {
+        self.flushed_seq
     }
 
     /// Flushes staged but not yet committed.
@@ -444,6 +454,7 @@ impl TableStore {
             schema: self.schema.as_ref().clone(),
             primary_key: self.primary_key.clone(),
             next_file_id: self.next_file_id,
+            flushed_seq: self.flushed_seq.max(st.max_seq),
             files,
         };
         Some(CommitPlan { data, dvs, manifest, obsolete, dir: self.dir.clone(), written_bytes: 0, vfs: Arc::clone(&self.vfs) })
@@ -467,6 +478,7 @@ impl TableStore {
             f.meta.bytes = plan.written_bytes;
         }
         self.version = plan.manifest.version;
+        self.flushed_seq = plan.manifest.flushed_seq;
         self.account_metadata();
     }
 

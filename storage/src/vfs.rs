@@ -103,6 +103,8 @@ struct FaultState {
     fail_at: Option<(u64, i32)>,
     fail_all: Option<i32>,
     stall: bool,
+    /// Only paths containing this are stalled (`None`: all).
+    stall_filter: Option<String>,
 }
 
 /// A [`Vfs`] over [`StdFs`] that injects faults. Every write-side operation is one step
@@ -145,7 +147,18 @@ impl FaultFs {
 
     /// Blocks every following write and fsync until [`Self::heal`].
     pub fn stall(&self) {
-        self.lock().stall = true;
+        let mut s = self.lock();
+        s.stall = true;
+        s.stall_filter = None;
+    }
+
+    /// Blocks following writes and fsyncs of files whose path contains `pattern` (for example
+    /// `".parquet"`: the background writer's data files, not the write-ahead log) until
+    /// [`Self::heal`].
+    pub fn stall_paths(&self, pattern: &str) {
+        let mut s = self.lock();
+        s.stall = true;
+        s.stall_filter = Some(pattern.to_owned());
     }
 
     /// True while an operation is blocked by [`Self::stall`].
@@ -164,10 +177,11 @@ impl FaultFs {
         self.inner.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn step(&self, op: FsOp) -> io::Result<()> {
+    fn step(&self, op: FsOp, path: &Path) -> io::Result<()> {
         let step = self.inner.steps.fetch_add(1, Ordering::AcqRel);
         let mut s = self.lock();
-        if s.stall && matches!(op, FsOp::Write | FsOp::Sync) {
+        let matches = |s: &FaultState| s.stall_filter.as_ref().is_none_or(|p| path.to_string_lossy().contains(p.as_str()));
+        if s.stall && matches!(op, FsOp::Write | FsOp::Sync) && matches(&s) {
             self.inner.stalled.store(true, Ordering::Release);
             while s.stall {
                 s = self.inner.cv.wait(s).unwrap_or_else(PoisonError::into_inner);
@@ -190,11 +204,12 @@ impl FaultFs {
 struct FaultFile {
     inner: Box<dyn VfsFile>,
     fs: FaultFs,
+    path: std::path::PathBuf,
 }
 
 impl Write for FaultFile {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.fs.step(FsOp::Write)?;
+        self.fs.step(FsOp::Write, &self.path)?;
         self.inner.write(buf)
     }
     fn flush(&mut self) -> io::Result<()> {
@@ -204,7 +219,7 @@ impl Write for FaultFile {
 
 impl VfsFile for FaultFile {
     fn sync_all(&mut self) -> io::Result<()> {
-        self.fs.step(FsOp::Sync)?;
+        self.fs.step(FsOp::Sync, &self.path)?;
         self.inner.sync_all()
     }
     fn len(&self) -> io::Result<u64> {
@@ -214,22 +229,22 @@ impl VfsFile for FaultFile {
 
 impl Vfs for FaultFs {
     fn create(&self, path: &Path) -> io::Result<Box<dyn VfsFile>> {
-        self.step(FsOp::Create)?;
-        Ok(Box::new(FaultFile { inner: StdFs.create(path)?, fs: self.clone() }))
+        self.step(FsOp::Create, path)?;
+        Ok(Box::new(FaultFile { inner: StdFs.create(path)?, fs: self.clone(), path: path.to_path_buf() }))
     }
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
-        self.step(FsOp::Rename)?;
+        self.step(FsOp::Rename, to)?;
         StdFs.rename(from, to)
     }
     fn remove_file(&self, path: &Path) -> io::Result<()> {
         StdFs.remove_file(path)
     }
     fn create_dir(&self, path: &Path) -> io::Result<()> {
-        self.step(FsOp::CreateDir)?;
+        self.step(FsOp::CreateDir, path)?;
         StdFs.create_dir(path)
     }
     fn sync_dir(&self, path: &Path) -> io::Result<()> {
-        self.step(FsOp::SyncDir)?;
+        self.step(FsOp::SyncDir, path)?;
         StdFs.sync_dir(path)
     }
 }

@@ -43,7 +43,9 @@ fn stalled_writer_blocks_nothing() {
     a.insert(&composite_batch(&rows(0, 20_000))).unwrap();
     c.insert(&composite_batch(&rows(0, 20_000))).unwrap();
 
-    fs.stall();
+    // The background writer's data files stall; the write-ahead log keeps working (a stuck
+    // WAL disk would block durable writes by design).
+    fs.stall_paths(".parquet");
     let a2 = a.clone();
     let flusher = std::thread::spawn(move || a2.flush());
     wait_until("the writer to stall", || fs.is_stalled());
@@ -148,4 +150,31 @@ fn enospc_and_eio_at_every_flush_step() {
             step += 1;
         }
     }
+}
+
+#[test]
+fn wal_append_failure_rejects_the_write_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let fs = FaultFs::new();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20).vfs(Arc::new(fs.clone()))).unwrap();
+    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
+    t.insert(&composite_batch(&rows(0, 100))).unwrap();
+    let before = collect_composite(t.scan(ScanOptions::default()).unwrap());
+    let used = engine.memory().used();
+    for errno in [28, 5] {
+        fs.fail_all(errno);
+        let err = t.insert(&composite_batch(&rows(100, 50))).unwrap_err();
+        assert!(matches!(err, Error::Storage(_)), "{err:?}");
+        assert!(t.delete(&composite_keys(&[(1, 1)])).is_err());
+        assert!(t.upsert(&composite_batch(&rows(0, 10))).is_err());
+        fs.heal();
+        assert_eq!(collect_composite(t.scan(ScanOptions::default()).unwrap()), before);
+        assert!(engine.memory().used() <= used + (64 << 10), "no memory kept for a rejected write");
+    }
+    // Writes work again after the disk recovers, and survive a drop without close.
+    t.insert(&composite_batch(&rows(100, 50))).unwrap();
+    drop(t);
+    drop(engine);
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    assert_eq!(engine.table("t").unwrap().row_count().unwrap(), 150);
 }

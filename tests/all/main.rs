@@ -10,3 +10,4 @@ mod model;
 mod runtime;
 mod smoke;
 mod tpch;
+mod wal;

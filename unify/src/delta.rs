@@ -182,10 +182,18 @@ impl DeltaStore {
     /// Encodes and stores every row of `batch` (already validated by [`RowCodec::validate`];
     /// `keys` from [`crate::KeyEncoder::encode_batch`]) with sequence numbers `seq, seq+1, ...`.
     /// All memory is budgeted before the first row is written, so on error nothing changed.
+    /// `commit` runs after the budget is secured and before any row becomes visible (the
+    /// engine appends to its write-ahead log there); when it fails nothing is applied.
     ///
     /// # Errors
-    /// [`UnifyError::RowTooLarge`], [`UnifyError::Memory`].
-    pub fn apply_puts(&mut self, batch: &RecordBatch, keys: &Rows, seq: u64) -> Result<(), UnifyError> {
+    /// [`UnifyError::RowTooLarge`], [`UnifyError::Memory`], or `commit`'s error.
+    pub fn apply_puts<E: From<UnifyError>>(
+        &mut self,
+        batch: &RecordBatch,
+        keys: &Rows,
+        seq: u64,
+        commit: impl FnOnce() -> Result<(), E>,
+    ) -> Result<(), E> {
         let n = batch.num_rows();
         if n == 0 {
             return Ok(());
@@ -196,7 +204,11 @@ impl DeltaStore {
             batch.columns().iter().zip(kinds).map(|(a, k)| ColReader::new(a, *k)).collect();
         let sizes = codec.row_sizes(batch, keys, &readers)?;
         self.reserve_map(n)?;
-        self.arena.prepare(sizes.iter().copied())?;
+        self.arena.prepare(sizes.iter().copied()).map_err(UnifyError::from)?;
+        if let Err(e) = commit() {
+            self.arena.release_spare();
+            return Err(e);
+        }
 
         let bitmap_len = codec.bitmap_len();
         let fixed_start = bitmap_len;
@@ -206,7 +218,7 @@ impl DeltaStore {
         for (i, &size) in sizes.iter().enumerate() {
             let key = keys.row(i);
             let key = key.as_ref();
-            let (r, buf) = self.arena.alloc(size)?;
+            let (r, buf) = self.arena.alloc(size).map_err(UnifyError::from)?;
             buf[0] = OP_PUT;
             buf[1..9].copy_from_slice(&(seq + i as u64).to_le_bytes());
             buf[9..13].copy_from_slice(&(key.len() as u32).to_le_bytes());
@@ -276,19 +288,30 @@ impl DeltaStore {
 
     /// Deletes keys: `items` lists `(row index in keys, tombstone)`. With `tombstone` the key
     /// gets a tombstone row (an older layer may hold it); without, its entry here is removed.
-    /// All memory is budgeted first; on error nothing changed.
+    /// All memory is budgeted first and `commit` runs before anything changes (see
+    /// [`Self::apply_puts`]); on error nothing changed.
     ///
     /// # Errors
-    /// [`UnifyError::Memory`].
-    pub fn apply_deletes(&mut self, keys: &Rows, items: &[(usize, bool)], seq: u64) -> Result<(), UnifyError> {
+    /// [`UnifyError::Memory`], or `commit`'s error.
+    pub fn apply_deletes<E: From<UnifyError>>(
+        &mut self,
+        keys: &Rows,
+        items: &[(usize, bool)],
+        seq: u64,
+        commit: impl FnOnce() -> Result<(), E>,
+    ) -> Result<(), E> {
         let tomb: Vec<usize> = items.iter().filter(|(_, t)| *t).map(|(i, _)| *i).collect();
         self.reserve_map(tomb.len())?;
-        self.arena.prepare(tomb.iter().map(|&i| HEADER + keys.row(i).as_ref().len()))?;
+        self.arena.prepare(tomb.iter().map(|&i| HEADER + keys.row(i).as_ref().len())).map_err(UnifyError::from)?;
+        if let Err(e) = commit() {
+            self.arena.release_spare();
+            return Err(e);
+        }
         for (k, &(i, t)) in items.iter().enumerate() {
             let key = keys.row(i);
             let key = key.as_ref();
             if t {
-                let (r, buf) = self.arena.alloc(HEADER + key.len())?;
+                let (r, buf) = self.arena.alloc(HEADER + key.len()).map_err(UnifyError::from)?;
                 buf[0] = OP_DELETE;
                 buf[1..9].copy_from_slice(&(seq + k as u64).to_le_bytes());
                 buf[9..13].copy_from_slice(&(key.len() as u32).to_le_bytes());

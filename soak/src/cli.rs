@@ -75,7 +75,10 @@ impl Default for RunArgs {
 
 /// Parses a positive TPC-H scale factor (`0.1`, `1`).
 fn parse_scale(s: &str) -> Result<f64, String> {
-    let v: f64 = s.trim().parse().map_err(|_| format!("`{s}` is not a number (example: 0.1)"))?;
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number (example: 0.1)"))?;
     if !v.is_finite() || v <= 0.0 {
         return Err(format!("scale must be a positive number, got `{s}`"));
     }
@@ -94,7 +97,8 @@ fn parse_scale(s: &str) -> Result<f64, String> {
 /// # Errors
 /// A message naming the bad input and the accepted forms.
 pub fn parse_size(s: &str) -> Result<u64, String> {
-    const HELP: &str = "expected bytes or a size with unit, e.g. 268435456, 256MiB, 1GiB, 1.5GiB, 64MB";
+    const HELP: &str =
+        "expected bytes or a size with unit, e.g. 268435456, 256MiB, 1GiB, 1.5GiB, 64MB";
     let t = s.trim();
     if t.is_empty() {
         return Err(format!("empty size; {HELP}"));
@@ -102,7 +106,9 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     if t.starts_with('-') {
         return Err(format!("size `{s}` is negative; {HELP}"));
     }
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     let unit = unit.trim();
     if num.is_empty() || num == "." {
@@ -128,12 +134,17 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         return Err(format!("`{s}` is not a valid number; {HELP}"));
     }
     let parse = |d: &str| -> Result<u128, String> {
-        if d.is_empty() { Ok(0) } else { d.parse::<u128>().map_err(|_| format!("`{s}` is not a valid number; {HELP}")) }
+        if d.is_empty() {
+            Ok(0)
+        } else {
+            d.parse::<u128>()
+                .map_err(|_| format!("`{s}` is not a valid number; {HELP}"))
+        }
     };
     let scale = 10u128.pow(frac.len() as u32);
     let value = parse(int)? * scale + parse(frac)?;
     let bytes = value * multiplier;
-    if bytes % scale != 0 {
+    if !bytes.is_multiple_of(scale) {
         return Err(format!("`{s}` is not a whole number of bytes; {HELP}"));
     }
     let bytes = bytes / scale;
@@ -179,7 +190,10 @@ mod tests {
             ("1e9", "unknown unit"),
         ] {
             let err = parse_size(input).expect_err(input);
-            assert!(err.contains(needle), "`{input}` gave `{err}`, expected it to mention `{needle}`");
+            assert!(
+                err.contains(needle),
+                "`{input}` gave `{err}`, expected it to mention `{needle}`"
+            );
         }
     }
 
@@ -190,7 +204,15 @@ mod tests {
         assert!(cli.command.is_none());
         assert_eq!(cli.run.rounds, 200);
         assert_eq!(cli.run.memory_limit, 256 << 20);
-        let cli = Cli::try_parse_from(["gritdb-soak", "run", "--rounds", "3", "--memory-limit", "1GiB"]).expect("run");
+        let cli = Cli::try_parse_from([
+            "gritdb-soak",
+            "run",
+            "--rounds",
+            "3",
+            "--memory-limit",
+            "1GiB",
+        ])
+        .expect("run");
         match cli.command {
             Some(Command::Run(a)) => assert_eq!((a.rounds, a.memory_limit), (3, 1 << 30)),
             other => panic!("{other:?}"),

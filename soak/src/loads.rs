@@ -35,9 +35,9 @@ impl Sizes {
     /// Default sizes with `churn_tables` tables created and dropped per round.
     pub fn new(churn_tables: u32) -> Self {
         Self {
-            refresh_parts: 5,
-            lineitem_update_parts: 3,
-            orders_update_parts: 3,
+            refresh_parts: 15,
+            lineitem_update_parts: 20,
+            orders_update_parts: 10,
             churn_tables,
             mixed_tables: 50,
             mixed_keys: 1000,
@@ -70,7 +70,7 @@ impl Outcome {
     }
 }
 
-/// SplitMix64: a small, seeded, reproducible generator for the soak's choices.
+/// `SplitMix64`: a small, seeded, reproducible generator for the soak's choices.
 #[derive(Debug, Clone)]
 pub struct Rng(u64);
 
@@ -119,23 +119,41 @@ pub struct Soak {
 
 impl std::fmt::Debug for Soak {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Soak").field("engine", &self.engine).field("parts", &self.model.parts.len()).finish()
+        f.debug_struct("Soak")
+            .field("engine", &self.engine)
+            .field("scale", &self.scale)
+            .field("parts", &self.model.parts.len())
+            .finish_non_exhaustive()
     }
 }
 
 impl Soak {
     /// Creates `orders`, `lineitem` and the mixed tables in an empty engine.
     pub fn new(engine: Engine, scale: f64, sizes: Sizes, seed: u64) -> Result<Self> {
-        let orders = engine.create_table("orders", data::orders_schema(), &ORDERS_KEY).context("creating orders")?;
-        let lineitem =
-            engine.create_table("lineitem", data::lineitem_schema(), &LINEITEM_KEY).context("creating lineitem")?;
+        let orders = engine
+            .create_table("orders", data::orders_schema(), &ORDERS_KEY)
+            .context("creating orders")?;
+        let lineitem = engine
+            .create_table("lineitem", data::lineitem_schema(), &LINEITEM_KEY)
+            .context("creating lineitem")?;
         let mixed = (0..sizes.mixed_tables)
             .map(|i| {
-                engine.create_table(&format!("mixed_{i:02}"), data::mixed_schema(), &["id"]).context("creating mixed table")
+                engine
+                    .create_table(&format!("mixed_{i:02}"), data::mixed_schema(), &["id"])
+                    .context("creating mixed table")
             })
             .collect::<Result<Vec<_>>>()?;
         let model = Model::new(sizes.mixed_tables);
-        Ok(Self { engine, scale, sizes, lineitem, orders, mixed, model, rng: Rng::new(seed) })
+        Ok(Self {
+            engine,
+            scale,
+            sizes,
+            lineitem,
+            orders,
+            mixed,
+            model,
+            rng: Rng::new(seed),
+        })
     }
 
     /// The engine.
@@ -165,10 +183,18 @@ impl Soak {
         let lines = data::lineitems(self.scale, seq, 0)?;
         let mut rows = 0u64;
         for b in &orders {
-            rows += self.orders.insert(b).with_context(|| format!("RF1: inserting orders of part {seq}"))? as u64;
+            rows += self
+                .orders
+                .insert(b)
+                .with_context(|| format!("RF1: inserting orders of part {seq}"))?
+                as u64;
         }
         for b in &lines {
-            rows += self.lineitem.insert(b).with_context(|| format!("RF1: inserting lineitem of part {seq}"))? as u64;
+            rows += self
+                .lineitem
+                .insert(b)
+                .with_context(|| format!("RF1: inserting lineitem of part {seq}"))?
+                as u64;
         }
         let part = Part {
             lineitem_version: 0,
@@ -190,56 +216,108 @@ impl Soak {
             out.rows += self.insert_next_part()?;
         }
         // Parts that RF2 will not delete this round.
-        let keep: Vec<u64> = self.model.parts.keys().copied().skip(self.sizes.refresh_parts as usize).collect();
+        let keep: Vec<u64> = self
+            .model
+            .parts
+            .keys()
+            .copied()
+            .skip(self.sizes.refresh_parts as usize)
+            .collect();
         for seq in self.rng.choose(&keep, self.sizes.lineitem_update_parts) {
-            let part = self.model.parts.get_mut(&seq).context("part vanished from the model")?;
+            let part = self
+                .model
+                .parts
+                .get_mut(&seq)
+                .context("part vanished from the model")?;
             let version = part.lineitem_version + 1;
             let lines = data::lineitems(self.scale, seq, version)?;
             let mut updated = 0u64;
             for b in &lines {
-                updated += self.lineitem.update(b).with_context(|| format!("updating lineitem of part {seq}"))? as u64;
+                updated += self
+                    .lineitem
+                    .update(b)
+                    .with_context(|| format!("updating lineitem of part {seq}"))?
+                    as u64;
             }
             part.lineitem_version = version;
             part.lineitem = LineitemAgg::from_batches(&lines)?;
             if updated != part.lineitem.rows {
-                out.mismatch(format!("update of lineitem part {seq}: {updated} rows updated, model {}", part.lineitem.rows));
+                out.mismatch(format!(
+                    "update of lineitem part {seq}: {updated} rows updated, model {}",
+                    part.lineitem.rows
+                ));
             }
             out.rows += updated;
         }
         for seq in self.rng.choose(&keep, self.sizes.orders_update_parts) {
-            let part = self.model.parts.get_mut(&seq).context("part vanished from the model")?;
+            let part = self
+                .model
+                .parts
+                .get_mut(&seq)
+                .context("part vanished from the model")?;
             let version = part.orders_version + 1;
             let orders = data::orders(self.scale, seq, version)?;
             let mut updated = 0u64;
             for b in &orders {
-                updated += self.orders.update(b).with_context(|| format!("updating orders of part {seq}"))? as u64;
+                updated += self
+                    .orders
+                    .update(b)
+                    .with_context(|| format!("updating orders of part {seq}"))?
+                    as u64;
             }
             part.orders_version = version;
             part.orders = OrdersAgg::from_batches(&orders)?;
             if updated != part.orders.rows {
-                out.mismatch(format!("update of orders part {seq}: {updated} rows updated, model {}", part.orders.rows));
+                out.mismatch(format!(
+                    "update of orders part {seq}: {updated} rows updated, model {}",
+                    part.orders.rows
+                ));
             }
             out.rows += updated;
         }
-        let oldest: Vec<u64> = self.model.parts.keys().copied().take(self.sizes.refresh_parts as usize).collect();
+        let oldest: Vec<u64> = self
+            .model
+            .parts
+            .keys()
+            .copied()
+            .take(self.sizes.refresh_parts as usize)
+            .collect();
         for seq in oldest {
-            let part = self.model.parts.remove(&seq).context("part vanished from the model")?;
+            let part = self
+                .model
+                .parts
+                .remove(&seq)
+                .context("part vanished from the model")?;
             let mut deleted = 0u64;
             for b in data::lineitems(self.scale, seq, part.lineitem_version)? {
                 let keys = data::key_columns(&b, &LINEITEM_KEY)?;
-                deleted += self.lineitem.delete(&keys).with_context(|| format!("RF2: deleting lineitem of part {seq}"))? as u64;
+                deleted += self
+                    .lineitem
+                    .delete(&keys)
+                    .with_context(|| format!("RF2: deleting lineitem of part {seq}"))?
+                    as u64;
             }
             if deleted != part.lineitem.rows {
-                out.mismatch(format!("RF2 lineitem part {seq}: {deleted} rows deleted, model {}", part.lineitem.rows));
+                out.mismatch(format!(
+                    "RF2 lineitem part {seq}: {deleted} rows deleted, model {}",
+                    part.lineitem.rows
+                ));
             }
             out.rows += deleted;
             let mut deleted = 0u64;
             for b in data::orders(self.scale, seq, part.orders_version)? {
                 let keys = data::key_columns(&b, &ORDERS_KEY)?;
-                deleted += self.orders.delete(&keys).with_context(|| format!("RF2: deleting orders of part {seq}"))? as u64;
+                deleted += self
+                    .orders
+                    .delete(&keys)
+                    .with_context(|| format!("RF2: deleting orders of part {seq}"))?
+                    as u64;
             }
             if deleted != part.orders.rows {
-                out.mismatch(format!("RF2 orders part {seq}: {deleted} rows deleted, model {}", part.orders.rows));
+                out.mismatch(format!(
+                    "RF2 orders part {seq}: {deleted} rows deleted, model {}",
+                    part.orders.rows
+                ));
             }
             out.rows += deleted;
         }
@@ -253,7 +331,8 @@ impl Soak {
     fn accounted(&self) -> i64 {
         self.engine.release_cached_memory();
         let m = self.engine.memory();
-        m.used().saturating_sub(m.category_bytes(Category::FreeChunks)) as i64
+        m.used()
+            .saturating_sub(m.category_bytes(Category::FreeChunks)) as i64
     }
 
     /// Load 2: creates `churn_tables` tables over the create/drop schemas, measures the bytes
@@ -267,28 +346,48 @@ impl Soak {
         for i in 0..n {
             let (schema, key) = data::churn_schema(i);
             let name = format!("churn_r{round}_t{i}");
-            tables.push(self.engine.create_table(&name, schema, key).with_context(|| format!("creating {name}"))?);
+            tables.push(
+                self.engine
+                    .create_table(&name, schema, key)
+                    .with_context(|| format!("creating {name}"))?,
+            );
         }
         if n > 0 {
             out.empty_table_bytes = Some((self.accounted() - before) as f64 / n as f64);
         }
         for (i, t) in tables.iter().enumerate() {
             let rows = data::churn_rows(i, 1 + i % 4)?;
-            out.rows += t.insert(&rows).with_context(|| format!("inserting into {}", t.name()))? as u64;
+            out.rows += t
+                .insert(&rows)
+                .with_context(|| format!("inserting into {}", t.name()))?
+                as u64;
         }
         for (i, t) in tables.iter().enumerate() {
-            let count = t.row_count().with_context(|| format!("counting {}", t.name()))?;
+            let count = t
+                .row_count()
+                .with_context(|| format!("counting {}", t.name()))?;
             if count != 1 + (i % 4) as u64 {
-                out.mismatch(format!("{}: {count} rows, expected {}", t.name(), 1 + i % 4));
+                out.mismatch(format!(
+                    "{}: {count} rows, expected {}",
+                    t.name(),
+                    1 + i % 4
+                ));
             }
         }
         let names: Vec<String> = tables.iter().map(|t| t.name().to_owned()).collect();
         drop(tables);
         for name in &names {
-            self.engine.drop_table(name).with_context(|| format!("dropping {name}"))?;
+            self.engine
+                .drop_table(name)
+                .with_context(|| format!("dropping {name}"))?;
         }
         out.residual = Some(self.accounted() - before);
-        let left = self.engine.table_names().iter().filter(|t| t.starts_with("churn_")).count();
+        let left = self
+            .engine
+            .table_names()
+            .iter()
+            .filter(|t| t.starts_with("churn_"))
+            .count();
         if left > 0 {
             out.mismatch(format!("{left} dropped tables still listed"));
         }
@@ -301,7 +400,11 @@ impl Soak {
         let mut out = Outcome::default();
         let expect = self.model.lineitem();
         let mut q1 = LineitemAgg::default();
-        for b in self.lineitem.scan(ScanOptions::default().projection(model::Q1_COLUMNS)).context("Q1 scan")? {
+        for b in self
+            .lineitem
+            .scan(ScanOptions::default().projection(model::Q1_COLUMNS))
+            .context("Q1 scan")?
+        {
             q1.add_q1(&b.context("Q1 scan")?)?;
         }
         if let Some(d) = model::q1_diff(&expect, &q1) {
@@ -309,7 +412,11 @@ impl Soak {
         }
         let mut q6 = LineitemAgg::default();
         let mut q6_rows = 0u64;
-        for b in self.lineitem.scan(ScanOptions::default().projection(model::Q6_COLUMNS)).context("Q6 scan")? {
+        for b in self
+            .lineitem
+            .scan(ScanOptions::default().projection(model::Q6_COLUMNS))
+            .context("Q6 scan")?
+        {
             let b = b.context("Q6 scan")?;
             q6_rows += b.num_rows() as u64;
             q6.add_q6(&b)?;
@@ -322,7 +429,11 @@ impl Soak {
         }
         let expect_orders = self.model.orders();
         let mut orders = OrdersAgg::default();
-        for b in self.orders.scan(ScanOptions::default().projection(model::ORDERS_COLUMNS)).context("orders scan")? {
+        for b in self
+            .orders
+            .scan(ScanOptions::default().projection(model::ORDERS_COLUMNS))
+            .context("orders scan")?
+        {
             orders.add(&b.context("orders scan")?)?;
         }
         if orders != expect_orders {
@@ -349,16 +460,26 @@ impl Soak {
             let model = &mut self.model.mixed[t];
             match op {
                 0..50 => {
-                    let rows: Vec<(i64, i64)> =
-                        ids.iter().map(|&id| (id, self.rng.below(2_000_000) as i64 - 1_000_000)).collect();
-                    out.rows += table.upsert(&data::mixed_rows(&rows)?).with_context(|| format!("upsert into {}", table.name()))? as u64;
+                    let rows: Vec<(i64, i64)> = ids
+                        .iter()
+                        .map(|&id| (id, self.rng.below(2_000_000) as i64 - 1_000_000))
+                        .collect();
+                    out.rows += table
+                        .upsert(&data::mixed_rows(&rows)?)
+                        .with_context(|| format!("upsert into {}", table.name()))?
+                        as u64;
                     model.extend(rows);
                 }
                 50..75 => {
                     let expect = ids.iter().filter(|id| model.contains_key(id)).count();
-                    let got = table.delete(&data::mixed_keys(&ids)?).with_context(|| format!("delete from {}", table.name()))?;
+                    let got = table
+                        .delete(&data::mixed_keys(&ids)?)
+                        .with_context(|| format!("delete from {}", table.name()))?;
                     if got != expect {
-                        out.mismatch(format!("delete from {}: {got} rows deleted, model {expect}", table.name()));
+                        out.mismatch(format!(
+                            "delete from {}: {got} rows deleted, model {expect}",
+                            table.name()
+                        ));
                     }
                     for id in &ids {
                         model.remove(id);
@@ -370,13 +491,23 @@ impl Soak {
                         continue;
                     }
                     let mut existing: Vec<i64> = (0..k)
-                        .filter_map(|_| model.keys().nth(self.rng.below(model.len() as u64) as usize).copied())
+                        .filter_map(|_| {
+                            model
+                                .keys()
+                                .nth(self.rng.below(model.len() as u64) as usize)
+                                .copied()
+                        })
                         .collect();
                     existing.sort_unstable();
                     existing.dedup();
-                    let rows: Vec<(i64, i64)> =
-                        existing.iter().map(|&id| (id, self.rng.below(2_000_000) as i64 - 1_000_000)).collect();
-                    out.rows += table.update(&data::mixed_rows(&rows)?).with_context(|| format!("update of {}", table.name()))? as u64;
+                    let rows: Vec<(i64, i64)> = existing
+                        .iter()
+                        .map(|&id| (id, self.rng.below(2_000_000) as i64 - 1_000_000))
+                        .collect();
+                    out.rows += table
+                        .update(&data::mixed_rows(&rows)?)
+                        .with_context(|| format!("update of {}", table.name()))?
+                        as u64;
                     model.extend(rows);
                 }
                 _ => {
@@ -388,7 +519,10 @@ impl Soak {
                     if rows.is_empty() {
                         continue;
                     }
-                    out.rows += table.insert(&data::mixed_rows(&rows)?).with_context(|| format!("insert into {}", table.name()))? as u64;
+                    out.rows += table
+                        .insert(&data::mixed_rows(&rows)?)
+                        .with_context(|| format!("insert into {}", table.name()))?
+                        as u64;
                     model.extend(rows);
                 }
             }
@@ -396,12 +530,16 @@ impl Soak {
         let n = self.mixed.len();
         for j in 0..self.sizes.mixed_flush_per_round.min(n) {
             let t = &self.mixed[(round as usize * self.sizes.mixed_flush_per_round + j) % n];
-            t.flush().with_context(|| format!("flushing {}", t.name()))?;
+            t.flush()
+                .with_context(|| format!("flushing {}", t.name()))?;
         }
         let mut bad = String::new();
         for (i, t) in self.mixed.iter().enumerate() {
             let mut agg = MixedAgg::default();
-            for b in t.scan(ScanOptions::default().projection(["id", "v"])).with_context(|| format!("scanning {}", t.name()))? {
+            for b in t
+                .scan(ScanOptions::default().projection(["id", "v"]))
+                .with_context(|| format!("scanning {}", t.name()))?
+            {
                 agg.add(&b.with_context(|| format!("scanning {}", t.name()))?)?;
             }
             let expect = self.model.mixed_agg(i);

@@ -1,6 +1,6 @@
 //! `soak.svg`: memory against the round, and the key index / file count below it.
 //!
-//! Top panel (MiB): RSS, VmHWM, engine used, outside-engine, allocator resident, and the
+//! Top panel (MiB): RSS, `VmHWM`, engine used, outside-engine, allocator resident, and the
 //! memory limit as a dashed line. Bottom panel: key-index MiB (left axis) and data files
 //! (right axis). Every sample is drawn: a round's four samples sit at `round - 0.75`,
 //! `- 0.5`, `- 0.25` and `round`; the base load at 0.
@@ -19,10 +19,14 @@ pub fn render(samples: &[Sample], title: &str, path: &Path) -> Result<()> {
     {
         let root = SVGBackend::with_string(&mut svg, (1100, 800)).into_drawing_area();
         draw(&root, samples, title).map_err(|e| anyhow!("drawing the plot: {e}"))?;
-        root.present().map_err(|e| anyhow!("rendering the plot: {e}"))?;
+        root.present()
+            .map_err(|e| anyhow!("rendering the plot: {e}"))?;
     }
     std::fs::write(path, svg).with_context(|| format!("writing {}", path.display()))
 }
+
+/// A plotted figure: legend name, colour and how to read it from a sample.
+type Series = (&'static str, RGBColor, fn(&Sample) -> u64);
 
 type DrawResult = std::result::Result<(), Box<dyn std::error::Error>>;
 
@@ -32,12 +36,16 @@ fn draw(root: &DrawingArea<SVGBackend<'_>, Shift>, samples: &[Sample], title: &s
     let x_max = samples.iter().map(Sample::x).fold(1.0, f64::max);
     let limit = samples.last().map_or(0.0, |s| s.limit as f64 / MIB);
 
-    let series: [(&str, RGBColor, fn(&Sample) -> u64); 5] = [
+    let series: [Series; 5] = [
         ("RSS", RGBColor(31, 119, 180), |s| s.rss),
         ("VmHWM", RGBColor(214, 39, 40), |s| s.vmhwm),
         ("engine used", RGBColor(44, 160, 44), |s| s.used),
-        ("outside-engine", RGBColor(255, 127, 14), |s| s.outside_engine),
-        ("allocator resident", RGBColor(148, 103, 189), |s| s.alloc_resident),
+        ("outside-engine", RGBColor(255, 127, 14), |s| {
+            s.outside_engine
+        }),
+        ("allocator resident", RGBColor(148, 103, 189), |s| {
+            s.alloc_resident
+        }),
     ];
     let y_max = samples
         .iter()
@@ -60,12 +68,22 @@ fn draw(root: &DrawingArea<SVGBackend<'_>, Shift>, samples: &[Sample], title: &s
         .draw()?;
     for (name, color, f) in series {
         chart
-            .draw_series(LineSeries::new(samples.iter().map(|s| (s.x(), f(s) as f64 / MIB)), color.stroke_width(2)))?
+            .draw_series(LineSeries::new(
+                samples.iter().map(|s| (s.x(), f(s) as f64 / MIB)),
+                color.stroke_width(2),
+            ))?
             .label(name)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+            });
     }
     chart
-        .draw_series(DashedLineSeries::new([(0.0, limit), (x_max, limit)], 8, 6, BLACK.stroke_width(2)))?
+        .draw_series(DashedLineSeries::new(
+            [(0.0, limit), (x_max, limit)],
+            8,
+            6,
+            BLACK.stroke_width(2),
+        ))?
         .label(format!("memory limit ({limit:.0} MiB)"))
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK.stroke_width(2)));
     chart
@@ -75,7 +93,11 @@ fn draw(root: &DrawingArea<SVGBackend<'_>, Shift>, samples: &[Sample], title: &s
         .border_style(BLACK)
         .draw()?;
 
-    let ki_max = samples.iter().map(|s| s.key_index_bytes as f64 / MIB).fold(1.0, f64::max) * 1.1;
+    let ki_max = samples
+        .iter()
+        .map(|s| s.key_index_bytes as f64 / MIB)
+        .fold(1.0, f64::max)
+        * 1.1;
     let files_max = samples.iter().map(|s| s.files as f64).fold(1.0, f64::max) * 1.1;
     let mut low = ChartBuilder::on(&bottom)
         .margin(12)
@@ -90,15 +112,26 @@ fn draw(root: &DrawingArea<SVGBackend<'_>, Shift>, samples: &[Sample], title: &s
         .y_label_formatter(&|v| format!("{v:.1}"))
         .x_label_formatter(&|v| format!("{v:.0}"))
         .draw()?;
-    low.configure_secondary_axes().y_desc("data files").y_label_formatter(&|v| format!("{v:.0}")).draw()?;
+    low.configure_secondary_axes()
+        .y_desc("data files")
+        .y_label_formatter(&|v| format!("{v:.0}"))
+        .draw()?;
     let ki = RGBColor(23, 190, 207);
     let fc = RGBColor(127, 127, 127);
-    low.draw_series(LineSeries::new(samples.iter().map(|s| (s.x(), s.key_index_bytes as f64 / MIB)), ki.stroke_width(2)))?
-        .label("key index (MiB, left)")
-        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], ki.stroke_width(2)));
-    low.draw_secondary_series(LineSeries::new(samples.iter().map(|s| (s.x(), s.files as f64)), fc.stroke_width(2)))?
-        .label("data files (right)")
-        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], fc.stroke_width(2)));
+    low.draw_series(LineSeries::new(
+        samples
+            .iter()
+            .map(|s| (s.x(), s.key_index_bytes as f64 / MIB)),
+        ki.stroke_width(2),
+    ))?
+    .label("key index (MiB, left)")
+    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], ki.stroke_width(2)));
+    low.draw_secondary_series(LineSeries::new(
+        samples.iter().map(|s| (s.x(), s.files as f64)),
+        fc.stroke_width(2),
+    ))?
+    .label("data files (right)")
+    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], fc.stroke_width(2)));
     low.configure_series_labels()
         .position(SeriesLabelPosition::UpperLeft)
         .background_style(WHITE.mix(0.85))
@@ -124,7 +157,15 @@ mod tests {
         render(&samples, "test", &path).expect("render");
         let svg = std::fs::read_to_string(&path).expect("read");
         assert!(svg.starts_with("<svg"));
-        for label in ["RSS", "VmHWM", "engine used", "outside-engine", "memory limit", "memory (MiB)", "round"] {
+        for label in [
+            "RSS",
+            "VmHWM",
+            "engine used",
+            "outside-engine",
+            "memory limit",
+            "memory (MiB)",
+            "round",
+        ] {
             assert!(svg.contains(label), "missing {label}");
         }
         std::fs::remove_dir_all(&dir).expect("cleanup");

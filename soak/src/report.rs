@@ -16,9 +16,9 @@ pub struct Thresholds {
     pub warmup_fraction: f64,
     /// Slopes are only checked when at least this many rounds follow the warm-up.
     pub min_rounds_for_slopes: u32,
-    /// VmHWM slope limit as a fraction of the memory limit per round (0.0005 = 0.05%).
+    /// `VmHWM` slope limit as a fraction of the memory limit per round (0.0005 = 0.05%).
     pub vmhwm_slope_max_fraction_of_limit: f64,
-    /// VmHWM slope limit in bytes per round (the fraction applied to this run's limit).
+    /// `VmHWM` slope limit in bytes per round (the fraction applied to this run's limit).
     pub vmhwm_slope_max_bytes_per_round: f64,
     /// Outside-engine slope limit in bytes per round.
     pub outside_engine_slope_max_bytes_per_round: f64,
@@ -92,9 +92,9 @@ pub struct Summary {
     pub slope_checked: bool,
     /// Seconds from start to the last sample.
     pub wall_seconds: f64,
-    /// VmHWM at the end of round 1.
+    /// `VmHWM` at the end of round 1.
     pub vmhwm_first: u64,
-    /// VmHWM at the end of the last round.
+    /// `VmHWM` at the end of the last round.
     pub vmhwm_last: u64,
     /// RSS at the end of round 1.
     pub rss_first: u64,
@@ -108,7 +108,7 @@ pub struct Summary {
     pub engine_used_first: u64,
     /// Engine accounted bytes at the end of the last round.
     pub engine_used_last: u64,
-    /// Least-squares slope of end-of-round VmHWM after the warm-up, bytes per round.
+    /// Least-squares slope of end-of-round `VmHWM` after the warm-up, bytes per round.
     pub vmhwm_slope_bytes_per_round: Option<f64>,
     /// Least-squares slope of end-of-round RSS after the warm-up, bytes per round.
     pub rss_slope_bytes_per_round: Option<f64>,
@@ -132,6 +132,9 @@ pub struct Summary {
     pub empty_table_bytes: f64,
     /// Data files at the last sample.
     pub files_last: u64,
+    /// Manifest commits (flushes) per round over the persistent tables: (commits at the end
+    /// of the last round − commits after the base load) / rounds.
+    pub commits_per_round: f64,
     /// Key-index bytes at the last sample.
     pub key_index_bytes_last: u64,
     /// Duration and throughput per load.
@@ -174,7 +177,11 @@ pub fn fmt_bytes(v: f64) -> String {
         u += 1;
     }
     let sign = if v < 0.0 { "-" } else { "" };
-    if u == 0 { format!("{sign}{x:.0} B") } else { format!("{sign}{x:.1} {}", UNITS[u]) }
+    if u == 0 {
+        format!("{sign}{x:.0} B")
+    } else {
+        format!("{sign}{x:.1} {}", UNITS[u])
+    }
 }
 
 /// The last sample of each completed round (after load 4), by round.
@@ -184,7 +191,11 @@ pub fn end_of_round(samples: &[Sample]) -> Vec<&Sample> {
 
 /// Computes the summary of `samples`. `error` is the error that stopped the run, if any;
 /// `config` is recorded as given.
-pub fn summarize(samples: &[Sample], error: Option<String>, config: serde_json::Value) -> Result<Summary> {
+pub fn summarize(
+    samples: &[Sample],
+    error: Option<String>,
+    config: serde_json::Value,
+) -> Result<Summary> {
     let last = samples.last().context("no samples")?;
     let limit = last.limit;
     let th = Thresholds::defaults(limit);
@@ -193,15 +204,32 @@ pub fn summarize(samples: &[Sample], error: Option<String>, config: serde_json::
     let warmup = th.warmup_rounds(rounds);
     let after: Vec<&&Sample> = ends.iter().filter(|s| s.round > warmup).collect();
     let slope_checked = after.len() >= th.min_rounds_for_slopes as usize;
-    let slope_of = |f: fn(&Sample) -> f64| slope(&after.iter().map(|s| (f64::from(s.round), f(s))).collect::<Vec<_>>());
+    let slope_of = |f: fn(&Sample) -> f64| {
+        slope(
+            &after
+                .iter()
+                .map(|s| (f64::from(s.round), f(s)))
+                .collect::<Vec<_>>(),
+        )
+    };
     let first = ends.first().copied();
     let lastr = ends.last().copied();
     let pick = |s: Option<&Sample>, f: fn(&Sample) -> u64| s.map_or(0, f);
 
     let verified = error.is_none() && rounds > 0 && samples.iter().all(|s| s.verified);
-    let used_max = samples.iter().map(|s| s.used as f64 / s.limit.max(1) as f64).fold(0.0, f64::max);
-    let residual = samples.iter().filter_map(|s| s.create_drop_residual).max().unwrap_or(0);
-    let empty = samples.iter().filter_map(|s| s.empty_table_bytes).fold(0.0, f64::max);
+    let used_max = samples
+        .iter()
+        .map(|s| s.used as f64 / s.limit.max(1) as f64)
+        .fold(0.0, f64::max);
+    let residual = samples
+        .iter()
+        .filter_map(|s| s.create_drop_residual)
+        .max()
+        .unwrap_or(0);
+    let empty = samples
+        .iter()
+        .filter_map(|s| s.empty_table_bytes)
+        .fold(0.0, f64::max);
     let vmhwm_slope = slope_of(|s| s.vmhwm as f64);
     let outside_slope = slope_of(|s| s.outside_engine as f64);
 
@@ -219,7 +247,11 @@ pub fn summarize(samples: &[Sample], error: Option<String>, config: serde_json::
                 count: of.len() as u32,
                 mean_ms: total_ms / of.len() as f64,
                 max_ms: of.iter().map(|s| s.load_ms).fold(0.0, f64::max),
-                rows_per_s: if total_ms > 0.0 { rows as f64 / (total_ms / 1000.0) } else { 0.0 },
+                rows_per_s: if total_ms > 0.0 {
+                    rows as f64 / (total_ms / 1000.0)
+                } else {
+                    0.0
+                },
             },
         );
     }
@@ -235,7 +267,11 @@ pub fn summarize(samples: &[Sample], error: Option<String>, config: serde_json::
         Check {
             name: name.to_owned(),
             value,
-            threshold: if checked { format!("<= {}/round", fmt_bytes(max)) } else { not_enough.clone() },
+            threshold: if checked {
+                format!("<= {}/round", fmt_bytes(max))
+            } else {
+                not_enough.clone()
+            },
             checked,
             pass: !checked || v.is_some_and(|v| v <= max),
         }
@@ -262,10 +298,22 @@ pub fn summarize(samples: &[Sample], error: Option<String>, config: serde_json::
             checked: true,
             pass: residual <= th.create_drop_residual_max_bytes,
         },
-        slope_check("VmHWM slope", vmhwm_slope, th.vmhwm_slope_max_bytes_per_round),
-        slope_check("outside-engine slope", outside_slope, th.outside_engine_slope_max_bytes_per_round),
+        slope_check(
+            "VmHWM slope",
+            vmhwm_slope,
+            th.vmhwm_slope_max_bytes_per_round,
+        ),
+        slope_check(
+            "outside-engine slope",
+            outside_slope,
+            th.outside_engine_slope_max_bytes_per_round,
+        ),
     ];
-    let verdict = if checks.iter().all(|c| c.pass) { "pass" } else { "fail" };
+    let verdict = if checks.iter().all(|c| c.pass) {
+        "pass"
+    } else {
+        "fail"
+    };
     Ok(Summary {
         rounds,
         verified,
@@ -297,6 +345,12 @@ pub fn summarize(samples: &[Sample], error: Option<String>, config: serde_json::
         create_drop_residual_bytes: residual,
         empty_table_bytes: empty,
         files_last: last.files,
+        commits_per_round: match (samples.iter().find(|s| s.load == Load::Base), lastr) {
+            (Some(b), Some(l)) if rounds > 0 => {
+                l.commits.saturating_sub(b.commits) as f64 / f64::from(rounds)
+            }
+            _ => 0.0,
+        },
         key_index_bytes_last: last.key_index_bytes,
         loads,
         thresholds: th,
@@ -320,33 +374,72 @@ impl Summary {
             b(self.limit_bytes),
             self.warmup_rounds
         );
-        let _ = writeln!(s, "{:<22} {:>12} {:>12} {:>16}", "figure", "round 1", "last round", "slope/round");
+        let _ = writeln!(
+            s,
+            "{:<22} {:>12} {:>12} {:>16}",
+            "figure", "round 1", "last round", "slope/round"
+        );
         let sl = |v: Option<f64>| v.map_or_else(|| "n/a".to_owned(), fmt_bytes);
         for (name, first, last, slope) in [
-            ("RSS", self.rss_first, self.rss_last, self.rss_slope_bytes_per_round),
-            ("VmHWM", self.vmhwm_first, self.vmhwm_last, self.vmhwm_slope_bytes_per_round),
-            ("outside-engine", self.outside_engine_first, self.outside_engine_last, self.outside_engine_slope_bytes_per_round),
-            ("engine used", self.engine_used_first, self.engine_used_last, self.engine_used_slope_bytes_per_round),
+            (
+                "RSS",
+                self.rss_first,
+                self.rss_last,
+                self.rss_slope_bytes_per_round,
+            ),
+            (
+                "VmHWM",
+                self.vmhwm_first,
+                self.vmhwm_last,
+                self.vmhwm_slope_bytes_per_round,
+            ),
+            (
+                "outside-engine",
+                self.outside_engine_first,
+                self.outside_engine_last,
+                self.outside_engine_slope_bytes_per_round,
+            ),
+            (
+                "engine used",
+                self.engine_used_first,
+                self.engine_used_last,
+                self.engine_used_slope_bytes_per_round,
+            ),
         ] {
-            let _ = writeln!(s, "{name:<22} {:>12} {:>12} {:>16}", b(first), b(last), sl(slope));
+            let _ = writeln!(
+                s,
+                "{name:<22} {:>12} {:>12} {:>16}",
+                b(first),
+                b(last),
+                sl(slope)
+            );
         }
         let _ = writeln!(
             s,
-            "files {}  key index {} ({}/round)  empty table {}  outside-engine share {:.1}%",
+            "files {}  flushes/round {:.1}  key index {} ({}/round)  empty table {}  outside-engine share {:.1}%",
             self.files_last,
+            self.commits_per_round,
             b(self.key_index_bytes_last),
             sl(self.key_index_slope_bytes_per_round),
             fmt_bytes(self.empty_table_bytes),
             self.outside_engine_share_last * 100.0
         );
-        let _ = writeln!(s, "{:<28} {:>18}  {:<40} result", "check", "value", "threshold");
+        let _ = writeln!(
+            s,
+            "{:<28} {:>18}  {:<40} result",
+            "check", "value", "threshold"
+        );
         for c in &self.checks {
             let result = match (c.checked, c.pass) {
                 (false, _) => "-",
                 (true, true) => "pass",
                 (true, false) => "FAIL",
             };
-            let _ = writeln!(s, "{:<28} {:>18}  {:<40} {result}", c.name, c.value, c.threshold);
+            let _ = writeln!(
+                s,
+                "{:<28} {:>18}  {:<40} {result}",
+                c.name, c.value, c.threshold
+            );
         }
         if let Some(e) = &self.error {
             let _ = writeln!(s, "error: {e}");
@@ -373,10 +466,18 @@ mod tests {
         assert_eq!(slope(&[]), None);
         assert_eq!(slope(&[(1.0, 5.0)]), None);
         assert_eq!(slope(&[(2.0, 1.0), (2.0, 3.0)]), None);
-        let line: Vec<(f64, f64)> = (0..10).map(|x| (f64::from(x), 3.0 * f64::from(x) + 7.0)).collect();
+        let line: Vec<(f64, f64)> = (0..10)
+            .map(|x| (f64::from(x), 3.0 * f64::from(x) + 7.0))
+            .collect();
         assert!((slope(&line).expect("slope") - 3.0).abs() < 1e-9);
         // Symmetric noise around a flat line gives slope 0.
-        let flat = [(1.0, 10.0), (2.0, 12.0), (3.0, 10.0), (4.0, 12.0), (5.0, 11.0)];
+        let flat = [
+            (1.0, 10.0),
+            (2.0, 12.0),
+            (3.0, 10.0),
+            (4.0, 12.0),
+            (5.0, 11.0),
+        ];
         assert!(slope(&flat).expect("slope").abs() < 0.5);
         let noisy = [(1.0, 1.0), (2.0, 3.0), (3.0, 2.0), (4.0, 5.0)];
         assert!((slope(&noisy).expect("slope") - 1.1).abs() < 1e-9);
@@ -417,7 +518,8 @@ mod tests {
         few[2].create_drop_residual = Some(4096);
         let sum = summarize(&few, None, serde_json::Value::Null).expect("summary");
         assert_eq!(sum.verdict, "fail");
-        let sum = summarize(&samples, Some("boom".into()), serde_json::Value::Null).expect("summary");
+        let sum =
+            summarize(&samples, Some("boom".into()), serde_json::Value::Null).expect("summary");
         assert!(!sum.verified);
         assert_eq!(sum.verdict, "fail");
     }

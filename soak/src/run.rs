@@ -30,11 +30,15 @@ fn holds_only_gritdb_files(dir: &Path) -> Result<bool> {
     for e in fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
         let e = e.with_context(|| format!("reading {}", dir.display()))?;
         let name = e.file_name();
-        let Some(name) = name.to_str() else { return Ok(false) };
+        let Some(name) = name.to_str() else {
+            return Ok(false);
+        };
         if !GRITDB_ENTRIES.contains(&name) {
             return Ok(false);
         }
-        let ty = e.file_type().with_context(|| format!("reading {}", e.path().display()))?;
+        let ty = e
+            .file_type()
+            .with_context(|| format!("reading {}", e.path().display()))?;
         if name == "LOCK" {
             if !ty.is_file() {
                 return Ok(false);
@@ -44,10 +48,15 @@ fn holds_only_gritdb_files(dir: &Path) -> Result<bool> {
         if !ty.is_dir() {
             return Ok(false);
         }
-        for t in fs::read_dir(e.path()).with_context(|| format!("reading {}", e.path().display()))? {
+        for t in
+            fs::read_dir(e.path()).with_context(|| format!("reading {}", e.path().display()))?
+        {
             let t = t.with_context(|| format!("reading {}", e.path().display()))?;
             let n = t.file_name();
-            let ok = n.to_str().and_then(|n| n.strip_prefix('t')).is_some_and(|id| !id.is_empty() && id.bytes().all(|b| b.is_ascii_digit()));
+            let ok = n
+                .to_str()
+                .and_then(|n| n.strip_prefix('t'))
+                .is_some_and(|id| !id.is_empty() && id.bytes().all(|b| b.is_ascii_digit()));
             if !ok {
                 return Ok(false);
             }
@@ -61,7 +70,10 @@ fn holds_only_gritdb_files(dir: &Path) -> Result<bool> {
 fn prepare_data_dir(dir: &Path) -> Result<DataDir> {
     if !dir.exists() {
         fs::create_dir_all(dir).with_context(|| format!("creating data dir {}", dir.display()))?;
-        return Ok(DataDir { path: dir.to_path_buf(), fresh: false });
+        return Ok(DataDir {
+            path: dir.to_path_buf(),
+            fresh: false,
+        });
     }
     if !dir.is_dir() {
         bail!("--data-dir {} exists and is not a directory", dir.display());
@@ -69,7 +81,11 @@ fn prepare_data_dir(dir: &Path) -> Result<DataDir> {
     if holds_only_gritdb_files(dir)? {
         let lock_path = dir.join("LOCK");
         if lock_path.exists() {
-            let lock = File::options().read(true).write(true).open(&lock_path).with_context(|| format!("opening {}", lock_path.display()))?;
+            let lock = File::options()
+                .read(true)
+                .write(true)
+                .open(&lock_path)
+                .with_context(|| format!("opening {}", lock_path.display()))?;
             match lock.try_lock() {
                 Ok(()) => {}
                 Err(fs::TryLockError::WouldBlock) => {
@@ -80,7 +96,9 @@ fn prepare_data_dir(dir: &Path) -> Result<DataDir> {
                         holder.trim()
                     );
                 }
-                Err(fs::TryLockError::Error(e)) => return Err(e).with_context(|| format!("locking {}", lock_path.display())),
+                Err(fs::TryLockError::Error(e)) => {
+                    return Err(e).with_context(|| format!("locking {}", lock_path.display()));
+                }
             }
             drop(lock);
         }
@@ -93,9 +111,14 @@ fn prepare_data_dir(dir: &Path) -> Result<DataDir> {
             }
         }
         tracing::info!(dir = %dir.display(), "wiped the data dir of an earlier run");
-        return Ok(DataDir { path: dir.to_path_buf(), fresh: false });
+        return Ok(DataDir {
+            path: dir.to_path_buf(),
+            fresh: false,
+        });
     }
-    let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
     let sub = dir.join(format!("gritdb-soak-{stamp}-{}", std::process::id()));
     fs::create_dir(&sub).with_context(|| format!("creating {}", sub.display()))?;
     eprintln!(
@@ -103,7 +126,10 @@ fn prepare_data_dir(dir: &Path) -> Result<DataDir> {
         dir.display(),
         sub.display()
     );
-    Ok(DataDir { path: sub, fresh: true })
+    Ok(DataDir {
+        path: sub,
+        fresh: true,
+    })
 }
 
 /// Installs the tracing subscriber writing to `soak.log` (filter from `RUST_LOG`, default
@@ -112,7 +138,8 @@ fn init_logging(out: &Path) -> Result<()> {
     use tracing_subscriber::EnvFilter;
     let path = out.join("soak.log");
     let file = File::create(&path).with_context(|| format!("creating {}", path.display()))?;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,gritdb::writer=debug"));
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new("info,gritdb::writer=debug"));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::sync::Mutex::new(file))
@@ -141,11 +168,19 @@ impl Progress {
             bar.enable_steady_tick(Duration::from_millis(500));
             bar
         });
-        Self { bar, rounds, next_line: 1 }
+        Self {
+            bar,
+            rounds,
+            next_line: 1,
+        }
     }
 
     fn update(&mut self, round: u32, start: Instant, s: &Sample) {
-        let msg = format!("RSS {}  engine used {}", fmt_bytes(s.rss as f64), fmt_bytes(s.used as f64));
+        let msg = format!(
+            "RSS {}  engine used {}",
+            fmt_bytes(s.rss as f64),
+            fmt_bytes(s.used as f64)
+        );
         if let Some(bar) = &self.bar {
             bar.set_position(u64::from(round));
             bar.set_message(msg);
@@ -240,7 +275,12 @@ impl Runner {
         if let Some(m) = &outcome.mismatch {
             tracing::error!(round, load = load.name(), mismatch = %m, "verification failed");
         }
-        Ok(outcome.mismatch.map(|m| format!("verification failed in round {round}, {} load: {m}", load.name())))
+        Ok(outcome.mismatch.map(|m| {
+            format!(
+                "verification failed in round {round}, {} load: {m}",
+                load.name()
+            )
+        }))
     }
 }
 
@@ -266,18 +306,33 @@ fn config_json(args: &RunArgs, sizes: &Sizes, data_dir: &Path) -> serde_json::Va
 /// Set-up failures (output or data directory, engine open). Failures during the rounds are
 /// recorded in the summary and give `Ok(false)`.
 pub fn run(args: &RunArgs) -> Result<bool> {
-    fs::create_dir_all(&args.out).with_context(|| format!("creating output dir {}", args.out.display()))?;
+    fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating output dir {}", args.out.display()))?;
     init_logging(&args.out)?;
     let data_dir = prepare_data_dir(&args.data_dir)?;
-    let limit = usize::try_from(args.memory_limit).context("--memory-limit does not fit this platform's address size")?;
-    let engine = gritdb::Engine::open(&data_dir.path, gritdb::EngineConfig::default().memory_limit(limit))
-        .with_context(|| format!("opening the engine in {} with limit {}", data_dir.path.display(), fmt_bytes(limit as f64)))?;
+    let limit = usize::try_from(args.memory_limit)
+        .context("--memory-limit does not fit this platform's address size")?;
+    let engine = gritdb::Engine::open(
+        &data_dir.path,
+        gritdb::EngineConfig::default().memory_limit(limit),
+    )
+    .with_context(|| {
+        format!(
+            "opening the engine in {} with limit {}",
+            data_dir.path.display(),
+            fmt_bytes(limit as f64)
+        )
+    })?;
     let sizes = Sizes::new(args.tables);
     let config = config_json(args, &sizes, &data_dir.path);
     tracing::info!(%config, "soak starting");
     let soak = Soak::new(engine, args.scale, sizes, args.seed)?;
-    let mut runner =
-        Runner { soak, csv: Csv::create(args.out.join("soak.csv"))?, samples: Vec::new(), start: Instant::now() };
+    let mut runner = Runner {
+        soak,
+        csv: Csv::create(args.out.join("soak.csv"))?,
+        samples: Vec::new(),
+        start: Instant::now(),
+    };
 
     eprintln!(
         "gritdb-soak: {} rounds, {} tables/round, scale {}, limit {}, output {}",
@@ -290,7 +345,12 @@ pub fn run(args: &RunArgs) -> Result<bool> {
     let mut progress = Progress::new(args.rounds);
     let error = rounds(&mut runner, args, &mut progress);
     progress.finish();
-    let Runner { soak, samples, start, .. } = runner;
+    let Runner {
+        soak,
+        samples,
+        start,
+        ..
+    } = runner;
     let error = match (error, soak.close()) {
         (Err(e), _) | (Ok(()), Err(e)) => Some(format!("{e:#}")),
         (Ok(()), Ok(())) => None,
@@ -299,11 +359,15 @@ pub fn run(args: &RunArgs) -> Result<bool> {
         tracing::error!(error = %e, "soak stopped");
     }
     if data_dir.fresh {
-        fs::remove_dir_all(&data_dir.path).with_context(|| format!("removing {}", data_dir.path.display()))?;
+        fs::remove_dir_all(&data_dir.path)
+            .with_context(|| format!("removing {}", data_dir.path.display()))?;
     }
     tracing::info!(wall_s = start.elapsed().as_secs_f64(), "soak finished");
     if samples.is_empty() {
-        bail!("the soak stopped before its first sample: {}", error.unwrap_or_default());
+        bail!(
+            "the soak stopped before its first sample: {}",
+            error.unwrap_or_default()
+        );
     }
     let summary = summarize(&samples, error, config)?;
     write_outputs(&summary, &samples, &args.out)?;
@@ -327,7 +391,10 @@ fn rounds(runner: &mut Runner, args: &RunArgs, progress: &mut Progress) -> Resul
         }
         if args.duration > 0 && runner.start.elapsed() >= limit {
             tracing::info!(round, "--duration reached");
-            eprintln!("gritdb-soak: --duration {} s reached after round {round}", args.duration);
+            eprintln!(
+                "gritdb-soak: --duration {} s reached after round {round}",
+                args.duration
+            );
             break;
         }
     }
@@ -344,7 +411,10 @@ fn write_outputs(summary: &Summary, samples: &[Sample], out: &Path) -> Result<()
     );
     plot::render(samples, &title, &out.join("soak.svg"))?;
     println!("{}", summary.table());
-    println!("wrote {0}/soak.csv, {0}/summary.json, {0}/soak.svg, {0}/soak.log", out.display());
+    println!(
+        "wrote {0}/soak.csv, {0}/summary.json, {0}/soak.svg, {0}/soak.log",
+        out.display()
+    );
     Ok(())
 }
 
@@ -358,9 +428,18 @@ pub fn report(dir: &Path) -> Result<bool> {
     if samples.is_empty() {
         bail!("{} has no samples", dir.join("soak.csv").display());
     }
-    let old: Option<serde_json::Value> = fs::read_to_string(dir.join("summary.json")).ok().and_then(|s| serde_json::from_str(&s).ok());
-    let config = old.as_ref().and_then(|o| o.get("config").cloned()).unwrap_or(serde_json::Value::Null);
-    let error = old.as_ref().and_then(|o| o.get("error")).and_then(|e| e.as_str()).map(str::to_owned);
+    let old: Option<serde_json::Value> = fs::read_to_string(dir.join("summary.json"))
+        .ok()
+        .and_then(|s| serde_json::from_str(&s).ok());
+    let config = old
+        .as_ref()
+        .and_then(|o| o.get("config").cloned())
+        .unwrap_or(serde_json::Value::Null);
+    let error = old
+        .as_ref()
+        .and_then(|o| o.get("error"))
+        .and_then(|e| e.as_str())
+        .map(str::to_owned);
     let summary = summarize(&samples, error, config)?;
     write_outputs(&summary, &samples, dir)?;
     Ok(summary.verdict == "pass")
@@ -371,7 +450,8 @@ mod tests {
     use super::*;
 
     fn tmp(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("gritdb-soak-test-{name}-{}", std::process::id()));
+        let d =
+            std::env::temp_dir().join(format!("gritdb-soak-test-{name}-{}", std::process::id()));
         let _ = fs::remove_dir_all(&d);
         fs::create_dir_all(&d).expect("tmp dir");
         d
@@ -400,13 +480,17 @@ mod tests {
         let d = tmp("report");
         let mut csv = csv_header();
         csv.push('\n');
-        for s in std::iter::once(sample(0, Load::Base)).chain((1..=3).flat_map(|r| Load::ROUND.into_iter().map(move |l| sample(r, l)))) {
+        for s in std::iter::once(sample(0, Load::Base))
+            .chain((1..=3).flat_map(|r| Load::ROUND.into_iter().map(move |l| sample(r, l))))
+        {
             csv.push_str(&s.csv_line());
             csv.push('\n');
         }
         fs::write(d.join("soak.csv"), csv).expect("w");
         let pass = report(&d).expect("report");
-        let summary: serde_json::Value = serde_json::from_str(&fs::read_to_string(d.join("summary.json")).expect("r")).expect("json");
+        let summary: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(d.join("summary.json")).expect("r"))
+                .expect("json");
         assert_eq!(summary["rounds"], 3);
         assert_eq!(summary["slope_checked"], false);
         // The test samples carry a residual of -64 B and pass otherwise.

@@ -108,9 +108,11 @@ impl RowArena {
         let mut room = self.active_room();
         let mut chunks = 0usize;
         let mut oversize = 0usize;
+        let mut oversize_rows = 0usize;
         for len in sizes {
             if len > chunk {
                 oversize += len;
+                oversize_rows += 1;
             } else if len > room {
                 chunks += 1;
                 room = chunk - len;
@@ -118,15 +120,17 @@ impl RowArena {
                 room -= len;
             }
         }
+        // Room in the block table first, so the allocations below cannot fail on it.
+        self.reserve_blocks(chunks + oversize_rows)?;
         let have = self.spare.len();
         let need = chunks.saturating_sub(have);
         let mut got = Vec::with_capacity(need);
         for _ in 0..need {
-            match self.ctl.acquire_chunk(self.table.as_ref()) {
+            match self.ctl.take_chunk(self.table.as_ref()) {
                 Ok(c) => got.push(c),
                 Err(e) => {
                     for c in got {
-                        self.ctl.release_chunk(c, self.table.as_ref());
+                        self.ctl.put_chunk(c, self.table.as_ref());
                     }
                     return Err(e);
                 }
@@ -136,7 +140,7 @@ impl RowArena {
         if extra_oversize > 0 {
             if let Err(e) = self.ctl.try_reserve(Category::RowBlocks, self.table.as_ref(), extra_oversize) {
                 for c in got {
-                    self.ctl.release_chunk(c, self.table.as_ref());
+                    self.ctl.put_chunk(c, self.table.as_ref());
                 }
                 return Err(e);
             }
@@ -149,7 +153,7 @@ impl RowArena {
     /// Gives back chunks and oversize budget acquired by [`RowArena::prepare`] but not used.
     pub fn release_spare(&mut self) {
         for c in self.spare.drain(..) {
-            self.ctl.release_chunk(c, self.table.as_ref());
+            self.ctl.put_chunk(c, self.table.as_ref());
         }
         if self.prepaid_oversize > 0 {
             self.ctl.release(Category::RowBlocks, self.table.as_ref(), self.prepaid_oversize);
@@ -157,23 +161,32 @@ impl RowArena {
         }
     }
 
-    fn insert_block(&mut self, block: Block) -> Result<u32, MemoryError> {
+    /// Makes room in the block table for `n` more blocks, reserving its growth under
+    /// `metadata` first; after it, [`Self::insert_block`] cannot fail for those blocks.
+    fn reserve_blocks(&mut self, n: usize) -> Result<(), MemoryError> {
+        let needed = self.blocks.len() + n.saturating_sub(self.free_ids.len());
+        if needed <= self.blocks.capacity() {
+            return Ok(());
+        }
+        let new_cap = needed.max(self.blocks.capacity() * 2).max(4);
+        // Block headers plus one free-id slot (u32) per block.
+        let per_block = std::mem::size_of::<Option<Block>>() + std::mem::size_of::<u32>();
+        self.meta.try_resize(new_cap * per_block)?;
+        self.blocks.reserve_exact(new_cap - self.blocks.len());
+        // free_ids never holds more ids than there are blocks.
+        self.free_ids.reserve_exact(new_cap - self.free_ids.len());
+        Ok(())
+    }
+
+    /// Puts a block in the table; room was made by [`Self::reserve_blocks`].
+    fn insert_block(&mut self, block: Block) -> u32 {
         if let Some(id) = self.free_ids.pop() {
             self.blocks[id as usize] = Some(block);
-            return Ok(id);
+            return id;
         }
-        if self.blocks.len() == self.blocks.capacity() {
-            let new_cap = (self.blocks.capacity() * 2).max(4);
-            let header = std::mem::size_of::<Option<Block>>();
-            self.meta.try_resize(new_cap * header)?;
-            self.blocks.reserve_exact(new_cap - self.blocks.len());
-            // free_ids never holds more ids than there are blocks.
-            let id_cap = new_cap.saturating_sub(self.free_ids.capacity());
-            self.free_ids.reserve_exact(id_cap);
-            self.meta.try_resize(new_cap * (header + 4))?;
-        }
+        debug_assert!(self.blocks.len() < self.blocks.capacity(), "reserve_blocks first");
         self.blocks.push(Some(block));
-        Ok((self.blocks.len() - 1) as u32)
+        (self.blocks.len() - 1) as u32
     }
 
     /// Allocates `len` bytes for one row and returns its place and the bytes to fill.
@@ -183,30 +196,22 @@ impl RowArena {
     pub fn alloc(&mut self, len: usize) -> Result<(RowRef, &mut [u8]), MemoryError> {
         let chunk = self.ctl.chunk_size();
         let id = if len > chunk {
+            self.reserve_blocks(1)?;
             if self.prepaid_oversize >= len {
                 self.prepaid_oversize -= len;
             } else {
                 self.ctl.try_reserve(Category::RowBlocks, self.table.as_ref(), len)?;
             }
-            let block = Block { data: vec![0u8; len].into_boxed_slice(), used: 0, live: 0, oversize: true };
-            match self.insert_block(block) {
-                Ok(id) => id,
-                Err(e) => {
-                    self.ctl.release(Category::RowBlocks, self.table.as_ref(), len);
-                    return Err(e);
-                }
-            }
-        } else if self.active_room() >= len && self.active.is_some() {
-            self.active.unwrap_or_default()
+            self.insert_block(Block { data: vec![0u8; len].into_boxed_slice(), used: 0, live: 0, oversize: true })
+        } else if let Some(id) = self.active.filter(|_| self.active_room() >= len) {
+            id
         } else {
+            self.reserve_blocks(1)?;
             let data = match self.spare.pop() {
                 Some(c) => c,
-                None => self.ctl.acquire_chunk(self.table.as_ref())?,
+                None => self.ctl.take_chunk(self.table.as_ref())?,
             };
-            let id = match self.insert_block(Block { data, used: 0, live: 0, oversize: false }) {
-                Ok(id) => id,
-                Err(e) => return Err(e),
-            };
+            let id = self.insert_block(Block { data, used: 0, live: 0, oversize: false });
             if let Some(old) = self.active.replace(id) {
                 self.release_if_empty(old);
             }
@@ -269,7 +274,7 @@ impl RowArena {
             self.ctl.release(Category::RowBlocks, self.table.as_ref(), b.data.len());
         } else {
             self.bytes -= b.data.len();
-            self.ctl.release_chunk(b.data, self.table.as_ref());
+            self.ctl.put_chunk(b.data, self.table.as_ref());
         }
     }
 

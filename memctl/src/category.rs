@@ -49,6 +49,12 @@ impl Category {
         }
     }
 
+    /// The two categories the chunk pool moves chunks between. Their shared counters may lag
+    /// behind thread caches' fast paths; exact figures come from `pool_figures`.
+    pub(crate) const fn is_pool(self) -> bool {
+        matches!(self, Category::RowBlocks | Category::FreeChunks)
+    }
+
     pub(crate) const fn index(self) -> usize {
         self as usize
     }
@@ -81,6 +87,23 @@ impl Counters {
         let prev = self.current.fetch_sub(bytes, Ordering::AcqRel);
         debug_assert!(prev >= bytes, "category underflow: {prev} - {bytes}");
         self.frees.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Adds without touching the peak, wrapping (pool categories: see `is_pool`).
+    pub(crate) fn add_raw(&self, bytes: usize) {
+        self.current.fetch_add(bytes, Ordering::AcqRel);
+        self.allocs.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Subtracts, wrapping (pool categories).
+    pub(crate) fn sub_raw(&self, bytes: usize) {
+        self.sub_raw_n(bytes, 1);
+    }
+
+    /// Subtracts `bytes` released in `events` releases, wrapping (pool categories).
+    pub(crate) fn sub_raw_n(&self, bytes: usize, events: u64) {
+        self.current.fetch_sub(bytes, Ordering::AcqRel);
+        self.frees.fetch_add(events, Ordering::Relaxed);
     }
 
     pub(crate) fn get(&self) -> usize {

@@ -53,8 +53,10 @@ mod batch;
 mod category;
 mod controller;
 mod limit;
+mod pool;
 mod process;
 mod report;
+mod spin;
 
 pub use arena::{RowArena, RowRef};
 pub use batch::BatchBlock;
@@ -64,5 +66,6 @@ pub use controller::{
     DEFAULT_CHUNK_SIZE,
 };
 pub use limit::{default_memory_limit, physical_memory_bytes, cgroup_memory_limit};
+pub use pool::{PoolChunk, PoolStats};
 pub use process::{AllocatorKind, AllocatorStats, ProcessView};
 pub use report::{CategoryReport, MemoryReport, TableReport, format_bytes};

@@ -72,8 +72,30 @@ pub struct MemoryReport {
 impl MemoryController {
     /// A snapshot of every figure. Reads `/proc/self/status` and the allocator.
     pub fn report(&self) -> MemoryReport {
-        let categories =
-            Category::ALL.iter().map(|c| CategoryReport::from_counters(*c, &self.counters[c.index()])).collect();
+        self.observe_pool_peaks();
+        let pool = self.pool_figures();
+        let categories = Category::ALL
+            .iter()
+            .map(|c| {
+                let mut r = CategoryReport::from_counters(*c, &self.counters[c.index()]);
+                // Add the thread caches' unfolded moves (see MemoryController::pool_figures).
+                match c {
+                    Category::RowBlocks => {
+                        r.bytes = pool.row_bytes;
+                        r.allocs += pool.takes;
+                        r.frees += pool.puts;
+                    }
+                    Category::FreeChunks => {
+                        r.bytes = pool.free_bytes;
+                        r.allocs += pool.puts;
+                        r.frees += pool.takes;
+                    }
+                    _ => {}
+                }
+                r.peak_bytes = r.peak_bytes.max(r.bytes);
+                r
+            })
+            .collect();
         let tables = self
             .live_tables()
             .iter()

@@ -1,6 +1,6 @@
 //! Command line: `gritdb-soak [run] [OPTIONS]` and `gritdb-soak report DIR`.
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 
 /// Soak runner for gritdb: repeats rounds of four loads without restarting the engine and
@@ -21,6 +21,9 @@ pub struct Cli {
 pub enum Command {
     /// Run the soak (the default when no subcommand is given).
     Run(RunArgs),
+    /// Run a short soak per memory limit (each in its own process) and write a table and plot
+    /// of throughput, flushes and peak RSS against the limit, to help choose a limit.
+    Tune(TuneArgs),
     /// Re-render `soak.svg` and `summary.json` from the `soak.csv` of an earlier run.
     Report {
         /// The output directory of an earlier run (holds `soak.csv`).
@@ -56,6 +59,66 @@ pub struct RunArgs {
     /// Stop after the round during which this many seconds have passed (0 = no time bound).
     #[arg(long, default_value_t = 0)]
     pub duration: u64,
+    /// Global allocator: `jemalloc` (binary `gritdb-soak`) or `system` (glibc malloc, binary
+    /// `gritdb-soak-system`, started when this binary uses the other one).
+    #[arg(long, value_enum, default_value_t = Allocator::Jemalloc)]
+    pub allocator: Allocator,
+}
+
+/// The process's global allocator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Allocator {
+    /// jemalloc (`tikv-jemallocator`).
+    Jemalloc,
+    /// The system allocator (glibc malloc on Linux).
+    System,
+}
+
+impl Allocator {
+    /// The name used on the command line and in `summary.json`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Allocator::Jemalloc => "jemalloc",
+            Allocator::System => "system",
+        }
+    }
+
+    /// The binary built with this allocator.
+    pub const fn binary(self) -> &'static str {
+        match self {
+            Allocator::Jemalloc => "gritdb-soak",
+            Allocator::System => "gritdb-soak-system",
+        }
+    }
+}
+
+/// Options of `tune`.
+#[derive(Debug, Clone, Args)]
+pub struct TuneArgs {
+    /// Memory limits to try, comma separated (`64MiB,128MiB,256MiB,512MiB`).
+    #[arg(long, value_delimiter = ',', default_value = "64MiB,128MiB,256MiB,512MiB", value_parser = parse_size)]
+    pub limits: Vec<u64>,
+    /// Rounds per limit.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    pub rounds: u32,
+    /// Tables created and dropped per round.
+    #[arg(long, default_value_t = 500)]
+    pub tables: u32,
+    /// TPC-H scale factor of the window.
+    #[arg(long, default_value_t = 0.1, value_parser = parse_scale)]
+    pub scale: f64,
+    /// Output directory: `tune.csv`, `tune.svg`, and one soak output directory per limit.
+    #[arg(long, default_value = "./soak-tune")]
+    pub out: PathBuf,
+    /// Engine data directory (each limit uses a subdirectory of it).
+    #[arg(long, default_value = "./gritdb-data")]
+    pub data_dir: PathBuf,
+    /// Seed of the pseudo-random choices.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Global allocator of the soak runs.
+    #[arg(long, value_enum, default_value_t = Allocator::Jemalloc)]
+    pub allocator: Allocator,
 }
 
 impl Default for RunArgs {
@@ -69,6 +132,7 @@ impl Default for RunArgs {
             data_dir: PathBuf::from("./gritdb-data"),
             seed: 42,
             duration: 0,
+            allocator: Allocator::Jemalloc,
         }
     }
 }
@@ -223,5 +287,14 @@ mod tests {
         assert!(Cli::try_parse_from(["gritdb-soak", "--scale", "-1"]).is_err());
         let cli = Cli::try_parse_from(["gritdb-soak", "report", "/tmp/x"]).expect("report");
         assert!(matches!(cli.command, Some(Command::Report { .. })));
+        let cli = Cli::try_parse_from(["gritdb-soak", "--allocator", "system"]).expect("allocator");
+        assert_eq!(cli.run.allocator, Allocator::System);
+        let cli =
+            Cli::try_parse_from(["gritdb-soak", "tune", "--limits", "64MiB,1GiB"]).expect("tune");
+        match cli.command {
+            Some(Command::Tune(t)) => assert_eq!(t.limits, vec![64 << 20, 1 << 30]),
+            other => panic!("{other:?}"),
+        }
+        assert!(Cli::try_parse_from(["gritdb-soak", "tune", "--limits", "64MiB,0"]).is_err());
     }
 }

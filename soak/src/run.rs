@@ -1,7 +1,7 @@
 //! Running a soak: output files, data directory, logging, progress and the round loop; and
 //! the `report` command that re-renders an earlier run's summary and plot.
 
-use crate::cli::RunArgs;
+use crate::cli::{Allocator, RunArgs};
 use crate::loads::{Outcome, Sizes, Soak};
 use crate::report::{Summary, fmt_bytes, summarize};
 use crate::sample::{Load, LoadFigures, Sample, csv_header, read_csv};
@@ -284,7 +284,12 @@ impl Runner {
     }
 }
 
-fn config_json(args: &RunArgs, sizes: &Sizes, data_dir: &Path) -> serde_json::Value {
+fn config_json(
+    args: &RunArgs,
+    allocator: Allocator,
+    sizes: &Sizes,
+    data_dir: &Path,
+) -> serde_json::Value {
     serde_json::json!({
         "rounds_requested": args.rounds,
         "tables": args.tables,
@@ -293,7 +298,7 @@ fn config_json(args: &RunArgs, sizes: &Sizes, data_dir: &Path) -> serde_json::Va
         "seed": args.seed,
         "duration_s": args.duration,
         "data_dir": data_dir.display().to_string(),
-        "allocator": "jemalloc",
+        "allocator": allocator.name(),
         "parts": data::PARTS,
         "sizes": sizes,
         "gritdb_soak_version": env!("CARGO_PKG_VERSION"),
@@ -305,7 +310,7 @@ fn config_json(args: &RunArgs, sizes: &Sizes, data_dir: &Path) -> serde_json::Va
 /// # Errors
 /// Set-up failures (output or data directory, engine open). Failures during the rounds are
 /// recorded in the summary and give `Ok(false)`.
-pub fn run(args: &RunArgs) -> Result<bool> {
+pub fn run(args: &RunArgs, allocator: Allocator) -> Result<bool> {
     fs::create_dir_all(&args.out)
         .with_context(|| format!("creating output dir {}", args.out.display()))?;
     init_logging(&args.out)?;
@@ -324,7 +329,7 @@ pub fn run(args: &RunArgs) -> Result<bool> {
         )
     })?;
     let sizes = Sizes::new(args.tables);
-    let config = config_json(args, &sizes, &data_dir.path);
+    let config = config_json(args, allocator, &sizes, &data_dir.path);
     tracing::info!(%config, "soak starting");
     let soak = Soak::new(engine, args.scale, sizes, args.seed)?;
     let mut runner = Runner {
@@ -335,11 +340,12 @@ pub fn run(args: &RunArgs) -> Result<bool> {
     };
 
     eprintln!(
-        "gritdb-soak: {} rounds, {} tables/round, scale {}, limit {}, output {}",
+        "gritdb-soak: {} rounds, {} tables/round, scale {}, limit {}, allocator {}, output {}",
         args.rounds,
         args.tables,
         args.scale,
         fmt_bytes(args.memory_limit as f64),
+        allocator.name(),
         args.out.display()
     );
     let mut progress = Progress::new(args.rounds);
@@ -416,6 +422,34 @@ fn write_outputs(summary: &Summary, samples: &[Sample], out: &Path) -> Result<()
         out.display()
     );
     Ok(())
+}
+
+/// Runs the binary built with `allocator` (next to this executable) with this process's
+/// arguments; returns its exit status.
+///
+/// # Errors
+/// When the other binary is missing (with the command that builds it) or cannot be started.
+pub fn exec_sibling(allocator: Allocator) -> Result<u8> {
+    let me = std::env::current_exe().context("locating this executable")?;
+    let other = me.with_file_name(format!(
+        "{}{}",
+        allocator.binary(),
+        std::env::consts::EXE_SUFFIX
+    ));
+    if !other.exists() {
+        bail!(
+            "--allocator {} needs the binary {}; build it with `cargo build --release -p gritdb-soak --bins` \
+             (or run it directly: `cargo run --release -p gritdb-soak --bin {}`)",
+            allocator.name(),
+            other.display(),
+            allocator.binary()
+        );
+    }
+    let status = std::process::Command::new(&other)
+        .args(std::env::args_os().skip(1))
+        .status()
+        .with_context(|| format!("starting {}", other.display()))?;
+    Ok(status.code().map_or(2, |c| u8::try_from(c).unwrap_or(2)))
 }
 
 /// `gritdb-soak report DIR`: recomputes `summary.json` and `soak.svg` from `DIR/soak.csv`,

@@ -52,3 +52,4 @@ pub fn collect_composite(batches: impl IntoIterator<Item = gritdb::Result<Record
     }
     out
 }
+pub mod crash;

@@ -1,0 +1,353 @@
+//! Crash-consistency workload: a deterministic generator of keyed operations over several
+//! tables, with its own model. A child process executes the operations and prints `ACK n`
+//! after operation `n` returned; the parent kills it with SIGKILL at a random moment, reopens
+//! the data directory and checks the result against the model: every acknowledged operation
+//! present, nothing deleted back, no duplicate primary key, and the one operation that was in
+//! flight either fully applied or not at all.
+
+use crate::{Row, collect_composite, composite_batch, composite_keys, composite_schema};
+use gritdb::{Engine, EngineConfig, ScanOptions};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, BufReader, Write};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Table contents in the model.
+pub type TableModel = BTreeMap<(i64, i32), Row>;
+/// The whole database in the model (table name → rows).
+pub type DbModel = BTreeMap<String, TableModel>;
+
+/// One generated operation.
+#[derive(Debug, Clone)]
+pub enum Op {
+    /// Insert new keys.
+    Insert(String, Vec<((i64, i32), Row)>),
+    /// Upsert existing and new keys.
+    Upsert(String, Vec<((i64, i32), Row)>),
+    /// Update existing keys.
+    Update(String, Vec<((i64, i32), Row)>),
+    /// Delete keys (existing and absent).
+    Delete(String, Vec<(i64, i32)>),
+    /// Flush a table.
+    Flush(String),
+    /// Drop a table (the model forgets it).
+    Drop(String),
+    /// Create a table.
+    Create(String),
+}
+
+/// Deterministic operation generator with its model.
+pub struct Workload {
+    rng: StdRng,
+    /// The model after every generated operation.
+    pub model: DbModel,
+}
+
+const TABLES: [&str; 3] = ["c0", "c1", "c2"];
+
+impl Workload {
+    /// A generator for `seed`; the model starts with the three tables created empty.
+    pub fn new(seed: u64) -> Self {
+        let model = TABLES.iter().map(|t| ((*t).to_owned(), TableModel::new())).collect();
+        Self { rng: StdRng::seed_from_u64(seed), model }
+    }
+
+    fn row(&mut self, n: usize) -> Row {
+        let v = self.rng.random_bool(0.9).then(|| self.rng.random_range(-1000..1000));
+        let s = self.rng.random_bool(0.9).then(|| format!("v{n}-{}", self.rng.random_range(0..1000)));
+        (v, s)
+    }
+
+    fn key(&mut self) -> (i64, i32) {
+        (self.rng.random_range(0..400), self.rng.random_range(0..2))
+    }
+
+    /// The next operation; the model is updated as if it succeeded.
+    pub fn next_op(&mut self, n: usize) -> Op {
+        let live: Vec<String> = self.model.keys().cloned().collect();
+        if live.len() < TABLES.len() && self.rng.random_bool(0.3) {
+            let missing = TABLES.iter().find(|t| !self.model.contains_key(**t)).map(|t| (*t).to_owned());
+            if let Some(t) = missing {
+                self.model.insert(t.clone(), TableModel::new());
+                return Op::Create(t);
+            }
+        }
+        let table = live[self.rng.random_range(0..live.len())].clone();
+        let pick = self.rng.random_range(0..100);
+        let count = self.rng.random_range(1..25);
+        let mut keys: BTreeSet<(i64, i32)> = BTreeSet::new();
+        for _ in 0..count {
+            keys.insert(self.key());
+        }
+        let m = self.model.get(&table).cloned().unwrap_or_default();
+        match pick {
+            0..=34 => {
+                let rows: Vec<_> = keys.into_iter().filter(|k| !m.contains_key(k)).map(|k| (k, self.row(n))).collect();
+                if rows.is_empty() {
+                    return Op::Flush(table);
+                }
+                self.model.entry(table.clone()).or_default().extend(rows.clone());
+                Op::Insert(table, rows)
+            }
+            35..=59 => {
+                let rows: Vec<_> = keys.into_iter().map(|k| (k, self.row(n))).collect();
+                self.model.entry(table.clone()).or_default().extend(rows.clone());
+                Op::Upsert(table, rows)
+            }
+            60..=69 => {
+                let rows: Vec<_> = keys.into_iter().filter(|k| m.contains_key(k)).map(|k| (k, self.row(n))).collect();
+                if rows.is_empty() {
+                    return Op::Flush(table);
+                }
+                self.model.entry(table.clone()).or_default().extend(rows.clone());
+                Op::Update(table, rows)
+            }
+            70..=91 => {
+                let mut ks: Vec<_> = keys.into_iter().collect();
+                // Deletes of existing rows, flushed or not, and of absent keys.
+                ks.extend(m.keys().take(self.rng.random_range(0..5)).copied());
+                let t = self.model.entry(table.clone()).or_default();
+                for k in &ks {
+                    t.remove(k);
+                }
+                Op::Delete(table, ks)
+            }
+            92..=97 => Op::Flush(table),
+            _ => {
+                self.model.remove(&table);
+                Op::Drop(table)
+            }
+        }
+    }
+}
+
+/// Applies `op` to the engine.
+///
+/// # Errors
+/// Any engine error (the workload only generates valid operations, so this is a bug).
+pub fn execute(engine: &Engine, op: &Op) -> gritdb::Result<()> {
+    match op {
+        Op::Insert(t, rows) => engine.table(t)?.insert(&composite_batch(rows)).map(drop),
+        Op::Upsert(t, rows) => engine.table(t)?.upsert(&composite_batch(rows)).map(drop),
+        Op::Update(t, rows) => engine.table(t)?.update(&composite_batch(rows)).map(drop),
+        Op::Delete(t, keys) => engine.table(t)?.delete(&composite_keys(keys)).map(drop),
+        Op::Flush(t) => engine.table(t)?.flush().map(drop),
+        Op::Drop(t) => engine.drop_table(t),
+        Op::Create(t) => engine.create_table(t, composite_schema(), &["k1", "k2"]).map(drop),
+    }
+}
+
+/// Engine settings of the crash workload: small flush thresholds so background flushes and
+/// deletes of flushed rows happen often.
+pub fn crash_config() -> EngineConfig {
+    EngineConfig::default().memory_limit(64 << 20).table_flush_bytes(16 << 10)
+}
+
+/// Creates the initial tables (idempotent).
+///
+/// # Errors
+/// Engine errors.
+pub fn setup(engine: &Engine) -> gritdb::Result<()> {
+    for t in TABLES {
+        if engine.table(t).is_err() {
+            engine.create_table(t, composite_schema(), &["k1", "k2"])?;
+        }
+    }
+    Ok(())
+}
+
+/// The child side: opens `dir`, skips the first `start` operations of `seed`'s sequence
+/// (already applied), then executes operations forever, printing `ACK n` after each.
+///
+/// # Panics
+/// On any engine error (the parent sees the child exit and fails).
+pub fn child_main(dir: &Path, seed: u64, start: usize) -> ! {
+    let engine = Engine::open(dir, crash_config()).expect("child: open");
+    if start == 0 {
+        setup(&engine).expect("child: setup");
+    }
+    let mut w = Workload::new(seed);
+    for n in 0..start {
+        w.next_op(n);
+    }
+    let out = std::io::stdout();
+    for n in start.. {
+        let op = w.next_op(n);
+        execute(&engine, &op).unwrap_or_else(|e| panic!("child: op {n} {op:?} failed: {e}"));
+        let mut o = out.lock();
+        let _ = writeln!(o, "ACK {n}");
+        let _ = o.flush();
+    }
+    unreachable!("the loop runs until killed")
+}
+
+/// Result of a crash run.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct CrashReport {
+    /// Children killed.
+    pub kills: usize,
+    /// Operations acknowledged over all children.
+    pub acknowledged: usize,
+    /// Acknowledged rows missing after recovery (must be 0).
+    pub rows_lost: usize,
+    /// Deleted rows that came back (must be 0).
+    pub rows_resurrected: usize,
+    /// Rows whose value differs from both allowed outcomes (must be 0).
+    pub rows_wrong: usize,
+    /// Duplicate primary keys seen in scans (must be 0).
+    pub duplicate_keys: usize,
+    /// Temp files left visible after recovery (must be 0).
+    pub temp_files: usize,
+}
+
+impl CrashReport {
+    /// True when nothing was lost, resurrected, duplicated or left behind.
+    pub fn clean(&self) -> bool {
+        self.rows_lost == 0 && self.rows_resurrected == 0 && self.rows_wrong == 0 && self.duplicate_keys == 0 && self.temp_files == 0
+    }
+}
+
+fn read_db(engine: &Engine, dup: &mut usize) -> DbModel {
+    let mut out = DbModel::new();
+    for t in engine.table_names() {
+        let table = engine.table(&t).expect("listed table");
+        let batches: Vec<_> = table.scan(ScanOptions::default()).expect("scan").collect();
+        let rows: usize = batches.iter().map(|b| b.as_ref().map_or(0, arrow::array::RecordBatch::num_rows)).sum();
+        let m = collect_composite_lenient(batches);
+        *dup += rows - m.len();
+        out.insert(t, m);
+    }
+    out
+}
+
+fn collect_composite_lenient(batches: Vec<gritdb::Result<arrow::array::RecordBatch>>) -> TableModel {
+    // Like `collect_composite` but counting duplicates instead of panicking.
+    let mut all = TableModel::new();
+    for b in batches {
+        let one = collect_composite(std::iter::once(b));
+        all.extend(one);
+    }
+    all
+}
+
+fn diff(expected: &DbModel, got: &DbModel, report: &mut CrashReport) {
+    for (t, rows) in expected {
+        let g = got.get(t);
+        for (k, v) in rows {
+            match g.and_then(|g| g.get(k)) {
+                None => report.rows_lost += 1,
+                Some(x) if x != v => report.rows_wrong += 1,
+                Some(_) => {}
+            }
+        }
+    }
+    for (t, rows) in got {
+        let e = expected.get(t);
+        for k in rows.keys() {
+            if e.is_none_or(|e| !e.contains_key(k)) {
+                report.rows_resurrected += 1;
+            }
+        }
+    }
+}
+
+fn temp_files(dir: &Path) -> usize {
+    let mut n = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.to_string_lossy().ends_with(".tmp") {
+                n += 1;
+            }
+        }
+    }
+    n
+}
+
+/// The parent side: runs `kills` children (built by `child`, given the start operation), kills
+/// each with SIGKILL after a random number of acknowledged operations, and checks recovery.
+///
+/// # Panics
+/// When a child exits on its own or the data directory cannot be opened.
+pub fn run_parent(dir: &Path, seed: u64, kills: usize, child: impl Fn(usize) -> Command) -> CrashReport {
+    let mut report = CrashReport::default();
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
+    let mut applied = 0usize; // operations known applied
+    for _ in 0..kills {
+        let mut cmd = child(applied);
+        let mut proc = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().expect("spawn child");
+        let stdout = proc.stdout.take().expect("child stdout");
+        let target = rng.random_range(5..120);
+        let mut acked = None;
+        let start = Instant::now();
+        let mut lines = BufReader::new(stdout).lines();
+        let parse = |line: &str| line.strip_prefix("ACK ").and_then(|n| n.trim().parse::<usize>().ok());
+        for line in lines.by_ref() {
+            let Ok(line) = line else { break };
+            if let Some(n) = parse(&line) {
+                acked = Some(n);
+                if n + 1 - applied >= target || start.elapsed() > Duration::from_secs(20) {
+                    break;
+                }
+            }
+        }
+        let _ = proc.kill(); // SIGKILL on Unix
+        let status = proc.wait().expect("wait child");
+        // The child went on until the kill: its later acknowledgements are still in the pipe.
+        for line in lines.map_while(Result::ok) {
+            if let Some(n) = parse(&line) {
+                acked = Some(n);
+            }
+        }
+        assert!(!status.success(), "child exited on its own: {status}");
+        report.kills += 1;
+        let acked_upto = acked.map_or(applied, |n| n + 1);
+        report.acknowledged += acked_upto - applied;
+        // Expected states: all acknowledged ops; or those plus the one in flight.
+        let mut w = Workload::new(seed);
+        for n in 0..acked_upto {
+            w.next_op(n);
+        }
+        let without = w.model.clone();
+        w.next_op(acked_upto);
+        let with = w.model.clone();
+        let engine = Engine::open(dir, crash_config()).expect("reopen after kill");
+        let mut dup = 0;
+        let got = read_db(&engine, &mut dup);
+        report.duplicate_keys += dup;
+        drop(engine);
+        report.temp_files += temp_files(dir);
+        if got == with && got != without {
+            applied = acked_upto + 1;
+        } else {
+            applied = acked_upto;
+            let before = report.clone();
+            diff(&without, &got, &mut report);
+            if !report.clean() && before.clean() && std::env::var("GRITDB_CRASH_DEBUG").is_ok() {
+                let mut w = Workload::new(seed);
+                for n in 0..=acked_upto {
+                    let op = w.next_op(n);
+                    if n + 8 >= acked_upto {
+                        eprintln!("op {n}: {op:?}");
+                    }
+                }
+                for (t, rows) in &got {
+                    let e = without.get(t);
+                    for (k, v) in rows {
+                        if e.and_then(|e| e.get(k)) != Some(v) {
+                            eprintln!("table {t} key {k:?}: got {v:?}, expected {:?}", e.and_then(|e| e.get(k)));
+                        }
+                    }
+                }
+                eprintln!("acked_upto {acked_upto} tables got {:?} expected {:?}", got.keys().collect::<Vec<_>>(), without.keys().collect::<Vec<_>>());
+            }
+        }
+    }
+    report
+}

@@ -267,6 +267,9 @@ impl MemoryController {
     ///
     /// Memory already held above a lowered limit is not taken back here: owners (the engine's
     /// writer) must flush; new reservations fail until `used` is below the limit again.
+    /// Cached empty chunks are trimmed to the new share at once (all of them when `used` is
+    /// above the new limit), and while `used` stays above it, released chunks go straight
+    /// back to the allocator instead of into a cache.
     ///
     /// # Errors
     /// [`MemoryError::Config`] when `bytes` is below two chunks.
@@ -274,7 +277,14 @@ impl MemoryController {
         Self::check_limit(bytes, self.chunk_size)?;
         let old = self.limit.swap(bytes, Ordering::AcqRel);
         tracing::info!(old_limit = old, new_limit = bytes, "memory limit changed");
+        let over = self.used() > bytes;
+        self.pool.over_limit.store(over, Ordering::Release);
         self.limit_changed();
+        if over {
+            // Above the new limit: no empty chunk stays cached (released ones are freed too,
+            // until `used` is back under the limit).
+            self.trim_free_chunks(0);
+        }
         Ok(())
     }
 
@@ -376,6 +386,9 @@ impl MemoryController {
     pub(crate) fn sub_used(&self, bytes: usize) {
         let prev = self.used.fetch_sub(bytes, Ordering::AcqRel);
         debug_assert!(prev >= bytes, "used underflow: {prev} - {bytes}");
+        if self.pool.over_limit.load(Ordering::Relaxed) && prev - bytes <= self.limit() {
+            self.pool.over_limit.store(false, Ordering::Release);
+        }
     }
 
     pub(crate) fn grow_used(&self, category: Category, bytes: usize) -> Result<(), MemoryError> {

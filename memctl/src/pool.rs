@@ -37,7 +37,7 @@ use crate::category::Category;
 use crate::controller::{MemoryController, MemoryError, TableAccount, lock};
 use crate::spin::SpinLock;
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicIsize, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicIsize, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -208,6 +208,9 @@ pub(crate) struct ChunkPool {
     free_chunk_divisor: usize,
     thread_cap: AtomicUsize,
     central_cap: AtomicUsize,
+    /// Set by `set_limit` when `used` is above the new limit, cleared when it is back under:
+    /// while set, released chunks bypass the caches. Read-mostly, beside the caps.
+    pub(crate) over_limit: AtomicBool,
     central: Padded<Mutex<CacheInner>>,
     slots: Padded<Mutex<Vec<Arc<Slot>>>>,
     /// Orders folds of thread-cache deltas against readers summing them. Lock order:
@@ -262,6 +265,7 @@ impl ChunkPool {
             free_chunk_divisor: free_chunk_divisor.max(1),
             thread_cap: AtomicUsize::new(0),
             central_cap: AtomicUsize::new(0),
+            over_limit: AtomicBool::new(false),
             central: Padded(Mutex::new(CacheInner { chunks: Vec::new(), idle: Idle::new() })),
             slots: Padded(Mutex::new(Vec::new())),
             fold: Padded(Mutex::new(())),
@@ -577,6 +581,15 @@ impl MemoryController {
         debug_assert_eq!(chunk.len(), size, "chunk of another pool");
         if let Some(t) = table {
             t.0.counters[Category::RowBlocks.index()].sub(size);
+        }
+        if self.pool.over_limit.load(Ordering::Relaxed) {
+            // Above a lowered limit: give the memory back instead of caching it.
+            self.counter_sub(Category::RowBlocks, size);
+            drop(chunk);
+            self.pool.stats.returned.fetch_add(1, Ordering::Relaxed);
+            self.sub_used(size);
+            self.notify_release();
+            return;
         }
         let mut chunk = Some(chunk);
         let cap = self.pool.thread_cap.load(Ordering::Relaxed);

@@ -1,14 +1,14 @@
 use crate::error::StorageError;
 use arrow_array::{ArrayRef, RecordBatch};
 use arrow_row::{RowConverter, Rows, SortField};
-use arrow_schema::SchemaRef;
+use arrow_schema::{DataType, SchemaRef};
 use gritdb_memctl::{Category, MemoryController, Reservation, TableAccount};
-use hashbrown::{DefaultHashBuilder, HashTable};
+use std::cmp::Ordering;
 use std::collections::BTreeMap;
 use std::hash::BuildHasher;
 use std::sync::Arc;
 
-/// Where a live key's row is: data file id and row position in that file.
+/// Where a key's row is: data file id and row position in that file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Loc {
     /// Data file id.
@@ -17,47 +17,133 @@ pub struct Loc {
     pub row: u32,
 }
 
-/// The primary keys of one data file, row by row, as `arrow-row` bytes.
+/// How primary keys are stored in the index.
 ///
-/// Fixed-width keys (every key column a primitive type) are stored back to back with no
-/// offsets; variable-width keys keep `u32` end offsets.
+/// Keys arrive as `arrow-row` bytes. For keys whose columns are all fixed-width (integers,
+/// dates, decimals, ...) every column's encoding is one validity byte followed by the value
+/// bytes; primary keys are never null, so the validity byte is always the same and is
+/// dropped: two `Int64` columns take 16 bytes instead of 18. Other keys keep their full
+/// encoding plus a `u32` end offset per key. Dropping a constant byte keeps memcmp order.
+#[derive(Debug, Clone)]
+pub(crate) enum KeyLayout {
+    /// Widths of each fixed-width column's value (without its validity byte).
+    Fixed(Vec<usize>),
+    /// Variable-width keys, stored as encoded.
+    Var,
+}
+
+impl KeyLayout {
+    fn for_types(types: &[DataType]) -> Self {
+        let widths: Option<Vec<usize>> = types.iter().map(|t| if t.is_primitive() { t.primitive_width() } else { None }).collect();
+        match widths {
+            Some(w) => KeyLayout::Fixed(w),
+            None => KeyLayout::Var,
+        }
+    }
+
+    fn width(&self) -> Option<usize> {
+        match self {
+            KeyLayout::Fixed(w) => Some(w.iter().sum()),
+            KeyLayout::Var => None,
+        }
+    }
+
+    /// Writes the stored form of an `arrow-row` key into `out`; false when the key does not
+    /// have this layout's shape.
+    fn compact_into(&self, key: &[u8], out: &mut Vec<u8>) -> bool {
+        out.clear();
+        match self {
+            KeyLayout::Var => out.extend_from_slice(key),
+            KeyLayout::Fixed(widths) => {
+                let mut at = 0;
+                for w in widths {
+                    if key.len() < at + 1 + w {
+                        return false;
+                    }
+                    out.extend_from_slice(&key[at + 1..at + 1 + w]);
+                    at += 1 + w;
+                }
+                if at != key.len() {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+}
+
+const BLOOM_BITS_PER_KEY: usize = 10;
+const BLOOM_PROBES: u32 = 7;
+
+/// Seeded, process-independent hash of stored key bytes (the same for every file's bloom
+/// filter and every lookup).
+fn key_hash(key: &[u8]) -> u64 {
+    foldhash::fast::FixedState::with_seed(0x6772_6974_6462).hash_one(key)
+}
+
+/// The primary keys of one data file in row order — which is key order, because every data
+/// file is written sorted by key — plus a bloom filter (10 bits per key, 7 probes, about 1%
+/// false positives).
 #[derive(Debug, Default)]
 pub struct FileKeys {
     data: Vec<u8>,
     ends: Vec<u32>,
     width: usize,
     len: usize,
+    bloom: Vec<u64>,
 }
 
 impl FileKeys {
-    /// Copies the keys of `rows` (all of them, in order).
-    pub fn from_rows(rows: &Rows) -> Self {
+    fn build(rows: &Rows, layout: &KeyLayout) -> Result<Self, String> {
         let len = rows.num_rows();
-        let total: usize = rows.iter().map(|r| r.as_ref().len()).sum();
-        let width = if len > 0 && rows.iter().all(|r| r.as_ref().len() == total / len) && total % len == 0 {
-            total / len
-        } else {
-            0
-        };
-        let mut data = Vec::with_capacity(total);
+        let width = layout.width().unwrap_or(0);
+        let mut data = Vec::with_capacity(if width > 0 { len * width } else { rows.iter().map(|r| r.as_ref().len()).sum() });
         let mut ends = Vec::with_capacity(if width == 0 { len } else { 0 });
+        let mut buf = Vec::new();
+        let bits = (len * BLOOM_BITS_PER_KEY).div_ceil(64).max(1);
+        let mut bloom = vec![0u64; bits];
+        let mut prev: Option<Vec<u8>> = None;
         for r in rows {
-            data.extend_from_slice(r.as_ref());
+            if !layout.compact_into(r.as_ref(), &mut buf) {
+                return Err("key does not match the key layout".into());
+            }
+            if prev.as_deref().is_some_and(|p| p >= buf.as_slice()) {
+                return Err("keys are not strictly ascending (data files are written sorted by key)".into());
+            }
+            data.extend_from_slice(&buf);
             if width == 0 {
                 ends.push(data.len() as u32);
             }
+            bloom_set(&mut bloom, key_hash(&buf));
+            prev = Some(buf.clone());
         }
-        Self { data, ends, width, len }
+        Ok(Self { data, ends, width, len, bloom })
     }
 
-    /// Key bytes of row `i`.
-    pub fn get(&self, i: usize) -> &[u8] {
+    /// Stored key of row `i`.
+    fn get(&self, i: usize) -> &[u8] {
         if self.width > 0 {
             &self.data[i * self.width..(i + 1) * self.width]
         } else {
             let start = if i == 0 { 0 } else { self.ends[i - 1] as usize };
             &self.data[start..self.ends[i] as usize]
         }
+    }
+
+    fn find(&self, key: &[u8], hash: u64) -> Option<u32> {
+        if !bloom_test(&self.bloom, hash) {
+            return None;
+        }
+        let (mut lo, mut hi) = (0usize, self.len);
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            match self.get(mid).cmp(key) {
+                Ordering::Less => lo = mid + 1,
+                Ordering::Greater => hi = mid,
+                Ordering::Equal => return Some(mid as u32),
+            }
+        }
+        None
     }
 
     /// Rows.
@@ -70,10 +156,31 @@ impl FileKeys {
         self.len == 0
     }
 
-    /// Heap bytes held (capacities).
+    /// Heap bytes held (capacities: key bytes, offsets, bloom filter).
     pub fn bytes(&self) -> usize {
-        self.data.capacity() + self.ends.capacity() * 4
+        self.data.capacity() + self.ends.capacity() * 4 + self.bloom.capacity() * 8
     }
+}
+
+fn bloom_probe(hash: u64, i: u32, bits: usize) -> (usize, u64) {
+    let h1 = hash as u32;
+    let h2 = (hash >> 32) as u32 | 1;
+    let bit = (h1.wrapping_add(i.wrapping_mul(h2)) as usize) % (bits * 64);
+    (bit / 64, 1u64 << (bit % 64))
+}
+
+fn bloom_set(bloom: &mut [u64], hash: u64) {
+    for i in 0..BLOOM_PROBES {
+        let (w, m) = bloom_probe(hash, i, bloom.len());
+        bloom[w] |= m;
+    }
+}
+
+fn bloom_test(bloom: &[u64], hash: u64) -> bool {
+    (0..BLOOM_PROBES).all(|i| {
+        let (w, m) = bloom_probe(hash, i, bloom.len());
+        bloom[w] & m != 0
+    })
 }
 
 /// Key encoder for the storage side: the same `arrow-row` encoding the delta store uses
@@ -88,110 +195,105 @@ pub(crate) fn encode_keys(conv: &RowConverter, batch: &RecordBatch, key_cols: &[
     Ok(conv.convert_columns(&cols)?)
 }
 
-/// Bytes of a `HashTable<Loc>` of `capacity` (entries of 8 bytes + 1 control byte per bucket,
-/// plus one trailing group of 16 control bytes; hashbrown keeps buckets × 7/8 usable).
-fn table_bytes(capacity: usize) -> usize {
-    if capacity == 0 {
-        return 0;
-    }
-    let buckets = if capacity < 8 { capacity + 1 } else { capacity / 7 * 8 };
-    buckets * (std::mem::size_of::<Loc>() + 1) + 16
-}
-
-/// Primary key → [`Loc`] for every live row of a table's data files, counted under
-/// `key_index` (hash table plus the per-file key stores).
+/// Primary key → [`Loc`] for a table's data files, counted under `key_index`.
 ///
-/// An empty index holds no table memory (0 bytes). Key bytes are not duplicated in the table:
-/// an entry is 8 bytes and its key is read from the file's [`FileKeys`] when compared, so a
-/// hash collision can never match a different key.
+/// Layout: per data file, its keys in row order (= key order) in one byte vector (fixed-width
+/// keys without offsets and without arrow-row's constant validity bytes) and a bloom filter.
+/// A lookup hashes the key once, skips files whose bloom filter says no, binary-searches the
+/// others and returns the occurrence that is not in its file's deletion vector (a key is live
+/// in at most one file). Equality is decided on the full key bytes, never on the hash.
+///
+/// Memory per indexed row: key bytes (16 for two `Int64` columns) + 10 bits of bloom filter;
+/// an empty table holds 0 bytes here.
 pub struct KeyIndex {
-    table: HashTable<Loc>,
-    hasher: DefaultHashBuilder,
+    layout: KeyLayout,
+    files: BTreeMap<u32, FileKeys>,
     res: Reservation,
 }
 
 impl std::fmt::Debug for KeyIndex {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KeyIndex").field("len", &self.table.len()).field("bytes", &self.res.size()).finish()
+        f.debug_struct("KeyIndex").field("files", &self.files.len()).field("bytes", &self.res.size()).finish()
     }
-}
-
-type Keys = BTreeMap<u32, FileKeys>;
-
-fn key_at(keys: &Keys, loc: Loc) -> &[u8] {
-    keys.get(&loc.file).map_or(&[][..], |k| k.get(loc.row as usize))
 }
 
 impl KeyIndex {
-    /// An empty index.
-    pub fn new(ctl: &Arc<MemoryController>, table: Option<&TableAccount>) -> Self {
-        Self { table: HashTable::new(), hasher: DefaultHashBuilder::default(), res: Reservation::new(ctl, Category::KeyIndex, table) }
+    /// An empty index for keys of `key_types`.
+    pub fn new(ctl: &Arc<MemoryController>, table: Option<&TableAccount>, key_types: &[DataType]) -> Self {
+        Self {
+            layout: KeyLayout::for_types(key_types),
+            files: BTreeMap::new(),
+            res: Reservation::new(ctl, Category::KeyIndex, table),
+        }
     }
 
-    /// Live keys.
-    pub fn len(&self) -> usize {
-        self.table.len()
+    /// Indexed rows over all files (deleted rows included until their file is rewritten).
+    pub fn rows(&self) -> usize {
+        self.files.values().map(FileKeys::len).sum()
     }
 
-    /// True when no key is indexed.
-    pub fn is_empty(&self) -> bool {
-        self.table.is_empty()
-    }
-
-    /// Accounted bytes (hash table + key stores).
+    /// Accounted bytes (key bytes, offsets and bloom filters of every file).
     pub fn bytes(&self) -> usize {
         self.res.size()
     }
 
-    /// Where `key` lives, if it is live in some file.
-    pub fn get(&self, key: &[u8], keys: &Keys) -> Option<Loc> {
-        let h = self.hasher.hash_one(key);
-        self.table.find(h, |l| key_at(keys, *l) == key).copied()
-    }
-
-    /// Budgets the table for `additional` more entries plus `key_bytes` of key stores in all.
-    pub(crate) fn reserve(&mut self, additional: usize, key_bytes: usize, keys: &Keys) -> Result<(), StorageError> {
-        let need = self.table.len() + additional;
-        if need > self.table.capacity() {
-            let new_cap = if need < 8 { 7.max(need) } else { (need * 8 / 7).next_power_of_two() / 8 * 7 };
-            // Old and new tables coexist while rehashing.
-            self.res.try_resize(table_bytes(self.table.capacity()) + table_bytes(new_cap) + key_bytes)?;
-            let hasher = &self.hasher;
-            self.table.reserve(need - self.table.len(), |l| hasher.hash_one(key_at(keys, *l)));
-        }
-        self.res.try_resize(table_bytes(self.table.capacity()) + key_bytes)?;
-        Ok(())
-    }
-
-    /// Re-states the accounted bytes after key stores were added or removed.
-    pub(crate) fn account(&mut self, key_bytes: usize) {
-        let want = table_bytes(self.table.capacity()) + key_bytes;
-        if self.res.try_resize(want).is_err() {
-            // Shrinking never fails; growing beyond the limit here only happens when stores
-            // were already budgeted by `reserve`.
-            tracing::warn!(want, "key index accounting above limit");
+    /// Indexes file `id` whose keys, in row order, are `rows` (must be strictly ascending).
+    /// The memory is budgeted before it is kept.
+    ///
+    /// # Errors
+    /// [`StorageError::Memory`]; `Err(detail)` via [`StorageError::CorruptFile`] at the caller
+    /// when the keys are not ascending.
+    pub(crate) fn add_file(&mut self, id: u32, rows: &Rows) -> Result<Result<(), String>, StorageError> {
+        let width = self.layout.width();
+        let estimate = match width {
+            Some(w) => rows.num_rows() * w,
+            None => rows.iter().map(|r| r.as_ref().len() + 4).sum(),
+        } + (rows.num_rows() * BLOOM_BITS_PER_KEY).div_ceil(64).max(1) * 8;
+        self.res.try_grow(estimate)?;
+        match FileKeys::build(rows, &self.layout) {
+            Ok(fk) => {
+                self.files.insert(id, fk);
+                self.account();
+                Ok(Ok(()))
+            }
+            Err(d) => {
+                self.account();
+                Ok(Err(d))
+            }
         }
     }
 
-    /// Points `key` at `loc`; returns the location it replaces. The key must be readable at
-    /// `loc` through `keys`. Call [`Self::reserve`] first.
-    pub(crate) fn insert(&mut self, key: &[u8], loc: Loc, keys: &Keys) -> Option<Loc> {
-        let h = self.hasher.hash_one(key);
-        if let Some(slot) = self.table.find_mut(h, |l| key_at(keys, *l) == key) {
-            return Some(std::mem::replace(slot, loc));
+    /// Forgets file `id`.
+    pub(crate) fn remove_file(&mut self, id: u32) {
+        self.files.remove(&id);
+        self.account();
+    }
+
+    fn account(&mut self) {
+        let bytes: usize = self.files.values().map(FileKeys::bytes).sum();
+        // Shrinking never fails; the growth was budgeted in `add_file`.
+        let _ = self.res.try_resize(bytes);
+    }
+
+    /// The live location of `key` (arrow-row bytes): the occurrence, newest file first, whose
+    /// row `deleted` does not report as deleted.
+    pub fn find(&self, key: &[u8], deleted: impl Fn(Loc) -> bool) -> Option<Loc> {
+        if self.files.is_empty() {
+            return None;
         }
-        let hasher = &self.hasher;
-        self.table.insert_unique(h, loc, |l| hasher.hash_one(key_at(keys, *l)));
+        let mut buf = Vec::with_capacity(key.len());
+        if !self.layout.compact_into(key, &mut buf) {
+            return None;
+        }
+        let h = key_hash(&buf);
+        for (id, fk) in self.files.iter().rev() {
+            if let Some(row) = fk.find(&buf, h) {
+                let loc = Loc { file: *id, row };
+                if !deleted(loc) {
+                    return Some(loc);
+                }
+            }
+        }
         None
     }
-
-    /// Removes `key`; returns where it was.
-    pub(crate) fn remove(&mut self, key: &[u8], keys: &Keys) -> Option<Loc> {
-        let h = self.hasher.hash_one(key);
-        match self.table.find_entry(h, |l| key_at(keys, *l) == key) {
-            Ok(e) => Some(e.remove().0),
-            Err(_) => None,
-        }
-    }
-
 }

@@ -1,5 +1,5 @@
 use crate::error::{StorageError, io};
-use crate::index::{FileKeys, KeyIndex, Loc, encode_keys, key_converter};
+use crate::index::{KeyIndex, Loc, encode_keys, key_converter};
 use crate::manifest::{FileMeta, MANIFEST_FILE, Manifest, write_atomic};
 use crate::vfs::Vfs;
 use crate::write::{WriteOptions, write_data_file};
@@ -105,7 +105,6 @@ pub struct TableStore {
     ctl: Arc<MemoryController>,
     account: Option<TableAccount>,
     files: BTreeMap<u32, DataFile>,
-    keys: BTreeMap<u32, FileKeys>,
     index: KeyIndex,
     version: u64,
     next_file_id: u32,
@@ -166,6 +165,7 @@ impl TableStore {
         ctl: &Arc<MemoryController>,
         account: Option<&TableAccount>,
     ) -> Self {
+        let key_types: Vec<_> = key_cols.iter().map(|&i| schema.field(i).data_type().clone()).collect();
         Self {
             dir: dir.to_path_buf(),
             name: name.to_owned(),
@@ -175,9 +175,8 @@ impl TableStore {
             conv,
             ctl: Arc::clone(ctl),
             account: account.cloned(),
+            index: KeyIndex::new(ctl, account, &key_types),
             files: BTreeMap::new(),
-            keys: BTreeMap::new(),
-            index: KeyIndex::new(ctl, account),
             version: 1,
             next_file_id: 1,
             staged: VecDeque::new(),
@@ -235,20 +234,11 @@ impl TableStore {
             };
             let path = dir.join(&f.name);
             let keys = s.read_keys(&path, f.rows)?;
-            s.index.reserve(keys.len(), s.key_bytes() + keys.bytes(), &s.keys)?;
-            s.keys.insert(f.id, keys);
-            let fk = &s.keys[&f.id];
-            for row in 0..fk.len() as u32 {
-                if !dv.contains(row) {
-                    let loc = Loc { file: f.id, row };
-                    if let Some(old) = s.index.insert(fk.get(row as usize), loc, &s.keys) {
-                        tracing::warn!(table = %s.name, ?old, ?loc, "duplicate live key across files; newer file wins");
-                    }
-                }
+            if let Err(detail) = s.index.add_file(f.id, &keys)? {
+                return Err(StorageError::CorruptFile { path, detail });
             }
             s.files.insert(f.id, DataFile { meta: f.clone(), pending: None, dv_live: dv.clone(), dv_committed: dv });
         }
-        s.index.account(s.key_bytes());
         if let Ok(rd) = fs::read_dir(dir) {
             for e in rd.flatten() {
                 let n = e.file_name().to_string_lossy().into_owned();
@@ -262,7 +252,7 @@ impl TableStore {
         Ok(s)
     }
 
-    fn read_keys(&self, path: &Path, rows: u64) -> Result<FileKeys, StorageError> {
+    fn read_keys(&self, path: &Path, rows: u64) -> Result<arrow_row::Rows, StorageError> {
         let corrupt = |detail: String| StorageError::CorruptFile { path: path.to_path_buf(), detail };
         let file = fs::File::open(path).map_err(io(path))?;
         let builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| corrupt(e.to_string()))?;
@@ -284,11 +274,16 @@ impl TableStore {
                 all.push(r);
             }
         }
-        Ok(FileKeys::from_rows(&all))
+        Ok(all)
     }
 
-    fn key_bytes(&self) -> usize {
-        self.keys.values().map(FileKeys::bytes).sum()
+    fn is_deleted(&self, loc: Loc) -> bool {
+        self.files.get(&loc.file).is_none_or(|f| f.dv_live.contains(loc.row))
+    }
+
+    /// The live location of `key` (arrow-row bytes) in the data files.
+    pub fn find_key(&self, key: &[u8]) -> Option<Loc> {
+        self.index.find(key, |l| self.is_deleted(l))
     }
 
     fn account_metadata(&mut self) {
@@ -351,7 +346,7 @@ impl TableStore {
 
     /// True when `key` (arrow-row bytes) is live in some file.
     pub fn contains_key(&self, key: &[u8]) -> bool {
-        self.index.get(key, &self.keys).is_some()
+        self.find_key(key).is_some()
     }
 
     /// Stages a flush in memory: puts become a new (pending) data file and the index points
@@ -368,18 +363,23 @@ impl TableStore {
         let del_rows = self.conv.convert_columns(delete_keys.columns())?;
         let file_id = (puts.num_rows() > 0).then_some(self.next_file_id);
         let mut additions = Vec::new();
+        for r in &del_rows {
+            if let Some(old) = self.find_key(r.as_ref()) {
+                additions.push(old);
+            }
+        }
         if let Some(id) = file_id {
             let rows = encode_keys(&self.conv, puts, &self.key_cols)?;
-            let fk = FileKeys::from_rows(&rows);
-            drop(rows);
-            self.index.reserve(fk.len(), self.key_bytes() + fk.bytes(), &self.keys)?;
-            self.keys.insert(id, fk);
-            let fk = &self.keys[&id];
-            for row in 0..fk.len() as u32 {
-                if let Some(old) = self.index.insert(fk.get(row as usize), Loc { file: id, row }, &self.keys) {
+            // Older live versions of the put keys (looked up before the new file is indexed).
+            for r in &rows {
+                if let Some(old) = self.find_key(r.as_ref()) {
                     additions.push(old);
                 }
             }
+            if let Err(detail) = self.index.add_file(id, &rows)? {
+                return Err(StorageError::CorruptFile { path: self.dir.join(file_name(id)), detail });
+            }
+            drop(rows);
             self.next_file_id += 1;
             let meta = FileMeta { id, name: file_name(id), rows: puts.num_rows() as u64, bytes: 0, dv: None, deleted: 0 };
             self.files.insert(
@@ -387,17 +387,11 @@ impl TableStore {
                 DataFile { meta, pending: Some(puts.clone()), dv_live: RoaringBitmap::new(), dv_committed: RoaringBitmap::new() },
             );
         }
-        for r in &del_rows {
-            if let Some(old) = self.index.remove(r.as_ref(), &self.keys) {
-                additions.push(old);
-            }
-        }
         for loc in &additions {
             if let Some(f) = self.files.get_mut(&loc.file) {
                 f.dv_live.insert(loc.row);
             }
         }
-        self.index.account(self.key_bytes());
         self.account_metadata();
         let staged = Staged { file_id, dv_additions: additions, max_seq };
         self.staged.push_back(staged.clone());
@@ -502,7 +496,7 @@ impl TableStore {
     pub fn scan_files<'a>(&self, newer_keys: impl Iterator<Item = &'a [u8]>) -> Vec<FileScan> {
         let mut masks: BTreeMap<u32, RoaringBitmap> = BTreeMap::new();
         for k in newer_keys {
-            if let Some(loc) = self.index.get(k, &self.keys) {
+            if let Some(loc) = self.find_key(k) {
                 masks.entry(loc.file).or_default().insert(loc.row);
             }
         }

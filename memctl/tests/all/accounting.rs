@@ -1,0 +1,67 @@
+//! Categories, peaks, reservations, tables and the report.
+
+use crate::{CHUNK, assert_all_zero, assert_categories_sum_to_used, ctl};
+use gritdb_memctl::{BatchBlock, Category, Reservation};
+
+#[test]
+fn reservations_count_per_category_and_table_and_release_on_drop() {
+    let ctl = ctl(64 << 20);
+    let t = ctl.register_table("t");
+    let mut r = Reservation::new(&ctl, Category::KeyIndex, Some(&t));
+    r.try_grow(1000).expect("fits");
+    r.try_resize(600).expect("shrink");
+    assert_eq!(r.size(), 600);
+    assert_eq!(ctl.category_bytes(Category::KeyIndex), 600);
+    assert_eq!(t.bytes(Category::KeyIndex), 600);
+    assert_eq!(ctl.category_peak(Category::KeyIndex), 1000);
+    let b = BatchBlock::new(&ctl, Category::BatchBlocks, Some(&t), 100).expect("fits");
+    assert_eq!(b.len(), 112, "rounded up to 16");
+    assert_eq!(ctl.category_bytes(Category::BatchBlocks), 112);
+    assert_eq!(t.total_bytes(), 712);
+    assert_categories_sum_to_used(&ctl);
+    drop((r, b));
+    assert_eq!(t.total_bytes(), 0);
+    assert_all_zero(&ctl);
+}
+
+#[test]
+fn pool_category_peaks_follow_the_high_water_mark() {
+    let ctl = ctl(64 << 20);
+    let held: Vec<_> = (0..20).map(|_| ctl.acquire_chunk(None).expect("fits")).collect();
+    assert_eq!(ctl.category_peak(Category::RowBlocks), 20 * CHUNK);
+    drop(held);
+    assert_eq!(ctl.category_bytes(Category::RowBlocks), 0);
+    assert_eq!(ctl.category_peak(Category::RowBlocks), 20 * CHUNK);
+    assert_eq!(ctl.category_peak(Category::FreeChunks), 20 * CHUNK);
+    assert_eq!(ctl.peak(), 20 * CHUNK);
+    ctl.reset_peaks();
+    assert_eq!(ctl.category_peak(Category::RowBlocks), 0);
+    assert_eq!(ctl.category_peak(Category::FreeChunks), 20 * CHUNK);
+    assert_eq!(ctl.peak(), 20 * CHUNK, "free chunks are still held");
+    ctl.trim_free_chunks(0);
+    ctl.reset_peaks();
+    assert_eq!(ctl.peak(), 0);
+    assert_eq!(ctl.category_peak(Category::FreeChunks), 0);
+}
+
+#[test]
+fn report_matches_the_exact_figures() {
+    let ctl = ctl(64 << 20);
+    let t = ctl.register_table("orders");
+    let held: Vec<_> = (0..5).map(|_| ctl.acquire_chunk(Some(&t)).expect("fits")).collect();
+    drop(ctl.acquire_chunk(None).expect("fits")); // one into this thread's cache
+    let r = ctl.report();
+    assert_eq!(r.used, ctl.used());
+    assert_eq!(r.category(Category::RowBlocks), 5 * CHUNK);
+    assert_eq!(r.category(Category::FreeChunks), CHUNK);
+    let row = r.categories.iter().find(|c| c.category == Category::RowBlocks).expect("row_blocks");
+    assert_eq!((row.allocs, row.frees), (6, 1));
+    let free = r.categories.iter().find(|c| c.category == Category::FreeChunks).expect("free_chunks");
+    assert_eq!(free.allocs - free.frees, 1);
+    assert_eq!(r.tables.len(), 1);
+    assert_eq!(r.tables[0].bytes, 5 * CHUNK);
+    let text = r.to_string();
+    assert!(text.contains("row_blocks"), "{text}");
+    assert!(text.contains("table orders"), "{text}");
+    drop(held);
+}

@@ -86,27 +86,38 @@ fn alloc_burst(iters: u64) {
 
 fn chunk_pool(c: &mut Criterion) {
     let mut g = c.benchmark_group("chunk_pool");
-    g.measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_secs(1));
+    g.measurement_time(Duration::from_secs(4))
+        .warm_up_time(Duration::from_secs(1));
     for threads in [1usize, 2, 4] {
         g.throughput(Throughput::Elements((threads * BURST) as u64));
         let cached = controller(true);
-        g.bench_function(BenchmarkId::new("thread_cache", format!("{threads}t")), |b| {
-            b.iter_custom(|iters| run_threads(threads, iters, &|n| pool_burst(&cached, n)));
-        });
+        g.bench_function(
+            BenchmarkId::new("thread_cache", format!("{threads}t")),
+            |b| {
+                b.iter_custom(|iters| run_threads(threads, iters, &|n| pool_burst(&cached, n)));
+            },
+        );
         let central = controller(false);
-        g.bench_function(BenchmarkId::new("central_mutex", format!("{threads}t")), |b| {
-            b.iter_custom(|iters| run_threads(threads, iters, &|n| pool_burst(&central, n)));
-        });
-        g.bench_function(BenchmarkId::new("global_alloc", format!("{threads}t")), |b| {
-            b.iter_custom(|iters| run_threads(threads, iters, &alloc_burst));
-        });
+        g.bench_function(
+            BenchmarkId::new("central_mutex", format!("{threads}t")),
+            |b| {
+                b.iter_custom(|iters| run_threads(threads, iters, &|n| pool_burst(&central, n)));
+            },
+        );
+        g.bench_function(
+            BenchmarkId::new("global_alloc", format!("{threads}t")),
+            |b| {
+                b.iter_custom(|iters| run_threads(threads, iters, &alloc_burst));
+            },
+        );
     }
     g.finish();
 }
 
 fn row_alloc(c: &mut Criterion) {
     let mut g = c.benchmark_group("row_alloc");
-    g.measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_secs(1));
+    g.measurement_time(Duration::from_secs(4))
+        .warm_up_time(Duration::from_secs(1));
     g.throughput(Throughput::Elements(ROWS as u64));
     let row = [7u8; ROW];
     let ctl = controller(true);

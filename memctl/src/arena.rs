@@ -58,7 +58,10 @@ pub struct RowArena {
 
 impl std::fmt::Debug for RowArena {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RowArena").field("live_rows", &self.live_rows).field("bytes", &self.bytes).finish()
+        f.debug_struct("RowArena")
+            .field("live_rows", &self.live_rows)
+            .field("bytes", &self.bytes)
+            .finish_non_exhaustive()
     }
 }
 
@@ -92,7 +95,9 @@ impl RowArena {
 
     fn active_room(&self) -> usize {
         match self.active {
-            Some(id) => self.blocks[id as usize].as_ref().map_or(0, |b| b.data.len() - b.used),
+            Some(id) => self.blocks[id as usize]
+                .as_ref()
+                .map_or(0, |b| b.data.len() - b.used),
             None => 0,
         }
     }
@@ -138,7 +143,10 @@ impl RowArena {
         }
         let extra_oversize = oversize.saturating_sub(self.prepaid_oversize);
         if extra_oversize > 0 {
-            if let Err(e) = self.ctl.try_reserve(Category::RowBlocks, self.table.as_ref(), extra_oversize) {
+            if let Err(e) =
+                self.ctl
+                    .try_reserve(Category::RowBlocks, self.table.as_ref(), extra_oversize)
+            {
                 for c in got {
                     self.ctl.put_chunk(c, self.table.as_ref());
                 }
@@ -156,7 +164,11 @@ impl RowArena {
             self.ctl.put_chunk(c, self.table.as_ref());
         }
         if self.prepaid_oversize > 0 {
-            self.ctl.release(Category::RowBlocks, self.table.as_ref(), self.prepaid_oversize);
+            self.ctl.release(
+                Category::RowBlocks,
+                self.table.as_ref(),
+                self.prepaid_oversize,
+            );
             self.prepaid_oversize = 0;
         }
     }
@@ -184,7 +196,10 @@ impl RowArena {
             self.blocks[id as usize] = Some(block);
             return id;
         }
-        debug_assert!(self.blocks.len() < self.blocks.capacity(), "reserve_blocks first");
+        debug_assert!(
+            self.blocks.len() < self.blocks.capacity(),
+            "reserve_blocks first"
+        );
         self.blocks.push(Some(block));
         (self.blocks.len() - 1) as u32
     }
@@ -200,9 +215,15 @@ impl RowArena {
             if self.prepaid_oversize >= len {
                 self.prepaid_oversize -= len;
             } else {
-                self.ctl.try_reserve(Category::RowBlocks, self.table.as_ref(), len)?;
+                self.ctl
+                    .try_reserve(Category::RowBlocks, self.table.as_ref(), len)?;
             }
-            self.insert_block(Block { data: vec![0u8; len].into_boxed_slice(), used: 0, live: 0, oversize: true })
+            self.insert_block(Block {
+                data: vec![0u8; len].into_boxed_slice(),
+                used: 0,
+                live: 0,
+                oversize: true,
+            })
         } else if let Some(id) = self.active.filter(|_| self.active_room() >= len) {
             id
         } else {
@@ -211,13 +232,20 @@ impl RowArena {
                 Some(c) => c,
                 None => self.ctl.take_chunk(self.table.as_ref())?,
             };
-            let id = self.insert_block(Block { data, used: 0, live: 0, oversize: false });
+            let id = self.insert_block(Block {
+                data,
+                used: 0,
+                live: 0,
+                oversize: false,
+            });
             if let Some(old) = self.active.replace(id) {
                 self.release_if_empty(old);
             }
             id
         };
-        let block = self.blocks[id as usize].as_mut().expect("block id just set"); // infallible
+        let block = self.blocks[id as usize]
+            .as_mut()
+            .expect("block id just set"); // infallible
         if block.oversize {
             self.bytes += len;
         } else if block.used == 0 {
@@ -227,7 +255,11 @@ impl RowArena {
         block.used += len;
         block.live += 1;
         self.live_rows += 1;
-        let r = RowRef { block: id, offset: offset as u32, len: len as u32 };
+        let r = RowRef {
+            block: id,
+            offset: offset as u32,
+            len: len as u32,
+        };
         Ok((r, &mut block.data[offset..offset + len]))
     }
 
@@ -236,7 +268,9 @@ impl RowArena {
     /// # Panics
     /// If `r` was freed or comes from another arena (a bug in the caller).
     pub fn get(&self, r: RowRef) -> &[u8] {
-        let b = self.blocks[r.block as usize].as_ref().expect("row of a freed block");
+        let b = self.blocks[r.block as usize]
+            .as_ref()
+            .expect("row of a freed block");
         &b.data[r.offset as usize..(r.offset + r.len) as usize]
     }
 
@@ -245,13 +279,17 @@ impl RowArena {
     /// # Panics
     /// If `r` was freed or comes from another arena (a bug in the caller).
     pub fn get_mut(&mut self, r: RowRef) -> &mut [u8] {
-        let b = self.blocks[r.block as usize].as_mut().expect("row of a freed block");
+        let b = self.blocks[r.block as usize]
+            .as_mut()
+            .expect("row of a freed block");
         &mut b.data[r.offset as usize..(r.offset + r.len) as usize]
     }
 
     /// Frees one row; its block goes back to the pool when it was the last live row there.
     pub fn free(&mut self, r: RowRef) {
-        let Some(b) = self.blocks[r.block as usize].as_mut() else { return };
+        let Some(b) = self.blocks[r.block as usize].as_mut() else {
+            return;
+        };
         debug_assert!(b.live > 0);
         b.live -= 1;
         self.live_rows -= 1;
@@ -261,17 +299,23 @@ impl RowArena {
     }
 
     fn release_if_empty(&mut self, id: u32) {
-        if self.blocks[id as usize].as_ref().is_some_and(|b| b.live == 0) {
+        if self.blocks[id as usize]
+            .as_ref()
+            .is_some_and(|b| b.live == 0)
+        {
             self.release_block(id);
         }
     }
 
     fn release_block(&mut self, id: u32) {
-        let Some(b) = self.blocks[id as usize].take() else { return };
+        let Some(b) = self.blocks[id as usize].take() else {
+            return;
+        };
         self.free_ids.push(id);
         if b.oversize {
             self.bytes -= b.data.len();
-            self.ctl.release(Category::RowBlocks, self.table.as_ref(), b.data.len());
+            self.ctl
+                .release(Category::RowBlocks, self.table.as_ref(), b.data.len());
         } else {
             self.bytes -= b.data.len();
             self.ctl.put_chunk(b.data, self.table.as_ref());

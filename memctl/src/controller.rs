@@ -91,7 +91,10 @@ fn format_top(top: &[Consumer]) -> String {
     if top.is_empty() {
         return "none".to_owned();
     }
-    top.iter().map(|c| format!("{} {}", c.name, format_bytes(c.bytes))).collect::<Vec<_>>().join(", ")
+    top.iter()
+        .map(|c| format!("{} {}", c.name, format_bytes(c.bytes)))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -123,7 +126,10 @@ pub struct TableAccount(pub(crate) Arc<TableInner>);
 
 impl std::fmt::Debug for TableAccount {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TableAccount").field("id", &self.0.id).field("name", &self.0.name).finish()
+        f.debug_struct("TableAccount")
+            .field("id", &self.0.id)
+            .field("name", &self.0.name)
+            .finish()
     }
 }
 
@@ -140,7 +146,11 @@ impl TableAccount {
 
     /// Bytes this table currently holds in all categories.
     pub fn total_bytes(&self) -> usize {
-        self.0.counters.iter().map(crate::category::Counters::get).sum()
+        self.0
+            .counters
+            .iter()
+            .map(crate::category::Counters::get)
+            .sum()
     }
 }
 
@@ -181,6 +191,8 @@ impl MemoryController {
     /// [`MemoryError::Config`] when the chunk size is not a power of two in 4 KiB..=64 MiB, or
     /// the limit is smaller than two chunks (one active chunk plus one more for a row that
     /// straddles it).
+    // By value: the signature other crates call; taking `&ControllerConfig` would break them.
+    #[allow(clippy::needless_pass_by_value)]
     pub fn new(config: ControllerConfig) -> Result<Arc<Self>, MemoryError> {
         let chunk_size = config.chunk_size;
         if !chunk_size.is_power_of_two() || !(4 << 10..=64 << 20).contains(&chunk_size) {
@@ -249,7 +261,11 @@ impl MemoryController {
     pub fn category_bytes(&self, category: Category) -> usize {
         if category.is_pool() {
             let f = self.pool_figures();
-            return if category == Category::RowBlocks { f.row_bytes } else { f.free_bytes };
+            return if category == Category::RowBlocks {
+                f.row_bytes
+            } else {
+                f.free_bytes
+            };
         }
         self.counters[category.index()].get()
     }
@@ -293,7 +309,9 @@ impl MemoryController {
         self.peak.store(self.used(), Ordering::Release);
         for c in Category::ALL {
             if c.is_pool() {
-                self.counters[c.index()].peak.store(self.category_bytes(c), Ordering::Release);
+                self.counters[c.index()]
+                    .peak
+                    .store(self.category_bytes(c), Ordering::Release);
             } else {
                 self.counters[c.index()].reset_peak();
             }
@@ -319,8 +337,11 @@ impl MemoryController {
     }
 
     pub(crate) fn live_tables(&self) -> Vec<TableAccount> {
-        let mut v: Vec<TableAccount> =
-            lock(&self.tables).values().filter_map(Weak::upgrade).map(TableAccount).collect();
+        let mut v: Vec<TableAccount> = lock(&self.tables)
+            .values()
+            .filter_map(Weak::upgrade)
+            .map(TableAccount)
+            .collect();
         v.sort_by_key(|t| t.0.id);
         v
     }
@@ -334,16 +355,21 @@ impl MemoryController {
     /// [`MemoryError::Injected`] (`n = 0`: the next one). `None` disarms.
     /// Only active with the `fault-injection` feature.
     pub fn inject_failure_after(&self, n: Option<u64>) {
-        self.fault_countdown.store(n.map_or(-1, |n| n as i64), Ordering::Release);
+        self.fault_countdown
+            .store(n.map_or(-1, |n| n as i64), Ordering::Release);
     }
 
     pub(crate) fn injected(&self, category: Category) -> Result<(), MemoryError> {
         if cfg!(feature = "fault-injection") {
-            let prev = self.fault_countdown.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
-                if v >= 0 { Some(v - 1) } else { None }
-            });
+            let prev =
+                self.fault_countdown
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+                        if v >= 0 { Some(v - 1) } else { None }
+                    });
             if prev == Ok(0) {
-                self.counters[category.index()].failures.fetch_add(1, Ordering::Relaxed);
+                self.counters[category.index()]
+                    .failures
+                    .fetch_add(1, Ordering::Relaxed);
                 return Err(MemoryError::Injected { category });
             }
         }
@@ -403,10 +429,16 @@ impl MemoryController {
                     self.trim_free_chunks(0);
                     continue;
                 }
-                self.counters[category.index()].failures.fetch_add(1, Ordering::Relaxed);
+                self.counters[category.index()]
+                    .failures
+                    .fetch_add(1, Ordering::Relaxed);
                 return Err(self.limit_error(category, bytes));
             }
-            if self.used.compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+            if self
+                .used
+                .compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
                 self.peak.fetch_max(new, Ordering::AcqRel);
                 return Ok(());
             }
@@ -418,21 +450,33 @@ impl MemoryController {
     pub fn limit_error(&self, category: Category, requested: usize) -> MemoryError {
         let mut top: Vec<Consumer> = Category::ALL
             .iter()
-            .map(|c| Consumer { name: format!("category:{c}"), bytes: self.category_bytes(*c) })
+            .map(|c| Consumer {
+                name: format!("category:{c}"),
+                bytes: self.category_bytes(*c),
+            })
             .filter(|c| c.bytes > 0)
             .collect();
-        top.sort_by(|a, b| b.bytes.cmp(&a.bytes));
+        top.sort_by_key(|c| std::cmp::Reverse(c.bytes));
         top.truncate(3);
         let mut tables: Vec<Consumer> = self
             .live_tables()
             .iter()
-            .map(|t| Consumer { name: format!("table:{}", t.name()), bytes: t.total_bytes() })
+            .map(|t| Consumer {
+                name: format!("table:{}", t.name()),
+                bytes: t.total_bytes(),
+            })
             .filter(|c| c.bytes > 0)
             .collect();
-        tables.sort_by(|a, b| b.bytes.cmp(&a.bytes));
+        tables.sort_by_key(|c| std::cmp::Reverse(c.bytes));
         tables.truncate(3);
         top.extend(tables);
-        MemoryError::Limit { requested, used: self.used(), limit: self.limit(), category, top }
+        MemoryError::Limit {
+            requested,
+            used: self.used(),
+            limit: self.limit(),
+            category,
+            top,
+        }
     }
 
     pub(crate) fn notify_release(&self) {
@@ -478,14 +522,26 @@ pub struct Reservation {
 
 impl std::fmt::Debug for Reservation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Reservation").field("category", &self.category).field("size", &self.size).finish()
+        f.debug_struct("Reservation")
+            .field("category", &self.category)
+            .field("size", &self.size)
+            .finish_non_exhaustive()
     }
 }
 
 impl Reservation {
     /// An empty reservation in `category`, optionally attributed to `table`.
-    pub fn new(ctl: &Arc<MemoryController>, category: Category, table: Option<&TableAccount>) -> Self {
-        Self { ctl: Arc::clone(ctl), category, table: table.cloned(), size: 0 }
+    pub fn new(
+        ctl: &Arc<MemoryController>,
+        category: Category,
+        table: Option<&TableAccount>,
+    ) -> Self {
+        Self {
+            ctl: Arc::clone(ctl),
+            category,
+            table: table.cloned(),
+            size: 0,
+        }
     }
 
     /// Bytes held.
@@ -506,7 +562,8 @@ impl Reservation {
         if bytes == 0 {
             return Ok(());
         }
-        self.ctl.try_reserve(self.category, self.table.as_ref(), bytes)?;
+        self.ctl
+            .try_reserve(self.category, self.table.as_ref(), bytes)?;
         self.size += bytes;
         Ok(())
     }

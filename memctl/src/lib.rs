@@ -44,7 +44,7 @@
 //!   caller owns them (the engine accounts them only while it holds them).
 //! - Thread stacks, the tokio runtime, tracing, and the code itself.
 //!
-//! The process view ([`ProcessView`]) puts RSS, VmHWM and the allocator's own `allocated`
+//! The process view ([`ProcessView`]) puts RSS, `VmHWM` and the allocator's own `allocated`
 //! beside the accounted total; `outside_engine = allocator allocated − accounted` shows how
 //! much of the heap is outside these categories.
 
@@ -62,10 +62,10 @@ pub use arena::{RowArena, RowRef};
 pub use batch::BatchBlock;
 pub use category::Category;
 pub use controller::{
-    Consumer, ControllerConfig, MemoryController, MemoryError, Reservation, TableAccount,
-    DEFAULT_CHUNK_SIZE,
+    Consumer, ControllerConfig, DEFAULT_CHUNK_SIZE, MemoryController, MemoryError, Reservation,
+    TableAccount,
 };
-pub use limit::{default_memory_limit, physical_memory_bytes, cgroup_memory_limit};
+pub use limit::{cgroup_memory_limit, default_memory_limit, physical_memory_bytes};
 pub use pool::{PoolChunk, PoolStats};
 pub use process::{AllocatorKind, AllocatorStats, ProcessView};
 pub use report::{CategoryReport, MemoryReport, TableReport, format_bytes};

@@ -37,7 +37,10 @@ pub fn cgroup_memory_limit() -> Option<usize> {
     }
     candidates.push("/sys/fs/cgroup/memory.max".to_owned());
     candidates.push("/sys/fs/cgroup/memory/memory.limit_in_bytes".to_owned());
-    candidates.iter().filter_map(|p| parse_limit(&fs::read_to_string(p).ok()?)).min()
+    candidates
+        .iter()
+        .filter_map(|p| parse_limit(&fs::read_to_string(p).ok()?))
+        .min()
 }
 
 fn parse_limit(text: &str) -> Option<usize> {
@@ -47,7 +50,11 @@ fn parse_limit(text: &str) -> Option<usize> {
     }
     let v: u64 = t.parse().ok()?;
     // cgroup v1 reports "unlimited" as a huge page-aligned number.
-    if v >= (1u64 << 60) { None } else { Some(v as usize) }
+    if v >= (1u64 << 60) {
+        None
+    } else {
+        Some(v as usize)
+    }
 }
 
 /// 50% of `min(physical memory, cgroup limit)`, in bytes.

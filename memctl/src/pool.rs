@@ -87,7 +87,9 @@ pub struct PoolChunk<'a> {
 
 impl std::fmt::Debug for PoolChunk<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PoolChunk").field("len", &self.len()).finish_non_exhaustive()
+        f.debug_struct("PoolChunk")
+            .field("len", &self.len())
+            .finish_non_exhaustive()
     }
 }
 
@@ -133,7 +135,11 @@ struct Idle {
 
 impl Idle {
     fn new() -> Self {
-        Self { uses: 0, seen: 0, since: Instant::now() }
+        Self {
+            uses: 0,
+            seen: 0,
+            since: Instant::now(),
+        }
     }
 
     /// True when no operation happened for at least `max_idle` (as observed by the calls).
@@ -176,7 +182,10 @@ pub(crate) struct Slot {
 impl Slot {
     fn new(cap: usize) -> Self {
         Self {
-            inner: SpinLock::new(CacheInner { chunks: Vec::with_capacity(cap), idle: Idle::new() }),
+            inner: SpinLock::new(CacheInner {
+                chunks: Vec::with_capacity(cap),
+                idle: Idle::new(),
+            }),
             moved: AtomicIsize::new(0),
             takes: AtomicU64::new(0),
             puts: AtomicU64::new(0),
@@ -185,7 +194,10 @@ impl Slot {
 
     /// Records a fast-path move; the caller holds `inner` (so it is the only writer).
     fn record(&self, bytes: isize, take: bool) {
-        self.moved.store(self.moved.load(Ordering::Relaxed) + bytes, Ordering::Relaxed);
+        self.moved.store(
+            self.moved.load(Ordering::Relaxed) + bytes,
+            Ordering::Relaxed,
+        );
         let events = if take { &self.takes } else { &self.puts };
         events.store(events.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
     }
@@ -266,7 +278,10 @@ impl ChunkPool {
             thread_cap: AtomicUsize::new(0),
             central_cap: AtomicUsize::new(0),
             over_limit: AtomicBool::new(false),
-            central: Padded(Mutex::new(CacheInner { chunks: Vec::new(), idle: Idle::new() })),
+            central: Padded(Mutex::new(CacheInner {
+                chunks: Vec::new(),
+                idle: Idle::new(),
+            })),
             slots: Padded(Mutex::new(Vec::new())),
             fold: Padded(Mutex::new(())),
             stats: PoolCounters::default(),
@@ -284,10 +299,14 @@ impl ChunkPool {
     fn set_caps(&self, limit: usize, caches: usize) {
         let share = self.share_bytes(limit) / self.chunk_size;
         // Computed for at least one cache, so the first thread can register its own.
-        let thread_cap =
-            if self.thread_cache { self.max_thread_chunks.min(share / (2 * caches.max(1))) } else { 0 };
+        let thread_cap = if self.thread_cache {
+            self.max_thread_chunks.min(share / (2 * caches.max(1)))
+        } else {
+            0
+        };
         self.thread_cap.store(thread_cap, Ordering::Release);
-        self.central_cap.store(share.saturating_sub(caches * thread_cap), Ordering::Release);
+        self.central_cap
+            .store(share.saturating_sub(caches * thread_cap), Ordering::Release);
     }
 }
 
@@ -330,7 +349,11 @@ impl MemoryController {
                     None => {
                         entries.retain(|e| e.ctl.strong_count() > 0);
                         let slot = self.register_slot();
-                        entries.push(CacheEntry { pool_id, ctl: self.weak_self.clone(), slot });
+                        entries.push(CacheEntry {
+                            pool_id,
+                            ctl: self.weak_self.clone(),
+                            slot,
+                        });
                         let last = entries.len() - 1;
                         entries.swap(0, last);
                     }
@@ -371,7 +394,13 @@ impl MemoryController {
 
     /// Frees every chunk cached in thread caches registered with this controller (on drop).
     pub(crate) fn drop_thread_caches(&mut self) {
-        let slots = std::mem::take(self.pool.slots.0.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner));
+        let slots = std::mem::take(
+            self.pool
+                .slots
+                .0
+                .get_mut()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
         for s in slots {
             drop(std::mem::take(&mut s.inner.lock().chunks));
         }
@@ -433,8 +462,12 @@ impl MemoryController {
             return;
         }
         let f = self.pool_figures();
-        self.counters[Category::RowBlocks.index()].peak.fetch_max(f.row_bytes, Ordering::AcqRel);
-        self.counters[Category::FreeChunks.index()].peak.fetch_max(f.free_bytes, Ordering::AcqRel);
+        self.counters[Category::RowBlocks.index()]
+            .peak
+            .fetch_max(f.row_bytes, Ordering::AcqRel);
+        self.counters[Category::FreeChunks.index()]
+            .peak
+            .fetch_max(f.free_bytes, Ordering::AcqRel);
     }
 
     /// Adds to a category: pool categories by wrapping add plus a peak observation, the others
@@ -474,7 +507,10 @@ impl MemoryController {
         }
         let bytes = n * self.pool.chunk_size;
         self.counters[Category::FreeChunks.index()].sub_raw_n(bytes, n as u64);
-        self.pool.stats.returned.fetch_add(n as u64, Ordering::Relaxed);
+        self.pool
+            .stats
+            .returned
+            .fetch_add(n as u64, Ordering::Relaxed);
         self.sub_used(bytes);
     }
 
@@ -498,9 +534,8 @@ impl MemoryController {
                 chunk
             });
             if let Some(cached) = local {
-                let chunk = match cached {
-                    Some(chunk) => chunk,
-                    None => return self.refill_and_take(table),
+                let Some(chunk) = cached else {
+                    return self.refill_and_take(table);
                 };
                 if let Some(t) = table {
                     t.0.counters[Category::RowBlocks.index()].add(self.pool.chunk_size);
@@ -529,15 +564,26 @@ impl MemoryController {
     /// # Errors
     /// [`MemoryError::Limit`] when a new chunk is needed and the limit would be exceeded even
     /// after trimming every cache; [`MemoryError::Injected`] from the fault-injection hook.
-    pub fn acquire_chunk<'a>(&'a self, table: Option<&'a TableAccount>) -> Result<PoolChunk<'a>, MemoryError> {
+    pub fn acquire_chunk<'a>(
+        &'a self,
+        table: Option<&'a TableAccount>,
+    ) -> Result<PoolChunk<'a>, MemoryError> {
         let data = self.take_chunk(table)?;
-        Ok(PoolChunk { ctl: self, table, data: Some(data) })
+        Ok(PoolChunk {
+            ctl: self,
+            table,
+            data: Some(data),
+        })
     }
 
     /// This thread's cache is empty: take up to `batch` chunks from the central list in one
     /// lock, keep all but one in the cache.
     fn refill_and_take(&self, table: Option<&TableAccount>) -> Result<Chunk, MemoryError> {
-        let want = self.pool.batch.min(self.pool.thread_cap.load(Ordering::Relaxed)).max(1);
+        let want = self
+            .pool
+            .batch
+            .min(self.pool.thread_cap.load(Ordering::Relaxed))
+            .max(1);
         let mut batch: Vec<Chunk> = {
             let mut c = lock(&self.pool.central);
             c.idle.uses += 1;
@@ -545,7 +591,9 @@ impl MemoryController {
             let at = c.chunks.len() - n;
             c.chunks.split_off(at)
         };
-        let Some(chunk) = batch.pop() else { return self.new_chunk(table) };
+        let Some(chunk) = batch.pop() else {
+            return self.new_chunk(table);
+        };
         self.pool.stats.refills.fetch_add(1, Ordering::Relaxed);
         if !batch.is_empty() {
             // The batch stays counted as free_chunks: it only moves from central to this cache.
@@ -656,7 +704,11 @@ impl MemoryController {
         {
             let mut c = lock(&self.pool.central);
             c.idle.uses += 1;
-            let room = self.pool.central_cap.load(Ordering::Relaxed).saturating_sub(c.chunks.len());
+            let room = self
+                .pool
+                .central_cap
+                .load(Ordering::Relaxed)
+                .saturating_sub(c.chunks.len());
             let keep = room.min(chunks.len());
             let at = chunks.len() - keep;
             c.chunks.extend(chunks.drain(at..));
@@ -722,7 +774,10 @@ impl MemoryController {
     /// afterwards. Returns the bytes released.
     pub fn trim_free_chunks(&self, keep_bytes: usize) -> usize {
         let keep = keep_bytes / self.pool.chunk_size;
-        let in_threads: usize = lock(&self.pool.slots).iter().map(|s| s.inner.lock().chunks.len()).sum();
+        let in_threads: usize = lock(&self.pool.slots)
+            .iter()
+            .map(|s| s.inner.lock().chunks.len())
+            .sum();
         let mut released = Vec::new();
         let mut keep_in_threads = {
             let mut c = lock(&self.pool.central);
@@ -750,7 +805,13 @@ impl MemoryController {
     /// memctl starts no thread for it: the engine calls it from its background work.
     pub fn trim_idle(&self, max_idle: Duration) -> usize {
         let now = Instant::now();
-        let mut released = self.steal(|c| if c.idle.idle_for(now, max_idle) { 0 } else { c.chunks.len() });
+        let mut released = self.steal(|c| {
+            if c.idle.idle_for(now, max_idle) {
+                0
+            } else {
+                c.chunks.len()
+            }
+        });
         {
             let mut c = lock(&self.pool.central);
             if c.idle.idle_for(now, max_idle) {
@@ -768,7 +829,10 @@ impl MemoryController {
     pub fn pool_stats(&self) -> PoolStats {
         let (caches, in_threads) = {
             let slots = lock(&self.pool.slots);
-            (slots.len(), slots.iter().map(|s| s.inner.lock().chunks.len()).sum())
+            (
+                slots.len(),
+                slots.iter().map(|s| s.inner.lock().chunks.len()).sum(),
+            )
         };
         PoolStats {
             thread_cache: self.pool.thread_cache,

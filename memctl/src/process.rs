@@ -44,12 +44,18 @@ impl ProcessView {
     /// Reads `/proc/self/status` and the allocator (advancing jemalloc's epoch first).
     pub fn read() -> Self {
         let (rss, vmhwm) = read_proc_status();
-        Self { rss, vmhwm, allocator: allocator_stats() }
+        Self {
+            rss,
+            vmhwm,
+            allocator: allocator_stats(),
+        }
     }
 }
 
 fn read_proc_status() -> (usize, usize) {
-    let Ok(text) = std::fs::read_to_string("/proc/self/status") else { return (0, 0) };
+    let Ok(text) = std::fs::read_to_string("/proc/self/status") else {
+        return (0, 0);
+    };
     let field = |name: &str| {
         text.lines()
             .find(|l| l.starts_with(name))
@@ -68,7 +74,9 @@ fn jemalloc_is_global() -> bool {
     use std::sync::OnceLock;
     static IS: OnceLock<bool> = OnceLock::new();
     *IS.get_or_init(|| {
-        let Ok(counter) = tikv_jemalloc_ctl::thread::allocatedp::read() else { return false };
+        let Ok(counter) = tikv_jemalloc_ctl::thread::allocatedp::read() else {
+            return false;
+        };
         let before = counter.get();
         let probe: Vec<u8> = Vec::with_capacity(256 << 10);
         let after = counter.get();
@@ -110,7 +118,13 @@ fn glibc_stats() -> AllocatorStats {
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn glibc_stats() -> AllocatorStats {
-    AllocatorStats { kind: AllocatorKind::Unknown, allocated: 0, active: 0, resident: 0, retained: 0 }
+    AllocatorStats {
+        kind: AllocatorKind::Unknown,
+        allocated: 0,
+        active: 0,
+        resident: 0,
+        retained: 0,
+    }
 }
 
 #[cfg(test)]

@@ -62,7 +62,7 @@ pub struct MemoryReport {
     pub categories: Vec<CategoryReport>,
     /// Per table, in creation order.
     pub tables: Vec<TableReport>,
-    /// RSS, VmHWM and allocator figures.
+    /// RSS, `VmHWM` and allocator figures.
     pub process: ProcessView,
     /// Allocator `allocated` minus the engine's accounted bytes (saturating at 0): heap bytes
     /// outside the engine's categories (the production report's "outside-engine allocation").
@@ -127,7 +127,10 @@ impl MemoryController {
 impl MemoryReport {
     /// Current bytes of one category.
     pub fn category(&self, category: Category) -> usize {
-        self.categories.iter().find(|c| c.category == category).map_or(0, |c| c.bytes)
+        self.categories
+            .iter()
+            .find(|c| c.category == category)
+            .map_or(0, |c| c.bytes)
     }
 }
 
@@ -157,7 +160,11 @@ impl fmt::Display for MemoryReport {
             format_bytes(self.peak),
             self.tables.len()
         )?;
-        writeln!(f, "{:<14} {:>12} {:>12} {:>10} {:>10} {:>8}", "category", "bytes", "peak", "allocs", "frees", "failed")?;
+        writeln!(
+            f,
+            "{:<14} {:>12} {:>12} {:>10} {:>10} {:>8}",
+            "category", "bytes", "peak", "allocs", "frees", "failed"
+        )?;
         for c in &self.categories {
             writeln!(
                 f,
@@ -171,7 +178,7 @@ impl fmt::Display for MemoryReport {
             )?;
         }
         let mut tables: Vec<&TableReport> = self.tables.iter().collect();
-        tables.sort_by(|a, b| b.bytes.cmp(&a.bytes));
+        tables.sort_by_key(|t| std::cmp::Reverse(t.bytes));
         for t in tables.iter().take(10) {
             writeln!(f, "table {:<24} {:>12}", t.table, format_bytes(t.bytes))?;
         }

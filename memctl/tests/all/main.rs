@@ -34,7 +34,12 @@ pub fn ctl(limit: usize) -> Arc<MemoryController> {
 /// The sum of every category equals `used`, exactly (call with no concurrent activity).
 pub fn assert_categories_sum_to_used(ctl: &MemoryController) {
     let sum: usize = Category::ALL.iter().map(|c| ctl.category_bytes(*c)).sum();
-    assert_eq!(sum, ctl.used(), "categories {:?}", Category::ALL.map(|c| ctl.category_bytes(c)));
+    assert_eq!(
+        sum,
+        ctl.used(),
+        "categories {:?}",
+        Category::ALL.map(|c| ctl.category_bytes(c))
+    );
 }
 
 /// Every category is zero and so is `used` (after everything was dropped and trimmed).

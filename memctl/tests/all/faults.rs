@@ -49,7 +49,7 @@ fn hook_fires_on_refill_and_new_chunk_paths() {
                 (0..40)
                     .map(|_| ctl.acquire_chunk(None).expect("fits"))
                     .collect::<Vec<_>>(),
-            )
+            );
         })
         .join()
         .expect("filler");

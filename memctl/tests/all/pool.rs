@@ -370,7 +370,7 @@ fn central_mutex_mode_has_no_thread_caches() {
                     (0..20)
                         .map(|_| ctl.acquire_chunk(None).expect("limit"))
                         .collect::<Vec<_>>(),
-                )
+                );
             });
         }
     });

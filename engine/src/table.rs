@@ -184,7 +184,52 @@ impl TableInner {
             drop(batches);
             self.commit_staged()?;
         }
+        self.compact(4)?;
         Ok(rows)
+    }
+
+    /// Runs up to `max` compactions of this table (caller holds the flush lock). The state
+    /// lock is held only for planning and the in-memory swaps, never while reading or writing.
+    fn compact(&self, max: usize) -> Result<()> {
+        let opts = gritdb_storage::CompactionOptions::default();
+        for _ in 0..max {
+            let (mut plan, ctl, account, wopts) = {
+                let mut g = self.state()?;
+                let Some(st) = g.as_mut() else { return Ok(()) };
+                let Some(plan) = st.store.plan_compaction(&opts) else { return Ok(()) };
+                (plan, Arc::clone(st.store.controller()), st.store.account().cloned(), st.store.write_options().clone())
+            };
+            if let Err(e) = plan.execute(&wopts, &ctl, account.as_ref()) {
+                plan.abandon();
+                if matches!(e, gritdb_storage::StorageError::Memory(_)) {
+                    tracing::info!(table = %self.name, "compaction skipped: no memory for it now");
+                    return Ok(());
+                }
+                return Err(e.into());
+            }
+            {
+                let mut g = self.state()?;
+                let Some(st) = g.as_mut() else { return Ok(()) };
+                if let Err(e) = st.store.install_compaction(&plan) {
+                    drop(g);
+                    plan.abandon();
+                    return Err(e.into());
+                }
+            }
+            if let Err(e) = plan.commit() {
+                if let Some(st) = self.state()?.as_mut() {
+                    st.store.uninstall_compaction(&plan);
+                }
+                plan.abandon();
+                return Err(e.into());
+            }
+            let inputs = plan.inputs();
+            let mut g = self.state()?;
+            let Some(st) = g.as_mut() else { return Ok(()) };
+            let rows = st.store.finish_compaction(plan);
+            tracing::debug!(table = %self.name, ?inputs, rows, "compaction done");
+        }
+        Ok(())
     }
 
     /// Writes and commits staged files in order. Data file, deletion vectors and manifest are

@@ -16,6 +16,7 @@
 //!
 //! Nothing here knows about row blocks: it takes Arrow batches and key bytes.
 
+mod compact;
 mod error;
 mod index;
 mod manifest;
@@ -24,10 +25,11 @@ mod vfs;
 mod wal;
 mod write;
 
+pub use compact::{CompactionOptions, CompactionPlan};
 pub use error::StorageError;
 pub use index::{FileKeys, KeyIndex, Loc};
 pub use manifest::{FileMeta, Manifest, MANIFEST_FILE};
-pub use table::{CommitPlan, FileScan, ScanSource, Staged, TableStore};
+pub use table::{CommitPlan, FileGuard, FileScan, ScanSource, Staged, TableStore};
 pub use vfs::{FaultFs, FsOp, StdFs, Vfs, VfsFile};
 pub use wal::{SEGMENT_BYTES, WAL_DIR, Wal, WalOp, WalRecord, WalSync, decode_segment};
 pub use write::{WriteOptions, read_file, write_data_file};

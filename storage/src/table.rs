@@ -15,14 +15,43 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-struct DataFile {
-    meta: FileMeta,
+pub(crate) struct DataFile {
+    pub(crate) meta: FileMeta,
     /// The rows, in memory, until the file is committed.
-    pending: Option<RecordBatch>,
+    pub(crate) pending: Option<RecordBatch>,
     /// Deleted rows as seen by readers (committed + staged deletes).
-    dv_live: RoaringBitmap,
+    pub(crate) dv_live: RoaringBitmap,
     /// Deleted rows as of the committed manifest.
-    dv_committed: RoaringBitmap,
+    pub(crate) dv_committed: RoaringBitmap,
+    /// Removes the file from disk once it is obsolete (compacted away) and no scan holds it.
+    pub(crate) guard: Arc<FileGuard>,
+}
+
+/// Keeps a data file on disk while scans may read it. Once compaction replaced the file it is
+/// marked obsolete and removed when the last holder (table or scan) lets go.
+#[derive(Debug)]
+pub struct FileGuard {
+    path: PathBuf,
+    obsolete: std::sync::atomic::AtomicBool,
+    vfs: Arc<dyn Vfs>,
+}
+
+impl FileGuard {
+    pub(crate) fn new(path: PathBuf, vfs: &Arc<dyn Vfs>) -> Arc<Self> {
+        Arc::new(Self { path, obsolete: std::sync::atomic::AtomicBool::new(false), vfs: Arc::clone(vfs) })
+    }
+
+    pub(crate) fn mark_obsolete(&self) {
+        self.obsolete.store(true, std::sync::atomic::Ordering::Release);
+    }
+}
+
+impl Drop for FileGuard {
+    fn drop(&mut self) {
+        if self.obsolete.load(std::sync::atomic::Ordering::Acquire) {
+            let _ = self.vfs.remove_file(&self.path);
+        }
+    }
 }
 
 /// A flush staged in memory: index and deletion vectors already updated, rows not yet in a
@@ -55,6 +84,8 @@ pub struct FileScan {
     pub source: ScanSource,
     /// Rows to skip: deletion vector plus rows replaced by newer in-memory versions.
     pub deleted: Arc<RoaringBitmap>,
+    /// Keeps the file on disk while the scan reads it.
+    pub guard: Arc<FileGuard>,
 }
 
 /// Everything one commit writes, prepared under the table lock and executed outside it.
@@ -96,23 +127,23 @@ impl CommitPlan {
 
 /// The files, deletion vectors and key index of one table.
 pub struct TableStore {
-    dir: PathBuf,
-    name: String,
-    schema: SchemaRef,
-    primary_key: Vec<String>,
-    key_cols: Vec<usize>,
-    conv: RowConverter,
-    ctl: Arc<MemoryController>,
-    account: Option<TableAccount>,
-    files: BTreeMap<u32, DataFile>,
-    index: KeyIndex,
-    version: u64,
-    next_file_id: u32,
-    staged: VecDeque<Staged>,
-    flushed_seq: u64,
-    meta: Reservation,
-    opts: WriteOptions,
-    vfs: Arc<dyn Vfs>,
+    pub(crate) dir: PathBuf,
+    pub(crate) name: String,
+    pub(crate) schema: SchemaRef,
+    pub(crate) primary_key: Vec<String>,
+    pub(crate) key_cols: Vec<usize>,
+    pub(crate) conv: RowConverter,
+    pub(crate) ctl: Arc<MemoryController>,
+    pub(crate) account: Option<TableAccount>,
+    pub(crate) files: BTreeMap<u32, DataFile>,
+    pub(crate) index: KeyIndex,
+    pub(crate) version: u64,
+    pub(crate) next_file_id: u32,
+    pub(crate) staged: VecDeque<Staged>,
+    pub(crate) flushed_seq: u64,
+    pub(crate) meta: Reservation,
+    pub(crate) opts: WriteOptions,
+    pub(crate) vfs: Arc<dyn Vfs>,
 }
 
 impl std::fmt::Debug for TableStore {
@@ -121,7 +152,7 @@ impl std::fmt::Debug for TableStore {
     }
 }
 
-fn file_name(id: u32) -> String {
+pub(crate) fn file_name(id: u32) -> String {
     format!("f{id:06}.parquet")
 }
 
@@ -237,7 +268,8 @@ impl TableStore {
             if let Err(detail) = s.index.add_file(f.id, &keys)? {
                 return Err(StorageError::CorruptFile { path, detail });
             }
-            s.files.insert(f.id, DataFile { meta: f.clone(), pending: None, dv_live: dv.clone(), dv_committed: dv });
+            let guard = FileGuard::new(path, &s.vfs);
+            s.files.insert(f.id, DataFile { meta: f.clone(), pending: None, dv_live: dv.clone(), dv_committed: dv, guard });
         }
         if let Ok(rd) = fs::read_dir(dir) {
             for e in rd.flatten() {
@@ -252,7 +284,7 @@ impl TableStore {
         Ok(s)
     }
 
-    fn read_keys(&self, path: &Path, rows: u64) -> Result<arrow_row::Rows, StorageError> {
+    pub(crate) fn read_keys(&self, path: &Path, rows: u64) -> Result<arrow_row::Rows, StorageError> {
         let corrupt = |detail: String| StorageError::CorruptFile { path: path.to_path_buf(), detail };
         let file = fs::File::open(path).map_err(io(path))?;
         let builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| corrupt(e.to_string()))?;
@@ -277,7 +309,7 @@ impl TableStore {
         Ok(all)
     }
 
-    fn is_deleted(&self, loc: Loc) -> bool {
+    pub(crate) fn is_deleted(&self, loc: Loc) -> bool {
         self.files.get(&loc.file).is_none_or(|f| f.dv_live.contains(loc.row))
     }
 
@@ -286,7 +318,7 @@ impl TableStore {
         self.index.find(key, |l| self.is_deleted(l))
     }
 
-    fn account_metadata(&mut self) {
+    pub(crate) fn account_metadata(&mut self) {
         let per_file = std::mem::size_of::<DataFile>() + 64;
         let bytes: usize = self
             .files
@@ -382,9 +414,10 @@ impl TableStore {
             drop(rows);
             self.next_file_id += 1;
             let meta = FileMeta { id, name: file_name(id), rows: puts.num_rows() as u64, bytes: 0, dv: None, deleted: 0 };
+            let guard = FileGuard::new(self.dir.join(&meta.name), &self.vfs);
             self.files.insert(
                 id,
-                DataFile { meta, pending: Some(puts.clone()), dv_live: RoaringBitmap::new(), dv_committed: RoaringBitmap::new() },
+                DataFile { meta, pending: Some(puts.clone()), dv_live: RoaringBitmap::new(), dv_committed: RoaringBitmap::new(), guard },
             );
         }
         for loc in &additions {
@@ -511,7 +544,7 @@ impl TableStore {
                     Some(b) => ScanSource::Memory(b.clone()),
                     None => ScanSource::File(self.dir.join(&f.meta.name)),
                 };
-                FileScan { id: *id, source, deleted: Arc::new(deleted) }
+                FileScan { id: *id, source, deleted: Arc::new(deleted), guard: Arc::clone(&f.guard) }
             })
             .collect()
     }

@@ -5,6 +5,7 @@ static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 mod accounting;
 mod bad_input;
+mod compaction;
 mod crash;
 mod faults;
 mod model;

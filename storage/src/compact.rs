@@ -1,0 +1,240 @@
+//! Compaction: rewrites data files with many deleted rows and merges small files, so the file
+//! count and the key index stay bounded under delete/reinsert churn.
+//!
+//! Protocol (the caller holds the table's flush lock throughout, so no flush commits in
+//! between; the table state lock only for the in-memory steps):
+//! 1. [`TableStore::plan_compaction`] (state lock): pick inputs, snapshot their deletion
+//!    vectors, reserve a new file id. Only when no flush is staged, so every deletion vector
+//!    is committed.
+//! 2. [`CompactionPlan::execute`] (no state lock): read the live rows of the inputs, sort them
+//!    by key, write the new file (tmp, fsync, rename).
+//! 3. [`TableStore::install_compaction`] (state lock): index the new file's keys (its rows are
+//!    invisible until step 5: the file is not in the file list yet).
+//! 4. [`CompactionPlan::commit`] (no state lock): write the manifest without the inputs and
+//!    with the new file.
+//! 5. [`TableStore::finish_compaction`] (state lock): swap the file list; the inputs are marked
+//!    obsolete and deleted once no scan reads them.
+//!
+//! A failure before step 4 completes leaves the old files authoritative (the new file is
+//! removed or, after a crash, collected at open as a file the manifest does not name).
+
+use crate::error::StorageError;
+use crate::index::encode_keys;
+use crate::manifest::{FileMeta, Manifest};
+use crate::table::{DataFile, FileGuard, TableStore, file_name};
+use crate::vfs::Vfs;
+use crate::write::{WriteOptions, read_file, write_data_file};
+use arrow_array::UInt32Array;
+use arrow_row::Rows;
+use arrow_schema::SchemaRef;
+use gritdb_memctl::{Category, MemoryController, Reservation, TableAccount};
+use roaring::RoaringBitmap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// When files are compacted.
+#[derive(Debug, Clone)]
+pub struct CompactionOptions {
+    /// A file is rewritten once this fraction of its rows is deleted. Default 0.1.
+    pub deleted_fraction: f64,
+    /// Files with fewer rows than this are "small". Default 131,072.
+    pub small_file_rows: u64,
+    /// Small files are merged once there are this many. Default 4.
+    pub small_files_trigger: usize,
+    /// Largest number of live rows one compaction rewrites (bounds its memory). Default 1 Mi.
+    pub max_rows: u64,
+}
+
+impl Default for CompactionOptions {
+    fn default() -> Self {
+        Self { deleted_fraction: 0.1, small_file_rows: 128 << 10, small_files_trigger: 4, max_rows: 1 << 20 }
+    }
+}
+
+/// One planned compaction.
+#[derive(Debug)]
+pub struct CompactionPlan {
+    inputs: Vec<(u32, PathBuf, Arc<RoaringBitmap>, Arc<FileGuard>)>,
+    new_id: u32,
+    dir: PathBuf,
+    schema: SchemaRef,
+    key_cols: Vec<usize>,
+    vfs: Arc<dyn Vfs>,
+    manifest: Manifest,
+    output: Option<(Rows, u64, u64)>,
+}
+
+impl CompactionPlan {
+    /// Input file ids.
+    pub fn inputs(&self) -> Vec<u32> {
+        self.inputs.iter().map(|i| i.0).collect()
+    }
+
+    /// Reads the inputs' live rows, sorts them by key and writes the new data file.
+    /// Decoded rows are reserved under `batch_blocks` while held.
+    ///
+    /// # Errors
+    /// [`StorageError`]; the new file is not visible then.
+    pub fn execute(&mut self, opts: &WriteOptions, ctl: &Arc<MemoryController>, table: Option<&TableAccount>) -> Result<(), StorageError> {
+        let mut held = Reservation::new(ctl, Category::BatchBlocks, table);
+        let mut parts = Vec::new();
+        for (_, path, dv, _) in &self.inputs {
+            for b in read_file(path, None, Arc::clone(dv), 64 << 10)? {
+                let b = b?;
+                held.try_grow(b.get_array_memory_size())?;
+                parts.push(b);
+            }
+        }
+        let all = arrow_select::concat::concat_batches(&self.schema, &parts)?;
+        drop(parts);
+        let conv = crate::index::key_converter(&self.schema, &self.key_cols)?;
+        let keys = encode_keys(&conv, &all, &self.key_cols)?;
+        let mut order: Vec<u32> = (0..all.num_rows() as u32).collect();
+        order.sort_unstable_by(|a, b| keys.row(*a as usize).cmp(&keys.row(*b as usize)));
+        let sorted = arrow_select::take::take_record_batch(&all, &UInt32Array::from(order.clone()))?;
+        drop(all);
+        let mut sorted_keys = conv.empty_rows(order.len(), keys.size());
+        for i in &order {
+            sorted_keys.push(keys.row(*i as usize));
+        }
+        let name = file_name(self.new_id);
+        let bytes = write_data_file(self.vfs.as_ref(), &self.dir, &name, &sorted, opts, ctl, table)?;
+        self.output = Some((sorted_keys, sorted.num_rows() as u64, bytes));
+        Ok(())
+    }
+
+    /// Writes the manifest that swaps the inputs for the new file.
+    ///
+    /// # Errors
+    /// [`StorageError::Io`]; the old manifest stands then.
+    pub fn commit(&mut self) -> Result<(), StorageError> {
+        let Some((_, rows, bytes)) = &self.output else { return Ok(()) };
+        let inputs: Vec<u32> = self.inputs();
+        self.manifest.files.retain(|f| !inputs.contains(&f.id));
+        self.manifest.files.push(FileMeta { id: self.new_id, name: file_name(self.new_id), rows: *rows, bytes: *bytes, dv: None, deleted: 0 });
+        self.manifest.files.sort_by_key(|f| f.id);
+        self.manifest.write(self.vfs.as_ref(), &self.dir)
+    }
+
+    /// Removes the new data file after a failed commit.
+    pub fn abandon(&self) {
+        let _ = self.vfs.remove_file(&self.dir.join(file_name(self.new_id)));
+    }
+}
+
+impl TableStore {
+    /// Picks files to compact: the file with the largest deleted fraction above the threshold,
+    /// else (when there are enough) the smallest small files; `None` when nothing qualifies or
+    /// a flush is staged.
+    pub fn plan_compaction(&mut self, opts: &CompactionOptions) -> Option<CompactionPlan> {
+        if !self.staged.is_empty() {
+            return None;
+        }
+        let live = |f: &DataFile| f.meta.rows - f.dv_live.len();
+        let committed: Vec<&DataFile> = self.files.values().filter(|f| f.pending.is_none()).collect();
+        let mut inputs: Vec<u32> = Vec::new();
+        let worst = committed
+            .iter()
+            .filter(|f| {
+                f.meta.rows > 0 && live(f) <= opts.max_rows && f.dv_live.len() as f64 >= opts.deleted_fraction * f.meta.rows as f64
+            })
+            .max_by(|a, b| {
+                let fa = a.dv_live.len() as f64 / a.meta.rows as f64;
+                let fb = b.dv_live.len() as f64 / b.meta.rows as f64;
+                fa.total_cmp(&fb)
+            });
+        let mut total = 0u64;
+        if let Some(w) = worst {
+            inputs.push(w.meta.id);
+            total += live(w);
+        }
+        let mut small: Vec<&DataFile> =
+            committed.iter().copied().filter(|f| f.meta.rows < opts.small_file_rows && !inputs.contains(&f.meta.id)).collect();
+        if small.len() + usize::from(!inputs.is_empty()) >= opts.small_files_trigger {
+            small.sort_by_key(|f| live(f));
+            for f in small {
+                if total + live(f) > opts.max_rows {
+                    break;
+                }
+                total += live(f);
+                inputs.push(f.meta.id);
+            }
+        }
+        if inputs.is_empty() || (inputs.len() == 1 && worst.is_none()) {
+            return None;
+        }
+        let new_id = self.next_file_id;
+        self.next_file_id += 1;
+        let files = self
+            .files
+            .values()
+            .filter(|f| f.pending.is_none())
+            .map(|f| f.meta.clone())
+            .collect();
+        let manifest = Manifest {
+            format: 1,
+            table: self.name.clone(),
+            version: self.version + 1,
+            schema: self.schema.as_ref().clone(),
+            primary_key: self.primary_key.clone(),
+            next_file_id: self.next_file_id,
+            flushed_seq: self.flushed_seq,
+            files,
+        };
+        let inputs = inputs
+            .iter()
+            .filter_map(|id| {
+                let f = self.files.get(id)?;
+                Some((*id, self.dir.join(&f.meta.name), Arc::new(f.dv_live.clone()), Arc::clone(&f.guard)))
+            })
+            .collect();
+        Some(CompactionPlan {
+            inputs,
+            new_id,
+            dir: self.dir.clone(),
+            schema: Arc::clone(&self.schema),
+            key_cols: self.key_cols.clone(),
+            vfs: Arc::clone(&self.vfs),
+            manifest,
+            output: None,
+        })
+    }
+
+    /// Indexes the new file's keys ahead of the manifest commit (its rows stay invisible until
+    /// [`Self::finish_compaction`]).
+    ///
+    /// # Errors
+    /// [`StorageError::Memory`] when the index cannot grow (abandon the plan then).
+    pub fn install_compaction(&mut self, plan: &CompactionPlan) -> Result<(), StorageError> {
+        let Some((keys, _, _)) = &plan.output else { return Ok(()) };
+        if let Err(detail) = self.index.add_file(plan.new_id, keys)? {
+            return Err(StorageError::CorruptFile { path: plan.dir.join(file_name(plan.new_id)), detail });
+        }
+        Ok(())
+    }
+
+    /// Forgets the new file's keys after a failed commit.
+    pub fn uninstall_compaction(&mut self, plan: &CompactionPlan) {
+        self.index.remove_file(plan.new_id);
+    }
+
+    /// Swaps the inputs for the new file in memory after the manifest commit. Returns the
+    /// rows rewritten.
+    pub fn finish_compaction(&mut self, plan: CompactionPlan) -> u64 {
+        let Some((_, rows, bytes)) = plan.output else { return 0 };
+        for (id, _, _, guard) in &plan.inputs {
+            guard.mark_obsolete();
+            self.files.remove(id);
+            self.index.remove_file(*id);
+        }
+        let meta = FileMeta { id: plan.new_id, name: file_name(plan.new_id), rows, bytes, dv: None, deleted: 0 };
+        let guard = FileGuard::new(plan.dir.join(&meta.name), &self.vfs);
+        self.files.insert(
+            plan.new_id,
+            DataFile { meta, pending: None, dv_live: RoaringBitmap::new(), dv_committed: RoaringBitmap::new(), guard },
+        );
+        self.version = plan.manifest.version;
+        self.account_metadata();
+        rows
+    }
+}

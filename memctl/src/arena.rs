@@ -206,32 +206,65 @@ impl RowArena {
 
     /// Allocates `len` bytes for one row and returns its place and the bytes to fill.
     ///
+    /// The common case, a row that fits the active chunk, is a bump of its offset and is
+    /// inlined into the caller; a new chunk or an oversize row takes the out-of-line path.
+    ///
     /// # Errors
     /// [`MemoryError`] when a new chunk or the oversize allocation cannot be budgeted.
+    #[inline]
     pub fn alloc(&mut self, len: usize) -> Result<(RowRef, &mut [u8]), MemoryError> {
-        let chunk = self.ctl.chunk_size();
-        let id = if len > chunk {
-            self.reserve_blocks(1)?;
+        if let Some(id) = self.active
+            && let Some(Some(b)) = self.blocks.get(id as usize)
+            && len <= b.data.len() - b.used
+        {
+            return Ok(self.bump(id, len));
+        }
+        self.alloc_slow(len)
+    }
+
+    /// Places a row of `len` bytes at the bump offset of block `id` (which has the room).
+    #[inline]
+    fn bump(&mut self, id: u32, len: usize) -> (RowRef, &mut [u8]) {
+        self.live_rows += 1;
+        let Some(Some(block)) = self.blocks.get_mut(id as usize) else {
+            unreachable!("bump into a missing block {id}");
+        };
+        let offset = block.used;
+        block.used += len;
+        block.live += 1;
+        let r = RowRef {
+            block: id,
+            offset: offset as u32,
+            len: len as u32,
+        };
+        (r, &mut block.data[offset..offset + len])
+    }
+
+    /// A row that does not fit the active chunk: a new chunk (spare or from the pool), or a
+    /// dedicated allocation for a row larger than a chunk.
+    #[inline(never)]
+    fn alloc_slow(&mut self, len: usize) -> Result<(RowRef, &mut [u8]), MemoryError> {
+        self.reserve_blocks(1)?;
+        let id = if len > self.ctl.chunk_size() {
             if self.prepaid_oversize >= len {
                 self.prepaid_oversize -= len;
             } else {
                 self.ctl
                     .try_reserve(Category::RowBlocks, self.table.as_ref(), len)?;
             }
+            self.bytes += len;
             self.insert_block(Block {
                 data: vec![0u8; len].into_boxed_slice(),
                 used: 0,
                 live: 0,
                 oversize: true,
             })
-        } else if let Some(id) = self.active.filter(|_| self.active_room() >= len) {
-            id
         } else {
-            self.reserve_blocks(1)?;
             let data = match self.spare.pop() {
                 Some(c) => c,
                 None => self.ctl.take_chunk(self.table.as_ref())?,
             };
+            self.bytes += data.len();
             let id = self.insert_block(Block {
                 data,
                 used: 0,
@@ -243,24 +276,7 @@ impl RowArena {
             }
             id
         };
-        let block = self.blocks[id as usize]
-            .as_mut()
-            .expect("block id just set"); // infallible
-        if block.oversize {
-            self.bytes += len;
-        } else if block.used == 0 {
-            self.bytes += block.data.len();
-        }
-        let offset = block.used;
-        block.used += len;
-        block.live += 1;
-        self.live_rows += 1;
-        let r = RowRef {
-            block: id,
-            offset: offset as u32,
-            len: len as u32,
-        };
-        Ok((r, &mut block.data[offset..offset + len]))
+        Ok(self.bump(id, len))
     }
 
     /// The bytes of a live row.

@@ -76,3 +76,19 @@ fn prepared_rows_cannot_fail_and_failed_prepare_holds_nothing() {
     ctl.trim_free_chunks(0);
     assert_all_zero(&ctl);
 }
+
+#[test]
+fn zero_length_rows_do_not_count_their_chunk_twice() {
+    let ctl = ctl(64 << 20);
+    let mut a = RowArena::new(&ctl, None);
+    let (r0, b0) = a.alloc(0).expect("fits");
+    assert!(b0.is_empty() && r0.is_empty());
+    a.alloc(0).expect("fits");
+    a.alloc(10).expect("fits");
+    assert_eq!(a.bytes(), CHUNK);
+    assert_eq!(ctl.category_bytes(Category::RowBlocks), CHUNK);
+    assert_eq!(a.live_rows(), 3);
+    drop(a);
+    ctl.trim_free_chunks(0);
+    assert_all_zero(&ctl);
+}

@@ -1,8 +1,8 @@
 //! Chunk pool and row arena benchmarks (issue 3). Numbers and the command are in
 //! `docs/performance.md`, section "memctl chunk pool".
 //!
-//! - `chunk_pool/<variant>/<n>t`: each of n threads repeatedly acquires a burst of
-//!   [`BURST`] chunks (writing one byte in each) and releases them; throughput counts
+//! - `chunk_pool_burst<b>/<variant>/<n>t`: each of n threads repeatedly acquires a burst of
+//!   b chunks ([`BURSTS`]; writing one byte in each) and releases them; throughput counts
 //!   acquire+release pairs over all threads. Variants: `thread_cache` (this pool),
 //!   `central_mutex` (same pool, `thread_cache: false`: every operation takes the central
 //!   mutex), `global_alloc` (the global allocator's alloc/dealloc of the same size; the bench
@@ -18,8 +18,10 @@ use std::hint::black_box;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-/// Chunks held at once by each thread per iteration (within one thread cache).
-const BURST: usize = 8;
+/// Chunks held at once by each thread per iteration: 8 stays within one thread cache (the
+/// fast path only); 64 is twice a thread cache, so every iteration refills from and flushes
+/// to the central list in batches of 16.
+const BURSTS: [usize; 2] = [8, 64];
 /// Rows per iteration of the row benchmarks.
 const ROWS: usize = 100_000;
 const ROW: usize = 24;
@@ -51,10 +53,10 @@ fn run_threads(threads: usize, iters: u64, work: &(dyn Fn(u64) + Sync)) -> Durat
     start.elapsed()
 }
 
-fn pool_burst(ctl: &MemoryController, iters: u64) {
-    let mut held: Vec<PoolChunk<'_>> = Vec::with_capacity(BURST);
+fn pool_burst(ctl: &MemoryController, burst: usize, iters: u64) {
+    let mut held: Vec<PoolChunk<'_>> = Vec::with_capacity(burst);
     for _ in 0..iters {
-        for i in 0..BURST {
+        for i in 0..burst {
             let mut c = ctl.acquire_chunk(None).expect("under the limit");
             c.bytes_mut()[0] = i as u8;
             held.push(c);
@@ -64,11 +66,11 @@ fn pool_burst(ctl: &MemoryController, iters: u64) {
     }
 }
 
-fn alloc_burst(iters: u64) {
+fn alloc_burst(burst: usize, iters: u64) {
     let layout = Layout::from_size_align(CHUNK, 16).expect("valid layout");
-    let mut held: Vec<*mut u8> = Vec::with_capacity(BURST);
+    let mut held: Vec<*mut u8> = Vec::with_capacity(burst);
     for _ in 0..iters {
-        for i in 0..BURST {
+        for i in 0..burst {
             // SAFETY: `layout` has a non-zero size.
             let p = unsafe { alloc(layout) };
             assert!(!p.is_null(), "allocation failed");
@@ -85,33 +87,39 @@ fn alloc_burst(iters: u64) {
 }
 
 fn chunk_pool(c: &mut Criterion) {
-    let mut g = c.benchmark_group("chunk_pool");
-    g.measurement_time(Duration::from_secs(4))
-        .warm_up_time(Duration::from_secs(1));
-    for threads in [1usize, 2, 4] {
-        g.throughput(Throughput::Elements((threads * BURST) as u64));
-        let cached = controller(true);
-        g.bench_function(
-            BenchmarkId::new("thread_cache", format!("{threads}t")),
-            |b| {
-                b.iter_custom(|iters| run_threads(threads, iters, &|n| pool_burst(&cached, n)));
-            },
-        );
-        let central = controller(false);
-        g.bench_function(
-            BenchmarkId::new("central_mutex", format!("{threads}t")),
-            |b| {
-                b.iter_custom(|iters| run_threads(threads, iters, &|n| pool_burst(&central, n)));
-            },
-        );
-        g.bench_function(
-            BenchmarkId::new("global_alloc", format!("{threads}t")),
-            |b| {
-                b.iter_custom(|iters| run_threads(threads, iters, &alloc_burst));
-            },
-        );
+    for burst in BURSTS {
+        let mut g = c.benchmark_group(format!("chunk_pool_burst{burst}"));
+        g.measurement_time(Duration::from_secs(4))
+            .warm_up_time(Duration::from_secs(1));
+        for threads in [1usize, 2, 4] {
+            g.throughput(Throughput::Elements((threads * burst) as u64));
+            let cached = controller(true);
+            g.bench_function(
+                BenchmarkId::new("thread_cache", format!("{threads}t")),
+                |b| {
+                    b.iter_custom(|iters| {
+                        run_threads(threads, iters, &|n| pool_burst(&cached, burst, n))
+                    });
+                },
+            );
+            let central = controller(false);
+            g.bench_function(
+                BenchmarkId::new("central_mutex", format!("{threads}t")),
+                |b| {
+                    b.iter_custom(|iters| {
+                        run_threads(threads, iters, &|n| pool_burst(&central, burst, n))
+                    });
+                },
+            );
+            g.bench_function(
+                BenchmarkId::new("global_alloc", format!("{threads}t")),
+                |b| {
+                    b.iter_custom(|iters| run_threads(threads, iters, &|n| alloc_burst(burst, n)));
+                },
+            );
+        }
+        g.finish();
     }
-    g.finish();
 }
 
 fn row_alloc(c: &mut Criterion) {

@@ -49,6 +49,11 @@ pub struct RunArgs {
     /// Output directory for `soak.csv`, `summary.json`, `soak.svg` and `soak.log`.
     #[arg(long, default_value = "./soak-out")]
     pub out: PathBuf,
+    /// Per-table flush threshold of the engine (`EngineConfig::table_flush_bytes`): bytes or a
+    /// size with unit. Default: the limit / 64, clamped to 1..=64 MiB (4 MiB at 256 MiB), so
+    /// that each round's write load crosses it several times.
+    #[arg(long, value_parser = parse_size)]
+    pub table_flush_bytes: Option<u64>,
     /// Engine data directory. Its contents are wiped at the start of a run only when it holds
     /// nothing but gritdb files; otherwise a fresh subdirectory is used.
     #[arg(long, default_value = "./gritdb-data")]
@@ -121,6 +126,15 @@ pub struct TuneArgs {
     pub allocator: Allocator,
 }
 
+impl RunArgs {
+    /// The per-table flush threshold in bytes: `--table-flush-bytes`, else limit / 64 clamped
+    /// to 1..=64 MiB.
+    pub fn flush_bytes(&self) -> u64 {
+        self.table_flush_bytes
+            .unwrap_or_else(|| (self.memory_limit / 64).clamp(1 << 20, 64 << 20))
+    }
+}
+
 impl Default for RunArgs {
     fn default() -> Self {
         Self {
@@ -128,6 +142,7 @@ impl Default for RunArgs {
             tables: 500,
             scale: 0.1,
             memory_limit: 256 << 20,
+            table_flush_bytes: None,
             out: PathBuf::from("./soak-out"),
             data_dir: PathBuf::from("./gritdb-data"),
             seed: 42,

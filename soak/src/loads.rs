@@ -35,13 +35,13 @@ impl Sizes {
     /// Default sizes with `churn_tables` tables created and dropped per round.
     pub fn new(churn_tables: u32) -> Self {
         Self {
-            refresh_parts: 10,
-            lineitem_update_parts: 10,
-            orders_update_parts: 5,
+            refresh_parts: 5,
+            lineitem_update_parts: 5,
+            orders_update_parts: 3,
             churn_tables,
             mixed_tables: 50,
             mixed_keys: 1000,
-            mixed_transactions: 1000,
+            mixed_transactions: 300,
             mixed_flush_per_round: 2,
         }
     }
@@ -338,7 +338,9 @@ impl Soak {
         let persistent: usize = r
             .tables
             .iter()
-            .filter(|t| t.table == "orders" || t.table == "lineitem" || t.table.starts_with("mixed_"))
+            .filter(|t| {
+                t.table == "orders" || t.table == "lineitem" || t.table.starts_with("mixed_")
+            })
             .map(|t| t.bytes)
             .sum();
         r.used.saturating_sub(r.category(Category::FreeChunks)) as i64 - persistent as i64
@@ -363,7 +365,8 @@ impl Soak {
             );
         }
         if n > 0 {
-            out.empty_table_bytes = Some((self.accounted_outside_persistent() - before) as f64 / n as f64);
+            out.empty_table_bytes =
+                Some((self.accounted_outside_persistent() - before) as f64 / n as f64);
         }
         for (i, t) in tables.iter().enumerate() {
             let rows = data::churn_rows(i, 1 + i % 4)?;

@@ -1,8 +1,8 @@
 //! `soak.svg`: memory against the round, and the key index / file count below it.
 //!
-//! Top panel (MiB): RSS, `VmHWM`, engine used, outside-engine, allocator resident, and the
-//! memory limit as a dashed line. Bottom panel: key-index MiB (left axis) and data files
-//! (right axis). Every sample is drawn: a round's four samples sit at `round - 0.75`,
+//! Top panel (MiB): RSS, `VmHWM`, engine used, outside-engine (and its highest value during
+//! each load, dotted), allocator resident, and the memory limit as a dashed line. Bottom
+//! panel: key-index MiB (left axis) and data files (right axis). Every sample is drawn: a round's four samples sit at `round - 0.75`,
 //! `- 0.5`, `- 0.25` and `round`; the base load at 0.
 
 use crate::sample::Sample;
@@ -50,6 +50,7 @@ fn draw(root: &DrawingArea<SVGBackend<'_>, Shift>, samples: &[Sample], title: &s
     let y_max = samples
         .iter()
         .flat_map(|s| series.iter().map(move |(_, _, f)| f(s) as f64 / MIB))
+        .chain(samples.iter().map(|s| s.outside_engine_max as f64 / MIB))
         .fold(limit, f64::max)
         * 1.08;
 
@@ -77,6 +78,18 @@ fn draw(root: &DrawingArea<SVGBackend<'_>, Shift>, samples: &[Sample], title: &s
                 PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
             });
     }
+    let orange = RGBColor(255, 127, 14);
+    chart
+        .draw_series(DashedLineSeries::new(
+            samples
+                .iter()
+                .map(|s| (s.x(), s.outside_engine_max as f64 / MIB)),
+            3,
+            3,
+            orange.stroke_width(1),
+        ))?
+        .label("outside-engine, max during load")
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], orange.stroke_width(1)));
     chart
         .draw_series(DashedLineSeries::new(
             [(0.0, limit), (x_max, limit)],

@@ -122,8 +122,13 @@ pub struct Summary {
     pub files_slope_per_round: Option<f64>,
     /// Outside-engine bytes / allocator `allocated` at the last sample.
     pub outside_engine_share_last: f64,
-    /// Max over samples of engine `used / limit`.
+    /// Max over samples of engine `used / limit` (including the monitor's readings during
+    /// each load).
     pub engine_used_max_over_limit: f64,
+    /// Highest outside-engine bytes seen during any load (monitor thread).
+    pub outside_engine_max: u64,
+    /// Highest RSS seen during any load (monitor thread; `VmHWM` is the kernel's exact peak).
+    pub rss_max: u64,
     /// Engine high-water mark / limit at the last sample.
     pub engine_peak_over_limit: f64,
     /// Max over rounds of accounted bytes after the round's drops minus before its creates.
@@ -219,7 +224,7 @@ pub fn summarize(
     let verified = error.is_none() && rounds > 0 && samples.iter().all(|s| s.verified);
     let used_max = samples
         .iter()
-        .map(|s| s.used as f64 / s.limit.max(1) as f64)
+        .map(|s| s.used.max(s.used_max) as f64 / s.limit.max(1) as f64)
         .fold(0.0, f64::max);
     let residual = samples
         .iter()
@@ -341,6 +346,12 @@ pub fn summarize(
             0.0
         },
         engine_used_max_over_limit: used_max,
+        outside_engine_max: samples
+            .iter()
+            .map(|s| s.outside_engine_max)
+            .max()
+            .unwrap_or(0),
+        rss_max: samples.iter().map(|s| s.rss_max).max().unwrap_or(0),
         engine_peak_over_limit: last.peak as f64 / limit.max(1) as f64,
         create_drop_residual_bytes: residual,
         empty_table_bytes: empty,
@@ -423,6 +434,14 @@ impl Summary {
             sl(self.key_index_slope_bytes_per_round),
             fmt_bytes(self.empty_table_bytes),
             self.outside_engine_share_last * 100.0
+        );
+        let _ = writeln!(
+            s,
+            "peaks during loads: RSS {}  outside-engine {}  engine used/limit {:.3} (high-water mark {:.3})",
+            b(self.rss_max),
+            b(self.outside_engine_max),
+            self.engine_used_max_over_limit,
+            self.engine_peak_over_limit
         );
         let _ = writeln!(
             s,

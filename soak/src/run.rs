@@ -4,7 +4,7 @@
 use crate::cli::{Allocator, RunArgs};
 use crate::loads::{Outcome, Sizes, Soak};
 use crate::report::{Summary, fmt_bytes, summarize};
-use crate::sample::{Load, LoadFigures, Sample, csv_header, read_csv};
+use crate::sample::{Load, LoadFigures, Monitor, Sample, csv_header, read_csv};
 use crate::{data, plot};
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -227,6 +227,7 @@ impl Csv {
 /// State of a run while rounds go on.
 struct Runner {
     soak: Soak,
+    monitor: Monitor,
     csv: Csv,
     samples: Vec<Sample>,
     start: Instant,
@@ -235,6 +236,7 @@ struct Runner {
 impl Runner {
     /// Runs one load, takes its sample and writes it. Returns the mismatch text, if any.
     fn load(&mut self, round: u32, load: Load) -> Result<Option<String>> {
+        self.monitor.take();
         let t = Instant::now();
         let outcome: Outcome = match load {
             Load::Base => self.soak.base_load(),
@@ -256,6 +258,7 @@ impl Runner {
                 verified: outcome.mismatch.is_none(),
                 create_drop_residual: outcome.residual,
                 empty_table_bytes: outcome.empty_table_bytes,
+                peaks: self.monitor.take(),
             },
         );
         tracing::info!(
@@ -295,6 +298,7 @@ fn config_json(
         "tables": args.tables,
         "scale": args.scale,
         "memory_limit": args.memory_limit,
+        "table_flush_bytes": args.flush_bytes(),
         "seed": args.seed,
         "duration_s": args.duration,
         "data_dir": data_dir.display().to_string(),
@@ -317,11 +321,12 @@ pub fn run(args: &RunArgs, allocator: Allocator) -> Result<bool> {
     let data_dir = prepare_data_dir(&args.data_dir)?;
     let limit = usize::try_from(args.memory_limit)
         .context("--memory-limit does not fit this platform's address size")?;
-    let engine = gritdb::Engine::open(
-        &data_dir.path,
-        gritdb::EngineConfig::default().memory_limit(limit),
-    )
-    .with_context(|| {
+    let flush_bytes = usize::try_from(args.flush_bytes())
+        .context("--table-flush-bytes does not fit this platform's address size")?;
+    let engine_config = gritdb::EngineConfig::default()
+        .memory_limit(limit)
+        .table_flush_bytes(flush_bytes);
+    let engine = gritdb::Engine::open(&data_dir.path, engine_config).with_context(|| {
         format!(
             "opening the engine in {} with limit {}",
             data_dir.path.display(),
@@ -331,9 +336,14 @@ pub fn run(args: &RunArgs, allocator: Allocator) -> Result<bool> {
     let sizes = Sizes::new(args.tables);
     let config = config_json(args, allocator, &sizes, &data_dir.path);
     tracing::info!(%config, "soak starting");
+    let monitor = Monitor::start(
+        std::sync::Arc::clone(engine.memory()),
+        Duration::from_millis(25),
+    )?;
     let soak = Soak::new(engine, args.scale, sizes, args.seed)?;
     let mut runner = Runner {
         soak,
+        monitor,
         csv: Csv::create(args.out.join("soak.csv"))?,
         samples: Vec::new(),
         start: Instant::now(),
@@ -355,8 +365,10 @@ pub fn run(args: &RunArgs, allocator: Allocator) -> Result<bool> {
         soak,
         samples,
         start,
+        monitor,
         ..
     } = runner;
+    drop(monitor);
     let error = match (error, soak.close()) {
         (Err(e), _) | (Ok(()), Err(e)) => Some(format!("{e:#}")),
         (Ok(()), Ok(())) => None,

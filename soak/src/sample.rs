@@ -5,10 +5,14 @@
 
 use anyhow::{Context, Result, bail};
 use gritdb::Engine;
-use gritdb::memory::Category;
+use gritdb::memory::{Category, MemoryController, ProcessView};
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::Duration;
 
 /// Which load a sample follows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -64,6 +68,84 @@ impl Load {
     }
 }
 
+/// Highest figures seen by the [`Monitor`] during a load.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Peaks {
+    /// Highest RSS.
+    pub rss: u64,
+    /// Highest engine `used`.
+    pub used: u64,
+    /// Highest outside-engine bytes (allocator `allocated` − engine `used`).
+    pub outside_engine: u64,
+}
+
+#[derive(Debug, Default)]
+struct MonitorShared {
+    stop: AtomicBool,
+    rss: AtomicU64,
+    used: AtomicU64,
+    outside: AtomicU64,
+}
+
+/// A thread that reads RSS, engine `used` and the allocator every few milliseconds and keeps
+/// the highest values, so that transient peaks inside a load (a flush's encoding buffers, a
+/// scan's decoded pages) show up even though the samples are taken between loads.
+#[derive(Debug)]
+pub struct Monitor {
+    shared: Arc<MonitorShared>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl Monitor {
+    /// Starts polling `ctl` and the process every `every`.
+    ///
+    /// # Errors
+    /// When the thread cannot be spawned.
+    pub fn start(ctl: Arc<MemoryController>, every: Duration) -> Result<Self> {
+        let shared = Arc::new(MonitorShared::default());
+        let s = Arc::clone(&shared);
+        let handle = std::thread::Builder::new()
+            .name("gritdb-soak-monitor".into())
+            .spawn(move || {
+                while !s.stop.load(Ordering::Acquire) {
+                    let p = ProcessView::read();
+                    let used = ctl.used();
+                    s.rss.fetch_max(p.rss as u64, Ordering::AcqRel);
+                    s.used.fetch_max(used as u64, Ordering::AcqRel);
+                    s.outside.fetch_max(
+                        p.allocator.allocated.saturating_sub(used) as u64,
+                        Ordering::AcqRel,
+                    );
+                    std::thread::park_timeout(every);
+                }
+            })
+            .context("starting the monitor thread")?;
+        Ok(Self {
+            shared,
+            handle: Some(handle),
+        })
+    }
+
+    /// The highest values since the last call (and resets them).
+    pub fn take(&self) -> Peaks {
+        Peaks {
+            rss: self.shared.rss.swap(0, Ordering::AcqRel),
+            used: self.shared.used.swap(0, Ordering::AcqRel),
+            outside_engine: self.shared.outside.swap(0, Ordering::AcqRel),
+        }
+    }
+}
+
+impl Drop for Monitor {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        if let Some(h) = self.handle.take() {
+            h.thread().unpark();
+            let _ = h.join();
+        }
+    }
+}
+
 /// Figures taken after one load. Bytes unless named otherwise.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Sample {
@@ -103,6 +185,12 @@ pub struct Sample {
     pub rss: u64,
     /// `VmHWM`.
     pub vmhwm: u64,
+    /// Highest RSS seen during the load (monitor thread and this sample).
+    pub rss_max: u64,
+    /// Highest engine `used` seen during the load.
+    pub used_max: u64,
+    /// Highest outside-engine bytes seen during the load.
+    pub outside_engine_max: u64,
     /// Live tables.
     pub tables: u64,
     /// Data files over all tables.
@@ -137,6 +225,8 @@ pub struct LoadFigures {
     pub create_drop_residual: Option<i64>,
     /// Bytes per empty table.
     pub empty_table_bytes: Option<f64>,
+    /// Peaks seen by the monitor during the load.
+    pub peaks: Peaks,
 }
 
 impl Sample {
@@ -181,6 +271,9 @@ impl Sample {
             alloc_retained: a.retained as u64,
             rss: r.process.rss as u64,
             vmhwm: r.process.vmhwm as u64,
+            rss_max: f.peaks.rss.max(r.process.rss as u64),
+            used_max: f.peaks.used.max(r.used as u64),
+            outside_engine_max: f.peaks.outside_engine.max(r.outside_engine as u64),
             tables: names.len() as u64,
             files,
             key_index_bytes: key_index,
@@ -210,7 +303,7 @@ const FIXED_HEAD: [&str; 7] = [
     "limit",
 ];
 const MID: [&str; 2] = ["used", "peak"];
-const TAIL: [&str; 13] = [
+const TAIL: [&str; 16] = [
     "outside_engine",
     "alloc_allocated",
     "alloc_active",
@@ -218,6 +311,9 @@ const TAIL: [&str; 13] = [
     "alloc_retained",
     "rss",
     "vmhwm",
+    "rss_max",
+    "used_max",
+    "outside_engine_max",
     "tables",
     "files",
     "key_index_bytes",
@@ -261,7 +357,7 @@ impl Sample {
         }
         let _ = write!(
             s,
-            ",{},{},{},{},{},{},{},{},{},{},{},{},{}",
+            ",{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
             self.outside_engine,
             self.alloc_allocated,
             self.alloc_active,
@@ -269,6 +365,9 @@ impl Sample {
             self.alloc_retained,
             self.rss,
             self.vmhwm,
+            self.rss_max,
+            self.used_max,
+            self.outside_engine_max,
             self.tables,
             self.files,
             self.key_index_bytes,
@@ -380,6 +479,9 @@ pub fn parse_csv(text: &str) -> Result<Vec<Sample>> {
             alloc_retained: num("alloc_retained")?,
             rss: num("rss")?,
             vmhwm: num("vmhwm")?,
+            rss_max: num("rss_max")?,
+            used_max: num("used_max")?,
+            outside_engine_max: num("outside_engine_max")?,
             tables: num("tables")?,
             files: num("files")?,
             key_index_bytes: num("key_index_bytes")?,
@@ -433,6 +535,9 @@ pub(crate) mod tests {
             alloc_retained: 10 << 20,
             rss: 200 << 20,
             vmhwm: 220 << 20,
+            rss_max: 210 << 20,
+            used_max: 110 << 20,
+            outside_engine_max: 40 << 20,
             tables: 52,
             files: 300,
             key_index_bytes: 5 << 20,

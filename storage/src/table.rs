@@ -175,7 +175,10 @@ impl TableStore {
         let conv = key_converter(&schema, key_cols)?;
         vfs.create_dir(dir).map_err(io(dir))?;
         let m = Manifest::new(name, schema.as_ref().clone(), primary_key.clone());
-        if let Err(e) = m.write(vfs.as_ref(), dir) {
+        // The manifest makes the table exist; fsync the parent so the directory entry is
+        // durable too.
+        let parent = dir.parent().unwrap_or(dir);
+        if let Err(e) = m.write(vfs.as_ref(), dir).and_then(|()| vfs.sync_dir(parent).map_err(io(parent))) {
             let _ = fs::remove_dir_all(dir);
             return Err(e);
         }

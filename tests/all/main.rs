@@ -7,6 +7,7 @@ mod accounting;
 mod bad_input;
 mod compaction;
 mod crash;
+mod create_drop;
 mod faults;
 mod model;
 mod runtime;

@@ -8,6 +8,7 @@ use gritdb::memory::Category;
 use gritdb::{Engine, ScanOptions, Table};
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
+use std::time::Instant;
 
 /// Sizes of the loads. The defaults keep a 200-round run at scale 0.1 under 10 minutes on
 /// two cores (see `docs/soak.md`).
@@ -354,6 +355,7 @@ impl Soak {
         let mut out = Outcome::default();
         let n = self.sizes.churn_tables as usize;
         let before = self.accounted_outside_persistent();
+        let t0 = Instant::now();
         let mut tables = Vec::with_capacity(n);
         for i in 0..n {
             let (schema, key) = data::churn_schema(i);
@@ -364,10 +366,12 @@ impl Soak {
                     .with_context(|| format!("creating {name}"))?,
             );
         }
+        let create_ms = t0.elapsed().as_secs_f64() * 1e3;
         if n > 0 {
             out.empty_table_bytes =
                 Some((self.accounted_outside_persistent() - before) as f64 / n as f64);
         }
+        let t1 = Instant::now();
         for (i, t) in tables.iter().enumerate() {
             let rows = data::churn_rows(i, 1 + i % 4)?;
             out.rows += t
@@ -375,6 +379,8 @@ impl Soak {
                 .with_context(|| format!("inserting into {}", t.name()))?
                 as u64;
         }
+        let insert_ms = t1.elapsed().as_secs_f64() * 1e3;
+        let t2 = Instant::now();
         for (i, t) in tables.iter().enumerate() {
             let count = t
                 .row_count()
@@ -387,13 +393,25 @@ impl Soak {
                 ));
             }
         }
+        let count_ms = t2.elapsed().as_secs_f64() * 1e3;
         let names: Vec<String> = tables.iter().map(|t| t.name().to_owned()).collect();
         drop(tables);
+        let t3 = Instant::now();
         for name in &names {
             self.engine
                 .drop_table(name)
                 .with_context(|| format!("dropping {name}"))?;
         }
+        let drop_ms = t3.elapsed().as_secs_f64() * 1e3;
+        tracing::info!(
+            round,
+            tables = n,
+            create_ms = format!("{create_ms:.0}"),
+            insert_ms = format!("{insert_ms:.0}"),
+            count_ms = format!("{count_ms:.0}"),
+            drop_ms = format!("{drop_ms:.0}"),
+            "create_drop phases"
+        );
         out.residual = Some(self.accounted_outside_persistent() - before);
         let left = self
             .engine

@@ -163,19 +163,20 @@ struct CacheInner {
 /// The owner's fast path does not touch the controller's shared counters (one cache line
 /// written by every thread would serialise them again): it records the move of a chunk
 /// between `free_chunks` and `row_blocks` in `moved`, `takes` and `puts`, written only under
-/// `inner` (plain load + store, no locked instruction) and read by anyone. They are folded
-/// into the shared counters whenever the cache's chunk list changes by other means (refill,
-/// flush, trim, thread exit), under the pool's `fold` lock; readers add the unfolded rest.
+/// `inner` (plain load + store, no locked instruction) and read by anyone: readers add them
+/// to the shared counters (wrapping sums, see `fold`). They are folded into the shared
+/// counters when the cache is unregistered (thread exit), under the registry lock that
+/// readers also hold, so a reader sees every move exactly once.
 // Aligned to two cache lines so two threads' slots (allocated back to back) never share a
 // line or an adjacent-line prefetch pair.
 #[repr(align(128))]
 pub(crate) struct Slot {
     inner: SpinLock<CacheInner>,
-    /// Net bytes moved from `free_chunks` to `row_blocks` by the fast path since the last fold.
+    /// Net bytes moved from `free_chunks` to `row_blocks` through this cache.
     moved: AtomicIsize,
-    /// Fast-path acquisitions since the last fold.
+    /// Acquisitions served by this cache.
     takes: AtomicU64,
-    /// Fast-path releases since the last fold.
+    /// Releases into this cache.
     puts: AtomicU64,
 }
 
@@ -224,10 +225,9 @@ pub(crate) struct ChunkPool {
     /// while set, released chunks bypass the caches. Read-mostly, beside the caps.
     pub(crate) over_limit: AtomicBool,
     central: Padded<Mutex<CacheInner>>,
+    /// Registered thread caches. Lock order: `central` → a slot's `inner`, and `slots` → a
+    /// slot's `inner`; `central` and `slots` are never held together.
     slots: Padded<Mutex<Vec<Arc<Slot>>>>,
-    /// Orders folds of thread-cache deltas against readers summing them. Lock order:
-    /// `slots` → a slot's `inner` → `fold`; `central` is never held with another pool lock.
-    fold: Padded<Mutex<()>>,
     stats: PoolCounters,
 }
 
@@ -283,7 +283,6 @@ impl ChunkPool {
                 idle: Idle::new(),
             })),
             slots: Padded(Mutex::new(Vec::new())),
-            fold: Padded(Mutex::new(())),
             stats: PoolCounters::default(),
         };
         pool.set_caps(limit, 0);
@@ -408,10 +407,9 @@ impl MemoryController {
 
     // ---- moving bytes between categories --------------------------------------------------
 
-    /// Folds a slot's fast-path moves into the shared counters. The caller holds the slot's
-    /// `inner` lock (it is the owner on a slow path, or a trim).
+    /// Folds a slot's moves into the shared counters, when it is unregistered. The caller
+    /// holds the registry lock (so no reader is summing) and the slot's `inner`.
     fn fold(&self, slot: &Slot) {
-        let _fold = lock(&self.pool.fold);
         let moved = slot.moved.swap(0, Ordering::Relaxed);
         let takes = slot.takes.swap(0, Ordering::Relaxed);
         let puts = slot.puts.swap(0, Ordering::Relaxed);
@@ -428,10 +426,9 @@ impl MemoryController {
     }
 
     /// Exact `row_blocks` and `free_chunks` figures: shared counters plus every cache's
-    /// unfolded moves (consistent with folds; moves happening meanwhile land before or after).
+    /// moves (the registry lock excludes folds; moves happening meanwhile land before or after).
     pub(crate) fn pool_figures(&self) -> PoolFigures {
         let slots = lock(&self.pool.slots);
-        let _fold = lock(&self.pool.fold);
         let row = &self.counters[Category::RowBlocks.index()];
         let free = &self.counters[Category::FreeChunks.index()];
         let mut f = PoolFigures {
@@ -523,19 +520,14 @@ impl MemoryController {
     pub(crate) fn take_chunk(&self, table: Option<&TableAccount>) -> Result<Chunk, MemoryError> {
         self.injected(Category::RowBlocks)?;
         if self.pool.thread_cache && self.pool.thread_cap.load(Ordering::Relaxed) > 0 {
-            let size = self.pool.chunk_size as isize;
-            let local = self.with_local_slot(|slot| {
-                let mut c = slot.inner.lock();
-                c.idle.uses += 1;
-                let chunk = c.chunks.pop();
-                if chunk.is_some() {
-                    slot.record(size, true);
+            // `None`: no thread cache usable (thread exiting): take the central path below.
+            if let Some((chunk, refilled)) = self.with_local_slot(|slot| self.take_local(slot)) {
+                if refilled {
+                    self.pool.stats.refills.fetch_add(1, Ordering::Relaxed);
+                    self.observe_pool_peaks();
                 }
-                chunk
-            });
-            if let Some(cached) = local {
-                let Some(chunk) = cached else {
-                    return self.refill_and_take(table);
+                let Some(chunk) = chunk else {
+                    return self.new_chunk(table);
                 };
                 if let Some(t) = table {
                     t.0.counters[Category::RowBlocks.index()].add(self.pool.chunk_size);
@@ -576,38 +568,38 @@ impl MemoryController {
         })
     }
 
-    /// This thread's cache is empty: take up to `batch` chunks from the central list in one
-    /// lock, keep all but one in the cache.
-    fn refill_and_take(&self, table: Option<&TableAccount>) -> Result<Chunk, MemoryError> {
+    /// Takes a chunk from this thread's cache; an empty cache is first refilled with up to
+    /// `batch` chunks straight from the central list (one lock of each: central, then the
+    /// slot). Returns the chunk (`None`: the central list is empty too) and whether a refill
+    /// happened. The move to `row_blocks` is recorded in the slot, not the shared counters.
+    fn take_local(&self, slot: &Slot) -> (Option<Chunk>, bool) {
+        let size = self.pool.chunk_size as isize;
+        let mut c = slot.inner.lock();
+        c.idle.uses += 1;
+        if let Some(chunk) = c.chunks.pop() {
+            slot.record(size, true);
+            return (Some(chunk), false);
+        }
+        drop(c);
         let want = self
             .pool
             .batch
             .min(self.pool.thread_cap.load(Ordering::Relaxed))
             .max(1);
-        let mut batch: Vec<Chunk> = {
-            let mut c = lock(&self.pool.central);
-            c.idle.uses += 1;
-            let n = want.min(c.chunks.len());
-            let at = c.chunks.len() - n;
-            c.chunks.split_off(at)
-        };
-        let Some(chunk) = batch.pop() else {
-            return self.new_chunk(table);
-        };
-        self.pool.stats.refills.fetch_add(1, Ordering::Relaxed);
-        if !batch.is_empty() {
-            // The batch stays counted as free_chunks: it only moves from central to this cache.
-            let placed = self.with_local_slot(|slot| {
-                let mut c = slot.inner.lock();
-                self.fold(slot);
-                c.chunks.append(&mut batch);
-            });
-            if placed.is_none() {
-                self.put_central(batch);
-            }
+        let mut central = lock(&self.pool.central);
+        central.idle.uses += 1;
+        let n = want.min(central.chunks.len());
+        if n == 0 {
+            return (None, false);
         }
-        self.account_take(table);
-        Ok(chunk)
+        let at = central.chunks.len() - n;
+        let mut c = slot.inner.lock();
+        // The batch stays counted as free_chunks: it only moves from central to this cache.
+        c.chunks.extend(central.chunks.drain(at..));
+        drop(central);
+        let chunk = c.chunks.pop();
+        slot.record(size, true);
+        (chunk, true)
     }
 
     /// A new chunk from the allocator: `used` grows under the limit check.
@@ -642,27 +634,13 @@ impl MemoryController {
         let mut chunk = Some(chunk);
         let cap = self.pool.thread_cap.load(Ordering::Relaxed);
         if self.pool.thread_cache && cap > 0 {
-            let flushed = self.with_local_slot(|slot| {
-                let mut c = slot.inner.lock();
-                c.idle.uses += 1;
-                if c.chunks.len() < cap {
-                    c.chunks.extend(chunk.take());
-                    slot.record(-(size as isize), false);
-                    return Vec::new();
-                }
-                // Full: send a batch to the central list, keep the rest hot.
-                self.fold(slot);
-                let n = self.pool.batch.min(c.chunks.len());
-                let at = c.chunks.len() - n;
-                let flushed = c.chunks.split_off(at);
-                c.chunks.extend(chunk.take());
-                slot.record(-(size as isize), false);
-                flushed
-            });
+            let flushed = self.with_local_slot(|slot| self.put_local(slot, &mut chunk, cap));
             if let Some(flushed) = flushed {
-                if !flushed.is_empty() {
+                if let Some(excess) = flushed {
                     self.pool.stats.flushes.fetch_add(1, Ordering::Relaxed);
-                    self.put_central(flushed);
+                    let n = excess.len();
+                    drop(excess);
+                    self.account_returned(n);
                     self.observe_pool_peaks();
                 }
                 self.notify_release();
@@ -695,6 +673,44 @@ impl MemoryController {
         self.notify_release();
     }
 
+    /// Puts a released chunk into this thread's cache. A full cache first sends `batch`
+    /// chunks straight to the central list (one lock of each: central, then the slot); those
+    /// that do not fit under the central cap are returned (`Some(excess)`, to be freed);
+    /// `None` when no flush happened. The move from `row_blocks` is recorded in the slot.
+    fn put_local(&self, slot: &Slot, chunk: &mut Option<Chunk>, cap: usize) -> Option<Vec<Chunk>> {
+        let size = self.pool.chunk_size as isize;
+        let mut c = slot.inner.lock();
+        c.idle.uses += 1;
+        if c.chunks.len() < cap {
+            c.chunks.extend(chunk.take());
+            slot.record(-size, false);
+            return None;
+        }
+        drop(c);
+        let mut central = lock(&self.pool.central);
+        central.idle.uses += 1;
+        let mut c = slot.inner.lock();
+        // Re-read: a trim may have emptied the cache in between.
+        let n = if c.chunks.len() >= cap {
+            self.pool.batch.min(c.chunks.len())
+        } else {
+            0
+        };
+        let room = self
+            .pool
+            .central_cap
+            .load(Ordering::Relaxed)
+            .saturating_sub(central.chunks.len());
+        let at = c.chunks.len() - n;
+        let to_central = n.min(room);
+        let excess: Vec<Chunk> = c.chunks.drain(at + to_central..).collect();
+        central.chunks.extend(c.chunks.drain(at..));
+        drop(central);
+        c.chunks.extend(chunk.take());
+        slot.record(-size, false);
+        Some(excess)
+    }
+
     /// Puts chunks already counted as `free_chunks` into the central list; what does not fit
     /// under its cap goes back to the allocator.
     fn put_central(&self, mut chunks: Vec<Chunk>) {
@@ -721,14 +737,13 @@ impl MemoryController {
     // ---- trimming ------------------------------------------------------------------------------
 
     /// Takes chunks out of every thread cache: `leave(cache)` says how many to leave in it.
-    /// Folds each touched cache first. Returns the chunks taken.
+    /// Returns the chunks taken.
     fn steal(&self, mut leave: impl FnMut(&mut CacheInner) -> usize) -> Vec<Chunk> {
         let mut taken = Vec::new();
         for s in lock(&self.pool.slots).iter() {
             let mut c = s.inner.lock();
             let k = leave(&mut c);
             if c.chunks.len() > k {
-                self.fold(s);
                 taken.extend(c.chunks.drain(k..));
             }
         }

@@ -20,6 +20,10 @@ pub struct EngineConfig {
     pub backpressure_timeout: Duration,
     /// Background flush threads. Default 2.
     pub writer_threads: usize,
+    /// Arrow batches built from a sealed delta are cut at this many encoded row bytes, so
+    /// string offsets (`i32`) never overflow however large a flush is, and each batch block
+    /// stays bounded. Default 256 MiB; at most 1 GiB.
+    pub flush_batch_bytes: usize,
     /// When write-ahead-log appends reach stable storage: fsync per write call (default) or
     /// group commit every [`Self::wal_sync_interval`].
     pub wal_sync: WalSync,
@@ -39,6 +43,7 @@ impl Default for EngineConfig {
             table_flush_bytes: None,
             backpressure_timeout: Duration::from_secs(30),
             writer_threads: 2,
+            flush_batch_bytes: 256 << 20,
             vfs: Arc::new(StdFs),
             wal_sync: WalSync::PerBatch,
             wal_sync_interval: Duration::from_millis(10),
@@ -93,6 +98,13 @@ impl EngineConfig {
     #[must_use]
     pub fn vfs(mut self, vfs: Arc<dyn Vfs>) -> Self {
         self.vfs = vfs;
+        self
+    }
+
+    /// Sets the flush batch cut in bytes (clamped to 1 KiB..=1 GiB).
+    #[must_use]
+    pub fn flush_batch_bytes(mut self, bytes: usize) -> Self {
+        self.flush_batch_bytes = bytes.clamp(1 << 10, 1 << 30);
         self
     }
 

@@ -30,7 +30,7 @@ mod writer;
 pub use config::EngineConfig;
 pub use engine::{DEFAULT_DATA_DIR, Engine};
 pub use error::{Error, Result};
-pub use scan::{Scan, ScanOptions};
+pub use scan::{RETAIN_RATIO, Scan, ScanOptions, compact_if_sparse, retained_bytes};
 pub use gritdb_storage::WalSync;
 pub use table::{Table, TableStats};
 

@@ -39,6 +39,10 @@ impl ScanOptions {
     }
 }
 
+/// Largest snapshot batch of a delta, in encoded row bytes (keeps string offsets far from
+/// `i32::MAX`).
+const SNAPSHOT_BATCH_BYTES: usize = 256 << 20;
+
 type FileIter = Box<dyn Iterator<Item = Result<RecordBatch, StorageError>> + Send>;
 
 /// A streaming scan over one snapshot: an iterator of `Result<RecordBatch>`.
@@ -76,13 +80,16 @@ impl Scan {
         let g = inner.state()?;
         let st = g.as_ref().ok_or_else(|| Error::TableNotFound { name: inner.name.clone() })?;
         let mut memory = Vec::new();
-        memory.push(st.active.to_batches(Category::ScanBuffers, false, |_| true)?.puts);
+        // Each snapshot batch gets its own exactly sized block: a batch the caller keeps holds
+        // nothing but itself.
+        let (rows, bytes) = (options.batch_rows, SNAPSHOT_BATCH_BYTES);
+        memory.extend(st.active.to_batches(Category::ScanBuffers, false, rows, bytes, |_| true)?.puts);
         for k in (0..st.sealed.len()).rev() {
             let newer = st.sealed.range(k + 1..);
-            let b = st.sealed[k].to_batches(Category::ScanBuffers, false, |key| {
+            let b = st.sealed[k].to_batches(Category::ScanBuffers, false, rows, bytes, |key| {
                 st.active.get(key).is_none() && newer.clone().all(|n| n.get(key).is_none())
             })?;
-            memory.push(b.puts);
+            memory.extend(b.puts);
         }
         let delta_keys = st
             .active
@@ -101,14 +108,19 @@ impl Scan {
     fn open_next_file(&mut self) -> Result<bool> {
         let Some(f) = self.files.pop_front() else { return Ok(false) };
         match f.source {
-            ScanSource::Memory(batch) => {
-                let batch = if f.deleted.is_empty() {
-                    batch
-                } else {
-                    let keep: BooleanArray = (0..batch.num_rows() as u32).map(|r| Some(!f.deleted.contains(r))).collect();
-                    filter_record_batch(&batch, &keep)?
-                };
-                push_sliced(&mut self.memory, batch, self.batch_rows, self.projection.as_deref())?;
+            ScanSource::Memory(batches) => {
+                let mut first = 0u32;
+                for batch in batches {
+                    let n = batch.num_rows() as u32;
+                    let batch = if f.deleted.range_cardinality(first..first + n) == 0 {
+                        batch
+                    } else {
+                        let keep: BooleanArray = (first..first + n).map(|r| Some(!f.deleted.contains(r))).collect();
+                        filter_record_batch(&batch, &keep)?
+                    };
+                    first += n;
+                    push_sliced(&mut self.memory, batch, self.batch_rows, self.projection.as_deref())?;
+                }
             }
             ScanSource::File(path) => {
                 let it = read_file(&path, self.projection.as_deref(), f.deleted, self.batch_rows)?;
@@ -124,6 +136,9 @@ fn push_sliced(out: &mut VecDeque<RecordBatch>, b: RecordBatch, rows: usize, pro
         return Ok(());
     }
     let b = match projection {
+        // A projected in-memory batch would keep the dropped columns' part of its block
+        // alive: copy the projected columns out.
+        Some(p) if p.len() < b.num_columns() => copy_out(&b.project(p)?)?,
         Some(p) => b.project(p)?,
         None => b,
     };
@@ -136,17 +151,84 @@ fn push_sliced(out: &mut VecDeque<RecordBatch>, b: RecordBatch, rows: usize, pro
     Ok(())
 }
 
+/// Copy-out threshold: a returned batch is compacted when the buffers it keeps alive hold at
+/// least this many times the bytes it uses (`shared/reference/seeds/000_b69fcdd581e98bef.txt`:
+/// a capacity ratio of 2 did as well as any memory-pressure rule).
+pub const RETAIN_RATIO: usize = 2;
+
+fn walk_buffers(d: &arrow_data::ArrayData, seen: &mut std::collections::HashSet<usize>, total: &mut usize) {
+    let mut add = |b: &arrow_buffer::Buffer| {
+        if seen.insert(b.data_ptr().as_ptr() as usize) {
+            *total += b.capacity();
+        }
+    };
+    for b in d.buffers() {
+        add(b);
+    }
+    if let Some(n) = d.nulls() {
+        add(n.buffer());
+    }
+    for c in d.child_data() {
+        walk_buffers(c, seen, total);
+    }
+}
+
+/// Bytes a batch keeps alive: the capacity of every distinct buffer it references (a buffer
+/// shared by several columns counts once).
+pub fn retained_bytes(batch: &RecordBatch) -> usize {
+    let mut seen = std::collections::HashSet::new();
+    let mut total = 0;
+    for c in batch.columns() {
+        walk_buffers(&c.to_data(), &mut seen, &mut total);
+    }
+    total
+}
+
+fn used_bytes(batch: &RecordBatch) -> usize {
+    batch.columns().iter().map(|c| c.to_data().get_slice_memory_size().unwrap_or(0)).sum()
+}
+
+/// Returns `batch` itself, or a compact copy when it keeps alive at least [`RETAIN_RATIO`]
+/// times the bytes it uses (a small slice of a big decoded or snapshot buffer).
+///
+/// # Errors
+/// Arrow errors while copying.
+pub fn compact_if_sparse(batch: RecordBatch) -> Result<RecordBatch> {
+    let used = used_bytes(&batch).max(1);
+    if retained_bytes(&batch) < RETAIN_RATIO * used {
+        return Ok(batch);
+    }
+    copy_out(&batch)
+}
+
+/// A copy of `batch` whose buffers hold exactly its rows.
+fn copy_out(batch: &RecordBatch) -> Result<RecordBatch> {
+    let idx = arrow_array::UInt32Array::from_iter_values(0..batch.num_rows() as u32);
+    let mut cols = Vec::with_capacity(batch.num_columns());
+    for c in batch.columns() {
+        let taken = arrow_select::take::take(c.as_ref(), &idx, None)?;
+        // `take` on view arrays copies the views but shares the data buffers: collect them.
+        let taken: arrow_array::ArrayRef = match taken.data_type() {
+            arrow_schema::DataType::Utf8View => std::sync::Arc::new(arrow_array::cast::AsArray::as_string_view(&taken).gc()),
+            arrow_schema::DataType::BinaryView => std::sync::Arc::new(arrow_array::cast::AsArray::as_binary_view(&taken).gc()),
+            _ => taken,
+        };
+        cols.push(taken);
+    }
+    Ok(RecordBatch::try_new(batch.schema(), cols)?)
+}
+
 impl Iterator for Scan {
     type Item = Result<RecordBatch>;
 
     fn next(&mut self) -> Option<Self::Item> {
         loop {
             if let Some(b) = self.memory.pop_front() {
-                return Some(Ok(b));
+                return Some(compact_if_sparse(b));
             }
             if let Some(it) = self.current.as_mut() {
                 match it.next() {
-                    Some(r) => return Some(r.map_err(Error::from)),
+                    Some(r) => return Some(r.map_err(Error::from).and_then(compact_if_sparse)),
                     None => self.current = None,
                 }
             }

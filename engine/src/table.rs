@@ -13,6 +13,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
+/// Rows per Arrow batch built at flush (one batch block each).
+const FLUSH_BATCH_ROWS: usize = 64 << 10;
+
 /// How a batch of rows is applied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum WriteMode {
@@ -168,8 +171,9 @@ impl TableInner {
                 }
             };
             // Rows -> Arrow arrays in a batch block (no lock: the sealed delta is immutable).
-            let batches = sealed.to_batches(Category::BatchBlocks, true, |_| true)?;
-            rows += batches.puts.num_rows() as u64;
+            let batches =
+                sealed.to_batches(Category::BatchBlocks, true, FLUSH_BATCH_ROWS, self.shared.config.flush_batch_bytes, |_| true)?;
+            rows += batches.puts.iter().map(|b| b.num_rows() as u64).sum::<u64>();
             {
                 let mut g = self.state()?;
                 let Some(st) = g.as_mut() else { break };

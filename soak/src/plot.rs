@@ -1,7 +1,7 @@
 //! `soak.svg`: memory against the round, and the key index / file count below it.
 //!
-//! Top panel (MiB): RSS, `VmHWM`, engine used, outside-engine (and its highest value during
-//! each load, dotted), allocator resident, and the memory limit as a dashed line. Bottom
+//! Top panel (MiB): RSS, `VmHWM`, engine used and outside-engine (each also with its highest
+//! value during each load, dotted), allocator resident, and the memory limit as a dashed line. Bottom
 //! panel: key-index MiB (left axis) and data files (right axis). Every sample is drawn: a round's four samples sit at `round - 0.75`,
 //! `- 0.5`, `- 0.25` and `round`; the base load at 0.
 
@@ -50,9 +50,13 @@ fn draw(root: &DrawingArea<SVGBackend<'_>, Shift>, samples: &[Sample], title: &s
     let y_max = samples
         .iter()
         .flat_map(|s| series.iter().map(move |(_, _, f)| f(s) as f64 / MIB))
-        .chain(samples.iter().map(|s| s.outside_engine_max as f64 / MIB))
+        .chain(
+            samples
+                .iter()
+                .flat_map(|s| [s.outside_engine_max, s.used_max].map(|v| v as f64 / MIB)),
+        )
         .fold(limit, f64::max)
-        * 1.08;
+        * 1.4; // headroom above the lines for the legend
 
     let mut chart = ChartBuilder::on(&top)
         .caption(title, ("sans-serif", 22))
@@ -78,18 +82,30 @@ fn draw(root: &DrawingArea<SVGBackend<'_>, Shift>, samples: &[Sample], title: &s
                 PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
             });
     }
-    let orange = RGBColor(255, 127, 14);
-    chart
-        .draw_series(DashedLineSeries::new(
-            samples
-                .iter()
-                .map(|s| (s.x(), s.outside_engine_max as f64 / MIB)),
-            3,
-            3,
-            orange.stroke_width(1),
-        ))?
-        .label("outside-engine, max during load")
-        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], orange.stroke_width(1)));
+    // Highest values during each load (monitor thread), dotted in the colour of the series.
+    let peaks: [Series; 2] = [
+        ("engine used, max during load", RGBColor(44, 160, 44), |s| {
+            s.used_max
+        }),
+        (
+            "outside-engine, max during load",
+            RGBColor(255, 127, 14),
+            |s| s.outside_engine_max,
+        ),
+    ];
+    for (name, color, f) in peaks {
+        chart
+            .draw_series(DashedLineSeries::new(
+                samples.iter().map(|s| (s.x(), f(s) as f64 / MIB)),
+                3,
+                3,
+                color.stroke_width(1),
+            ))?
+            .label(name)
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(1))
+            });
+    }
     chart
         .draw_series(DashedLineSeries::new(
             [(0.0, limit), (x_max, limit)],
@@ -101,7 +117,7 @@ fn draw(root: &DrawingArea<SVGBackend<'_>, Shift>, samples: &[Sample], title: &s
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK.stroke_width(2)));
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
+        .position(SeriesLabelPosition::UpperRight)
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .draw()?;

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// Names a gritdb data directory holds at its top level.
-const GRITDB_ENTRIES: [&str; 3] = ["LOCK", "tables", "trash"];
+const GRITDB_ENTRIES: [&str; 4] = ["LOCK", "tables", "trash", "wal"];
 
 /// Where the engine's data goes for this run.
 #[derive(Debug)]
@@ -24,8 +24,9 @@ struct DataDir {
     fresh: bool,
 }
 
-/// True when every entry of `dir` is a file or directory gritdb creates: `LOCK`, and the
-/// directories `tables/` and `trash/` holding only `t<number>` table directories.
+/// True when every entry of `dir` is a file or directory gritdb creates: `LOCK`, the
+/// directories `tables/` and `trash/` holding only `t<number>` table directories, and `wal/`
+/// holding only `wal-<number>.log` segments.
 fn holds_only_gritdb_files(dir: &Path) -> Result<bool> {
     for e in fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
         let e = e.with_context(|| format!("reading {}", dir.display()))?;
@@ -53,10 +54,16 @@ fn holds_only_gritdb_files(dir: &Path) -> Result<bool> {
         {
             let t = t.with_context(|| format!("reading {}", e.path().display()))?;
             let n = t.file_name();
-            let ok = n
-                .to_str()
-                .and_then(|n| n.strip_prefix('t'))
-                .is_some_and(|id| !id.is_empty() && id.bytes().all(|b| b.is_ascii_digit()));
+            let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+            let ok = n.to_str().is_some_and(|n| {
+                if name == "wal" {
+                    n.strip_prefix("wal-")
+                        .and_then(|r| r.strip_suffix(".log"))
+                        .is_some_and(digits)
+                } else {
+                    n.strip_prefix('t').is_some_and(digits)
+                }
+            });
             if !ok {
                 return Ok(false);
             }
@@ -507,11 +514,13 @@ mod tests {
     fn data_dir_is_wiped_only_when_it_is_gritdb_s() {
         let d = tmp("wipe");
         fs::create_dir_all(d.join("tables/t1")).expect("mk");
+        fs::create_dir_all(d.join("wal")).expect("mk");
+        fs::write(d.join("wal/wal-00000003.log"), "x").expect("w");
         fs::write(d.join("tables/t1/manifest.json"), "{}").expect("w");
         fs::write(d.join("LOCK"), "1").expect("w");
         let got = prepare_data_dir(&d).expect("prepare");
         assert!(!got.fresh);
-        assert!(!d.join("tables").exists() && !d.join("LOCK").exists());
+        assert!(!d.join("tables").exists() && !d.join("LOCK").exists() && !d.join("wal").exists());
 
         fs::write(d.join("precious.txt"), "keep me").expect("w");
         let got = prepare_data_dir(&d).expect("prepare");

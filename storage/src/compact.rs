@@ -98,7 +98,7 @@ impl CompactionPlan {
             sorted_keys.push(keys.row(*i as usize));
         }
         let name = file_name(self.new_id);
-        let bytes = write_data_file(self.vfs.as_ref(), &self.dir, &name, &sorted, opts, ctl, table)?;
+        let bytes = write_data_file(self.vfs.as_ref(), &self.dir, &name, std::slice::from_ref(&sorted), opts, ctl, table)?;
         self.output = Some((sorted_keys, sorted.num_rows() as u64, bytes));
         Ok(())
     }

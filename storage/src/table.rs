@@ -18,7 +18,7 @@ use std::sync::Arc;
 pub(crate) struct DataFile {
     pub(crate) meta: FileMeta,
     /// The rows, in memory, until the file is committed.
-    pub(crate) pending: Option<RecordBatch>,
+    pub(crate) pending: Option<Vec<RecordBatch>>,
     /// Deleted rows as seen by readers (committed + staged deletes).
     pub(crate) dv_live: RoaringBitmap,
     /// Deleted rows as of the committed manifest.
@@ -69,8 +69,8 @@ pub struct Staged {
 /// Where a scan reads a file's rows from.
 #[derive(Debug, Clone)]
 pub enum ScanSource {
-    /// A staged file not yet written: its rows in memory.
-    Memory(RecordBatch),
+    /// A staged file not yet written: its rows in memory, in order.
+    Memory(Vec<RecordBatch>),
     /// A committed data file.
     File(PathBuf),
 }
@@ -91,7 +91,7 @@ pub struct FileScan {
 /// Everything one commit writes, prepared under the table lock and executed outside it.
 #[derive(Debug)]
 pub struct CommitPlan {
-    data: Option<(String, RecordBatch)>,
+    data: Option<(String, Vec<RecordBatch>)>,
     dvs: Vec<(u32, String, RoaringBitmap)>,
     manifest: Manifest,
     obsolete: Vec<String>,
@@ -106,8 +106,8 @@ impl CommitPlan {
     /// # Errors
     /// [`StorageError`]; nothing of this commit is visible then (the old manifest stands).
     pub fn execute(&mut self, opts: &WriteOptions, ctl: &Arc<MemoryController>, table: Option<&TableAccount>) -> Result<(), StorageError> {
-        if let Some((name, batch)) = &self.data {
-            self.written_bytes = write_data_file(self.vfs.as_ref(), &self.dir, name, batch, opts, ctl, table)?;
+        if let Some((name, batches)) = &self.data {
+            self.written_bytes = write_data_file(self.vfs.as_ref(), &self.dir, name, batches, opts, ctl, table)?;
             if let Some(f) = self.manifest.files.iter_mut().find(|f| &f.name == name) {
                 f.bytes = self.written_bytes;
             }
@@ -391,12 +391,14 @@ impl TableStore {
     /// # Errors
     /// [`StorageError::Memory`] when the index cannot grow (nothing changed then),
     /// [`StorageError::Arrow`].
-    pub fn stage(&mut self, puts: &RecordBatch, delete_keys: &RecordBatch, max_seq: u64) -> Result<Option<Staged>, StorageError> {
-        if puts.num_rows() == 0 && delete_keys.num_rows() == 0 {
+    pub fn stage(&mut self, puts: &[RecordBatch], delete_keys: &RecordBatch, max_seq: u64) -> Result<Option<Staged>, StorageError> {
+        let put_rows: usize = puts.iter().map(RecordBatch::num_rows).sum();
+        if put_rows == 0 && delete_keys.num_rows() == 0 {
             return Ok(None);
         }
+        let puts: Vec<RecordBatch> = puts.iter().filter(|b| b.num_rows() > 0).cloned().collect();
         let del_rows = self.conv.convert_columns(delete_keys.columns())?;
-        let file_id = (puts.num_rows() > 0).then_some(self.next_file_id);
+        let file_id = (put_rows > 0).then_some(self.next_file_id);
         let mut additions = Vec::new();
         for r in &del_rows {
             if let Some(old) = self.find_key(r.as_ref()) {
@@ -404,7 +406,12 @@ impl TableStore {
             }
         }
         if let Some(id) = file_id {
-            let rows = encode_keys(&self.conv, puts, &self.key_cols)?;
+            let mut rows = self.conv.empty_rows(put_rows, 0);
+            for b in &puts {
+                for r in &encode_keys(&self.conv, b, &self.key_cols)? {
+                    rows.push(r);
+                }
+            }
             // Older live versions of the put keys (looked up before the new file is indexed).
             for r in &rows {
                 if let Some(old) = self.find_key(r.as_ref()) {
@@ -416,11 +423,11 @@ impl TableStore {
             }
             drop(rows);
             self.next_file_id += 1;
-            let meta = FileMeta { id, name: file_name(id), rows: puts.num_rows() as u64, bytes: 0, dv: None, deleted: 0 };
+            let meta = FileMeta { id, name: file_name(id), rows: put_rows as u64, bytes: 0, dv: None, deleted: 0 };
             let guard = FileGuard::new(self.dir.join(&meta.name), &self.vfs);
             self.files.insert(
                 id,
-                DataFile { meta, pending: Some(puts.clone()), dv_live: RoaringBitmap::new(), dv_committed: RoaringBitmap::new(), guard },
+                DataFile { meta, pending: Some(puts), dv_live: RoaringBitmap::new(), dv_committed: RoaringBitmap::new(), guard },
             );
         }
         for loc in &additions {

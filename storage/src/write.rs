@@ -31,7 +31,7 @@ impl Default for WriteOptions {
     }
 }
 
-/// Writes `batch` as the Parquet file `dir/name`: written to `name.tmp`, fsynced, renamed,
+/// Writes `batches` (in order, one schema) as the Parquet file `dir/name`: written to `name.tmp`, fsynced, renamed,
 /// directory fsynced, so the file is either absent or complete. The writer's buffers are
 /// reserved under `write_buffers` as they grow (`ArrowWriter::memory_size`).
 /// Returns the file size in bytes.
@@ -43,7 +43,7 @@ pub fn write_data_file(
     vfs: &dyn Vfs,
     dir: &Path,
     name: &str,
-    batch: &RecordBatch,
+    batches: &[RecordBatch],
     opts: &WriteOptions,
     ctl: &Arc<MemoryController>,
     table: Option<&TableAccount>,
@@ -58,18 +58,24 @@ pub fn write_data_file(
             .set_max_row_group_row_count(Some(opts.row_group_rows.max(1)))
             .build();
         let pq = |e: parquet::errors::ParquetError| parquet_io(e, &tmp, &seen);
-        let mut writer = ArrowWriter::try_new(file, batch.schema(), Some(props)).map_err(pq)?;
+        let schema = batches.first().map(RecordBatch::schema).ok_or_else(|| StorageError::CorruptFile {
+            path: dst.clone(),
+            detail: "no batch to write".into(),
+        })?;
+        let mut writer = ArrowWriter::try_new(file, schema, Some(props)).map_err(pq)?;
         let mut buffers = Reservation::new(ctl, Category::WriteBuffers, table);
         let step = opts.write_batch_rows.max(1);
-        let mut at = 0;
-        while at < batch.num_rows() {
-            let len = step.min(batch.num_rows() - at);
-            writer.write(&batch.slice(at, len)).map_err(pq)?;
-            at += len;
-            buffers.try_resize(writer.memory_size())?;
-            if writer.in_progress_size() >= opts.row_group_bytes {
-                writer.flush().map_err(pq)?;
+        for batch in batches {
+            let mut at = 0;
+            while at < batch.num_rows() {
+                let len = step.min(batch.num_rows() - at);
+                writer.write(&batch.slice(at, len)).map_err(pq)?;
+                at += len;
                 buffers.try_resize(writer.memory_size())?;
+                if writer.in_progress_size() >= opts.row_group_bytes {
+                    writer.flush().map_err(pq)?;
+                    buffers.try_resize(writer.memory_size())?;
+                }
             }
         }
         let mut file = writer.into_inner().map_err(pq)?.inner;

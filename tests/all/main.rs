@@ -5,11 +5,13 @@ static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 mod accounting;
 mod bad_input;
+mod big_strings;
 mod compaction;
 mod crash;
 mod create_drop;
 mod faults;
 mod model;
+mod retention;
 mod runtime;
 mod smoke;
 mod tpch;

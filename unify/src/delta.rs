@@ -23,8 +23,9 @@ pub enum Lookup {
 /// Arrow batches built from a delta.
 #[derive(Debug)]
 pub struct DeltaBatches {
-    /// Rows put (full table schema), sorted by key when asked.
-    pub puts: RecordBatch,
+    /// Rows put (full table schema), sorted by key when asked, cut into batches of at most
+    /// `max_rows` rows and `max_bytes` encoded bytes, each in its own batch block.
+    pub puts: Vec<RecordBatch>,
     /// Keys deleted (key columns only), sorted by key when asked.
     pub delete_keys: RecordBatch,
 }
@@ -335,16 +336,20 @@ impl DeltaStore {
     }
 
     /// Builds Arrow batches of this delta's puts (full rows) and deletes (key columns), keeping
-    /// only keys for which `keep` is true, sorted by key when `sorted`. The put arrays live in
-    /// one [`BatchBlock`] counted under `category` (`batch_blocks` for a flush, `scan_buffers`
-    /// for a scan) and released when the last array is dropped.
+    /// only keys for which `keep` is true, sorted by key when `sorted`. Puts are cut into
+    /// batches of at most `max_rows` rows and about `max_bytes` encoded row bytes (so string
+    /// offsets never overflow `i32`; keep it under 2 GiB); each batch's arrays live in their
+    /// own [`BatchBlock`] counted under `category` (`batch_blocks` for a flush, `scan_buffers`
+    /// for a scan), released when its last array is dropped.
     ///
     /// # Errors
-    /// [`UnifyError::Memory`] when the block cannot be budgeted; [`UnifyError::Arrow`].
+    /// [`UnifyError::Memory`] when a block cannot be budgeted; [`UnifyError::Arrow`].
     pub fn to_batches(
         &self,
         category: Category,
         sorted: bool,
+        max_rows: usize,
+        max_bytes: usize,
         keep: impl Fn(&[u8]) -> bool,
     ) -> Result<DeltaBatches, UnifyError> {
         let mut puts = Vec::with_capacity(self.puts);
@@ -360,7 +365,19 @@ impl DeltaStore {
             puts.sort_unstable_by(|a, b| key_of(self.arena.get(*a)).cmp(key_of(self.arena.get(*b))));
             dels.sort_unstable_by(|a, b| key_of(self.arena.get(*a)).cmp(key_of(self.arena.get(*b))));
         }
-        let puts = self.decode(&puts, category)?;
+        let mut out = Vec::new();
+        let mut start = 0;
+        while start < puts.len() {
+            let mut end = start;
+            let mut bytes = 0usize;
+            while end < puts.len() && end - start < max_rows.max(1) && (end == start || bytes + puts[end].len() <= max_bytes) {
+                bytes += puts[end].len();
+                end += 1;
+            }
+            out.push(self.decode(&puts[start..end], category)?);
+            start = end;
+        }
+        let puts = out;
         let key_schema = self.key_schema();
         let delete_keys = if dels.is_empty() {
             RecordBatch::new_empty(key_schema)

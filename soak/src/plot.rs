@@ -83,7 +83,10 @@ fn draw(root: &DrawingArea<SVGBackend<'_>, Shift>, samples: &[Sample], title: &s
             });
     }
     // Highest values during each load (monitor thread), dotted in the colour of the series.
-    let peaks: [Series; 2] = [
+    let peaks: [Series; 3] = [
+        ("RSS, max during load", RGBColor(31, 119, 180), |s| {
+            s.rss_max
+        }),
         ("engine used, max during load", RGBColor(44, 160, 44), |s| {
             s.used_max
         }),

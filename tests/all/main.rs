@@ -4,6 +4,7 @@
 static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 mod accounting;
+mod backpressure;
 mod bad_input;
 mod big_strings;
 mod compaction;

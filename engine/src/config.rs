@@ -20,6 +20,9 @@ pub struct EngineConfig {
     pub backpressure_timeout: Duration,
     /// Background flush threads. Default 2.
     pub writer_threads: usize,
+    /// A table's active delta is flushed once its first row is this old, however small.
+    /// Default 30 s.
+    pub flush_age: Duration,
     /// Arrow batches built from a sealed delta are cut at this many encoded row bytes, so
     /// string offsets (`i32`) never overflow however large a flush is, and each batch block
     /// stays bounded. Default 256 MiB; at most 1 GiB.
@@ -43,6 +46,7 @@ impl Default for EngineConfig {
             table_flush_bytes: None,
             backpressure_timeout: Duration::from_secs(30),
             writer_threads: 2,
+            flush_age: Duration::from_secs(30),
             flush_batch_bytes: 256 << 20,
             vfs: Arc::new(StdFs),
             wal_sync: WalSync::PerBatch,
@@ -105,6 +109,13 @@ impl EngineConfig {
     #[must_use]
     pub fn flush_batch_bytes(mut self, bytes: usize) -> Self {
         self.flush_batch_bytes = bytes.clamp(1 << 10, 1 << 30);
+        self
+    }
+
+    /// Sets the age at which a delta is flushed however small.
+    #[must_use]
+    pub fn flush_age(mut self, age: Duration) -> Self {
+        self.flush_age = age.max(Duration::from_millis(10));
         self
     }
 

@@ -126,6 +126,19 @@ impl EngineInner {
         busy || self.writer.in_flight() > 0
     }
 
+    /// Seals and queues every active delta whose first row is older than `age`.
+    pub(crate) fn flush_aged(&self, age: Duration) {
+        for t in self.all_tables() {
+            let mut g = lock(&t.state);
+            let Some(st) = g.as_mut() else { continue };
+            if st.active_since.is_some_and(|since| since.elapsed() >= age) && t.seal(st) {
+                drop(g);
+                tracing::debug!(table = %t.name, "age flush");
+                self.writer.schedule(&t);
+            }
+        }
+    }
+
     /// Waits (at most until `deadline`, in steps of 100 ms) for the writer to free memory.
     /// Returns `false` when the deadline passed or nothing is being flushed.
     pub(crate) fn wait_for_memory(&self, deadline: Instant) -> bool {
@@ -174,6 +187,18 @@ pub struct Engine {
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Engine").field("dir", &self.inner.dir).finish()
+    }
+}
+
+/// A limit above physical memory cannot be honoured by the machine: it is clamped to physical
+/// memory with a warning (documented in docs/memory.md).
+fn clamp_to_ram(bytes: usize) -> usize {
+    let ram = gritdb_memctl::physical_memory_bytes();
+    if bytes > ram {
+        tracing::warn!(requested = bytes, physical = ram, "memory limit above physical memory; clamped to physical memory");
+        ram
+    } else {
+        bytes
     }
 }
 
@@ -244,7 +269,7 @@ impl Engine {
             return Err(Error::Config("max_row_bytes must be positive".into()));
         }
         let ctl = MemoryController::new(ControllerConfig {
-            memory_limit: config.memory_limit,
+            memory_limit: config.memory_limit.map(clamp_to_ram),
             chunk_size: config.chunk_size,
             ..ControllerConfig::default()
         })?;
@@ -287,6 +312,7 @@ impl Engine {
                     sealed: VecDeque::new(),
                     store,
                     last_flush_error: None,
+                    active_since: None,
                 })),
                 flush_lock: Mutex::new(()),
                 flush_scheduled: AtomicBool::new(false),
@@ -317,10 +343,20 @@ impl Engine {
             max_id = max_id.max(wal.max_table_id());
         }
         if shared.config.wal_sync == WalSync::Relaxed {
-            writer.start_wal_ticker(Arc::downgrade(&shared), shared.config.wal_sync_interval);
+            let weak = Arc::downgrade(&shared);
+            writer.start_ticker(shared.config.wal_sync_interval, move || {
+                let Some(shared) = weak.upgrade() else { return false };
+                if let Ok(wal) = shared.wal()
+                    && let Err(e) = wal.sync()
+                {
+                    tracing::error!(error = %e, "write-ahead log group commit failed");
+                }
+                true
+            });
         }
         tracing::info!(dir = %dir.display(), tables = tables.len(), replayed_rows = replayed, limit = ctl.limit(), "engine opened");
-        Ok(Self {
+        let age = shared.config.flush_age;
+        let engine = Self {
             inner: Arc::new(EngineInner {
                 dir,
                 shared,
@@ -330,7 +366,16 @@ impl Engine {
                 closed: AtomicBool::new(false),
                 _lock: lock_file,
             }),
-        })
+        };
+        // Age-based flushes: a delta older than `flush_age` is sealed and flushed even when
+        // small, so the WAL stays short and idle tables give their chunks back.
+        let weak = Arc::downgrade(&engine.inner);
+        engine.inner.writer.start_ticker((age / 4).max(Duration::from_millis(10)), move || {
+            let Some(inner) = weak.upgrade() else { return false };
+            inner.flush_aged(age);
+            true
+        });
+        Ok(engine)
     }
 
     /// Opens [`DEFAULT_DATA_DIR`] (`./gritdb-data`) with the default configuration (memory
@@ -398,6 +443,7 @@ impl Engine {
                 sealed: VecDeque::new(),
                 store,
                 last_flush_error: None,
+                active_since: None,
             })),
             flush_lock: Mutex::new(()),
             flush_scheduled: AtomicBool::new(false),
@@ -471,6 +517,64 @@ impl Engine {
         self.inner.shared.ctl.report()
     }
 
+    /// [`Engine::memory_report`] as an Arrow batch (like DuckDB's `duckdb_memory()`), one row
+    /// per category engine-wide (`scope` = `engine`, `name` = null) and per table and
+    /// category (`scope` = `table`, `name` = the table), so it can be queried.
+    ///
+    /// Columns: `scope` Utf8, `name` Utf8 (nullable), `category` Utf8, `bytes` UInt64,
+    /// `peak_bytes` UInt64, `allocs` UInt64, `frees` UInt64, `failures` UInt64.
+    ///
+    /// # Errors
+    /// Arrow errors (none expected).
+    pub fn memory_report_batch(&self) -> Result<arrow_array::RecordBatch> {
+        use arrow_array::{ArrayRef, StringArray, UInt64Array};
+        use arrow_schema::{DataType, Field, Schema};
+        let r = self.memory_report();
+        let mut scope = Vec::new();
+        let mut name: Vec<Option<String>> = Vec::new();
+        let mut cat = Vec::new();
+        let (mut bytes, mut peak, mut allocs, mut frees, mut fails) = (vec![], vec![], vec![], vec![], vec![]);
+        let mut push = |s: &str, n: Option<String>, c: &gritdb_memctl::CategoryReport| {
+            scope.push(s.to_owned());
+            name.push(n);
+            cat.push(c.category.name().to_owned());
+            bytes.push(c.bytes as u64);
+            peak.push(c.peak_bytes as u64);
+            allocs.push(c.allocs);
+            frees.push(c.frees);
+            fails.push(c.failures);
+        };
+        for c in &r.categories {
+            push("engine", None, c);
+        }
+        for t in &r.tables {
+            for c in &t.categories {
+                push("table", Some(t.table.clone()), c);
+            }
+        }
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("scope", DataType::Utf8, false),
+            Field::new("name", DataType::Utf8, true),
+            Field::new("category", DataType::Utf8, false),
+            Field::new("bytes", DataType::UInt64, false),
+            Field::new("peak_bytes", DataType::UInt64, false),
+            Field::new("allocs", DataType::UInt64, false),
+            Field::new("frees", DataType::UInt64, false),
+            Field::new("failures", DataType::UInt64, false),
+        ]));
+        let cols: Vec<ArrayRef> = vec![
+            Arc::new(StringArray::from(scope)),
+            Arc::new(StringArray::from(name)),
+            Arc::new(StringArray::from(cat)),
+            Arc::new(UInt64Array::from(bytes)),
+            Arc::new(UInt64Array::from(peak)),
+            Arc::new(UInt64Array::from(allocs)),
+            Arc::new(UInt64Array::from(frees)),
+            Arc::new(UInt64Array::from(fails)),
+        ];
+        Ok(arrow_array::RecordBatch::try_new(schema, cols)?)
+    }
+
     /// The memory controller (limit, used, peak, per-category figures).
     pub fn memory(&self) -> &Arc<MemoryController> {
         &self.inner.shared.ctl
@@ -481,7 +585,7 @@ impl Engine {
         self.inner.shared.ctl.trim_free_chunks(0)
     }
 
-    /// Changes the memory limit at run time.
+    /// Changes the memory limit at run time. A value above physical memory is clamped to it.
     ///
     /// Cached free chunks are trimmed to the new share at once. When the memory in use is
     /// above the new limit, the largest deltas of every table are sealed and handed to the
@@ -494,6 +598,7 @@ impl Engine {
     /// figures reached) when memory in use is still above the new limit after the wait — the
     /// new limit stays in force: writes wait or fail until memory falls under it.
     pub fn set_memory_limit(&self, bytes: usize) -> Result<()> {
+        let bytes = clamp_to_ram(bytes);
         let ctl = &self.inner.shared.ctl;
         ctl.set_limit(bytes)?;
         let deadline = Instant::now() + self.inner.shared.config.backpressure_timeout;

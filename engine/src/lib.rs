@@ -38,7 +38,7 @@ pub use table::{Table, TableStats};
 pub mod memory {
     pub use gritdb_memctl::{
         AllocatorKind, AllocatorStats, Category, CategoryReport, Consumer, MemoryController, MemoryReport,
-        ProcessView, TableReport, format_bytes,
+        ProcessView, TableReport, default_memory_limit, format_bytes, physical_memory_bytes,
     };
 }
 

@@ -30,6 +30,8 @@ pub(crate) struct TableState {
     pub(crate) sealed: VecDeque<Arc<DeltaStore>>,
     pub(crate) store: TableStore,
     pub(crate) last_flush_error: Option<String>,
+    /// When the active delta got its first row (for age-based flushes).
+    pub(crate) active_since: Option<std::time::Instant>,
 }
 
 impl TableState {
@@ -94,6 +96,7 @@ impl TableInner {
         }
         let old = std::mem::replace(&mut st.active, self.new_delta());
         st.sealed.push_back(Arc::new(old));
+        st.active_since = None;
         true
     }
 
@@ -132,6 +135,9 @@ impl TableInner {
                         st.active.apply_deletes(&keys, &items, rec.first_seq, || Ok::<(), Error>(()))
                     }
                 };
+                if res.is_ok() && st.active_since.is_none() && !st.active.is_empty() {
+                    st.active_since = Some(Instant::now());
+                }
                 if res.is_ok() && st.active.bytes() >= self.shared.table_flush_bytes() {
                     self.seal(st);
                 }
@@ -417,6 +423,9 @@ impl Table {
                 let mut g = self.inner.state()?;
                 let st = g.as_mut().ok_or_else(|| Error::TableNotFound { name: self.inner.name.clone() })?;
                 let res = apply(st);
+                if res.is_ok() && st.active_since.is_none() && !st.active.is_empty() {
+                    st.active_since = Some(Instant::now());
+                }
                 if res.is_ok() && st.active.bytes() >= self.inner.shared.table_flush_bytes() && self.inner.seal(st) {
                     self.engine.writer.schedule(&self.inner);
                 }

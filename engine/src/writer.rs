@@ -47,21 +47,19 @@ impl Writer {
         Ok(Self { rt: Mutex::new(Some(rt)), tx, in_flight })
     }
 
-    /// Starts the group-commit tick of [`gritdb_storage::WalSync::Relaxed`]: fsyncs the WAL
-    /// every `interval` while the engine lives.
-    pub(crate) fn start_wal_ticker(&self, shared: std::sync::Weak<crate::engine::Shared>, interval: std::time::Duration) {
+    /// Runs `tick` every `interval` on the writer's runtime until it returns `false` or the
+    /// engine shuts down (used for the WAL group commit and for age-based flushes).
+    pub(crate) fn start_ticker(&self, interval: std::time::Duration, mut tick: impl FnMut() -> bool + Send + 'static) {
         let g = lock(&self.rt);
         let Some(rt) = g.as_ref() else { return };
         #[allow(clippy::disallowed_methods)]
         rt.spawn(async move {
-            let mut tick = tokio::time::interval(interval);
+            let mut t = tokio::time::interval(interval);
+            t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
-                tick.tick().await;
-                let Some(shared) = shared.upgrade() else { break };
-                if let Ok(wal) = shared.wal()
-                    && let Err(e) = wal.sync()
-                {
-                    tracing::error!(error = %e, "write-ahead log group commit failed");
+                t.tick().await;
+                if !tick() {
+                    break;
                 }
             }
         });

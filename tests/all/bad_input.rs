@@ -190,6 +190,10 @@ fn memory_limit_and_row_size_configuration() {
     assert!(matches!(Engine::open(dir.path().join("c"), EngineConfig::default().chunk_size(3000)), Err(Error::Config(_))));
     let engine = Engine::open(dir.path().join("d"), EngineConfig::default().memory_limit(64 << 20).max_row_bytes(200 << 10)).unwrap();
     assert!(matches!(engine.set_memory_limit(0), Err(Error::Config(_))));
+    // Above physical memory: clamped to it (and a warning is logged).
+    engine.set_memory_limit(usize::MAX).unwrap();
+    assert_eq!(engine.memory().limit(), gritdb::memory::physical_memory_bytes());
+    engine.set_memory_limit(64 << 20).unwrap();
     let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
     // Above a chunk (64 KiB) but under the maximum: an oversize row, works end to end.
     let big = "b".repeat(100 << 10);

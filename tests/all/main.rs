@@ -17,3 +17,4 @@ mod runtime;
 mod smoke;
 mod tpch;
 mod wal;
+mod writer;

@@ -207,3 +207,54 @@ fn memory_limit_and_row_size_configuration() {
     assert_eq!(got.len(), 2);
     assert_eq!(got[&(1, 1)].1.as_deref(), Some(big.as_str()));
 }
+
+fn table_dir(root: &std::path::Path) -> std::path::PathBuf {
+    std::fs::read_dir(root.join("tables")).unwrap().flatten().next().unwrap().path()
+}
+
+#[test]
+fn corrupt_manifest_is_a_typed_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
+    t.insert(&composite_batch(&[((1, 1), (None, None))])).unwrap();
+    t.flush().unwrap();
+    drop(t);
+    engine.close().unwrap();
+    let manifest = table_dir(dir.path()).join("manifest.json");
+    let text = std::fs::read(&manifest).unwrap();
+    for bad in [&text[..text.len() / 2], b"{\"format\": 99}".as_slice(), b"\x00\x01garbage".as_slice()] {
+        std::fs::write(&manifest, bad).unwrap();
+        match Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)) {
+            Err(Error::Storage(e)) => assert!(e.to_string().contains("corrupt manifest"), "{e}"),
+            other => panic!("expected a corrupt-manifest error, got {other:?}"),
+        }
+    }
+    // Restored, it opens again with the data.
+    std::fs::write(&manifest, &text).unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    assert_eq!(engine.table("t").unwrap().row_count().unwrap(), 1);
+}
+
+#[test]
+fn truncated_data_file_is_a_typed_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
+    t.insert(&composite_batch(&(0..1000).map(|k| ((k, 0), (Some(k), None))).collect::<Vec<_>>())).unwrap();
+    t.flush().unwrap();
+    drop(t);
+    engine.close().unwrap();
+    let file = std::fs::read_dir(table_dir(dir.path()))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|e| e == "parquet"))
+        .unwrap();
+    let len = std::fs::metadata(&file).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&file).unwrap().set_len(len / 2).unwrap();
+    match Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)) {
+        Err(Error::Storage(e)) => assert!(e.to_string().contains("corrupt data file"), "{e}"),
+        other => panic!("expected a corrupt-file error, got {other:?}"),
+    }
+}

@@ -91,7 +91,7 @@ impl EngineInner {
 
     /// Seals the largest active deltas across all tables and queues their flush. With
     /// `urgent` (a write just failed for memory) it seals until a quarter of the limit is
-    /// queued; otherwise only when `used` passes 7/8 of the limit (RocksDB's
+    /// queued; otherwise only when `used` passes 7/8 of the limit (`RocksDB`'s
     /// `WriteBufferManager` flush point), until 3/4 would remain. Returns `true` when the
     /// writer has work that will free memory.
     pub(crate) fn relieve_pressure(&self, urgent: bool) -> bool {
@@ -103,7 +103,7 @@ impl EngineInner {
         let target = if urgent { limit / 4 } else { used.saturating_sub(limit / 4 * 3) };
         let mut by_size: Vec<(usize, Arc<TableInner>)> =
             self.all_tables().into_iter().map(|t| (t.active_bytes(), t)).collect();
-        by_size.sort_by(|a, b| b.0.cmp(&a.0));
+        by_size.sort_by_key(|b| std::cmp::Reverse(b.0));
         let mut queued = 0usize;
         let mut busy = false;
         for (bytes, t) in by_size {
@@ -399,6 +399,7 @@ impl Engine {
     /// [`Error::InvalidTableName`], [`Error::TableExists`] (names compare case-insensitively),
     /// [`Error::InvalidPrimaryKey`] (empty, unknown or repeated column),
     /// [`Error::Input`] for an unsupported column type, [`Error::Storage`] on I/O failure.
+    #[allow(clippy::needless_pass_by_value)] // the API of ARCHITECTURE.md: the table takes the schema
     pub fn create_table(&self, name: &str, schema: SchemaRef, primary_key: &[&str]) -> Result<Table> {
         self.inner.check_open()?;
         validate_name(name)?;
@@ -512,17 +513,17 @@ impl Engine {
         self.inner.shared.wal().map_or((0, 0), |w| (w.segment_count(), w.bytes()))
     }
 
-    /// Engine memory by category and table beside RSS, VmHWM and the allocator's figures.
+    /// Engine memory by category and table beside RSS, `VmHWM` and the allocator's figures.
     pub fn memory_report(&self) -> MemoryReport {
         self.inner.shared.ctl.report()
     }
 
-    /// [`Engine::memory_report`] as an Arrow batch (like DuckDB's `duckdb_memory()`), one row
+    /// [`Engine::memory_report`] as an Arrow batch (like `DuckDB`'s `duckdb_memory()`), one row
     /// per category engine-wide (`scope` = `engine`, `name` = null) and per table and
     /// category (`scope` = `table`, `name` = the table), so it can be queried.
     ///
-    /// Columns: `scope` Utf8, `name` Utf8 (nullable), `category` Utf8, `bytes` UInt64,
-    /// `peak_bytes` UInt64, `allocs` UInt64, `frees` UInt64, `failures` UInt64.
+    /// Columns: `scope` Utf8, `name` Utf8 (nullable), `category` Utf8, `bytes` `UInt64`,
+    /// `peak_bytes` `UInt64`, `allocs` `UInt64`, `frees` `UInt64`, `failures` `UInt64`.
     ///
     /// # Errors
     /// Arrow errors (none expected).

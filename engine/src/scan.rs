@@ -60,12 +60,12 @@ pub struct Scan {
 
 impl std::fmt::Debug for Scan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Scan").field("memory_batches", &self.memory.len()).field("files", &self.files.len()).finish()
+        f.debug_struct("Scan").field("memory_batches", &self.memory.len()).field("files", &self.files.len()).finish_non_exhaustive()
     }
 }
 
 impl Scan {
-    pub(crate) fn new(inner: &TableInner, options: ScanOptions) -> Result<Self> {
+    pub(crate) fn new(inner: &TableInner, options: &ScanOptions) -> Result<Self> {
         let schema = inner.codec.schema();
         let projection = match &options.projection {
             None => None,

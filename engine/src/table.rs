@@ -289,7 +289,7 @@ pub struct Table {
 
 impl std::fmt::Debug for Table {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Table").field("name", &self.inner.name).finish()
+        f.debug_struct("Table").field("name", &self.inner.name).finish_non_exhaustive()
     }
 }
 
@@ -477,9 +477,10 @@ impl Table {
     /// # Errors
     /// [`Error::ColumnNotFound`] for an unknown projected column, [`Error::MemoryLimit`] when
     /// the delta snapshot cannot be budgeted.
+    #[allow(clippy::needless_pass_by_value)] // builder value, consumed by convention
     pub fn scan(&self, options: ScanOptions) -> Result<Scan> {
         self.engine.check_open()?;
-        Scan::new(&self.inner, options)
+        Scan::new(&self.inner, &options)
     }
 
     /// Live rows (files minus deletion vectors, plus deltas).

@@ -213,7 +213,7 @@ pub struct KeyIndex {
 
 impl std::fmt::Debug for KeyIndex {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KeyIndex").field("files", &self.files.len()).field("bytes", &self.res.size()).finish()
+        f.debug_struct("KeyIndex").field("files", &self.files.len()).field("bytes", &self.res.size()).finish_non_exhaustive()
     }
 }
 

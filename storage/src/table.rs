@@ -148,7 +148,7 @@ pub struct TableStore {
 
 impl std::fmt::Debug for TableStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TableStore").field("name", &self.name).field("files", &self.files.len()).finish()
+        f.debug_struct("TableStore").field("name", &self.name).field("files", &self.files.len()).finish_non_exhaustive()
     }
 }
 
@@ -235,6 +235,7 @@ impl TableStore {
     /// # Errors
     /// [`StorageError::CorruptManifest`], [`StorageError::CorruptFile`] (missing or truncated
     /// data file), [`StorageError::Io`], [`StorageError::Memory`].
+    #[allow(clippy::needless_pass_by_value)] // the manifest read at open belongs to the table
     pub fn open(
         vfs: Arc<dyn Vfs>,
         dir: &Path,

@@ -136,7 +136,7 @@ pub fn read_file(
 /// them only as text ("fail to get inner writer: ...").
 struct Recording {
     inner: Box<dyn crate::vfs::VfsFile>,
-    seen: Arc<std::sync::Mutex<Option<(std::io::ErrorKind, Option<i32>, String)>>>,
+    seen: Arc<Seen>,
 }
 
 impl Recording {

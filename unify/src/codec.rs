@@ -22,9 +22,9 @@ pub(crate) enum ColKind {
     Fixed(usize),
     /// Utf8 / Binary (`i32` offsets in Arrow).
     Off32,
-    /// LargeUtf8 / LargeBinary (`i64` offsets in Arrow).
+    /// `LargeUtf8` / `LargeBinary` (`i64` offsets in Arrow).
     Off64,
-    /// Utf8View / BinaryView.
+    /// `Utf8View` / `BinaryView`.
     View,
 }
 
@@ -298,25 +298,19 @@ impl<'a> ColReader<'a> {
                 let values = data.buffers()[0].clone();
                 ColReader::Fixed { values, start: data.offset() * width, width, nulls: a.nulls() }
             }
-            ColKind::Off32 => match a.data_type() {
-                DataType::Utf8 => {
-                    let s = a.as_string::<i32>();
-                    ColReader::Off32 { offsets: s.value_offsets(), values: s.value_data(), nulls: a.nulls() }
-                }
-                _ => {
-                    let s = a.as_binary::<i32>();
-                    ColReader::Off32 { offsets: s.value_offsets(), values: s.value_data(), nulls: a.nulls() }
-                }
+            ColKind::Off32 => if a.data_type() == &DataType::Utf8 {
+                let s = a.as_string::<i32>();
+                ColReader::Off32 { offsets: s.value_offsets(), values: s.value_data(), nulls: a.nulls() }
+            } else {
+                let s = a.as_binary::<i32>();
+                ColReader::Off32 { offsets: s.value_offsets(), values: s.value_data(), nulls: a.nulls() }
             },
-            ColKind::Off64 => match a.data_type() {
-                DataType::LargeUtf8 => {
-                    let s = a.as_string::<i64>();
-                    ColReader::Off64 { offsets: s.value_offsets(), values: s.value_data(), nulls: a.nulls() }
-                }
-                _ => {
-                    let s = a.as_binary::<i64>();
-                    ColReader::Off64 { offsets: s.value_offsets(), values: s.value_data(), nulls: a.nulls() }
-                }
+            ColKind::Off64 => if a.data_type() == &DataType::LargeUtf8 {
+                let s = a.as_string::<i64>();
+                ColReader::Off64 { offsets: s.value_offsets(), values: s.value_data(), nulls: a.nulls() }
+            } else {
+                let s = a.as_binary::<i64>();
+                ColReader::Off64 { offsets: s.value_offsets(), values: s.value_data(), nulls: a.nulls() }
             },
             ColKind::View => match a.data_type() {
                 DataType::Utf8View => ColReader::StrView(a.as_string_view()),

@@ -85,7 +85,7 @@ pub struct DeltaStore {
 
 impl std::fmt::Debug for DeltaStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DeltaStore").field("puts", &self.puts).field("tombstones", &self.tombstones).finish()
+        f.debug_struct("DeltaStore").field("puts", &self.puts).field("tombstones", &self.tombstones).finish_non_exhaustive()
     }
 }
 
@@ -269,12 +269,9 @@ impl DeltaStore {
         let h = self.hash(key);
         let arena = &self.arena;
         let hasher = &self.hasher;
-        let old = match self.map.find_mut(h, |x| key_of(arena.get(*x)) == key) {
-            Some(slot) => Some(std::mem::replace(slot, r)),
-            None => {
-                self.map.insert_unique(h, r, |x| hasher.hash_one(key_of(arena.get(*x))));
-                None
-            }
+        let old = if let Some(slot) = self.map.find_mut(h, |x| key_of(arena.get(*x)) == key) { Some(std::mem::replace(slot, r)) } else {
+            self.map.insert_unique(h, r, |x| hasher.hash_one(key_of(arena.get(*x))));
+            None
         };
         if let Some(old) = old {
             self.count_removed(old);

@@ -691,11 +691,12 @@ impl MemoryController {
         central.idle.uses += 1;
         let mut c = slot.inner.lock();
         // Re-read: a trim may have emptied the cache in between.
-        let n = if c.chunks.len() >= cap {
-            self.pool.batch.min(c.chunks.len())
-        } else {
-            0
-        };
+        if c.chunks.len() < cap {
+            c.chunks.extend(chunk.take());
+            slot.record(-size, false);
+            return None;
+        }
+        let n = self.pool.batch.min(c.chunks.len());
         let room = self
             .pool
             .central_cap

@@ -448,3 +448,75 @@ fn pool_chunk_bytes_are_usable_and_counted_for_the_table() {
     assert_eq!(t.bytes(Category::RowBlocks), 0);
     assert_eq!(ctl.category_bytes(Category::FreeChunks), CHUNK);
 }
+
+#[test]
+fn trims_limit_changes_and_reports_racing_with_traffic_keep_exact_accounting() {
+    let ctl = ctl(64 << 20);
+    let table = ctl.register_table("t");
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let workers: Vec<_> = (0..3u64)
+            .map(|t| {
+                let (ctl, table, stop) = (&ctl, &table, &stop);
+                s.spawn(move || {
+                    let mut x = 0x2545_F491_4F6C_DD1Du64 ^ t;
+                    let mut arena = RowArena::new(ctl, Some(table));
+                    while !stop.load(Ordering::Acquire) {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        let held: Vec<_> = (0..x % 40)
+                            .filter_map(|_| ctl.acquire_chunk(Some(table)).ok())
+                            .collect();
+                        if x % 7 == 0 {
+                            drop(std::mem::replace(
+                                &mut arena,
+                                RowArena::new(ctl, Some(table)),
+                            ));
+                        }
+                        for _ in 0..x % 500 {
+                            if arena.alloc(1 + (x % 3000) as usize).is_err() {
+                                break;
+                            }
+                        }
+                        drop(held);
+                    }
+                })
+            })
+            .collect();
+        let meddler = s.spawn(|| {
+            for i in 0..300u32 {
+                match i % 5 {
+                    0 => {
+                        ctl.trim_free_chunks(0);
+                    }
+                    1 => {
+                        ctl.trim_idle(Duration::ZERO);
+                    }
+                    2 => ctl
+                        .set_limit(if i % 2 == 0 { 16 << 20 } else { 64 << 20 })
+                        .expect("valid"),
+                    3 => {
+                        let r = ctl.report();
+                        assert!(r.category(Category::FreeChunks) <= 64 << 20);
+                    }
+                    _ => {
+                        let _ = ctl.pool_stats();
+                    }
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            stop.store(true, Ordering::Release);
+        });
+        meddler.join().expect("meddler");
+        for w in workers {
+            w.join().expect("worker");
+        }
+    });
+    assert_eq!(table.total_bytes(), 0);
+    assert_eq!(ctl.category_bytes(Category::RowBlocks), 0);
+    assert_eq!(ctl.category_bytes(Category::Metadata), 0);
+    assert_categories_sum_to_used(&ctl);
+    ctl.trim_free_chunks(0);
+    assert_all_zero(&ctl);
+}

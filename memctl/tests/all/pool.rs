@@ -468,7 +468,7 @@ fn trims_limit_changes_and_reports_racing_with_traffic_keep_exact_accounting() {
                         let held: Vec<_> = (0..x % 40)
                             .filter_map(|_| ctl.acquire_chunk(Some(table)).ok())
                             .collect();
-                        if x % 7 == 0 {
+                        if x.is_multiple_of(7) {
                             drop(std::mem::replace(
                                 &mut arena,
                                 RowArena::new(ctl, Some(table)),

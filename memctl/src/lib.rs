@@ -55,10 +55,11 @@
 //! - **Peaks**: `peak` (of `used`) and the peaks of `batch_blocks`, `key_index`,
 //!   `write_buffers`, `scan_buffers`, `metadata` and of every table are exact high-water
 //!   marks. The peaks of `row_blocks` and `free_chunks` are taken at every central-list
-//!   operation (refill, flush, take or put at the central list, new chunk) and at every read; moves inside thread caches
-//!   between two such points are not seen, so these two peaks can be below the true
-//!   high-water mark by at most the chunks all thread caches can hold: half the free-chunk
-//!   share, i.e. `limit / 16` with the default [`ControllerConfig::free_chunk_divisor`] of 8.
+//!   operation (refill, flush, take or put at the central list, new chunk) and at every
+//!   read; moves inside thread caches between two such points are not seen, so these two
+//!   peaks can be below the true high-water mark by at most the chunks all thread caches
+//!   can hold: half the free-chunk share, i.e. `limit / 16` with the default
+//!   [`ControllerConfig::free_chunk_divisor`] of 8.
 //!   With `thread_cache: false` they are exact too.
 //! - **Event counts** (allocations, frees, failures per category) are exact; a failure is a
 //!   refused request (limit reached or an injected fault).

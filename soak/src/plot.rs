@@ -2,7 +2,8 @@
 //!
 //! Top panel (MiB): RSS, `VmHWM`, engine used and outside-engine (each also with its highest
 //! value during each load, dotted), allocator resident, and the memory limit as a dashed line. Bottom
-//! panel: key-index MiB (left axis) and data files (right axis). Every sample is drawn: a round's four samples sit at `round - 0.75`,
+//! panel: key-index MiB (left axis) and data files (right axis). Runs of more than 30 rounds
+//! draw the in-load peaks as the highest value of each round. Every sample is drawn: a round's four samples sit at `round - 0.75`,
 //! `- 0.5`, `- 0.25` and `round`; the base load at 0.
 
 use crate::sample::Sample;
@@ -12,6 +13,28 @@ use plotters::prelude::*;
 use std::path::Path;
 
 const MIB: f64 = 1024.0 * 1024.0;
+/// Runs longer than this draw in-load peaks per round instead of per sample.
+const PEAKS_PER_SAMPLE_ROUNDS: u32 = 30;
+
+/// The highest value of `f` over each round's samples (MiB), at `x = round`.
+fn round_maxima(samples: &[Sample], f: fn(&Sample) -> u64) -> Vec<(f64, f64)> {
+    let mut out: Vec<(f64, f64)> = Vec::new();
+    let mut current: Option<(u32, u64)> = None;
+    for s in samples {
+        current = match current {
+            Some((r, v)) if r == s.round => Some((r, v.max(f(s)))),
+            Some((r, v)) => {
+                out.push((f64::from(r), v as f64 / MIB));
+                Some((s.round, f(s)))
+            }
+            None => Some((s.round, f(s))),
+        };
+    }
+    if let Some((r, v)) = current {
+        out.push((f64::from(r), v as f64 / MIB));
+    }
+    out
+}
 
 /// Renders `samples` as an SVG file at `path`.
 pub fn render(samples: &[Sample], title: &str, path: &Path) -> Result<()> {
@@ -83,6 +106,11 @@ fn draw(root: &DrawingArea<SVGBackend<'_>, Shift>, samples: &[Sample], title: &s
             });
     }
     // Highest values during each load (monitor thread), dotted in the colour of the series.
+    // Up to PEAKS_PER_SAMPLE_ROUNDS rounds every load's peak is drawn; above, the highest of
+    // each round's loads at `x = round`, so that a long run stays readable.
+    let per_round = samples
+        .last()
+        .is_some_and(|s| s.round > PEAKS_PER_SAMPLE_ROUNDS);
     let peaks: [Series; 3] = [
         ("RSS, max during load", RGBColor(31, 119, 180), |s| {
             s.rss_max
@@ -97,12 +125,22 @@ fn draw(root: &DrawingArea<SVGBackend<'_>, Shift>, samples: &[Sample], title: &s
         ),
     ];
     for (name, color, f) in peaks {
+        let points = if per_round {
+            round_maxima(samples, f)
+        } else {
+            samples.iter().map(|s| (s.x(), f(s) as f64 / MIB)).collect()
+        };
+        let name = if per_round {
+            name.replace("during load", "during round")
+        } else {
+            name.to_owned()
+        };
         chart
             .draw_series(DashedLineSeries::new(
-                samples.iter().map(|s| (s.x(), f(s) as f64 / MIB)),
+                points,
                 3,
                 3,
-                color.stroke_width(1),
+                color.mix(0.8).stroke_width(1),
             ))?
             .label(name)
             .legend(move |(x, y)| {
@@ -177,6 +215,19 @@ mod tests {
     use super::*;
     use crate::sample::Load;
     use crate::sample::tests::sample;
+
+    #[test]
+    fn round_maxima_take_the_highest_load_of_each_round() {
+        let mut samples: Vec<Sample> = (1..=2)
+            .flat_map(|r| Load::ROUND.into_iter().map(move |l| sample(r, l)))
+            .collect();
+        samples[1].rss_max = 300 << 20;
+        samples[6].rss_max = 400 << 20;
+        assert_eq!(
+            round_maxima(&samples, |s| s.rss_max),
+            vec![(1.0, 300.0), (2.0, 400.0)]
+        );
+    }
 
     #[test]
     fn renders_an_svg_with_legend() {

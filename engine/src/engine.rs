@@ -14,6 +14,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
+/// Cached free chunks unused for this long are given back to the allocator.
+const IDLE_CHUNK_TRIM: Duration = Duration::from_secs(10);
+
 /// The default data directory of [`Engine::open_default`].
 pub const DEFAULT_DATA_DIR: &str = "./gritdb-data";
 
@@ -23,6 +26,8 @@ pub(crate) struct Shared {
     wal: OnceLock<Wal>,
     /// Table id -> highest sequence number in committed files (absent: dropped).
     flushed: Mutex<HashMap<u64, u64>>,
+    /// Set when the engine is closed or dropped: background work stops at its next step.
+    pub(crate) closed: AtomicBool,
 }
 
 impl Shared {
@@ -57,6 +62,13 @@ impl Shared {
     pub(crate) fn table_flush_bytes(&self) -> usize {
         self.config.table_flush_bytes.unwrap_or_else(|| (self.ctl.limit() / 16).clamp(1 << 20, 64 << 20))
     }
+
+    /// Memory kept free of new writes so flushes (batch blocks, index growth) can always run:
+    /// a quarter of the limit, at most four flush thresholds, at least 1 MiB. Writes wait
+    /// (backpressure) while `used` is above `limit - flush_headroom` and the writer has work.
+    pub(crate) fn flush_headroom(&self) -> usize {
+        (self.ctl.limit() / 4).min(4 * self.table_flush_bytes()).max(1 << 20)
+    }
 }
 
 pub(crate) struct EngineInner {
@@ -66,7 +78,8 @@ pub(crate) struct EngineInner {
     pub(crate) writer: Writer,
     next_table_id: AtomicU64,
     closed: AtomicBool,
-    _lock: fs::File,
+    /// The exclusive lock on `<dir>/LOCK`, released by [`EngineInner::shutdown`].
+    lock_file: Mutex<Option<fs::File>>,
 }
 
 impl EngineInner {
@@ -151,9 +164,39 @@ impl EngineInner {
     }
 }
 
+impl EngineInner {
+    /// Stops the engine: no new operation starts, background flushes stop at their next step
+    /// and are waited for (at most 10 s: a write stuck in the kernel cannot be interrupted),
+    /// the writer runtime is shut down and the directory lock released. Idempotent.
+    fn shutdown(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.shared.closed.store(true, Ordering::Release);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.writer.in_flight() > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        self.writer.shutdown();
+        if let Some(wal) = self.shared.wal.get() {
+            let _ = wal.sync();
+        }
+        if let Some(f) = lock(&self.lock_file).take() {
+            let _ = f.unlock();
+        }
+    }
+}
+
 impl Drop for EngineInner {
     fn drop(&mut self) {
-        self.writer.shutdown();
+        self.shutdown();
+    }
+}
+
+impl Drop for Engine {
+    /// Dropping the engine closes it without flushing: acknowledged writes not yet in files are
+    /// replayed from the write-ahead log at the next open. Table handles still held return
+    /// [`Error::Closed`].
+    fn drop(&mut self) {
+        self.inner.shutdown();
     }
 }
 
@@ -281,7 +324,13 @@ impl Engine {
         }
         fs::create_dir_all(&trash).map_err(io(&trash))?;
         let writer = Writer::new(config.writer_threads)?;
-        let shared = Arc::new(Shared { ctl: Arc::clone(&ctl), config, wal: OnceLock::new(), flushed: Mutex::new(HashMap::new()) });
+        let shared = Arc::new(Shared {
+            ctl: Arc::clone(&ctl),
+            config,
+            wal: OnceLock::new(),
+            flushed: Mutex::new(HashMap::new()),
+            closed: AtomicBool::new(false),
+        });
         let mut tables: BTreeMap<String, Arc<TableInner>> = BTreeMap::new();
         let mut max_id = 0u64;
         for e in fs::read_dir(&tables_dir).map_err(io(&tables_dir))?.flatten() {
@@ -364,7 +413,7 @@ impl Engine {
                 writer,
                 next_table_id: AtomicU64::new(max_id + 1),
                 closed: AtomicBool::new(false),
-                _lock: lock_file,
+                lock_file: Mutex::new(Some(lock_file)),
             }),
         };
         // Age-based flushes: a delta older than `flush_age` is sealed and flushed even when
@@ -372,7 +421,12 @@ impl Engine {
         let weak = Arc::downgrade(&engine.inner);
         engine.inner.writer.start_ticker((age / 4).max(Duration::from_millis(10)), move || {
             let Some(inner) = weak.upgrade() else { return false };
+            if inner.closed.load(Ordering::Acquire) {
+                return false;
+            }
             inner.flush_aged(age);
+            // Cached chunks nobody used for a while go back to the allocator.
+            inner.shared.ctl.trim_idle(IDLE_CHUNK_TRIM);
             true
         });
         Ok(engine)
@@ -642,8 +696,7 @@ impl Engine {
         {
             res = Err(e.into());
         }
-        self.inner.closed.store(true, Ordering::Release);
-        self.inner.writer.shutdown();
+        // Drop (right after this) stops the writer and releases the directory lock.
         res
     }
 }

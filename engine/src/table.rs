@@ -78,6 +78,9 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl TableInner {
     pub(crate) fn state(&self) -> Result<MutexGuard<'_, Option<TableState>>> {
+        if self.shared.closed.load(Ordering::Acquire) {
+            return Err(Error::Closed("the engine".into()));
+        }
         let g = lock(&self.state);
         if g.is_none() {
             return Err(Error::TableNotFound { name: self.name.clone() });
@@ -418,7 +421,23 @@ impl Table {
     fn with_backpressure(&self, mut apply: impl FnMut(&mut TableState) -> Result<usize>) -> Result<usize> {
         let deadline = Instant::now() + self.inner.shared.config.backpressure_timeout;
         let mut waited = false;
+        let shared = &self.inner.shared;
         loop {
+            // Soft limit for writes: leave the flush headroom to the writer, else a full
+            // engine could not flush (a flush needs memory to free memory).
+            let soft = shared.ctl.limit().saturating_sub(shared.flush_headroom());
+            if shared.ctl.used() > soft && self.engine.relieve_pressure(true) {
+                if !waited {
+                    tracing::info!(table = %self.inner.name, used = shared.ctl.used(), soft, "backpressure: waiting for the writer to free memory");
+                    waited = true;
+                }
+                if !self.engine.wait_for_memory(deadline) {
+                    let e: Error = shared.ctl.limit_error(gritdb_memctl::Category::RowBlocks, shared.ctl.used() - soft).into();
+                    tracing::warn!(table = %self.inner.name, error = %e, "memory limit error returned");
+                    return Err(e);
+                }
+                continue;
+            }
             let res = {
                 let mut g = self.inner.state()?;
                 let st = g.as_mut().ok_or_else(|| Error::TableNotFound { name: self.inner.name.clone() })?;
@@ -480,7 +499,19 @@ impl Table {
     #[allow(clippy::needless_pass_by_value)] // builder value, consumed by convention
     pub fn scan(&self, options: ScanOptions) -> Result<Scan> {
         self.engine.check_open()?;
-        Scan::new(&self.inner, &options)
+        // The delta snapshot needs scan buffers: under memory pressure, wait for the writer
+        // like a write does.
+        let deadline = Instant::now() + self.inner.shared.config.backpressure_timeout;
+        loop {
+            match Scan::new(&self.inner, &options) {
+                Err(e) if e.is_memory_limit() => {
+                    if !self.engine.relieve_pressure(true) || !self.engine.wait_for_memory(deadline) {
+                        return Err(e);
+                    }
+                }
+                other => return other,
+            }
+        }
     }
 
     /// Live rows (files minus deletion vectors, plus deltas).

@@ -94,7 +94,7 @@ fn run_flush(table: &TableInner) {
     let res = std::panic::catch_unwind(AssertUnwindSafe(|| table.flush_sealed()));
     match res {
         Ok(Ok(rows)) => tracing::debug!(table = %table.name, rows, "background flush done"),
-        Ok(Err(Error::TableNotFound { .. })) => {} // dropped meanwhile
+        Ok(Err(Error::TableNotFound { .. } | Error::Closed(_))) => {} // dropped or engine closed meanwhile
         Ok(Err(e)) => {
             tracing::error!(table = %table.name, error = %e, "background flush failed; rows stay in memory and are retried");
         }

@@ -64,7 +64,16 @@ impl Manifest {
     pub fn read(dir: &Path) -> Result<Self, StorageError> {
         let path = dir.join(MANIFEST_FILE);
         let text = fs::read(&path).map_err(io(&path))?;
-        let m: Manifest = serde_json::from_slice(&text)
+        Self::parse(&text, &path)
+    }
+
+    /// Parses and checks manifest bytes (`path` only names the file in errors).
+    ///
+    /// # Errors
+    /// [`StorageError::CorruptManifest`] when the bytes do not parse or are inconsistent.
+    pub fn parse(text: &[u8], path: &Path) -> Result<Self, StorageError> {
+        let path = path.to_path_buf();
+        let m: Manifest = serde_json::from_slice(text)
             .map_err(|e| StorageError::CorruptManifest { path: path.clone(), detail: e.to_string() })?;
         if m.format != FORMAT {
             return Err(StorageError::CorruptManifest { path, detail: format!("unknown format {}", m.format) });

@@ -179,7 +179,17 @@ fn data_dir_problems_and_exclusive_lock() {
         other => panic!("expected Locked, got {other:?}"),
     }
     first.close().unwrap();
-    Engine::open(&data, EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    // Dropping (without close) releases the lock at once too, every time.
+    for i in 0..20 {
+        let e = Engine::open(&data, EngineConfig::default().memory_limit(64 << 20)).unwrap();
+        let t = if i == 0 { e.create_table("t", composite_schema(), &["k1", "k2"]).unwrap() } else { e.table("t").unwrap() };
+        t.insert(&composite_batch(&[((i, 0), (None, None))])).unwrap();
+        drop(e);
+        // A table handle kept past the engine's drop reports the engine closed.
+        assert!(matches!(t.insert(&composite_batch(&[((i, 1), (None, None))])), Err(Error::Closed(_))));
+    }
+    let e = Engine::open(&data, EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    assert_eq!(e.table("t").unwrap().row_count().unwrap(), 20);
 }
 
 #[test]

@@ -79,6 +79,11 @@ pub fn tune(args: &TuneArgs) -> Result<bool> {
             fmt_bytes(limit as f64),
             out.display()
         );
+        // The run's own end-of-run table goes to `run.txt` in its directory; its progress
+        // lines (stderr) stay on the terminal.
+        fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+        let run_txt = fs::File::create(out.join("run.txt"))
+            .with_context(|| format!("creating {}", out.join("run.txt").display()))?;
         let status = Command::new(&me)
             .arg("run")
             .args(["--rounds", &args.rounds.to_string()])
@@ -91,6 +96,7 @@ pub fn tune(args: &TuneArgs) -> Result<bool> {
             .arg(&out)
             .arg("--data-dir")
             .arg(&data)
+            .stdout(run_txt)
             .status()
             .with_context(|| format!("starting {}", me.display()))?;
         let summary = fs::read_to_string(out.join("summary.json"))

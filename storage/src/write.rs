@@ -18,8 +18,9 @@ use std::sync::Arc;
 pub struct WriteOptions {
     /// Rows handed to the Parquet writer at a time.
     pub write_batch_rows: usize,
-    /// A row group is closed once the writer's in-progress bytes pass this (bytes), so writer
-    /// memory stays bounded for wide tables. Default 32 MiB.
+    /// A row group is closed once the writer's buffered bytes (`ArrowWriter::memory_size`:
+    /// encoded pages, encoders, dictionaries) pass this, so writer memory stays bounded for
+    /// wide tables. Default 32 MiB.
     pub row_group_bytes: usize,
     /// Upper bound on rows per row group. Default 1,048,576 (Parquet's default).
     pub row_group_rows: usize,
@@ -72,7 +73,9 @@ pub fn write_data_file(
                 writer.write(&batch.slice(at, len)).map_err(pq)?;
                 at += len;
                 buffers.try_resize(writer.memory_size())?;
-                if writer.in_progress_size() >= opts.row_group_bytes {
+                // Cut by the writer's whole buffered size (encoders and dictionaries included),
+                // so its memory is bounded by about `row_group_bytes` + one step.
+                if writer.memory_size() >= opts.row_group_bytes {
                     writer.flush().map_err(pq)?;
                     buffers.try_resize(writer.memory_size())?;
                 }

@@ -286,7 +286,7 @@ impl RowArena {
     pub fn get(&self, r: RowRef) -> &[u8] {
         let b = self.blocks[r.block as usize]
             .as_ref()
-            .expect("row of a freed block");
+            .expect("row of a freed block"); // infallible for a RowRef this arena handed out (see # Panics)
         &b.data[r.offset as usize..(r.offset + r.len) as usize]
     }
 
@@ -297,7 +297,7 @@ impl RowArena {
     pub fn get_mut(&mut self, r: RowRef) -> &mut [u8] {
         let b = self.blocks[r.block as usize]
             .as_mut()
-            .expect("row of a freed block");
+            .expect("row of a freed block"); // infallible for a RowRef this arena handed out (see # Panics)
         &mut b.data[r.offset as usize..(r.offset + r.len) as usize]
     }
 

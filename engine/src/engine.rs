@@ -1,12 +1,12 @@
 use crate::config::EngineConfig;
 use crate::error::{Error, Result, io};
-use crate::table::{Table, TableInner, TableState, lock};
+use crate::table::{Table, TableInner, lock};
 use crate::writer::Writer;
 use arrow_schema::SchemaRef;
 use gritdb_memctl::{Category, ControllerConfig, MemoryController, MemoryReport};
 use gritdb_storage::{TableStore, WAL_DIR, Wal, WalSync};
-use gritdb_unify::{DeltaStore, RowCodec};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use gritdb_unify::RowCodec;
+use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -350,24 +350,7 @@ impl Engine {
             let store = TableStore::open(Arc::clone(&shared.config.vfs), &path, &ctl, Some(&account), manifest)?;
             let next_seq = store.flushed_seq() + 1;
             let codec = Arc::new(RowCodec::new(Arc::clone(store.schema()), store.key_columns(), shared.config.max_row_bytes)?);
-            let inner = TableInner {
-                name: name.clone(),
-                id,
-                dir: path.clone(),
-                codec: Arc::clone(&codec),
-                account: account.clone(),
-                state: Mutex::new(Some(TableState {
-                    active: DeltaStore::new(codec, &ctl, Some(&account)),
-                    sealed: VecDeque::new(),
-                    store,
-                    last_flush_error: None,
-                    active_since: None,
-                })),
-                flush_lock: Mutex::new(()),
-                flush_scheduled: AtomicBool::new(false),
-                seq: AtomicU64::new(next_seq),
-                shared: Arc::clone(&shared),
-            };
+            let inner = TableInner::new(name.clone(), id, path.clone(), codec, account, store, next_seq, &shared);
             lock(&shared.flushed).insert(id, inner.flushed_seq());
             tables.insert(name, Arc::new(inner));
         }
@@ -487,24 +470,7 @@ impl Engine {
         let dir = self.inner.dir.join("tables").join(format!("t{id}"));
         let account = shared.ctl.register_table(name);
         let store = TableStore::create(Arc::clone(&shared.config.vfs), &dir, name, Arc::clone(&schema), &key_cols, &shared.ctl, Some(&account))?;
-        let inner = Arc::new(TableInner {
-            name: name.to_owned(),
-            id,
-            dir,
-            codec: Arc::clone(&codec),
-            account: account.clone(),
-            state: Mutex::new(Some(TableState {
-                active: DeltaStore::new(codec, &shared.ctl, Some(&account)),
-                sealed: VecDeque::new(),
-                store,
-                last_flush_error: None,
-                active_since: None,
-            })),
-            flush_lock: Mutex::new(()),
-            flush_scheduled: AtomicBool::new(false),
-            seq: AtomicU64::new(1),
-            shared: Arc::clone(shared),
-        });
+        let inner = Arc::new(TableInner::new(name.to_owned(), id, dir, codec, account, store, 1, shared));
         lock(&shared.flushed).insert(id, 0);
         tables.insert(name.to_owned(), Arc::clone(&inner));
         drop(tables);

@@ -77,6 +77,39 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl TableInner {
+    /// A table over `store`, with an empty active delta; writes get sequence numbers from
+    /// `next_seq` on.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        name: String,
+        id: u64,
+        dir: PathBuf,
+        codec: Arc<RowCodec>,
+        account: TableAccount,
+        store: TableStore,
+        next_seq: u64,
+        shared: &Arc<Shared>,
+    ) -> Self {
+        Self {
+            name,
+            id,
+            dir,
+            codec: Arc::clone(&codec),
+            account: account.clone(),
+            state: Mutex::new(Some(TableState {
+                active: DeltaStore::new(codec, &shared.ctl, Some(&account)),
+                sealed: VecDeque::new(),
+                store,
+                last_flush_error: None,
+                active_since: None,
+            })),
+            flush_lock: Mutex::new(()),
+            flush_scheduled: AtomicBool::new(false),
+            seq: AtomicU64::new(next_seq),
+            shared: Arc::clone(shared),
+        }
+    }
+
     pub(crate) fn state(&self) -> Result<MutexGuard<'_, Option<TableState>>> {
         if self.shared.closed.load(Ordering::Acquire) {
             return Err(Error::Closed("the engine".into()));

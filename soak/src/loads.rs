@@ -589,6 +589,39 @@ impl Soak {
 mod tests {
     use super::*;
 
+    /// Two rounds of every load at scale 0.01 pass against the model; a model off by one
+    /// unit of quantity makes the scan load report the difference.
+    #[test]
+    fn a_small_soak_verifies_and_a_wrong_model_is_caught() {
+        let dir = std::env::temp_dir().join(format!("gritdb-soak-loads-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let engine = Engine::open(&dir, gritdb::EngineConfig::default().memory_limit(64 << 20))
+            .expect("open");
+        let mut sizes = Sizes::new(8);
+        sizes.mixed_tables = 3;
+        sizes.mixed_transactions = 60;
+        let mut soak = Soak::new(engine, 0.01, sizes, 7).expect("soak");
+        assert_eq!(soak.base_load().expect("base").mismatch, None);
+        for round in 1..=2 {
+            assert_eq!(soak.write_load().expect("write").mismatch, None);
+            let cd = soak.create_drop_load(round).expect("create_drop");
+            assert_eq!(cd.mismatch, None);
+            assert!(cd.residual.is_some_and(|r| r <= 0), "{cd:?}");
+            assert_eq!(soak.scan_load().expect("scan").mismatch, None);
+            assert_eq!(soak.mixed_load(round).expect("mixed").mismatch, None);
+        }
+        let part = soak.model.parts.values_mut().next().expect("a part");
+        part.lineitem.sum_qty += 100;
+        let wrong = soak
+            .scan_load()
+            .expect("scan")
+            .mismatch
+            .expect("a mismatch");
+        assert!(wrong.contains("sum(l_quantity)"), "{wrong}");
+        soak.close().expect("close");
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
     #[test]
     fn rng_is_reproducible_and_bounded() {
         let (mut a, mut b) = (Rng::new(7), Rng::new(7));

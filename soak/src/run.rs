@@ -428,8 +428,13 @@ fn rounds(runner: &mut Runner, args: &RunArgs, progress: &mut Progress) -> Resul
 
 fn write_outputs(summary: &Summary, samples: &[Sample], out: &Path) -> Result<()> {
     summary.write(out)?;
+    let allocator = summary
+        .config
+        .get("allocator")
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or("unknown allocator");
     let title = format!(
-        "gritdb soak: {} rounds, limit {}, verdict {}",
+        "gritdb soak: {} rounds, limit {}, {allocator}, verdict {}",
         summary.rounds,
         fmt_bytes(summary.limit_bytes as f64),
         summary.verdict

@@ -29,6 +29,40 @@ pub enum Command {
         /// The output directory of an earlier run (holds `soak.csv`).
         dir: PathBuf,
     },
+    /// Crash test: run a random keyed workload in a child process, SIGKILL it at random
+    /// moments, reopen and compare with a model. Exits non-zero on any lost or resurrected row.
+    Crash(CrashArgs),
+    /// The child process of `crash` (not for direct use).
+    #[command(hide = true)]
+    CrashChild(CrashChildArgs),
+}
+
+/// Options of `crash`.
+#[derive(Debug, Clone, Args)]
+pub struct CrashArgs {
+    /// How many times to kill the child.
+    #[arg(long, default_value_t = 100)]
+    pub kills: usize,
+    /// Seed of the workload and of the kill moments.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Data directory (must be empty or absent; default: a new temporary directory).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+}
+
+/// Options of the hidden `crash-child`.
+#[derive(Debug, Clone, Args)]
+pub struct CrashChildArgs {
+    /// Data directory.
+    #[arg(long)]
+    pub dir: PathBuf,
+    /// Workload seed.
+    #[arg(long)]
+    pub seed: u64,
+    /// Operations already applied.
+    #[arg(long)]
+    pub start: usize,
 }
 
 /// Options of a soak run.

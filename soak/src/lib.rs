@@ -8,6 +8,7 @@
 //! `--allocator` picks one; the other binary is started when it is not this one.
 
 pub mod cli;
+pub mod crash;
 pub mod data;
 pub mod loads;
 pub mod model;
@@ -29,7 +30,7 @@ pub fn main_with(allocator: Allocator) -> ExitCode {
         None => Some(cli.run.allocator),
         Some(Command::Run(a)) => Some(a.allocator),
         // `tune` starts one `run` process per limit, each with `--allocator`.
-        Some(Command::Tune(_) | Command::Report { .. }) => None,
+        Some(Command::Tune(_) | Command::Report { .. } | Command::Crash(_) | Command::CrashChild(_)) => None,
     };
     if let Some(wanted) = wanted
         && wanted != allocator
@@ -41,6 +42,8 @@ pub fn main_with(allocator: Allocator) -> ExitCode {
         Some(Command::Run(args)) => run::run(args, allocator),
         Some(Command::Tune(t)) => tune::tune(t),
         Some(Command::Report { dir }) => run::report(dir),
+        Some(Command::Crash(c)) => crash::run_cli(c),
+        Some(Command::CrashChild(c)) => crash::child_main(&c.dir, c.seed, c.start),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,

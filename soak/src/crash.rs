@@ -5,15 +5,94 @@
 //! present, nothing deleted back, no duplicate primary key, and the one operation that was in
 //! flight either fully applied or not at all.
 
-use crate::{Row, collect_composite, composite_batch, composite_keys, composite_schema};
+use arrow::array::{Array, ArrayRef, Int32Array, Int64Array, RecordBatch, StringArray};
+use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use gritdb::{Engine, EngineConfig, ScanOptions};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+/// `(k1 Int64, k2 Int32, v Int64 nullable, s Utf8 nullable)` with primary key `(k1, k2)`.
+pub fn composite_schema() -> SchemaRef {
+    Arc::new(Schema::new(vec![
+        Field::new("k1", DataType::Int64, false),
+        Field::new("k2", DataType::Int32, false),
+        Field::new("v", DataType::Int64, true),
+        Field::new("s", DataType::Utf8, true),
+    ]))
+}
+
+/// A row of [`composite_schema`] without its key: `(v, s)`.
+pub type Row = (Option<i64>, Option<String>);
+
+/// Builds a batch of [`composite_schema`] from `((k1, k2), (v, s))` rows.
+///
+/// # Panics
+/// Never for rows of this shape (the arrays match the schema by construction).
+pub fn composite_batch(rows: &[((i64, i32), Row)]) -> RecordBatch {
+    let k1: Int64Array = rows.iter().map(|r| Some(r.0.0)).collect();
+    let k2: Int32Array = rows.iter().map(|r| Some(r.0.1)).collect();
+    let v: Int64Array = rows.iter().map(|r| r.1.0).collect();
+    let s: StringArray = rows.iter().map(|r| r.1.1.clone()).collect();
+    RecordBatch::try_new(composite_schema(), vec![Arc::new(k1), Arc::new(k2), Arc::new(v), Arc::new(s)])
+        .expect("columns match the schema") // infallible by construction
+}
+
+/// Builds a key batch `(k1, k2)`.
+///
+/// # Panics
+/// Never (the arrays match the key schema by construction).
+pub fn composite_keys(keys: &[(i64, i32)]) -> RecordBatch {
+    let schema = Arc::new(Schema::new(vec![Field::new("k1", DataType::Int64, false), Field::new("k2", DataType::Int32, false)]));
+    let k1: ArrayRef = Arc::new(keys.iter().map(|k| Some(k.0)).collect::<Int64Array>());
+    let k2: ArrayRef = Arc::new(keys.iter().map(|k| Some(k.1)).collect::<Int32Array>());
+    RecordBatch::try_new(schema, vec![k1, k2]).expect("columns match the key schema") // infallible by construction
+}
+
+/// Reads a scan of [`composite_schema`] into a map; the second value counts keys seen more
+/// than once (duplicate primary keys, which must never happen).
+///
+/// # Panics
+/// When a batch is an error or does not have the composite schema.
+pub fn collect_composite_counting(batches: impl IntoIterator<Item = gritdb::Result<RecordBatch>>) -> (TableModel, usize) {
+    let mut out = TableModel::new();
+    let mut dups = 0;
+    for b in batches {
+        let b = b.expect("scan batch");
+        let col = |i: usize| Arc::clone(b.column(i));
+        let k1 = col(0);
+        let k1 = k1.as_any().downcast_ref::<Int64Array>().expect("k1 Int64");
+        let k2 = col(1);
+        let k2 = k2.as_any().downcast_ref::<Int32Array>().expect("k2 Int32");
+        let v = col(2);
+        let v = v.as_any().downcast_ref::<Int64Array>().expect("v Int64");
+        let s = col(3);
+        let s = s.as_any().downcast_ref::<StringArray>().expect("s Utf8");
+        for i in 0..b.num_rows() {
+            let key = (k1.value(i), k2.value(i));
+            let row = ((!v.is_null(i)).then(|| v.value(i)), (!s.is_null(i)).then(|| s.value(i).to_owned()));
+            if out.insert(key, row).is_some() {
+                dups += 1;
+            }
+        }
+    }
+    (out, dups)
+}
+
+/// Reads a scan of [`composite_schema`] into a map, asserting no key appears twice.
+///
+/// # Panics
+/// On a duplicate primary key or a scan error.
+pub fn collect_composite(batches: impl IntoIterator<Item = gritdb::Result<RecordBatch>>) -> TableModel {
+    let (m, dups) = collect_composite_counting(batches);
+    assert_eq!(dups, 0, "duplicate primary keys in scan");
+    m
+}
 
 /// Table contents in the model.
 pub type TableModel = BTreeMap<(i64, i32), Row>;
@@ -165,6 +244,7 @@ pub fn setup(engine: &Engine) -> gritdb::Result<()> {
 /// # Panics
 /// On any engine error (the parent sees the child exit and fails).
 pub fn child_main(dir: &Path, seed: u64, start: usize) -> ! {
+    // The parent reads only `ACK n` lines; keep the engine's own logging off stdout.
     let engine = Engine::open(dir, crash_config()).expect("child: open");
     if start == 0 {
         setup(&engine).expect("child: setup");
@@ -214,23 +294,11 @@ fn read_db(engine: &Engine, dup: &mut usize) -> DbModel {
     let mut out = DbModel::new();
     for t in engine.table_names() {
         let table = engine.table(&t).expect("listed table");
-        let batches: Vec<_> = table.scan(ScanOptions::default()).expect("scan").collect();
-        let rows: usize = batches.iter().map(|b| b.as_ref().map_or(0, arrow::array::RecordBatch::num_rows)).sum();
-        let m = collect_composite_lenient(batches);
-        *dup += rows - m.len();
+        let (m, d) = collect_composite_counting(table.scan(ScanOptions::default()).expect("scan"));
+        *dup += d;
         out.insert(t, m);
     }
     out
-}
-
-fn collect_composite_lenient(batches: Vec<gritdb::Result<arrow::array::RecordBatch>>) -> TableModel {
-    // Like `collect_composite` but counting duplicates instead of panicking.
-    let mut all = TableModel::new();
-    for b in batches {
-        let one = collect_composite(std::iter::once(b));
-        all.extend(one);
-    }
-    all
 }
 
 fn diff(expected: &DbModel, got: &DbModel, report: &mut CrashReport) {
@@ -350,4 +418,45 @@ pub fn run_parent(dir: &Path, seed: u64, kills: usize, child: impl Fn(usize) -> 
         }
     }
     report
+}
+
+/// `gritdb-soak crash`: runs [`run_parent`] with this binary's hidden `crash-child`
+/// subcommand as the child and prints kills, acknowledged operations, rows lost (must be 0)
+/// and deleted rows resurrected (must be 0). Returns `Ok(false)` on any loss.
+///
+/// # Errors
+/// When the data directory is not empty or this executable cannot be found.
+pub fn run_cli(args: &crate::cli::CrashArgs) -> anyhow::Result<bool> {
+    let tmp;
+    let dir = match &args.dir {
+        Some(d) => {
+            if d.exists() && std::fs::read_dir(d)?.next().is_some() {
+                anyhow::bail!("crash: {} is not empty; give an empty or new directory", d.display());
+            }
+            d.clone()
+        }
+        None => {
+            tmp = std::env::temp_dir().join(format!("gritdb-crash-{}-{}", std::process::id(), args.seed));
+            tmp.clone()
+        }
+    };
+    let exe = std::env::current_exe()?;
+    println!("gritdb-soak crash: {} kills, seed {}, data dir {}", args.kills, args.seed, dir.display());
+    let report = run_parent(&dir, args.seed, args.kills, |start| {
+        let mut c = Command::new(&exe);
+        c.arg("crash-child").arg("--dir").arg(&dir).arg("--seed").arg(args.seed.to_string()).arg("--start").arg(start.to_string());
+        c
+    });
+    println!("kills                      {}", report.kills);
+    println!("acknowledged operations    {}", report.acknowledged);
+    println!("rows lost                  {} (must be 0)", report.rows_lost);
+    println!("deleted rows resurrected   {} (must be 0)", report.rows_resurrected);
+    println!("rows with a wrong value    {} (must be 0)", report.rows_wrong);
+    println!("duplicate primary keys     {} (must be 0)", report.duplicate_keys);
+    println!("temp files left visible    {} (must be 0)", report.temp_files);
+    println!("verdict: {}", if report.clean() { "PASS" } else { "FAIL" });
+    if args.dir.is_none() && report.clean() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    Ok(report.clean())
 }

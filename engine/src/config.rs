@@ -98,6 +98,13 @@ impl EngineConfig {
         self
     }
 
+    /// Sets the group-commit interval of [`WalSync::Relaxed`] (at least 1 ms).
+    #[must_use]
+    pub fn wal_sync_interval(mut self, interval: Duration) -> Self {
+        self.wal_sync_interval = interval.max(Duration::from_millis(1));
+        self
+    }
+
     /// Sets the file layer (for fault injection).
     #[must_use]
     pub fn vfs(mut self, vfs: Arc<dyn Vfs>) -> Self {

@@ -28,6 +28,9 @@ pub(crate) struct Shared {
     flushed: Mutex<HashMap<u64, u64>>,
     /// Set when the engine is closed or dropped: background work stops at its next step.
     pub(crate) closed: AtomicBool,
+    /// While a lower limit is being reached (`set_memory_limit`), writes already respect it
+    /// (0: none pending) and flushes may still use the old limit.
+    pub(crate) write_target: std::sync::atomic::AtomicUsize,
 }
 
 impl Shared {
@@ -59,15 +62,34 @@ impl Shared {
     }
 
     /// Per-table flush threshold: configured, else limit / 16 clamped to 1 MiB..=64 MiB.
+    /// Per-table flush threshold in bytes: configured (default limit / 16, 1 MiB..=64 MiB),
+    /// never more than limit / 8 — a flush needs about its delta's size again for the Arrow
+    /// batches it builds, and that must fit in the flush headroom.
     pub(crate) fn table_flush_bytes(&self) -> usize {
-        self.config.table_flush_bytes.unwrap_or_else(|| (self.ctl.limit() / 16).clamp(1 << 20, 64 << 20))
+        let limit = self.ctl.limit();
+        let wanted = self.config.table_flush_bytes.unwrap_or_else(|| (limit / 16).clamp(1 << 20, 64 << 20));
+        wanted.min(limit / 8).max(self.ctl.chunk_size())
     }
 
     /// Memory kept free of new writes so flushes (batch blocks, index growth) can always run:
-    /// a quarter of the limit, at most four flush thresholds, at least 1 MiB. Writes wait
-    /// (backpressure) while `used` is above `limit - flush_headroom` and the writer has work.
+    /// a quarter of the limit, and at least two flush thresholds (two writer threads may flush
+    /// at once). Writes wait (backpressure) while the memory in use, cached free chunks not
+    /// counted, is above `min(limit, write target) - flush_headroom` and the writer has work.
     pub(crate) fn flush_headroom(&self) -> usize {
-        (self.ctl.limit() / 4).min(4 * self.table_flush_bytes()).max(1 << 20)
+        (self.ctl.limit() / 4).max(2 * self.table_flush_bytes()).min(self.ctl.limit() / 2)
+    }
+
+    /// Accounted bytes that flushing can matter for: `used` without cached free chunks
+    /// (those are given back on demand and are no reason to flush).
+    pub(crate) fn pressure_bytes(&self) -> usize {
+        self.ctl.used().saturating_sub(self.ctl.category_bytes(Category::FreeChunks))
+    }
+
+    /// The soft limit writes respect (see [`Self::flush_headroom`]).
+    pub(crate) fn write_soft_limit(&self) -> usize {
+        let target = self.write_target.load(Ordering::Acquire);
+        let limit = if target == 0 { self.ctl.limit() } else { target.min(self.ctl.limit()) };
+        limit.saturating_sub(self.flush_headroom())
     }
 }
 
@@ -109,7 +131,7 @@ impl EngineInner {
     /// writer has work that will free memory.
     pub(crate) fn relieve_pressure(&self, urgent: bool) -> bool {
         let ctl = &self.shared.ctl;
-        let (used, limit) = (ctl.used(), ctl.limit());
+        let (used, limit) = (self.shared.pressure_bytes(), ctl.limit());
         if !urgent && used <= limit / 8 * 7 {
             return true;
         }
@@ -137,6 +159,14 @@ impl EngineInner {
             tracing::info!(queued, used, limit, "memory pressure: sealed the largest deltas");
         }
         busy || self.writer.in_flight() > 0
+    }
+
+    /// True while any table has sealed deltas or staged files, or the writer has work.
+    pub(crate) fn flush_pending(&self) -> bool {
+        self.writer.in_flight() > 0
+            || self.all_tables().iter().any(|t| {
+                lock(&t.state).as_ref().is_some_and(|st| !st.sealed.is_empty() || st.store.staged_count() > 0)
+            })
     }
 
     /// Seals and queues every active delta whose first row is older than `age`.
@@ -283,6 +313,9 @@ impl Engine {
     /// configuration, [`Error::Storage`] for a corrupt table.
     pub fn open(dir: impl AsRef<Path>, config: EngineConfig) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
+        if dir.as_os_str().is_empty() {
+            return Err(Error::Config("the data directory path is empty".into()));
+        }
         if dir.exists() && !dir.is_dir() {
             return Err(Error::Io {
                 path: dir.clone(),
@@ -330,6 +363,7 @@ impl Engine {
             wal: OnceLock::new(),
             flushed: Mutex::new(HashMap::new()),
             closed: AtomicBool::new(false),
+            write_target: std::sync::atomic::AtomicUsize::new(0),
         });
         let mut tables: BTreeMap<String, Arc<TableInner>> = BTreeMap::new();
         let mut max_id = 0u64;
@@ -340,6 +374,18 @@ impl Engine {
             };
             max_id = max_id.max(id);
             if !path.join(gritdb_storage::MANIFEST_FILE).exists() {
+                // An interrupted create leaves at most a manifest temp file. Anything else
+                // means the manifest was lost: refuse rather than delete data.
+                let only_tmp = fs::read_dir(&path)
+                    .map_err(io(&path))?
+                    .flatten()
+                    .all(|f| f.file_name().to_string_lossy().ends_with(".tmp"));
+                if !only_tmp {
+                    return Err(Error::Storage(gritdb_storage::StorageError::CorruptManifest {
+                        path: path.join(gritdb_storage::MANIFEST_FILE),
+                        detail: "missing, but the table directory holds data files; restore the manifest or move the directory away".into(),
+                    }));
+                }
                 tracing::info!(dir = %path.display(), "removing table directory without manifest (interrupted create)");
                 fs::remove_dir_all(&path).map_err(io(&path))?;
                 continue;
@@ -608,43 +654,71 @@ impl Engine {
 
     /// Changes the memory limit at run time. A value above physical memory is clamped to it.
     ///
-    /// Cached free chunks are trimmed to the new share at once. When the memory in use is
-    /// above the new limit, the largest deltas of every table are sealed and handed to the
-    /// background writer, and this call waits (at most `backpressure_timeout`) until the
-    /// accounted total is under the limit. It never waits on a flush lock, so a stuck disk
-    /// cannot block it beyond that bound.
+    /// Raising takes effect at once. Lowering: writes respect the new value at once, cached
+    /// free chunks are trimmed, the largest deltas of every table are sealed and handed to the
+    /// background writer — which may still use the old limit to build its batches — and this
+    /// call waits (at most `backpressure_timeout`) until the accounted total is under the new
+    /// value; then it becomes the limit. It never waits on a flush lock, so a stuck disk cannot
+    /// block it beyond that bound.
     ///
     /// # Errors
     /// [`Error::Config`] when `bytes` is below two chunks; [`Error::MemoryLimit`] (with the
-    /// figures reached) when memory in use is still above the new limit after the wait — the
-    /// new limit stays in force: writes wait or fail until memory falls under it.
+    /// figures reached) when memory in use is still above the new value after the wait — the
+    /// old limit then stays in force.
     pub fn set_memory_limit(&self, bytes: usize) -> Result<()> {
         let bytes = clamp_to_ram(bytes);
-        let ctl = &self.inner.shared.ctl;
-        ctl.set_limit(bytes)?;
-        let deadline = Instant::now() + self.inner.shared.config.backpressure_timeout;
-        while ctl.used() > bytes {
-            ctl.trim_free_chunks(0);
-            if ctl.used() <= bytes {
-                break;
-            }
-            if !self.inner.relieve_pressure(true) || !self.inner.wait_for_memory(deadline) {
-                tracing::warn!(limit = bytes, used = ctl.used(), "lowered limit not reached");
-                return Err(ctl.limit_error(Category::RowBlocks, 0).into());
+        let shared = &self.inner.shared;
+        let ctl = &shared.ctl;
+        if bytes >= ctl.limit() {
+            return Ok(ctl.set_limit(bytes)?);
+        }
+        // Lowering: writes respect the new limit at once; the writer flushes down while the
+        // old limit still lets it build its batches; then the new limit takes over.
+        gritdb_memctl::MemoryController::check_limit_value(bytes, ctl.chunk_size())?;
+        shared.write_target.store(bytes, Ordering::Release);
+        let deadline = Instant::now() + shared.config.backpressure_timeout;
+        // Every delta is sealed and flushed while the old limit still leaves the writer room
+        // (a delta sealed under the old limit may need more than the new one allows).
+        for t in self.inner.all_tables() {
+            let sealed = lock(&t.state).as_mut().is_some_and(|st| t.seal(st));
+            if sealed {
+                self.inner.writer.schedule(&t);
             }
         }
+        let reached = loop {
+            ctl.trim_free_chunks(0);
+            if ctl.used() <= bytes && !self.inner.flush_pending() {
+                break true;
+            }
+            if !self.inner.relieve_pressure(true) || !self.inner.wait_for_memory(deadline) {
+                ctl.trim_free_chunks(0);
+                break ctl.used() <= bytes && !self.inner.flush_pending();
+            }
+        };
+        shared.write_target.store(0, Ordering::Release);
+        if !reached {
+            let e = ctl.limit_error(Category::RowBlocks, ctl.used() - bytes);
+            tracing::warn!(target_limit = bytes, used = ctl.used(), "lowered limit not reached; the old limit stays");
+            return Err(e.into());
+        }
+        ctl.set_limit(bytes)?;
         Ok(())
     }
 
-    /// Flushes every table.
+    /// Flushes every table (all of them, even after one fails).
     ///
     /// # Errors
     /// The first flush error.
     pub fn flush_all(&self) -> Result<()> {
+        // Every table gets its flush even when an earlier one fails; the first error is
+        // returned.
+        let mut first = None;
         for t in self.inner.all_tables() {
-            Table { inner: t, engine: Arc::clone(&self.inner) }.flush()?;
+            if let Err(e) = (Table { inner: t, engine: Arc::clone(&self.inner) }).flush() {
+                first.get_or_insert(e);
+            }
         }
-        Ok(())
+        first.map_or(Ok(()), Err)
     }
 
     /// Flushes every table, stops the background writer and closes the engine.

@@ -51,6 +51,7 @@ type FileIter = Box<dyn Iterator<Item = Result<RecordBatch, StorageError>> + Sen
 /// batch blocks counted under `scan_buffers` (released when the batches are dropped), file
 /// lists and deletion vectors are cloned; files are then read one row group batch at a time.
 pub struct Scan {
+    table: std::sync::Arc<TableInner>,
     memory: VecDeque<RecordBatch>,
     files: VecDeque<FileScan>,
     current: Option<FileIter>,
@@ -65,7 +66,7 @@ impl std::fmt::Debug for Scan {
 }
 
 impl Scan {
-    pub(crate) fn new(inner: &TableInner, options: &ScanOptions) -> Result<Self> {
+    pub(crate) fn new(inner: &std::sync::Arc<TableInner>, options: &ScanOptions) -> Result<Self> {
         let schema = inner.codec.schema();
         let projection = match &options.projection {
             None => None,
@@ -102,7 +103,14 @@ impl Scan {
         for b in memory {
             push_sliced(&mut out, b, options.batch_rows, projection.as_deref())?;
         }
-        Ok(Self { memory: out, files: files.into(), current: None, projection, batch_rows: options.batch_rows })
+        Ok(Self {
+            table: std::sync::Arc::clone(inner),
+            memory: out,
+            files: files.into(),
+            current: None,
+            projection,
+            batch_rows: options.batch_rows,
+        })
     }
 
     fn open_next_file(&mut self) -> Result<bool> {
@@ -218,10 +226,30 @@ fn copy_out(batch: &RecordBatch) -> Result<RecordBatch> {
     Ok(RecordBatch::try_new(batch.schema(), cols)?)
 }
 
+impl Scan {
+    /// A read error after the table was dropped (its files are gone) reads as what it is.
+    fn explain(&self, e: Error) -> Error {
+        if crate::table::lock(&self.table.state).is_none() {
+            return Error::TableNotFound { name: self.table.name.clone() };
+        }
+        e
+    }
+}
+
 impl Iterator for Scan {
     type Item = Result<RecordBatch>;
 
     fn next(&mut self) -> Option<Self::Item> {
+        let r = self.next_inner();
+        match r {
+            Some(Err(e)) => Some(Err(self.explain(e))),
+            other => other,
+        }
+    }
+}
+
+impl Scan {
+    fn next_inner(&mut self) -> Option<Result<RecordBatch>> {
         loop {
             if let Some(b) = self.memory.pop_front() {
                 return Some(compact_if_sparse(b));

@@ -386,7 +386,7 @@ impl Table {
         codec.validate_keys(keys)?;
         let rows = codec.keys().encode_key_columns(keys.columns())?;
         let unique = unique_rows(&rows);
-        self.with_backpressure(|st| {
+        self.with_backpressure(keys.get_array_memory_size(), |st| {
             let mut items = Vec::new();
             for &i in &unique {
                 let key = rows.row(i);
@@ -426,7 +426,7 @@ impl Table {
         if let Some((first, row)) = first_duplicate(&keys) {
             return Err(Error::DuplicateKey { table: self.inner.name.clone(), first, row });
         }
-        self.with_backpressure(|st| {
+        self.with_backpressure(batch.get_array_memory_size(), |st| {
             match mode {
                 WriteMode::Insert => {
                     if let Some(row) = (0..n).find(|&i| st.exists(keys.row(i).as_ref())) {
@@ -451,21 +451,22 @@ impl Table {
 
     /// Runs `apply` under the table lock; when it fails for memory, asks the writer to flush
     /// the largest deltas and waits (bounded by `backpressure_timeout`) before trying again.
-    fn with_backpressure(&self, mut apply: impl FnMut(&mut TableState) -> Result<usize>) -> Result<usize> {
+    fn with_backpressure(&self, batch_bytes_hint: usize, mut apply: impl FnMut(&mut TableState) -> Result<usize>) -> Result<usize> {
         let deadline = Instant::now() + self.inner.shared.config.backpressure_timeout;
         let mut waited = false;
         let shared = &self.inner.shared;
         loop {
             // Soft limit for writes: leave the flush headroom to the writer, else a full
             // engine could not flush (a flush needs memory to free memory).
-            let soft = shared.ctl.limit().saturating_sub(shared.flush_headroom());
-            if shared.ctl.used() > soft && self.engine.relieve_pressure(true) {
+            let soft = shared.write_soft_limit();
+            if shared.pressure_bytes() > soft && self.engine.relieve_pressure(true) {
                 if !waited {
                     tracing::info!(table = %self.inner.name, used = shared.ctl.used(), soft, "backpressure: waiting for the writer to free memory");
                     waited = true;
                 }
                 if !self.engine.wait_for_memory(deadline) {
-                    let e: Error = shared.ctl.limit_error(gritdb_memctl::Category::RowBlocks, shared.ctl.used() - soft).into();
+                    let wanted = batch_bytes_hint.max(1);
+                    let e: Error = shared.ctl.limit_error(gritdb_memctl::Category::RowBlocks, wanted).into();
                     tracing::warn!(table = %self.inner.name, error = %e, "memory limit error returned");
                     return Err(e);
                 }

@@ -54,7 +54,7 @@ impl Writer {
         let Some(rt) = g.as_ref() else { return };
         #[allow(clippy::disallowed_methods)]
         rt.spawn(async move {
-            let mut t = tokio::time::interval(interval);
+            let mut t = tokio::time::interval(interval.max(std::time::Duration::from_millis(1)));
             t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 t.tick().await;

@@ -226,6 +226,14 @@ impl MemoryController {
         }))
     }
 
+    /// Checks a limit value against the chunk size without applying it.
+    ///
+    /// # Errors
+    /// [`MemoryError::Config`] when `limit` is below two chunks.
+    pub fn check_limit_value(limit: usize, chunk_size: usize) -> Result<(), MemoryError> {
+        Self::check_limit(limit, chunk_size)
+    }
+
     fn check_limit(limit: usize, chunk_size: usize) -> Result<(), MemoryError> {
         let min = 2 * chunk_size;
         if limit < min {

@@ -9,8 +9,10 @@
 //! A segment is deleted once every table with records in it has committed files covering
 //! those records (`flushed_seq` in its manifest), or was dropped.
 //!
-//! Recovery rules: a record cut short at the very end of the last segment (a torn write) is
-//! dropped and the segment truncated to the last whole record; any other bad record — a bad
+//! Recovery rules: the tail of the last segment left by a write the crash interrupted is
+//! dropped and the segment truncated to the last whole record: a record cut short, a last
+//! record whose checksum fails (a torn page inside it), or a zero-filled tail. Such a record
+//! was never acknowledged (the append returns after its fsync). Any other bad record — a bad
 //! checksum with whole records after it, or damage in an older segment — is
 //! [`StorageError::CorruptWal`], never skipped silently.
 
@@ -316,6 +318,11 @@ fn read_segment<E: From<StorageError>>(
         }
         let len = u32::from_le_bytes(data[at..at + 4].try_into().expect("4 bytes")) as usize; // infallible
         let crc = u32::from_le_bytes(data[at + 4..at + 8].try_into().expect("4 bytes")); // infallible
+        if len == 0 {
+            // No record is empty; zeros are a preallocated or zero-filled tail.
+            torn("zero-length record (zero-filled tail)")?;
+            break;
+        }
         if end - at - HEADER < len {
             torn("record extends past the end of the segment")?;
             break;

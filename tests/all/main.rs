@@ -12,6 +12,7 @@ mod crash;
 mod create_drop;
 mod faults;
 mod model;
+mod regressions;
 mod retention;
 mod runtime;
 mod smoke;

@@ -44,7 +44,9 @@ impl ColKind {
             | DataType::Time64(_)
             | DataType::Timestamp(_, _)
             | DataType::Duration(_) => ColKind::Fixed(8),
-            DataType::Decimal128(_, _) => ColKind::Fixed(16),
+            // Parquet cannot store a negative decimal scale: refuse it up front rather than
+            // accept rows that could never be flushed.
+            DataType::Decimal128(_, scale) if *scale >= 0 => ColKind::Fixed(16),
             DataType::Utf8 | DataType::Binary => ColKind::Off32,
             DataType::LargeUtf8 | DataType::LargeBinary => ColKind::Off64,
             DataType::Utf8View | DataType::BinaryView => ColKind::View,

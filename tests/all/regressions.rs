@@ -1,0 +1,126 @@
+//! Regressions found by trying to break the engine as a new user.
+
+use arrow::array::{Decimal128Array, Int64Array, RecordBatch, StringArray};
+use arrow::datatypes::{DataType, Field, Schema};
+use gritdb::{Engine, EngineConfig, Error, ScanOptions};
+use gritdb_tests::*;
+use std::sync::Arc;
+
+fn wide_rows(from: i64, n: i64) -> Vec<((i64, i32), Row)> {
+    (from..from + n).map(|k| ((k, 0), (Some(k), Some("s".repeat(200))))).collect()
+}
+
+/// A flush needs memory to free memory: with a large per-table threshold the engine must
+/// still never wedge (writes wait, flushes run, reads work).
+#[test]
+fn large_flush_threshold_never_wedges_the_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20).table_flush_bytes(60 << 20)).unwrap();
+    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
+    for b in 0..150 {
+        t.upsert(&composite_batch(&wide_rows(b * 2000, 2000))).unwrap();
+        assert!(engine.memory().used() <= 64 << 20);
+    }
+    t.flush().unwrap();
+    assert_eq!(t.row_count().unwrap(), 300_000);
+    t.upsert(&composite_batch(&wide_rows(0, 1))).unwrap();
+}
+
+/// Lowering the limit below what is in use flushes down under the old limit, then applies.
+#[test]
+fn lowering_the_limit_below_use_flushes_down() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
+    let mut b = 0;
+    while engine.memory().used() < 30 << 20 {
+        t.upsert(&composite_batch(&wide_rows(b * 2000, 2000))).unwrap();
+        b += 1;
+    }
+    engine.set_memory_limit(16 << 20).unwrap();
+    assert_eq!(engine.memory().limit(), 16 << 20);
+    assert!(engine.memory().used() <= 16 << 20);
+    t.upsert(&composite_batch(&wide_rows(0, 10))).unwrap();
+    t.flush().unwrap();
+    assert_eq!(t.row_count().unwrap(), b as u64 * 2000);
+}
+
+#[test]
+fn missing_manifest_with_data_is_an_error_not_a_deletion() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
+    t.insert(&composite_batch(&wide_rows(0, 100))).unwrap();
+    t.flush().unwrap();
+    drop(t);
+    engine.close().unwrap();
+    let tdir = std::fs::read_dir(dir.path().join("tables")).unwrap().flatten().next().unwrap().path();
+    let manifest = tdir.join("manifest.json");
+    let saved = std::fs::read(&manifest).unwrap();
+    std::fs::remove_file(&manifest).unwrap();
+    match Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)) {
+        Err(Error::Storage(e)) => assert!(e.to_string().contains("corrupt manifest"), "{e}"),
+        other => panic!("expected a typed error, got {other:?}"),
+    }
+    assert!(std::fs::read_dir(&tdir).unwrap().count() > 0, "data files are kept");
+    std::fs::write(&manifest, saved).unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    assert_eq!(engine.table("t").unwrap().row_count().unwrap(), 100);
+}
+
+#[test]
+fn negative_decimal_scale_is_refused_at_create() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    let schema = Arc::new(Schema::new(vec![Field::new("id", DataType::Int64, false), Field::new("d", DataType::Decimal128(5, -2), true)]));
+    assert!(matches!(engine.create_table("d", Arc::clone(&schema), &["id"]), Err(Error::Input(_))));
+    // Non-negative scales work end to end.
+    let ok = Arc::new(Schema::new(vec![Field::new("id", DataType::Int64, false), Field::new("d", DataType::Decimal128(10, 2), true)]));
+    let t = engine.create_table("d2", Arc::clone(&ok), &["id"]).unwrap();
+    let b = RecordBatch::try_new(
+        ok,
+        vec![Arc::new(Int64Array::from(vec![1, 2])), Arc::new(Decimal128Array::from(vec![Some(12345), None]).with_precision_and_scale(10, 2).unwrap())],
+    )
+    .unwrap();
+    t.insert(&b).unwrap();
+    t.flush().unwrap();
+    assert_eq!(t.row_count().unwrap(), 2);
+}
+
+#[test]
+fn zero_filled_wal_tail_is_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
+    t.insert(&composite_batch(&wide_rows(0, 50))).unwrap();
+    drop(t);
+    drop(engine);
+    let seg = std::fs::read_dir(dir.path().join("wal")).unwrap().flatten().next().unwrap().path();
+    let mut data = std::fs::read(&seg).unwrap();
+    data.extend(std::iter::repeat_n(0u8, 4096));
+    std::fs::write(&seg, data).unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    assert_eq!(engine.table("t").unwrap().row_count().unwrap(), 50);
+}
+
+#[test]
+fn scan_across_drop_table_reports_the_table_gone() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
+    for i in 0..3 {
+        t.insert(&composite_batch(&wide_rows(i * 3000, 3000))).unwrap();
+        t.flush().unwrap();
+    }
+    let mut scan = t.scan(ScanOptions::default().batch_rows(1000)).unwrap();
+    assert!(scan.next().unwrap().is_ok());
+    engine.drop_table("t").unwrap();
+    let errors: Vec<Error> = scan.filter_map(Result::err).collect();
+    assert!(errors.iter().all(|e| matches!(e, Error::TableNotFound { .. })), "{errors:?}");
+}
+
+#[test]
+fn empty_data_dir_path_is_refused() {
+    assert!(matches!(Engine::open("", EngineConfig::default()), Err(Error::Config(_))));
+    let _ = StringArray::from(vec!["unused"]);
+}

@@ -85,18 +85,28 @@ impl CompactionPlan {
                 parts.push(b);
             }
         }
+        // Every copy below is budgeted before it is made (the parts, their concatenation, the
+        // key encoding, the sorted copy), and released as soon as it is dropped.
+        let parts_bytes = held.size();
+        held.try_grow(parts_bytes)?;
         let all = arrow_select::concat::concat_batches(&self.schema, &parts)?;
         drop(parts);
+        held.shrink(parts_bytes);
         let conv = crate::index::key_converter(&self.schema, &self.key_cols)?;
+        held.try_grow(all.num_rows() * 32)?;
         let keys = encode_keys(&conv, &all, &self.key_cols)?;
+        held.try_resize(all.get_array_memory_size() + keys.size())?;
         let mut order: Vec<u32> = (0..all.num_rows() as u32).collect();
         order.sort_unstable_by(|a, b| keys.row(*a as usize).cmp(&keys.row(*b as usize)));
+        held.try_grow(all.get_array_memory_size() + keys.size())?;
         let sorted = arrow_select::take::take_record_batch(&all, &UInt32Array::from(order.clone()))?;
         drop(all);
         let mut sorted_keys = conv.empty_rows(order.len(), keys.size());
         for i in &order {
             sorted_keys.push(keys.row(*i as usize));
         }
+        drop(keys);
+        held.try_resize(sorted.get_array_memory_size() + sorted_keys.size())?;
         let name = file_name(self.new_id);
         let bytes = write_data_file(self.vfs.as_ref(), &self.dir, &name, std::slice::from_ref(&sorted), opts, ctl, table)?;
         self.output = Some((sorted_keys, sorted.num_rows() as u64, bytes));

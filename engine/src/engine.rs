@@ -161,12 +161,13 @@ impl EngineInner {
         busy || self.writer.in_flight() > 0
     }
 
-    /// True while any table has sealed deltas or staged files, or the writer has work.
-    pub(crate) fn flush_pending(&self) -> bool {
-        self.writer.in_flight() > 0
-            || self.all_tables().iter().any(|t| {
-                lock(&t.state).as_ref().is_some_and(|st| !st.sealed.is_empty() || st.store.staged_count() > 0)
-            })
+    /// Bytes of sealed deltas not yet turned into flush batches (what flushing them will
+    /// need again, about, in `batch_blocks`).
+    pub(crate) fn sealed_bytes(&self) -> usize {
+        self.all_tables()
+            .iter()
+            .map(|t| lock(&t.state).as_ref().map_or(0, |st| st.sealed.iter().map(|d| d.bytes()).sum::<usize>()))
+            .sum()
     }
 
     /// Seals and queues every active delta whose first row is older than `age`.
@@ -687,12 +688,15 @@ impl Engine {
         }
         let reached = loop {
             ctl.trim_free_chunks(0);
-            if ctl.used() <= bytes && !self.inner.flush_pending() {
+            // Done when what is in use, plus what the sealed deltas still need to be turned
+            // into batches, fits the new limit (a staged file needs only the disk: a stuck
+            // disk does not hold this call).
+            if ctl.used() + self.inner.sealed_bytes() <= bytes {
                 break true;
             }
             if !self.inner.relieve_pressure(true) || !self.inner.wait_for_memory(deadline) {
                 ctl.trim_free_chunks(0);
-                break ctl.used() <= bytes && !self.inner.flush_pending();
+                break ctl.used() + self.inner.sealed_bytes() <= bytes;
             }
         };
         shared.write_target.store(0, Ordering::Release);

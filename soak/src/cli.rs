@@ -32,6 +32,10 @@ pub enum Command {
     /// Crash test: run a random keyed workload in a child process, SIGKILL it at random
     /// moments, reopen and compare with a model. Exits non-zero on any lost or resurrected row.
     Crash(CrashArgs),
+    /// Keyed-DML benchmark (issue 7): the peer workload of `peers/README.md` on TPC-H
+    /// lineitem, beside raw Parquet write/read and a naive store; prints a table and one JSON
+    /// line. Exits non-zero when count or `sum(l_quantity)` is wrong.
+    Bench(BenchArgs),
     /// The child process of `crash` (not for direct use).
     #[command(hide = true)]
     CrashChild(CrashChildArgs),
@@ -49,6 +53,23 @@ pub struct CrashArgs {
     /// Data directory (must be empty or absent; default: a new temporary directory).
     #[arg(long)]
     pub dir: Option<PathBuf>,
+}
+
+/// Options of `bench`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// TPC-H lineitem Parquet file (read in 8,192-row batches); default: generated in process.
+    #[arg(long)]
+    pub parquet: Option<PathBuf>,
+    /// TPC-H scale factor of the generated lineitem (ignored with `--parquet`).
+    #[arg(long, default_value_t = 0.1, value_parser = parse_scale)]
+    pub scale: f64,
+    /// Data directory (must be empty or absent; default: a temporary directory, removed after).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// Engine memory limit of the workload run (default: the engine's, 50% of RAM).
+    #[arg(long, value_parser = parse_size)]
+    pub memory_limit: Option<u64>,
 }
 
 /// Options of the hidden `crash-child`.

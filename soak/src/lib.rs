@@ -7,6 +7,8 @@
 //! `gritdb-soak` (jemalloc) and `gritdb-soak-system` (the system allocator, glibc malloc).
 //! `--allocator` picks one; the other binary is started when it is not this one.
 
+pub mod baseline;
+pub mod bench;
 pub mod cli;
 pub mod crash;
 pub mod data;
@@ -30,7 +32,13 @@ pub fn main_with(allocator: Allocator) -> ExitCode {
         None => Some(cli.run.allocator),
         Some(Command::Run(a)) => Some(a.allocator),
         // `tune` starts one `run` process per limit, each with `--allocator`.
-        Some(Command::Tune(_) | Command::Report { .. } | Command::Crash(_) | Command::CrashChild(_)) => None,
+        Some(
+            Command::Tune(_)
+            | Command::Report { .. }
+            | Command::Crash(_)
+            | Command::CrashChild(_)
+            | Command::Bench(_),
+        ) => None,
     };
     if let Some(wanted) = wanted
         && wanted != allocator
@@ -44,6 +52,7 @@ pub fn main_with(allocator: Allocator) -> ExitCode {
         Some(Command::Report { dir }) => run::report(dir),
         Some(Command::Crash(c)) => crash::run_cli(c),
         Some(Command::CrashChild(c)) => crash::child_main(&c.dir, c.seed, c.start),
+        Some(Command::Bench(b)) => bench::run_cli(b),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,

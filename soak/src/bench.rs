@@ -1,0 +1,576 @@
+//! `gritdb-soak bench`: the keyed-DML benchmark of issue 7, the workload of
+//! `peers/README.md` (and `peers/duckdb_ingest.py`) run on gritdb, beside the physical limits
+//! of its paths and a naive baseline store, on the same batches in one process.
+//!
+//! ```text
+//! load lineitem (Parquet file or tpchgen, 8,192-row batches)      base RSS read here
+//!  1. engine, default config: insert all, upsert every 10th (0, 10, …), delete every 10th
+//!     from 5 (5, 15, …), table.flush() (durable_s), count + sum(l_quantity), Q1, full scan
+//!     -> RSS above base and VmHWM read here (the DuckDB script's figures)
+//!  2. engine with a flush threshold above the data: insert all (allocations and accounted
+//!     bytes per row, nothing flushed meanwhile), then one flush of all rows (flush rows/s)
+//!  3. plain ArrowWriter (SNAPPY, the engine's row-group cut, fsync) and
+//!     ParquetRecordBatchReader over the same batches: the physical limits
+//!  4. the naive store (baseline.rs): the same insert / upsert / delete
+//! ```
+//!
+//! One foreground thread runs every phase; the engine's background writer threads run as
+//! configured. Allocation counts come from [`CountingAlloc`], the `gritdb-soak` binary's
+//! global allocator; they are process-wide (background threads included).
+
+use crate::baseline::{NaiveStore, Strs};
+use crate::cli::BenchArgs;
+use anyhow::{Context, Result, bail, ensure};
+use arrow::array::{Array, AsArray, RecordBatch};
+use arrow::datatypes::{DataType, Decimal128Type};
+use gritdb::memory::ProcessView;
+use gritdb::{Engine, EngineConfig, ScanOptions, Table};
+use parquet::arrow::ArrowWriter;
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use parquet::basic::Compression;
+use parquet::file::properties::WriterProperties;
+use serde::Serialize;
+use std::alloc::{GlobalAlloc, Layout};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+/// Rows per batch, as in the peer workload.
+pub const BATCH_ROWS: usize = 8192;
+/// lineitem rows at SF 0.1; the answers below are checked when the input has this many rows.
+pub const SF01_ROWS: usize = 600_572;
+/// count(*) after the workload at SF 0.1.
+pub const SF01_COUNT: u64 = 543_228;
+/// `sum(l_quantity)` after the workload at SF 0.1.
+pub const SF01_SUM_QUANTITY: i128 = 13_875_088;
+/// Primary key of lineitem.
+pub const KEY: [&str; 2] = ["l_orderkey", "l_linenumber"];
+/// `DuckDB` 2.0.1 on this machine (`peers/README.md`): insert, upsert, delete rows/s,
+/// checkpoint s, Q1 ms.
+pub const DUCKDB: Duck = Duck { insert: 165_000.0, upsert: 200_000.0, delete: 148_000.0, durable_s: 0.07, q1_ms: 18.0 };
+
+/// The peer's figures.
+#[derive(Debug, Clone, Copy)]
+pub struct Duck {
+    /// Insert rows/s.
+    pub insert: f64,
+    /// Upsert rows/s.
+    pub upsert: f64,
+    /// Delete rows/s.
+    pub delete: f64,
+    /// Checkpoint seconds.
+    pub durable_s: f64,
+    /// Q1 milliseconds.
+    pub q1_ms: f64,
+}
+
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+/// A global allocator that counts allocation calls (`alloc`, `alloc_zeroed`, `realloc`) in a
+/// process-wide counter and delegates everything to `A`. `gritdb-soak` installs it around
+/// jemalloc; [`allocation_count`] reads the counter.
+#[derive(Debug)]
+pub struct CountingAlloc<A>(pub A);
+
+// SAFETY: every method delegates to `A`, a `GlobalAlloc`, with the caller's arguments
+// unchanged; the counter is a relaxed atomic add that neither allocates nor panics.
+unsafe impl<A: GlobalAlloc> GlobalAlloc for CountingAlloc<A> {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller upholds `alloc`'s contract, which we pass on unchanged.
+        unsafe { self.0.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` was allocated by `self.0` (every allocation goes through it).
+        unsafe { self.0.dealloc(ptr, layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: as for `alloc`.
+        unsafe { self.0.alloc_zeroed(layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: `ptr` came from `self.0` with `layout`; the caller upholds the rest.
+        unsafe { self.0.realloc(ptr, layout, new_size) }
+    }
+}
+
+/// Allocation calls so far in this process, or `None` when [`CountingAlloc`] is not the
+/// global allocator (the `gritdb-soak-system` binary).
+pub fn allocation_count() -> Option<u64> {
+    let before = ALLOCATIONS.load(Ordering::Relaxed);
+    let probe = std::hint::black_box(Box::new(0u64));
+    let after = ALLOCATIONS.load(Ordering::Relaxed);
+    drop(probe);
+    (after != before).then_some(after)
+}
+
+/// Everything the bench measures; serialised as the one JSON line (the keys of
+/// `duckdb_ingest.py` first, then gritdb's own).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct BenchResult {
+    /// `"gritdb"`.
+    pub engine: String,
+    /// Input rows.
+    pub rows: u64,
+    /// Keyed insert of every batch.
+    pub insert_rows_per_s: f64,
+    /// Upsert of every 10th batch.
+    pub upsert_rows_per_s: f64,
+    /// Delete of the keys of every 10th batch from the 5th.
+    pub delete_rows_per_s: f64,
+    /// `table.flush()` after the DML, seconds.
+    pub durable_s: f64,
+    /// `count(*)`.
+    pub count: u64,
+    /// `sum(l_quantity)`.
+    pub sum_quantity: f64,
+    /// Q1-style aggregate, milliseconds.
+    pub q1_ms: f64,
+    /// RSS after Q1 minus RSS before the engine opened.
+    pub rss_above_base_bytes: i64,
+    /// Peak RSS after Q1.
+    pub vmhwm_bytes: u64,
+    /// Plain `ArrowWriter` (SNAPPY, fsync) over the same batches.
+    pub raw_write_rows_per_s: f64,
+    /// The engine's flush of all rows from memory to a committed file (phase 2).
+    pub flush_rows_per_s: f64,
+    /// Plain `ParquetRecordBatchReader` over the raw file.
+    pub raw_read_rows_per_s: f64,
+    /// Full engine scan, all columns, after the workload.
+    pub scan_rows_per_s: f64,
+    /// Allocation calls per inserted row (phase 2, process-wide); `None` without the counter.
+    pub allocations_per_row: Option<f64>,
+    /// Engine-accounted bytes per inserted row before any flush (phase 2).
+    pub accounted_bytes_per_row: f64,
+    /// Accounted bytes per row at the engine's default flush threshold (phase 1, after the
+    /// inserts, background flushes included).
+    pub accounted_bytes_per_row_default: f64,
+    /// Allocation calls per row during phase 1's inserts (default threshold, process-wide).
+    pub allocations_per_row_default: Option<f64>,
+    /// Arrow value bytes per input row (fixed widths + string bytes): the payload.
+    pub payload_bytes_per_row: f64,
+    /// jemalloc `allocated` growth per row during phase 2's inserts.
+    pub allocated_bytes_per_row: f64,
+    /// Outside-engine bytes (process allocated minus engine accounted) after phase 2's
+    /// inserts, minus the same before.
+    pub outside_engine_bytes: i64,
+    /// Naive store: insert rows/s.
+    pub naive_insert_rows_per_s: f64,
+    /// Naive store: upsert rows/s.
+    pub naive_upsert_rows_per_s: f64,
+    /// Naive store: delete rows/s.
+    pub naive_delete_rows_per_s: f64,
+    /// Naive store: allocation calls per inserted row.
+    pub naive_allocations_per_row: Option<f64>,
+    /// Naive store: jemalloc `allocated` growth per inserted row.
+    pub naive_bytes_per_row: f64,
+    /// Naive store: all its bytes are outside any engine (allocated growth after insert).
+    pub naive_outside_engine_bytes: i64,
+    /// Rows phase 1's `table.flush()` wrote (the rest were flushed in the background).
+    pub durable_rows: u64,
+    /// `memory_limit` of phase 1 (the engine's default when not given).
+    pub memory_limit_bytes: u64,
+}
+
+/// The Q1-style aggregate of one group (raw decimal sums, scale 2).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Q1Group {
+    /// `l_returnflag`.
+    pub returnflag: String,
+    /// `l_linestatus`.
+    pub linestatus: String,
+    /// `sum(l_quantity)`, unscaled.
+    pub sum_qty: i128,
+    /// `sum(l_extendedprice)`, unscaled.
+    pub sum_price: i128,
+    /// `sum(l_discount)`, unscaled (avg = sum / count / 100).
+    pub sum_disc: i128,
+    /// `count(*)`.
+    pub count: u64,
+}
+
+fn rate(rows: u64, secs: f64) -> f64 {
+    if secs > 0.0 { rows as f64 / secs } else { 0.0 }
+}
+
+fn decimal(a: &dyn Array, name: &str) -> Result<arrow::array::Decimal128Array> {
+    match a.data_type() {
+        DataType::Decimal128(_, 2) => Ok(a.as_primitive::<Decimal128Type>().clone()),
+        t => bail!("column {name} is {t}, expected Decimal128(_, 2)"),
+    }
+}
+
+/// The input: all lineitem batches.
+fn load(args: &BenchArgs) -> Result<Vec<RecordBatch>> {
+    if let Some(path) = &args.parquet {
+        let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+        let reader = ParquetRecordBatchReaderBuilder::try_new(file)
+            .with_context(|| format!("reading {}", path.display()))?
+            .with_batch_size(BATCH_ROWS)
+            .build()?;
+        Ok(reader.collect::<Result<Vec<_>, _>>()?)
+    } else {
+        let generator = tpchgen::generators::LineItemGenerator::new(args.scale, 1, 1);
+        Ok(tpchgen_arrow::LineItemArrow::new(generator).with_batch_size(BATCH_ROWS).collect::<Result<Vec<_>, _>>()?)
+    }
+}
+
+/// Arrow value bytes of a batch: fixed widths plus string bytes (no offsets, views, bitmaps).
+pub fn payload_bytes(batch: &RecordBatch) -> u64 {
+    let n = batch.num_rows() as u64;
+    batch
+        .columns()
+        .iter()
+        .map(|c| match Strs::of(c.as_ref()) {
+            Some(s) => (0..c.len()).map(|i| s.value(i).len() as u64).sum(),
+            None => c.data_type().primitive_width().map_or(0, |w| w as u64 * n),
+        })
+        .sum()
+}
+
+/// `count(*)` and `sum(l_quantity)` (unscaled) via a projected scan.
+fn count_sum(table: &Table) -> Result<(u64, i128)> {
+    let (mut n, mut sum) = (0u64, 0i128);
+    for b in table.scan(ScanOptions::default().projection(["l_quantity"]))? {
+        let b = b?;
+        n += b.num_rows() as u64;
+        let q = decimal(b.column(0).as_ref(), "l_quantity")?;
+        sum += q.values().iter().copied().sum::<i128>();
+    }
+    Ok((n, sum))
+}
+
+/// The Q1-style aggregate: group by (`l_returnflag`, `l_linestatus`) over projected columns,
+/// sorted by the group.
+pub fn q1(batches: impl IntoIterator<Item = Result<RecordBatch>>) -> Result<Vec<Q1Group>> {
+    let mut groups: Vec<Q1Group> = Vec::new();
+    for b in batches {
+        let b = b?;
+        let col = |name: &str| b.column_by_name(name).with_context(|| format!("scan returned no column {name}"));
+        let string = |name: &str| -> Result<Strs<'_>> {
+            let a = col(name)?;
+            Strs::of(a.as_ref()).with_context(|| format!("column {name} is {}, expected a string type", a.data_type()))
+        };
+        let (flag, status) = (string("l_returnflag")?, string("l_linestatus")?);
+        let qty = decimal(col("l_quantity")?.as_ref(), "l_quantity")?;
+        let price = decimal(col("l_extendedprice")?.as_ref(), "l_extendedprice")?;
+        let disc = decimal(col("l_discount")?.as_ref(), "l_discount")?;
+        let (qty, price, disc) = (qty.values(), price.values(), disc.values());
+        for i in 0..b.num_rows() {
+            let (f, s) = (flag.value(i), status.value(i));
+            let g = if let Some(g) = groups.iter_mut().position(|g| g.returnflag == f && g.linestatus == s) {
+                g
+            } else {
+                groups.push(Q1Group {
+                    returnflag: f.to_owned(),
+                    linestatus: s.to_owned(),
+                    sum_qty: 0,
+                    sum_price: 0,
+                    sum_disc: 0,
+                    count: 0,
+                });
+                groups.len() - 1
+            };
+            let g = &mut groups[g];
+            g.sum_qty += qty[i];
+            g.sum_price += price[i];
+            g.sum_disc += disc[i];
+            g.count += 1;
+        }
+    }
+    groups.sort_by(|a, b| (&a.returnflag, &a.linestatus).cmp(&(&b.returnflag, &b.linestatus)));
+    Ok(groups)
+}
+
+const Q1_COLUMNS: [&str; 5] = ["l_returnflag", "l_linestatus", "l_quantity", "l_extendedprice", "l_discount"];
+
+fn allocated() -> usize {
+    ProcessView::read().allocator.allocated
+}
+
+fn fresh_dir(args: &BenchArgs) -> Result<(PathBuf, bool)> {
+    if let Some(d) = &args.data_dir {
+        if d.exists() && std::fs::read_dir(d)?.next().is_some() {
+            bail!("--data-dir {} is not empty; give an empty or absent directory", d.display());
+        }
+        std::fs::create_dir_all(d)?;
+        Ok((d.clone(), false))
+    } else {
+        let d = std::env::temp_dir().join(format!("gritdb-bench-{}", std::process::id()));
+        std::fs::create_dir_all(&d)?;
+        Ok((d, true))
+    }
+}
+
+/// Runs the bench, prints the table and the JSON line; `Ok(false)` when an answer is wrong.
+pub fn run_cli(args: &BenchArgs) -> Result<bool> {
+    let (dir, temporary) = fresh_dir(args)?;
+    let result = run(args, &dir);
+    if temporary {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    let (r, q1_groups, ok) = result?;
+    print_table(&r, &q1_groups);
+    println!("{}", serde_json::to_string(&r)?);
+    Ok(ok)
+}
+
+fn every(batches: &[RecordBatch], start: usize) -> impl Iterator<Item = &RecordBatch> {
+    batches.iter().skip(start).step_by(10)
+}
+
+fn run(args: &BenchArgs, dir: &Path) -> Result<(BenchResult, Vec<Q1Group>, bool)> {
+    let batches = load(args)?;
+    ensure!(!batches.is_empty(), "no input rows");
+    let schema = batches[0].schema();
+    let rows: u64 = batches.iter().map(|b| b.num_rows() as u64).sum();
+    let ups_rows: u64 = every(&batches, 0).map(|b| b.num_rows() as u64).sum();
+    let del_rows: u64 = every(&batches, 5).map(|b| b.num_rows() as u64).sum();
+    let del_keys: Vec<RecordBatch> = every(&batches, 5).map(|b| b.project(&[0, 3])).collect::<Result<_, _>>()?;
+    let payload: u64 = batches.iter().map(payload_bytes).sum();
+    let mut r = BenchResult { engine: "gritdb".into(), rows, payload_bytes_per_row: payload as f64 / rows as f64, ..BenchResult::default() };
+    eprintln!("bench: {rows} rows in {} batches; data dir {}", batches.len(), dir.display());
+
+    // Phase 1: the peer workload at the engine's defaults.
+    let base = ProcessView::read();
+    let mut config = EngineConfig::default();
+    if let Some(limit) = args.memory_limit {
+        config = config.memory_limit(limit as usize);
+    }
+    let engine = Engine::open(dir.join("engine"), config)?;
+    r.memory_limit_bytes = engine.memory_report().limit as u64;
+    let table = engine.create_table("lineitem", schema.clone(), &KEY)?;
+    let used0 = engine.memory_report().used;
+    let a0 = allocation_count();
+    let t = Instant::now();
+    for b in &batches {
+        table.insert(b)?;
+    }
+    r.insert_rows_per_s = rate(rows, t.elapsed().as_secs_f64());
+    r.allocations_per_row_default = a0.zip(allocation_count()).map(|(a, b)| (b - a) as f64 / rows as f64);
+    r.accounted_bytes_per_row_default = (engine.memory_report().used as f64 - used0 as f64) / rows as f64;
+    let t = Instant::now();
+    for b in every(&batches, 0) {
+        table.upsert(b)?;
+    }
+    r.upsert_rows_per_s = rate(ups_rows, t.elapsed().as_secs_f64());
+    let t = Instant::now();
+    for k in &del_keys {
+        table.delete(k)?;
+    }
+    r.delete_rows_per_s = rate(del_rows, t.elapsed().as_secs_f64());
+    let t = Instant::now();
+    r.durable_rows = table.flush()?;
+    r.durable_s = t.elapsed().as_secs_f64();
+    let (count, sum) = count_sum(&table)?;
+    r.count = count;
+    r.sum_quantity = sum as f64 / 100.0;
+    let t = Instant::now();
+    let groups = q1(table.scan(ScanOptions::default().projection(Q1_COLUMNS))?.map(|b| b.map_err(anyhow::Error::from)))?;
+    r.q1_ms = t.elapsed().as_secs_f64() * 1000.0;
+    let after = ProcessView::read();
+    r.rss_above_base_bytes = after.rss as i64 - base.rss as i64;
+    r.vmhwm_bytes = after.vmhwm as u64;
+    let t = Instant::now();
+    let mut scanned = 0u64;
+    for b in table.scan(ScanOptions::default())? {
+        scanned += b?.num_rows() as u64;
+    }
+    r.scan_rows_per_s = rate(scanned, t.elapsed().as_secs_f64());
+    drop(table);
+    engine.close()?;
+
+    // Phase 2: nothing flushed during the inserts, then one flush of everything.
+    let big = 1usize << 40;
+    let engine = Engine::open(dir.join("measured"), EngineConfig::default().memory_limit(big).table_flush_bytes(big >> 1))?;
+    let table = engine.create_table("lineitem", schema.clone(), &KEY)?;
+    let (acc0, out0) = (table.stats()?.accounted_bytes, engine.memory_report().outside_engine as i64);
+    let al0 = allocated();
+    let a0 = allocation_count();
+    for b in &batches {
+        table.insert(b)?;
+    }
+    r.allocations_per_row = a0.zip(allocation_count()).map(|(a, b)| (b - a) as f64 / rows as f64);
+    r.allocated_bytes_per_row = (allocated() as f64 - al0 as f64) / rows as f64;
+    let stats = table.stats()?;
+    ensure!(stats.files == 0, "phase 2 flushed during the inserts ({} files)", stats.files);
+    r.accounted_bytes_per_row = (stats.accounted_bytes - acc0) as f64 / rows as f64;
+    r.outside_engine_bytes = engine.memory_report().outside_engine as i64 - out0;
+    let t = Instant::now();
+    let flushed = table.flush()?;
+    r.flush_rows_per_s = rate(flushed, t.elapsed().as_secs_f64());
+    drop(table);
+    engine.close()?;
+
+    // Phase 3: the physical limits on the same batches.
+    let raw = dir.join("raw.parquet");
+    let t = Instant::now();
+    {
+        let file = std::fs::File::create(&raw)?;
+        let props = WriterProperties::builder()
+            .set_compression(Compression::SNAPPY)
+            .set_max_row_group_row_count(Some(1 << 20))
+            .build();
+        let mut w = ArrowWriter::try_new(file, schema.clone(), Some(props))?;
+        for b in &batches {
+            w.write(b)?;
+            // The engine's row-group cut (storage WriteOptions::row_group_bytes = 32 MiB).
+            if w.memory_size() >= 32 << 20 {
+                w.flush()?;
+            }
+        }
+        w.into_inner()?.sync_all()?;
+    }
+    r.raw_write_rows_per_s = rate(rows, t.elapsed().as_secs_f64());
+    let t = Instant::now();
+    let mut read = 0u64;
+    for b in ParquetRecordBatchReaderBuilder::try_new(std::fs::File::open(&raw)?)?.with_batch_size(BATCH_ROWS).build()? {
+        read += b?.num_rows() as u64;
+    }
+    r.raw_read_rows_per_s = rate(read, t.elapsed().as_secs_f64());
+
+    // Phase 4: the naive store.
+    let mut naive = NaiveStore::new(&[0, 3]);
+    let al0 = allocated();
+    let a0 = allocation_count();
+    let t = Instant::now();
+    for b in &batches {
+        naive.insert(b)?;
+    }
+    r.naive_insert_rows_per_s = rate(rows, t.elapsed().as_secs_f64());
+    r.naive_allocations_per_row = a0.zip(allocation_count()).map(|(a, b)| (b - a) as f64 / rows as f64);
+    let grown = allocated() as i64 - al0 as i64;
+    r.naive_bytes_per_row = grown as f64 / rows as f64;
+    r.naive_outside_engine_bytes = grown;
+    let t = Instant::now();
+    for b in every(&batches, 0) {
+        naive.upsert(b)?;
+    }
+    r.naive_upsert_rows_per_s = rate(ups_rows, t.elapsed().as_secs_f64());
+    let t = Instant::now();
+    for k in &del_keys {
+        naive.delete(k)?;
+    }
+    r.naive_delete_rows_per_s = rate(del_rows, t.elapsed().as_secs_f64());
+    let naive_sum = naive.sum_decimal(4);
+
+    let mut ok = true;
+    if (naive.len() as u64, naive_sum) != (count, sum) {
+        eprintln!("bench: FAIL engine count/sum {count}/{sum} != naive store {}/{naive_sum}", naive.len());
+        ok = false;
+    }
+    if rows == SF01_ROWS as u64 && (count, sum) != (SF01_COUNT, SF01_SUM_QUANTITY * 100) {
+        eprintln!("bench: FAIL at SF 0.1 expected count {SF01_COUNT}, sum(l_quantity) {SF01_SUM_QUANTITY}; got {count}, {}", sum as f64 / 100.0);
+        ok = false;
+    }
+    if scanned != count {
+        eprintln!("bench: FAIL full scan returned {scanned} rows, count(*) {count}");
+        ok = false;
+    }
+    Ok((r, groups, ok))
+}
+
+fn mrows(v: f64) -> String {
+    format!("{:.3} M rows/s", v / 1e6)
+}
+
+fn print_table(r: &BenchResult, groups: &[Q1Group]) {
+    let d = DUCKDB;
+    let mib = |b: f64| b / f64::from(1u32 << 20);
+    println!("gritdb-soak bench: {} rows, memory limit {:.0} MiB", r.rows, mib(r.memory_limit_bytes as f64));
+    println!("{:<26} {:>20} {:>16} {:>10}", "phase", "gritdb", "DuckDB 2.0.1", "ratio");
+    for (name, ours, theirs) in [("insert", r.insert_rows_per_s, d.insert), ("upsert 10%", r.upsert_rows_per_s, d.upsert), ("delete 10%", r.delete_rows_per_s, d.delete)] {
+        println!("{name:<26} {:>20} {:>16} {:>9.2}x", mrows(ours), mrows(theirs), ours / theirs);
+    }
+    println!("{:<26} {:>18.3} s {:>14.2} s {:>9.2}x", "durable (flush)", r.durable_s, d.durable_s, d.durable_s / r.durable_s);
+    println!("{:<26} {:>17.1} ms {:>13.0} ms {:>9.2}x", "Q1", r.q1_ms, d.q1_ms, d.q1_ms / r.q1_ms);
+    println!("(ratio > 1: gritdb faster)");
+    println!("count {} sum(l_quantity) {}", r.count, r.sum_quantity);
+    for g in groups {
+        println!(
+            "  Q1 {} {}: sum_qty {} sum_price {} avg_disc {:.4} count {}",
+            g.returnflag,
+            g.linestatus,
+            g.sum_qty as f64 / 100.0,
+            g.sum_price as f64 / 100.0,
+            g.sum_disc as f64 / 100.0 / g.count.max(1) as f64,
+            g.count
+        );
+    }
+    println!("RSS above base {:.1} MiB; VmHWM {:.1} MiB", mib(r.rss_above_base_bytes as f64), mib(r.vmhwm_bytes as f64));
+    println!("{:<26} {:>20} {:>20} {:>9}", "physical limit", "raw", "gritdb", "ratio");
+    println!("{:<26} {:>20} {:>20} {:>9.2}", "write (SNAPPY) vs flush", mrows(r.raw_write_rows_per_s), mrows(r.flush_rows_per_s), r.flush_rows_per_s / r.raw_write_rows_per_s);
+    println!("{:<26} {:>20} {:>20} {:>9.2}", "read vs full scan", mrows(r.raw_read_rows_per_s), mrows(r.scan_rows_per_s), r.scan_rows_per_s / r.raw_read_rows_per_s);
+    let opt = |v: Option<f64>| v.map_or_else(|| "n/a".to_owned(), |v| format!("{v:.2}"));
+    println!("{:<26} {:>20} {:>20}", "memory per row", "gritdb", "naive store");
+    println!("{:<26} {:>20} {:>20}", "allocations / row", opt(r.allocations_per_row), opt(r.naive_allocations_per_row));
+    println!("{:<26} {:>20.1} {:>20}", "accounted bytes / row", r.accounted_bytes_per_row, "0 (none)");
+    println!("{:<26} {:>20.1} {:>20.1}", "allocated bytes / row", r.allocated_bytes_per_row, r.naive_bytes_per_row);
+    println!("{:<26} {:>20.1} {:>20.1}", "outside-engine MiB", mib(r.outside_engine_bytes as f64), mib(r.naive_outside_engine_bytes as f64));
+    println!("{:<26} {:>20.1} {:>20.1}", "payload bytes / row", r.payload_bytes_per_row, r.payload_bytes_per_row);
+    println!(
+        "{:<26} {:>20} {:>20}",
+        "insert / upsert / delete",
+        format!("{:.2}/{:.2}/{:.2} M", r.insert_rows_per_s / 1e6, r.upsert_rows_per_s / 1e6, r.delete_rows_per_s / 1e6),
+        format!("{:.2}/{:.2}/{:.2} M", r.naive_insert_rows_per_s / 1e6, r.naive_upsert_rows_per_s / 1e6, r.naive_delete_rows_per_s / 1e6)
+    );
+    println!(
+        "default flush threshold: accounted {:.1} B/row after inserts, {} allocations/row; durable step wrote {} rows",
+        r.accounted_bytes_per_row_default,
+        opt(r.allocations_per_row_default),
+        r.durable_rows
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_line_has_the_peer_keys_and_ours() {
+        let v: serde_json::Value = serde_json::from_str(&serde_json::to_string(&BenchResult::default()).unwrap()).unwrap();
+        let o = v.as_object().unwrap();
+        for k in [
+            "engine",
+            "rows",
+            "insert_rows_per_s",
+            "upsert_rows_per_s",
+            "delete_rows_per_s",
+            "durable_s",
+            "count",
+            "sum_quantity",
+            "q1_ms",
+            "rss_above_base_bytes",
+            "vmhwm_bytes",
+            "raw_write_rows_per_s",
+            "flush_rows_per_s",
+            "raw_read_rows_per_s",
+            "scan_rows_per_s",
+            "allocations_per_row",
+            "accounted_bytes_per_row",
+        ] {
+            assert!(o.contains_key(k), "missing {k}");
+        }
+    }
+
+    #[test]
+    fn q1_groups_and_payload_of_generated_rows() {
+        // One part of the soak's generator (small text pool): a few hundred rows.
+        let parts = crate::data::lineitems(0.01, 0, 0).unwrap();
+        let b = arrow::compute::concat_batches(&parts[0].schema(), &parts).unwrap();
+        let n = b.num_rows() as u64;
+        let cols: Vec<usize> = Q1_COLUMNS.iter().map(|c| b.schema().index_of(c).unwrap()).collect();
+        let groups = q1([Ok(b.project(&cols).unwrap())]).unwrap();
+        assert_eq!(groups.iter().map(|g| g.count).sum::<u64>(), n);
+        assert!(groups.windows(2).all(|w| (&w[0].returnflag, &w[0].linestatus) < (&w[1].returnflag, &w[1].linestatus)));
+        let qty = decimal(b.column(4).as_ref(), "l_quantity").unwrap();
+        assert_eq!(groups.iter().map(|g| g.sum_qty).sum::<i128>(), qty.values().iter().sum::<i128>());
+        // 3 x Int64 + Int32 + 4 x Decimal128 + 3 x Date32 = 100 fixed bytes, plus strings.
+        assert!(payload_bytes(&b) > 100 * n);
+    }
+}

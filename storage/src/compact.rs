@@ -23,7 +23,7 @@ use crate::index::encode_keys;
 use crate::manifest::{FileMeta, Manifest};
 use crate::table::{DataFile, FileGuard, TableStore, file_name};
 use crate::vfs::Vfs;
-use crate::write::{WriteOptions, read_file, write_data_file};
+use crate::write::{WriteOptions, read_file, write_data_file, write_data_file_from};
 use arrow_array::UInt32Array;
 use arrow_row::Rows;
 use arrow_schema::SchemaRef;
@@ -76,6 +76,9 @@ impl CompactionPlan {
     /// # Errors
     /// [`StorageError`]; the new file is not visible then.
     pub fn execute(&mut self, opts: &WriteOptions, ctl: &Arc<MemoryController>, table: Option<&TableAccount>) -> Result<(), StorageError> {
+        if self.inputs.len() == 1 {
+            return self.execute_streaming(opts, ctl, table);
+        }
         let mut held = Reservation::new(ctl, Category::BatchBlocks, table);
         let mut parts = Vec::new();
         for (_, path, dv, _) in &self.inputs {
@@ -110,6 +113,32 @@ impl CompactionPlan {
         let name = file_name(self.new_id);
         let bytes = write_data_file(self.vfs.as_ref(), &self.dir, &name, std::slice::from_ref(&sorted), opts, ctl, table)?;
         self.output = Some((sorted_keys, sorted.num_rows() as u64, bytes));
+        Ok(())
+    }
+
+    /// Rewrites one file without its deleted rows, one batch at a time: the file is sorted, and
+    /// dropping rows keeps it sorted, so no merge is needed and memory stays at one batch
+    /// (reserved under `batch_blocks`), the key encodings and the writer's buffers.
+    fn execute_streaming(&mut self, opts: &WriteOptions, ctl: &Arc<MemoryController>, table: Option<&TableAccount>) -> Result<(), StorageError> {
+        let (_, path, dv, _) = &self.inputs[0];
+        let conv = crate::index::key_converter(&self.schema, &self.key_cols)?;
+        let mut keys = conv.empty_rows(0, 0);
+        let mut held = Reservation::new(ctl, Category::BatchBlocks, table);
+        let mut rows = 0u64;
+        let key_cols = self.key_cols.clone();
+        let stream = read_file(path, None, Arc::clone(dv), 8192)?.map(|b| {
+            let b = b?;
+            held.try_resize(b.get_array_memory_size() + keys.size())?;
+            for r in &encode_keys(&conv, &b, &key_cols)? {
+                keys.push(r);
+            }
+            rows += b.num_rows() as u64;
+            Ok(b)
+        });
+        let name = file_name(self.new_id);
+        let bytes = write_data_file_from(self.vfs.as_ref(), &self.dir, &name, &self.schema, stream, opts, ctl, table)?;
+        drop(held);
+        self.output = Some((keys, rows, bytes));
         Ok(())
     }
 
@@ -162,12 +191,29 @@ impl TableStore {
             committed.iter().copied().filter(|f| f.meta.rows < opts.small_file_rows && !inputs.contains(&f.meta.id)).collect();
         if small.len() + usize::from(!inputs.is_empty()) >= opts.small_files_trigger {
             small.sort_by_key(|f| live(f));
+            // A merge sorts its inputs in memory (about three copies of the decoded rows):
+            // keep the compressed input under limit / 64, so it fits in the flush headroom.
+            let budget = (self.ctl.limit() / 64) as u64;
+            let mut bytes = 0u64;
+            let single = inputs.len() == 1;
+            if single {
+                // A rewrite of the worst file streams; merging adds the small files to it.
+                inputs.clear();
+                total = 0;
+            }
             for f in small {
-                if total + live(f) > opts.max_rows {
+                if total + live(f) > opts.max_rows || bytes + f.meta.bytes > budget {
                     break;
                 }
                 total += live(f);
+                bytes += f.meta.bytes;
                 inputs.push(f.meta.id);
+            }
+            if inputs.len() < 2 {
+                inputs.clear();
+                if let Some(w) = worst {
+                    inputs.push(w.meta.id);
+                }
             }
         }
         if inputs.is_empty() || (inputs.len() == 1 && worst.is_none()) {

@@ -49,6 +49,29 @@ pub fn write_data_file(
     ctl: &Arc<MemoryController>,
     table: Option<&TableAccount>,
 ) -> Result<u64, StorageError> {
+    let schema = batches.first().map(RecordBatch::schema).ok_or_else(|| StorageError::CorruptFile {
+        path: dir.join(name),
+        detail: "no batch to write".into(),
+    })?;
+    write_data_file_from(vfs, dir, name, &schema, batches.iter().cloned().map(Ok), opts, ctl, table)
+}
+
+/// [`write_data_file`] from a stream of batches (for example the live rows of a file being
+/// compacted), so only one batch and the writer's buffers are in memory at a time.
+///
+/// # Errors
+/// As [`write_data_file`], plus errors the stream yields.
+#[allow(clippy::too_many_arguments)]
+pub fn write_data_file_from(
+    vfs: &dyn Vfs,
+    dir: &Path,
+    name: &str,
+    schema: &arrow_schema::SchemaRef,
+    batches: impl Iterator<Item = Result<RecordBatch, StorageError>>,
+    opts: &WriteOptions,
+    ctl: &Arc<MemoryController>,
+    table: Option<&TableAccount>,
+) -> Result<u64, StorageError> {
     let tmp = dir.join(format!("{name}.tmp"));
     let dst = dir.join(name);
     let res = (|| {
@@ -59,14 +82,11 @@ pub fn write_data_file(
             .set_max_row_group_row_count(Some(opts.row_group_rows.max(1)))
             .build();
         let pq = |e: parquet::errors::ParquetError| parquet_io(e, &tmp, &seen);
-        let schema = batches.first().map(RecordBatch::schema).ok_or_else(|| StorageError::CorruptFile {
-            path: dst.clone(),
-            detail: "no batch to write".into(),
-        })?;
-        let mut writer = ArrowWriter::try_new(file, schema, Some(props)).map_err(pq)?;
+        let mut writer = ArrowWriter::try_new(file, Arc::clone(schema), Some(props)).map_err(pq)?;
         let mut buffers = Reservation::new(ctl, Category::WriteBuffers, table);
         let step = opts.write_batch_rows.max(1);
         for batch in batches {
+            let batch = batch?;
             let mut at = 0;
             while at < batch.num_rows() {
                 let len = step.min(batch.num_rows() - at);

@@ -80,6 +80,7 @@ impl TableInner {
     /// A table over `store`, with an empty active delta; writes get sequence numbers from
     /// `next_seq` on.
     #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::needless_pass_by_value)] // the table keeps clones of the handle
     pub(crate) fn new(
         name: String,
         id: u64,
@@ -465,8 +466,8 @@ impl Table {
                     waited = true;
                 }
                 if !self.engine.wait_for_memory(deadline) {
-                    let wanted = batch_bytes_hint.max(1);
-                    let e: Error = shared.ctl.limit_error(gritdb_memctl::Category::RowBlocks, wanted).into();
+                    let requested = batch_bytes_hint.max(1);
+                    let e: Error = shared.ctl.limit_error(gritdb_memctl::Category::RowBlocks, requested).into();
                     tracing::warn!(table = %self.inner.name, error = %e, "memory limit error returned");
                     return Err(e);
                 }

@@ -428,17 +428,14 @@ pub fn run_parent(dir: &Path, seed: u64, kills: usize, child: impl Fn(usize) -> 
 /// When the data directory is not empty or this executable cannot be found.
 pub fn run_cli(args: &crate::cli::CrashArgs) -> anyhow::Result<bool> {
     let tmp;
-    let dir = match &args.dir {
-        Some(d) => {
-            if d.exists() && std::fs::read_dir(d)?.next().is_some() {
-                anyhow::bail!("crash: {} is not empty; give an empty or new directory", d.display());
-            }
-            d.clone()
+    let dir = if let Some(d) = &args.dir {
+        if d.exists() && std::fs::read_dir(d)?.next().is_some() {
+            anyhow::bail!("crash: {} is not empty; give an empty or new directory", d.display());
         }
-        None => {
-            tmp = std::env::temp_dir().join(format!("gritdb-crash-{}-{}", std::process::id(), args.seed));
-            tmp.clone()
-        }
+        d.clone()
+    } else {
+        tmp = std::env::temp_dir().join(format!("gritdb-crash-{}-{}", std::process::id(), args.seed));
+        tmp.clone()
     };
     let exe = std::env::current_exe()?;
     println!("gritdb-soak crash: {} kills, seed {}, data dir {}", args.kills, args.seed, dir.display());

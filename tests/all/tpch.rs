@@ -1,5 +1,5 @@
 //! The keyed-DML workload of shared/peers/README.md at SF 0.1 through the engine:
-//! count 543,228 and sum(l_quantity) 13,875,088, after flush and after reopen.
+//! count 543,228 and `sum(l_quantity)` 13,875,088, after flush and after reopen.
 
 use arrow::array::{Array, Decimal128Array, RecordBatch};
 use gritdb::{Engine, EngineConfig, ScanOptions};

@@ -27,7 +27,7 @@ fn outside_engine_is_at_most_five_percent_of_ingest_growth() {
     let dir = tempfile::tempdir().unwrap();
     let engine = Engine::open(
         dir.path(),
-        EngineConfig::default().memory_limit(4 << 30).table_flush_bytes(2 << 30).flush_age(std::time::Duration::from_secs(3600)),
+        EngineConfig::default().memory_limit(4 << 30).table_flush_bytes(2 << 30).flush_age(std::time::Duration::from_hours(1)),
     )
     .unwrap();
     let mut generator = LineItemArrow::new(LineItemGenerator::new(0.2, 1, 1)).with_batch_size(8192);

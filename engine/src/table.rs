@@ -602,33 +602,39 @@ pub struct TableStats {
     pub last_flush_error: Option<String>,
 }
 
-/// Indices of the first occurrence of each distinct key.
-fn unique_rows(rows: &arrow_row::Rows) -> Vec<usize> {
+/// Walks the keys in order and calls `seen_before(first, row)` for every row whose key an
+/// earlier row already had; stops early when it returns `true`. Returns the rows whose key
+/// appears for the first time (complete only when the walk was not stopped).
+fn walk_keys(rows: &arrow_row::Rows, mut seen_before: impl FnMut(usize, usize) -> bool) -> Vec<usize> {
     let hasher = hashbrown::DefaultHashBuilder::default();
     let mut seen: HashTable<usize> = HashTable::with_capacity(rows.num_rows());
-    let mut out = Vec::with_capacity(rows.num_rows());
-    for i in 0..rows.num_rows() {
-        let k = rows.row(i);
-        let h = hasher.hash_one(k.as_ref());
-        if seen.find(h, |&j| rows.row(j).as_ref() == k.as_ref()).is_none() {
-            seen.insert_unique(h, i, |&j| hasher.hash_one(rows.row(j).as_ref()));
-            out.push(i);
-        }
-    }
-    out
-}
-
-/// The first pair `(first, row)` of rows with equal keys.
-fn first_duplicate(rows: &arrow_row::Rows) -> Option<(usize, usize)> {
-    let hasher = hashbrown::DefaultHashBuilder::default();
-    let mut seen: HashTable<usize> = HashTable::with_capacity(rows.num_rows());
+    let mut firsts = Vec::with_capacity(rows.num_rows());
     for i in 0..rows.num_rows() {
         let k = rows.row(i);
         let h = hasher.hash_one(k.as_ref());
         if let Some(&j) = seen.find(h, |&j| rows.row(j).as_ref() == k.as_ref()) {
-            return Some((j, i));
+            if seen_before(j, i) {
+                break;
+            }
+        } else {
+            seen.insert_unique(h, i, |&j| hasher.hash_one(rows.row(j).as_ref()));
+            firsts.push(i);
         }
-        seen.insert_unique(h, i, |&j| hasher.hash_one(rows.row(j).as_ref()));
     }
-    None
+    firsts
+}
+
+/// Indices of the first occurrence of each distinct key.
+fn unique_rows(rows: &arrow_row::Rows) -> Vec<usize> {
+    walk_keys(rows, |_, _| false)
+}
+
+/// The first pair `(first, row)` of rows with equal keys.
+fn first_duplicate(rows: &arrow_row::Rows) -> Option<(usize, usize)> {
+    let mut dup = None;
+    walk_keys(rows, |first, row| {
+        dup = Some((first, row));
+        true
+    });
+    dup
 }

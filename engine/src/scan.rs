@@ -3,19 +3,21 @@ use crate::table::TableInner;
 use arrow_array::{BooleanArray, RecordBatch};
 use arrow_select::filter::filter_record_batch;
 use gritdb_memctl::Category;
-use gritdb_storage::{FileScan, ScanSource, StorageError, read_file};
+use gritdb_storage::{BoundFilter, FileScan, FilterError, ReadSpec, ScanCounters, ScanFilter, ScanMetrics, ScanSource, StorageError, filter_batch, read_file_with};
 use std::collections::VecDeque;
+use std::sync::Arc;
 
-/// What a scan reads.
+/// What a scan reads: columns, a predicate, batch size.
 #[derive(Debug, Clone)]
 pub struct ScanOptions {
     projection: Option<Vec<String>>,
+    filter: Option<ScanFilter>,
     batch_rows: usize,
 }
 
 impl Default for ScanOptions {
     fn default() -> Self {
-        Self { projection: None, batch_rows: 8192 }
+        Self { projection: None, filter: None, batch_rows: 8192 }
     }
 }
 
@@ -28,6 +30,21 @@ impl ScanOptions {
         S: Into<String>,
     {
         self.projection = Some(columns.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// Only rows for which `filter` is true (SQL semantics: a comparison with null is not
+    /// true), from files and in-memory deltas alike. Data files skip row groups and pages
+    /// whose Parquet statistics prove no row matches ([`Scan::metrics`] counts them); the
+    /// rest is filtered row by row, so the result is exact. Filter columns need not be in
+    /// the projection. Replaces an earlier filter.
+    ///
+    /// [`Table::scan`](crate::Table::scan) returns [`Error::ColumnNotFound`] for an unknown
+    /// filter column and [`Error::InvalidFilter`] for a literal that cannot be compared with
+    /// its column.
+    #[must_use]
+    pub fn filter(mut self, filter: ScanFilter) -> Self {
+        self.filter = Some(filter);
         self
     }
 
@@ -56,6 +73,8 @@ pub struct Scan {
     files: VecDeque<FileScan>,
     current: Option<FileIter>,
     projection: Option<Vec<usize>>,
+    filter: Option<Arc<BoundFilter>>,
+    counters: Arc<ScanCounters>,
     batch_rows: usize,
 }
 
@@ -77,6 +96,13 @@ impl Scan {
                     })
                     .collect::<Result<Vec<_>>>()?,
             ),
+        };
+        let filter = match &options.filter {
+            None => None,
+            Some(f) => Some(Arc::new(f.bind(schema).map_err(|e| match e {
+                FilterError::ColumnNotFound { column } => Error::ColumnNotFound { table: inner.name.clone(), column },
+                source => Error::InvalidFilter { table: inner.name.clone(), source },
+            })?)),
         };
         let g = inner.state()?;
         let st = g.as_ref().ok_or_else(|| Error::TableNotFound { name: inner.name.clone() })?;
@@ -101,6 +127,7 @@ impl Scan {
         drop(g);
         let mut out = VecDeque::new();
         for b in memory {
+            let Some(b) = apply_filter(b, filter.as_deref())? else { continue };
             push_sliced(&mut out, b, options.batch_rows, projection.as_deref())?;
         }
         Ok(Self {
@@ -109,8 +136,17 @@ impl Scan {
             files: files.into(),
             current: None,
             projection,
+            filter,
+            counters: Arc::new(ScanCounters::default()),
             batch_rows: options.batch_rows,
         })
+    }
+
+    /// What the scan has done so far: files opened, row groups read and pruned by the
+    /// filter, rows decoded and returned. Files are opened as the scan reaches them, so the
+    /// figures are complete once the scan is exhausted.
+    pub fn metrics(&self) -> ScanMetrics {
+        self.counters.snapshot()
     }
 
     fn open_next_file(&mut self) -> Result<bool> {
@@ -127,15 +163,30 @@ impl Scan {
                         filter_record_batch(&batch, &keep)?
                     };
                     first += n;
+                    let Some(batch) = apply_filter(batch, self.filter.as_deref())? else { continue };
                     push_sliced(&mut self.memory, batch, self.batch_rows, self.projection.as_deref())?;
                 }
             }
             ScanSource::File(path) => {
-                let it = read_file(&path, self.projection.as_deref(), f.deleted, self.batch_rows)?;
+                let it = read_file_with(&path, ReadSpec {
+                    projection: self.projection.clone(),
+                    filter: self.filter.clone(),
+                    deleted: f.deleted,
+                    batch_rows: self.batch_rows,
+                    counters: Some(Arc::clone(&self.counters)),
+                })?;
                 self.current = Some(Box::new(it));
             }
         }
         Ok(true)
+    }
+}
+
+/// `b` (a batch of the whole table schema) minus the rows `filter` does not make true.
+fn apply_filter(b: RecordBatch, filter: Option<&BoundFilter>) -> Result<Option<RecordBatch>> {
+    match filter {
+        None => Ok(Some(b)),
+        Some(f) => Ok(filter_batch(&b, f)?),
     }
 }
 
@@ -241,6 +292,9 @@ impl Iterator for Scan {
 
     fn next(&mut self) -> Option<Self::Item> {
         let r = self.next_inner();
+        if let Some(Ok(b)) = &r {
+            self.counters.add_matched(b.num_rows() as u64);
+        }
         match r {
             Some(Err(e)) => Some(Err(self.explain(e))),
             other => other,

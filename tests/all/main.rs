@@ -11,6 +11,7 @@ mod compaction;
 mod crash;
 mod create_drop;
 mod faults;
+mod filter;
 mod model;
 mod regressions;
 mod retention;

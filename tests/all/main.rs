@@ -15,6 +15,7 @@ mod filter;
 mod model;
 mod regressions;
 mod retention;
+mod scan_memory;
 mod runtime;
 mod smoke;
 mod tpch;

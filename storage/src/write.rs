@@ -26,13 +26,50 @@ pub struct WriteOptions {
     pub row_group_bytes: usize,
     /// Upper bound on rows per row group. Default 1,048,576 (Parquet's default).
     pub row_group_rows: usize,
+    /// Cancels writes made with these options (and their clones): set when the table is
+    /// dropped. Every default-built `WriteOptions` has its own token.
+    pub cancel: CancelToken,
 }
 
 impl Default for WriteOptions {
     fn default() -> Self {
-        Self { write_batch_rows: 8192, row_group_bytes: 32 << 20, row_group_rows: 1 << 20 }
+        Self { write_batch_rows: 8192, row_group_bytes: 32 << 20, row_group_rows: 1 << 20, cancel: CancelToken::default() }
     }
 }
+
+/// A flag that cancels the data-file writes of one table (its flushes and compactions) when
+/// the table is dropped. Clones share the flag.
+///
+/// A write checks it before every call into the file layer (each `write` of the Parquet sink,
+/// the fsync and the rename) and between the batches it encodes; once set, the write stops with
+/// an I/O error of kind [`std::io::ErrorKind::Other`] ("write cancelled: the table was
+/// dropped"), removes its temp file and frees its buffers. A call already inside the file
+/// layer (a `write` or `fsync` blocked in the kernel) cannot be interrupted: the write stops
+/// when that call returns.
+#[derive(Debug, Clone, Default)]
+pub struct CancelToken(Arc<std::sync::atomic::AtomicBool>);
+
+impl CancelToken {
+    /// Cancels every write using this token, now and later.
+    pub fn cancel(&self) {
+        self.0.store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// True once [`Self::cancel`] was called.
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn check(&self) -> std::io::Result<()> {
+        if self.is_cancelled() {
+            return Err(std::io::Error::other(CANCELLED));
+        }
+        Ok(())
+    }
+}
+
+/// The message of a cancelled write's error.
+const CANCELLED: &str = "write cancelled: the table was dropped";
 
 /// Writes `batches` (in order, one schema) as the Parquet file `dir/name`: written to `name.tmp`, fsynced, renamed,
 /// directory fsynced, so the file is either absent or complete. The writer's buffers are
@@ -78,7 +115,9 @@ pub fn write_data_file_from(
     let dst = dir.join(name);
     let res = (|| {
         let seen = Arc::new(std::sync::Mutex::new(None));
-        let file = Recording { inner: vfs.create(&tmp).map_err(io(&tmp))?, seen: Arc::clone(&seen) };
+        let cancel = &opts.cancel;
+        cancel.check().map_err(io(&tmp))?;
+        let file = Recording { inner: vfs.create(&tmp).map_err(io(&tmp))?, seen: Arc::clone(&seen), cancel: cancel.clone() };
         let props = WriterProperties::builder()
             .set_compression(Compression::SNAPPY)
             .set_max_row_group_row_count(Some(opts.row_group_rows.max(1)))
@@ -91,6 +130,8 @@ pub fn write_data_file_from(
             let batch = batch?;
             let mut at = 0;
             while at < batch.num_rows() {
+                // Between encoded batches (and so between row groups) a drop stops the write.
+                cancel.check().map_err(io(&tmp))?;
                 let len = step.min(batch.num_rows() - at);
                 writer.write(&batch.slice(at, len)).map_err(pq)?;
                 at += len;
@@ -105,9 +146,11 @@ pub fn write_data_file_from(
         }
         let mut file = writer.into_inner().map_err(pq)?.inner;
         drop(buffers);
+        cancel.check().map_err(io(&tmp))?;
         file.sync_all().map_err(io(&tmp))?;
         let size = file.len().map_err(io(&tmp))?;
         drop(file);
+        cancel.check().map_err(io(&tmp))?;
         vfs.rename(&tmp, &dst).map_err(io(&dst))?;
         vfs.sync_dir(dir).map_err(io(dir))?;
         Ok(size)
@@ -346,6 +389,8 @@ impl Iterator for FileReader {
 struct Recording {
     inner: Box<dyn crate::vfs::VfsFile>,
     seen: Arc<Seen>,
+    /// Checked before every call into the file layer.
+    cancel: CancelToken,
 }
 
 impl Recording {
@@ -358,6 +403,7 @@ impl Recording {
 
 impl std::io::Write for Recording {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.cancel.check().inspect_err(|e| self.note(e))?;
         self.inner.write(buf).inspect_err(|e| self.note(e))
     }
     fn flush(&mut self) -> std::io::Result<()> {

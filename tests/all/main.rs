@@ -10,6 +10,7 @@ mod big_strings;
 mod compaction;
 mod crash;
 mod create_drop;
+mod drop_flush;
 mod faults;
 mod filter;
 mod model;

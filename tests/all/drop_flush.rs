@@ -14,11 +14,13 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// A file layer whose data-file (`.parquet`) writes are slow but progress: each `write` call
-/// takes at most 4 KiB and sleeps 1 ms. While the gate is closed, data-file writes wait at the
-/// gate (so the test can act while a flush is mid-write).
+/// takes at most 4 KiB and sleeps 1 ms. While the gate is closed, writes of data files whose
+/// path contains the gate's pattern wait at the gate (so the test can act while a flush or a
+/// compaction is mid-write).
 #[derive(Debug, Default)]
 struct SlowFs {
-    gate_closed: Mutex<bool>,
+    /// `Some(pattern)`: the gate is closed for data files whose path contains `pattern`.
+    gate_closed: Mutex<Option<String>>,
     cv: Condvar,
     waiting: AtomicBool,
     /// Data-file write calls that reached the file system.
@@ -26,11 +28,11 @@ struct SlowFs {
 }
 
 impl SlowFs {
-    fn close_gate(&self) {
-        *self.gate_closed.lock().unwrap() = true;
+    fn close_gate(&self, pattern: &str) {
+        *self.gate_closed.lock().unwrap() = Some(pattern.to_owned());
     }
     fn open_gate(&self) {
-        *self.gate_closed.lock().unwrap() = false;
+        *self.gate_closed.lock().unwrap() = None;
         self.cv.notify_all();
     }
 }
@@ -39,6 +41,7 @@ struct SlowFile {
     inner: Box<dyn VfsFile>,
     fs: Arc<SlowFs>,
     data: bool,
+    path: String,
 }
 
 impl Write for SlowFile {
@@ -47,7 +50,7 @@ impl Write for SlowFile {
             return self.inner.write(buf);
         }
         let mut closed = self.fs.gate_closed.lock().unwrap();
-        while *closed {
+        while closed.as_ref().is_some_and(|p| self.path.contains(p.as_str())) {
             self.fs.waiting.store(true, Ordering::Release);
             closed = self.fs.cv.wait(closed).unwrap();
         }
@@ -77,7 +80,7 @@ struct SlowVfs(Arc<SlowFs>);
 impl Vfs for SlowVfs {
     fn create(&self, path: &Path) -> io::Result<Box<dyn VfsFile>> {
         let data = path.to_string_lossy().contains(".parquet");
-        Ok(Box::new(SlowFile { inner: StdFs.create(path)?, fs: Arc::clone(&self.0), data }))
+        Ok(Box::new(SlowFile { inner: StdFs.create(path)?, fs: Arc::clone(&self.0), data, path: path.to_string_lossy().into_owned() }))
     }
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
         StdFs.rename(from, to)
@@ -146,7 +149,7 @@ fn drop_table_cancels_a_slow_flush_and_returns_every_byte() {
 
     let t = engine.create_table("victim", composite_schema(), &["k1", "k2"]).unwrap();
     t.insert(&composite_batch(&rows(0, 50_000))).unwrap();
-    slow.close_gate();
+    slow.close_gate(".parquet");
     let t2 = t.clone();
     let flusher = std::thread::spawn(move || t2.flush());
     wait_until("the flush to reach its first data-file write", || slow.waiting.load(Ordering::Acquire));
@@ -181,6 +184,44 @@ fn drop_table_cancels_a_slow_flush_and_returns_every_byte() {
     t.insert(&composite_batch(&rows(1_000, 10))).unwrap();
     assert_eq!(collect_composite(t.scan(ScanOptions::default()).unwrap()), rows(0, 1_010).into_iter().collect());
     assert_eq!(warm.row_count().unwrap(), 50_000);
+}
+
+/// A compaction (a merge of four small files) mid-write when the table is dropped: cancelled
+/// the same way, every byte back at the baseline when `drop_table` returns.
+#[test]
+fn drop_table_cancels_a_compaction_in_flight() {
+    let dir = tempfile::tempdir().unwrap();
+    let slow = Arc::new(SlowFs::default());
+    let config = EngineConfig::default().memory_limit(256 << 20).flush_age(Duration::from_hours(1)).vfs(Arc::new(SlowVfs(Arc::clone(&slow))));
+    let engine = Arc::new(Engine::open(dir.path(), config).unwrap());
+    let _warm = warm_up(&engine);
+    engine.release_cached_memory();
+    let (base_used, base) = (engine.memory().used(), categories(&engine));
+    let files_before = table_files(dir.path());
+
+    let t = engine.create_table("merged", composite_schema(), &["k1", "k2"]).unwrap();
+    for f in 0..3 {
+        t.insert(&composite_batch(&rows(f * 10_000, 10_000))).unwrap();
+        t.flush().unwrap();
+    }
+    assert_eq!(t.stats().unwrap().files, 3);
+    // The fourth flush writes f000004; the merge of the four files then writes f000005.
+    t.insert(&composite_batch(&rows(30_000, 10_000))).unwrap();
+    slow.close_gate("f000005");
+    let t2 = t.clone();
+    let flusher = std::thread::spawn(move || t2.flush());
+    wait_until("the compaction to reach its first write", || slow.waiting.load(Ordering::Acquire));
+    assert!(engine.memory().category_bytes(Category::BatchBlocks) > 0, "the merge holds its decoded rows");
+    let e = Arc::clone(&engine);
+    let dropper = std::thread::spawn(move || e.drop_table("merged"));
+    wait_until("drop_table to take the table", || matches!(t.stats(), Err(Error::TableNotFound { .. })));
+    slow.open_gate();
+    dropper.join().unwrap().unwrap();
+    engine.release_cached_memory();
+    assert_eq!(categories(&engine), base, "every category back to its value before the table existed");
+    assert_eq!(engine.memory().used(), base_used);
+    assert!(flusher.join().unwrap().is_err(), "the flush's compaction was cancelled");
+    assert_eq!(table_files(dir.path()), files_before, "no file of the dropped table remains");
 }
 
 /// A data-file write hung in the file layer: `drop_table` returns after its bounded wait

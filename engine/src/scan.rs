@@ -435,3 +435,28 @@ impl From<arrow_schema::ArrowError> for Error {
         Error::Storage(StorageError::Arrow(e))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow_array::{ArrayRef, Int64Array};
+
+    /// A buffer shared by two columns (and the same batch counted twice) is reserved once per
+    /// counted batch, for exactly its capacity, and released when the last array goes.
+    #[test]
+    fn shared_buffers_count_once_per_batch() {
+        let ctl = MemoryController::new(gritdb_memctl::ControllerConfig { memory_limit: Some(64 << 20), ..Default::default() }).unwrap();
+        let col: ArrayRef = Arc::new(Int64Array::from_iter_values(0..10_000));
+        let cap = retained_bytes(&RecordBatch::try_from_iter([("a", Arc::clone(&col))]).unwrap());
+        let batch = RecordBatch::try_from_iter([("a", Arc::clone(&col)), ("b", col)]).unwrap();
+        let counted = count_batch(&batch, &ctl, None).unwrap();
+        assert_eq!(ctl.category_bytes(Category::ScanBuffers), cap);
+        assert_eq!(counted, batch);
+        let kept = Arc::clone(counted.column(1));
+        drop(counted);
+        drop(batch);
+        assert_eq!(ctl.category_bytes(Category::ScanBuffers), cap, "a kept column keeps the allocation counted");
+        drop(kept);
+        assert_eq!(ctl.category_bytes(Category::ScanBuffers), 0);
+    }
+}

@@ -334,10 +334,11 @@ impl BoundFilter {
             if may[g] {
                 let within = page_ranges(&self.expr, &self.schema, metadata, arrow_schema, g).unwrap_or_else(|| whole(rows));
                 let kept: u64 = within.iter().map(|r| r.end - r.start).sum();
-                plan.pruned_page_rows += rows - kept;
                 if kept == 0 {
+                    // Every page ruled out: the whole group is skipped (counted as a group).
                     plan.pruned_row_groups += 1;
                 } else {
+                    plan.pruned_page_rows += rows - kept;
                     plan.row_groups.push(g);
                     plan.ranges.extend(within.into_iter().map(|r| r.start + start..r.end + start));
                 }
@@ -359,7 +360,7 @@ pub struct FilePlan {
     pub ranges: Vec<Range<u64>>,
     /// Row groups skipped (statistics, or every page of them skipped).
     pub pruned_row_groups: u64,
-    /// Rows of read row groups skipped by the page index.
+    /// Rows of read row groups skipped by the page index (rows of skipped groups not included).
     pub pruned_page_rows: u64,
 }
 

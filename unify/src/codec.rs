@@ -257,16 +257,16 @@ impl RowCodec {
             let slot = &mut fixed[slot..];
             if r.is_null(i) {
                 bitmap[j / 8] |= 1 << (j % 8);
-                match r {
-                    ColReader::Bool { .. } => slot[0] = 0,
-                    ColReader::Fixed { width, .. } => slot[..*width].fill(0),
+                match &r.values {
+                    Values::Bool(_) => slot[0] = 0,
+                    Values::Fixed { width, .. } => slot[..*width].fill(0),
                     _ => slot[..4].copy_from_slice(&(var_pos as u32).to_le_bytes()),
                 }
                 continue;
             }
-            match r {
-                ColReader::Bool { values, .. } => slot[0] = u8::from(values.value(i)),
-                ColReader::Fixed { values, start, width, .. } => {
+            match &r.values {
+                Values::Bool(values) => slot[0] = u8::from(values.value(i)),
+                Values::Fixed { values, start, width } => {
                     let at = start + i * width;
                     match *width {
                         4 => slot[..4].copy_from_slice(&values[at..at + 4]),
@@ -320,82 +320,79 @@ fn first_null(a: &dyn Array) -> usize {
 }
 
 /// Reads values of one Arrow column for encoding.
-pub(crate) enum ColReader<'a> {
-    Bool { values: arrow_buffer::BooleanBuffer, nulls: Option<&'a arrow_buffer::NullBuffer> },
-    /// `values` is the array's whole values buffer; the array's first value is at byte `start`.
-    Fixed { values: arrow_buffer::Buffer, start: usize, width: usize, nulls: Option<&'a arrow_buffer::NullBuffer> },
-    Off32 { offsets: &'a [i32], values: &'a [u8], nulls: Option<&'a arrow_buffer::NullBuffer> },
-    Off64 { offsets: &'a [i64], values: &'a [u8], nulls: Option<&'a arrow_buffer::NullBuffer> },
+pub(crate) struct ColReader<'a> {
+    /// The column's validity, `None` when it has no null (checked once per batch, so the
+    /// per-value null test is one branch).
+    nulls: Option<&'a arrow_buffer::NullBuffer>,
+    values: Values<'a>,
+}
+
+pub(crate) enum Values<'a> {
+    Bool(arrow_buffer::BooleanBuffer),
+    /// The array's whole values buffer; its first value is at byte `start`.
+    Fixed { values: arrow_buffer::Buffer, start: usize, width: usize },
+    Off32 { offsets: &'a [i32], values: &'a [u8] },
+    Off64 { offsets: &'a [i64], values: &'a [u8] },
     StrView(&'a StringViewArray),
     BinView(&'a BinaryViewArray),
 }
 
 impl<'a> ColReader<'a> {
     pub(crate) fn new(a: &'a ArrayRef, kind: ColKind) -> Self {
-        match kind {
-            ColKind::Bool => {
-                let b = a.as_boolean();
-                ColReader::Bool { values: b.values().clone(), nulls: a.nulls() }
-            }
+        let values = match kind {
+            ColKind::Bool => Values::Bool(a.as_boolean().values().clone()),
             ColKind::Fixed(width) => {
                 // Every fixed-width Arrow type keeps its values in buffer 0, `width` bytes each,
                 // little endian, starting at the array's offset. (Cloning the buffer is an
                 // `Arc` increment.)
                 let data = a.to_data();
-                let values = data.buffers()[0].clone();
-                ColReader::Fixed { values, start: data.offset() * width, width, nulls: a.nulls() }
+                Values::Fixed { values: data.buffers()[0].clone(), start: data.offset() * width, width }
             }
-            ColKind::Off32 => if a.data_type() == &DataType::Utf8 {
-                let s = a.as_string::<i32>();
-                ColReader::Off32 { offsets: s.value_offsets(), values: s.value_data(), nulls: a.nulls() }
-            } else {
-                let s = a.as_binary::<i32>();
-                ColReader::Off32 { offsets: s.value_offsets(), values: s.value_data(), nulls: a.nulls() }
-            },
-            ColKind::Off64 => if a.data_type() == &DataType::LargeUtf8 {
-                let s = a.as_string::<i64>();
-                ColReader::Off64 { offsets: s.value_offsets(), values: s.value_data(), nulls: a.nulls() }
-            } else {
-                let s = a.as_binary::<i64>();
-                ColReader::Off64 { offsets: s.value_offsets(), values: s.value_data(), nulls: a.nulls() }
-            },
+            ColKind::Off32 => {
+                if a.data_type() == &DataType::Utf8 {
+                    let s = a.as_string::<i32>();
+                    Values::Off32 { offsets: s.value_offsets(), values: s.value_data() }
+                } else {
+                    let s = a.as_binary::<i32>();
+                    Values::Off32 { offsets: s.value_offsets(), values: s.value_data() }
+                }
+            }
+            ColKind::Off64 => {
+                if a.data_type() == &DataType::LargeUtf8 {
+                    let s = a.as_string::<i64>();
+                    Values::Off64 { offsets: s.value_offsets(), values: s.value_data() }
+                } else {
+                    let s = a.as_binary::<i64>();
+                    Values::Off64 { offsets: s.value_offsets(), values: s.value_data() }
+                }
+            }
             ColKind::View => match a.data_type() {
-                DataType::Utf8View => ColReader::StrView(a.as_string_view()),
-                _ => ColReader::BinView(a.as_binary_view()),
+                DataType::Utf8View => Values::StrView(a.as_string_view()),
+                _ => Values::BinView(a.as_binary_view()),
             },
-        }
-    }
-
-    fn nulls(&self) -> Option<&'a arrow_buffer::NullBuffer> {
-        match self {
-            ColReader::Bool { nulls, .. }
-            | ColReader::Fixed { nulls, .. }
-            | ColReader::Off32 { nulls, .. }
-            | ColReader::Off64 { nulls, .. } => *nulls,
-            ColReader::StrView(a) => {
-                let a: &'a StringViewArray = a;
-                a.nulls()
-            }
-            ColReader::BinView(a) => {
-                let a: &'a BinaryViewArray = a;
-                a.nulls()
-            }
-        }
+        };
+        Self { nulls: a.nulls().filter(|n| n.null_count() > 0), values }
     }
 
     #[inline]
     pub(crate) fn is_null(&self, i: usize) -> bool {
-        self.nulls().is_some_and(|n| n.is_null(i))
+        self.nulls.is_some_and(|n| n.is_null(i))
     }
 
     /// Bytes of the variable-length value of row `i`, which is not null.
     #[inline]
     fn var_value_unchecked_null(&self, i: usize) -> &'a [u8] {
-        match self {
-            ColReader::Off32 { offsets, values, .. } => &values[offsets[i] as usize..offsets[i + 1] as usize],
-            ColReader::Off64 { offsets, values, .. } => &values[offsets[i] as usize..offsets[i + 1] as usize],
-            ColReader::StrView(a) => a.value(i).as_bytes(),
-            ColReader::BinView(a) => a.value(i),
+        match &self.values {
+            Values::Off32 { offsets, values } => &values[offsets[i] as usize..offsets[i + 1] as usize],
+            Values::Off64 { offsets, values } => &values[offsets[i] as usize..offsets[i + 1] as usize],
+            Values::StrView(a) => {
+                let a: &'a StringViewArray = a;
+                a.value(i).as_bytes()
+            }
+            Values::BinView(a) => {
+                let a: &'a BinaryViewArray = a;
+                a.value(i)
+            }
             _ => &[],
         }
     }
@@ -403,15 +400,14 @@ impl<'a> ColReader<'a> {
     /// Adds each row's variable-length byte count (0 for a null) to `sizes`; nothing for a
     /// fixed-width column.
     fn add_var_lens(&self, sizes: &mut [usize]) {
-        let nulls = self.nulls().filter(|n| n.null_count() > 0);
-        match (self, nulls) {
-            (ColReader::Bool { .. } | ColReader::Fixed { .. }, _) => {}
-            (ColReader::Off32 { offsets, .. }, None) => {
+        match (&self.values, self.nulls) {
+            (Values::Bool(_) | Values::Fixed { .. }, _) => {}
+            (Values::Off32 { offsets, .. }, None) => {
                 for (s, w) in sizes.iter_mut().zip(offsets.windows(2)) {
                     *s += (w[1] - w[0]) as usize;
                 }
             }
-            (ColReader::Off64 { offsets, .. }, None) => {
+            (Values::Off64 { offsets, .. }, None) => {
                 for (s, w) in sizes.iter_mut().zip(offsets.windows(2)) {
                     *s += (w[1] - w[0]) as usize;
                 }

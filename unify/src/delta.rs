@@ -243,12 +243,11 @@ impl DeltaStore {
                 refs.push(r);
             }
         };
-        let res = run(&mut encode);
-        if res.is_ok() {
+        let committed = run(&mut encode);
+        if committed.is_ok() {
             encode();
         }
-        drop(encode);
-        if let Err(e) = res {
+        if let Err(e) = committed {
             for r in refs {
                 self.arena.free(r);
             }
@@ -647,11 +646,11 @@ mod tests {
             .iter()
             .map(|c| {
                 let parts: Vec<ArrayRef> = idx.iter().map(|&i| c.slice(i, 1)).collect();
-                let data: Vec<ArrayData> = parts.iter().map(|p| p.to_data()).collect();
+                let data: Vec<ArrayData> = parts.iter().map(Array::to_data).collect();
                 let refs: Vec<&ArrayData> = data.iter().collect();
                 let mut m = arrow_data::transform::MutableArrayData::new(refs, true, idx.len());
                 for k in 0..idx.len() {
-                    m.extend(k, 0, 1);
+                    m.try_extend(k, 0, 1).unwrap();
                 }
                 make_array(m.freeze())
             })

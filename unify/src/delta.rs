@@ -485,62 +485,62 @@ impl DeltaStore {
         let mut block = BatchBlock::new(&self.ctl, category, self.table.as_ref(), total)?;
         let mut null_counts = vec![0usize; kinds.len()];
         {
+            // One pass over the rows (each row read once, in the order given), writing every
+            // column's value; `var_off[j]` is column j's running var-len offset.
             let out = block.bytes_mut();
-            for (j, kind) in kinds.iter().enumerate() {
-                let reg = &regions[j];
-                let nullable = schema.field(j).is_nullable();
-                let slot = codec.slot_offset(j);
-                let prev_var = var_cols.iter().take_while(|&&c| c < j).last().copied();
-                let mut var_off = 0usize;
-                if matches!(kind, ColKind::Off32 | ColKind::Off64) {
-                    // offsets[0] = 0 is already zero.
-                }
-                for (i, r) in rows.iter().enumerate() {
-                    let row = self.arena.get(*r);
-                    let body = body_of(row);
-                    let null = row[body + j / 8] & (1 << (j % 8)) != 0;
-                    if nullable && !null {
-                        out[reg[0].0 + i / 8] |= 1 << (i % 8);
-                    }
+            let nullable: Vec<bool> = schema.fields().iter().map(|f| f.is_nullable()).collect();
+            let mut var_off = vec![0usize; kinds.len()];
+            for (i, r) in rows.iter().enumerate() {
+                let row = self.arena.get(*r);
+                let body = body_of(row);
+                let bitmap = &row[body..body + bitmap_len];
+                let fixed = &row[body + bitmap_len..body + bitmap_len + fixed_len];
+                let var = &row[body + bitmap_len + fixed_len..];
+                let mut prev_end = 0usize;
+                for (j, kind) in kinds.iter().enumerate() {
+                    let reg = &regions[j];
+                    let null = bitmap[j / 8] & (1 << (j % 8)) != 0;
                     if null {
                         null_counts[j] += 1;
+                    } else if nullable[j] {
+                        out[reg[0].0 + i / 8] |= 1 << (i % 8);
                     }
-                    let at = body + bitmap_len + slot;
-                    match kind {
+                    let at = codec.slot_offset(j);
+                    match *kind {
                         ColKind::Bool => {
-                            if row[at] != 0 {
+                            if fixed[at] != 0 {
                                 out[reg[1].0 + i / 8] |= 1 << (i % 8);
                             }
                         }
                         ColKind::Fixed(w) => {
                             let dst = reg[1].0 + i * w;
-                            out[dst..dst + w].copy_from_slice(&row[at..at + w]);
+                            out[dst..dst + w].copy_from_slice(&fixed[at..at + w]);
                         }
                         ColKind::Off32 | ColKind::Off64 | ColKind::View => {
-                            let end = slot_u32(row, body, j);
-                            let start = prev_var.map_or(0, |p| slot_u32(row, body, p));
-                            let v = &row[body + bitmap_len + fixed_len + start..body + bitmap_len + fixed_len + end];
-                            match kind {
+                            let end = u32::from_le_bytes([fixed[at], fixed[at + 1], fixed[at + 2], fixed[at + 3]]) as usize;
+                            let v = &var[prev_end..end];
+                            prev_end = end;
+                            match *kind {
                                 ColKind::Off32 => {
-                                    let d = reg[2].0 + var_off;
+                                    let d = reg[2].0 + var_off[j];
                                     out[d..d + v.len()].copy_from_slice(v);
-                                    var_off += v.len();
+                                    var_off[j] += v.len();
                                     let o = reg[1].0 + (i + 1) * 4;
-                                    out[o..o + 4].copy_from_slice(&(var_off as i32).to_le_bytes());
+                                    out[o..o + 4].copy_from_slice(&(var_off[j] as i32).to_le_bytes());
                                 }
                                 ColKind::Off64 => {
-                                    let d = reg[2].0 + var_off;
+                                    let d = reg[2].0 + var_off[j];
                                     out[d..d + v.len()].copy_from_slice(v);
-                                    var_off += v.len();
+                                    var_off[j] += v.len();
                                     let o = reg[1].0 + (i + 1) * 8;
-                                    out[o..o + 8].copy_from_slice(&(var_off as i64).to_le_bytes());
+                                    out[o..o + 8].copy_from_slice(&(var_off[j] as i64).to_le_bytes());
                                 }
                                 _ => {
                                     let view = if v.len() > 12 {
-                                        let d = reg[2].0 + var_off;
+                                        let d = reg[2].0 + var_off[j];
                                         out[d..d + v.len()].copy_from_slice(v);
-                                        let view = arrow_array::builder::make_view(v, 0, var_off as u32);
-                                        var_off += v.len();
+                                        let view = arrow_array::builder::make_view(v, 0, var_off[j] as u32);
+                                        var_off[j] += v.len();
                                         view
                                     } else {
                                         arrow_array::builder::make_view(v, 0, 0)
@@ -552,8 +552,10 @@ impl DeltaStore {
                         }
                     }
                 }
-                if i32::try_from(var_off).is_err() && *kind == ColKind::Off32 {
-                    return Err(UnifyError::Arrow(arrow_schema::ArrowError::OffsetOverflowError(var_off)));
+            }
+            for (j, kind) in kinds.iter().enumerate() {
+                if *kind == ColKind::Off32 && i32::try_from(var_off[j]).is_err() {
+                    return Err(UnifyError::Arrow(arrow_schema::ArrowError::OffsetOverflowError(var_off[j])));
                 }
             }
         }

@@ -432,42 +432,61 @@ impl Table {
         if let Some((first, row)) = first_duplicate(&keys) {
             return Err(Error::DuplicateKey { table: self.inner.name.clone(), first, row });
         }
+        let wal = self.inner.shared.wal()?;
+        let overlap = n >= OVERLAP_WAL_ROWS && wal.syncs_each_append();
+        let id = self.inner.id;
         self.with_backpressure(batch.get_array_memory_size(), |st| {
-            match mode {
-                WriteMode::Insert => {
-                    if let Some(row) = (0..n).find(|&i| st.exists(keys.row(i).as_ref())) {
-                        return Err(Error::KeyExists { table: self.inner.name.clone(), row });
-                    }
-                }
-                WriteMode::Update => {
-                    if let Some(row) = (0..n).find(|&i| !st.exists(keys.row(i).as_ref())) {
-                        return Err(Error::KeyNotFound { table: self.inner.name.clone(), row });
-                    }
-                }
-                WriteMode::Upsert => {}
+            if !overlap {
+                self.check_keys(st, &keys, mode)?;
+                let seq = self.inner.seq.fetch_add(n as u64, Ordering::AcqRel);
+                st.active.apply_puts(batch, &keys, seq, || wal.append(WalOp::Put, id, seq, seq + n as u64 - 1, batch).map_err(Error::from))?;
+                return Ok(n);
             }
-            let seq = self.inner.seq.fetch_add(n as u64, Ordering::AcqRel);
-            let wal = self.inner.shared.wal()?;
-            let id = self.inner.id;
-            let append = || wal.append(WalOp::Put, id, seq, seq + n as u64 - 1, batch).map_err(Error::from);
-            st.active.apply_puts_with(batch, &keys, seq, |encode| {
-                if n >= OVERLAP_WAL_ROWS && wal.syncs_each_append() {
-                    // The record's encode, write and fsync run on a scoped thread while this
-                    // one encodes the rows into the delta; the rows become visible only after
-                    // the append returned Ok (apply_puts_with frees them otherwise).
-                    std::thread::scope(|s| {
-                        let appending = s.spawn(append);
-                        encode();
-                        appending.join().unwrap_or_else(|p| std::panic::resume_unwind(p))
-                    })
-                } else {
-                    append()?;
-                    encode();
+            // A big batch with an fsync per write: a scoped thread encodes the WAL record
+            // while this one checks the keys and budgets the rows, then writes and fsyncs it
+            // while this one encodes the rows. The call returns after the fsync, and nothing
+            // becomes visible unless the append succeeded (apply_puts_with frees the rows).
+            std::thread::scope(|s| {
+                let (go, numbered) = std::sync::mpsc::channel::<u64>();
+                let appending = s.spawn(move || -> Result<()> {
+                    let rec = wal.encode_record(WalOp::Put, batch)?;
+                    // No sequence number: the write was rejected before its append (the
+                    // sender is dropped), and the record is dropped unwritten.
+                    let Ok(seq) = numbered.recv() else { return Ok(()) };
+                    wal.append_record(rec, id, seq, seq + n as u64 - 1)?;
                     Ok(())
-                }
-            })?;
-            Ok(n)
+                });
+                self.check_keys(st, &keys, mode)?;
+                let seq = self.inner.seq.fetch_add(n as u64, Ordering::AcqRel);
+                st.active.apply_puts_with(batch, &keys, seq, |encode| {
+                    // A send fails only when the appender already stopped with an encoding
+                    // error, which the join returns.
+                    let _ = go.send(seq);
+                    encode();
+                    appending.join().unwrap_or_else(|p| std::panic::resume_unwind(p))
+                })?;
+                Ok(n)
+            })
         })
+    }
+
+    /// Insert: no key may exist in any layer; update: every key must exist.
+    fn check_keys(&self, st: &TableState, keys: &arrow_row::Rows, mode: WriteMode) -> Result<()> {
+        let n = keys.num_rows();
+        match mode {
+            WriteMode::Insert => {
+                if let Some(row) = (0..n).find(|&i| st.exists(keys.row(i).as_ref())) {
+                    return Err(Error::KeyExists { table: self.inner.name.clone(), row });
+                }
+            }
+            WriteMode::Update => {
+                if let Some(row) = (0..n).find(|&i| !st.exists(keys.row(i).as_ref())) {
+                    return Err(Error::KeyNotFound { table: self.inner.name.clone(), row });
+                }
+            }
+            WriteMode::Upsert => {}
+        }
+        Ok(())
     }
 
     /// Runs `apply` under the table lock; when it fails for memory, asks the writer to flush

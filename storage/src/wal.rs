@@ -88,10 +88,22 @@ struct Inner {
     unsynced: bool,
 }
 
-/// A record buffer and the `write_buffers` reservation covering its capacity.
-struct Scratch {
+/// One WAL record encoded ahead of its append ([`Wal::encode_record`]): the frame, the
+/// payload header and the batch as an Arrow IPC stream in one buffer reserved under
+/// `write_buffers` while it exists. The table id and sequence numbers are filled in, and the
+/// checksum completed, by [`Wal::append_record`]; encoding can thus run before the write is
+/// checked and numbered (the engine does it beside its key checks).
+pub struct EncodedRecord {
     buf: Vec<u8>,
     res: Reservation,
+    /// Checksum state of the IPC part (everything after the payload header).
+    ipc_crc: crc32fast::Hasher,
+}
+
+impl std::fmt::Debug for EncodedRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EncodedRecord").field("bytes", &self.buf.len()).finish_non_exhaustive()
+    }
 }
 
 /// The write-ahead log of one engine.
@@ -168,38 +180,37 @@ impl Wal {
         self.sync == WalSync::PerBatch
     }
 
-    /// Encodes one record (header placeholder, payload header, Arrow IPC stream) into `scratch`
-    /// and fills in its length and checksum; returns the record's length in bytes.
-    fn encode(scratch: &mut Scratch, op: WalOp, table: u64, first_seq: u64, last_seq: u64, batch: &RecordBatch) -> Result<usize, StorageError> {
-        let buf = &mut scratch.buf;
-        buf.clear();
+    /// Encodes a record of `batch` for a later [`Self::append_record`].
+    ///
+    /// # Errors
+    /// [`StorageError::Memory`] when the buffer cannot be budgeted, [`StorageError::Arrow`],
+    /// [`StorageError::Io`] for a record above 4 GiB.
+    pub fn encode_record(&self, op: WalOp, batch: &RecordBatch) -> Result<EncodedRecord, StorageError> {
+        let mut res = Reservation::new(&self.ctl, Category::WriteBuffers, None);
         let estimate = HEADER + PAYLOAD_HEADER + batch.get_array_memory_size() + 1024;
-        if scratch.res.size() < estimate.max(buf.capacity()) {
-            scratch.res.try_resize(estimate.max(buf.capacity()))?;
-        }
-        buf.reserve(estimate);
+        res.try_grow(estimate)?;
+        let mut buf = Vec::with_capacity(estimate);
         buf.extend_from_slice(&[0; HEADER]);
         buf.push(match op {
             WalOp::Put => 1,
             WalOp::Delete => 2,
         });
-        buf.extend_from_slice(&table.to_le_bytes());
-        buf.extend_from_slice(&first_seq.to_le_bytes());
-        buf.extend_from_slice(&last_seq.to_le_bytes());
+        // Table id, first and last sequence number: filled in by `append_record`.
+        buf.extend_from_slice(&[0; PAYLOAD_HEADER - 1]);
         {
-            let mut w = StreamWriter::try_new(&mut *buf, batch.schema_ref())?;
+            let mut w = StreamWriter::try_new(&mut buf, batch.schema_ref())?;
             w.write(batch)?;
             w.finish()?;
         }
-        scratch.res.try_resize(buf.capacity())?;
+        res.try_resize(buf.capacity())?;
         let len = u32::try_from(buf.len() - HEADER).map_err(|_| StorageError::Io {
-            path: PathBuf::new(),
+            path: self.dir.clone(),
             source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "WAL record above 4 GiB; write smaller batches"),
         })?;
-        let crc = crc32fast::hash(&buf[HEADER..]);
         buf[..4].copy_from_slice(&len.to_le_bytes());
-        buf[4..HEADER].copy_from_slice(&crc.to_le_bytes());
-        Ok(buf.len())
+        let mut ipc_crc = crc32fast::Hasher::new();
+        ipc_crc.update(&buf[HEADER + PAYLOAD_HEADER..]);
+        Ok(EncodedRecord { buf, res, ipc_crc })
     }
 
     /// Appends one record; with [`WalSync::PerBatch`] it is fsynced before this returns.
@@ -210,15 +221,31 @@ impl Wal {
     /// [`StorageError::Io`] (the record may be partly written: recovery drops a torn tail),
     /// [`StorageError::Memory`], [`StorageError::Arrow`].
     pub fn append(&self, op: WalOp, table: u64, first_seq: u64, last_seq: u64, batch: &RecordBatch) -> Result<(), StorageError> {
-        let mut scratch = Scratch { buf: Vec::new(), res: Reservation::new(&self.ctl, Category::WriteBuffers, None) };
-        self.append_encoded(&mut scratch, op, table, first_seq, last_seq, batch)
+        let rec = self.encode_record(op, batch)?;
+        self.append_record(rec, table, first_seq, last_seq)
     }
 
-    fn append_encoded(&self, scratch: &mut Scratch, op: WalOp, table: u64, first_seq: u64, last_seq: u64, batch: &RecordBatch) -> Result<(), StorageError> {
-        let record_len = Self::encode(scratch, op, table, first_seq, last_seq, batch).map_err(|e| match e {
-            StorageError::Io { source, .. } => StorageError::Io { path: self.dir.clone(), source },
-            other => other,
-        })?;
+    /// Appends a record from [`Self::encode_record`] as table `table`'s writes
+    /// `first_seq..=last_seq`; with [`WalSync::PerBatch`] it is fsynced before this returns.
+    ///
+    /// # Errors
+    /// [`StorageError::Io`] (the record may be partly written: recovery drops a torn tail).
+    pub fn append_record(&self, mut rec: EncodedRecord, table: u64, first_seq: u64, last_seq: u64) -> Result<(), StorageError> {
+        let head = &mut rec.buf[HEADER + 1..HEADER + PAYLOAD_HEADER];
+        head[..8].copy_from_slice(&table.to_le_bytes());
+        head[8..16].copy_from_slice(&first_seq.to_le_bytes());
+        head[16..].copy_from_slice(&last_seq.to_le_bytes());
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(&rec.buf[HEADER..HEADER + PAYLOAD_HEADER]);
+        crc.combine(&rec.ipc_crc);
+        let crc = crc.finalize();
+        rec.buf[4..HEADER].copy_from_slice(&crc.to_le_bytes());
+        let result = self.write_record(&rec.buf, table, last_seq);
+        drop(rec.res);
+        result
+    }
+
+    fn write_record(&self, record: &[u8], table: u64, last_seq: u64) -> Result<(), StorageError> {
         let mut g = self.lock();
         if g.active.as_ref().is_some_and(|a| a.seg.bytes >= SEGMENT_BYTES) {
             let a = g.active.take().map(|a| a.seg);
@@ -234,7 +261,7 @@ impl Wal {
         }
         let a = g.active.as_mut().expect("active segment just ensured"); // infallible
         let good = a.seg.bytes;
-        let mut res = a.file.write_all(&scratch.buf);
+        let mut res = a.file.write_all(record);
         if res.is_ok() && self.sync == WalSync::PerBatch {
             res = a.file.sync_all();
         }
@@ -254,7 +281,7 @@ impl Wal {
             }
             return Err(StorageError::Io { path, source: e });
         }
-        a.seg.bytes += record_len as u64;
+        a.seg.bytes += record.len() as u64;
         let e = a.seg.max_seq.entry(table).or_insert(0);
         *e = (*e).max(last_seq);
         if self.sync == WalSync::Relaxed {

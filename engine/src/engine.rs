@@ -302,6 +302,17 @@ fn validate_name(name: &str) -> Result<()> {
     Ok(())
 }
 
+/// The registry key for a table name: the exact name, else the one name equal to it ignoring
+/// case. `create_table` refuses names equal ignoring case, so the match is unique; SQL (which
+/// folds unquoted identifiers to lower case) and the Rust API find the same table.
+fn resolve_name(tables: &BTreeMap<String, Arc<TableInner>>, name: &str) -> Option<String> {
+    if tables.contains_key(name) {
+        return Some(name.to_owned());
+    }
+    let lower = name.to_lowercase();
+    tables.keys().find(|k| k.to_lowercase() == lower).cloned()
+}
+
 impl Engine {
     /// Opens (creating if needed) the data directory `dir`.
     ///
@@ -525,13 +536,17 @@ impl Engine {
         Ok(Table { inner, engine: Arc::clone(&self.inner) })
     }
 
-    /// A handle to an existing table.
+    /// A handle to an existing table. Names match exactly or, failing that, ignoring case
+    /// (`create_table` refuses two names that differ only in case).
     ///
     /// # Errors
     /// [`Error::TableNotFound`].
     pub fn table(&self, name: &str) -> Result<Table> {
         self.inner.check_open()?;
-        let t = self.inner.tables_read().get(name).cloned().ok_or_else(|| Error::TableNotFound { name: name.to_owned() })?;
+        let tables = self.inner.tables_read();
+        let t = resolve_name(&tables, name).and_then(|k| tables.get(&k)).cloned();
+        drop(tables);
+        let t = t.ok_or_else(|| Error::TableNotFound { name: name.to_owned() })?;
         Ok(Table { inner: t, engine: Arc::clone(&self.inner) })
     }
 
@@ -559,13 +574,20 @@ impl Engine {
     /// [`Error::TableNotFound`], [`Error::Io`] when the directory cannot be removed.
     pub fn drop_table(&self, name: &str) -> Result<()> {
         self.inner.check_open()?;
-        let t = self.inner.tables_write().remove(name).ok_or_else(|| Error::TableNotFound { name: name.to_owned() })?;
+        let t = {
+            let mut tables = self.inner.tables_write();
+            resolve_name(&tables, name).and_then(|k| tables.remove(&k))
+        };
+        let t = t.ok_or_else(|| Error::TableNotFound { name: name.to_owned() })?;
         // Cancel writes first, then take the state (under one lock), so once a handle sees the
         // table gone its writes are cancelled.
         let state = {
             let mut g = lock(&t.state);
             if let Some(st) = g.as_ref() {
                 st.store.write_options().cancel.cancel();
+                if let Some(account) = st.store.account() {
+                    account.mark_dropped();
+                }
             }
             g.take()
         };
@@ -726,18 +748,33 @@ impl Engine {
             if ctl.used() + self.inner.sealed_bytes() <= bytes {
                 break true;
             }
-            if !self.inner.relieve_pressure(true) || !self.inner.wait_for_memory(deadline) {
+            // Nothing left to flush still leaves memory a caller may give back (held scan
+            // batches): wait for releases until the deadline either way.
+            self.inner.relieve_pressure(true);
+            if !self.inner.wait_for_memory(deadline) {
                 ctl.trim_free_chunks(0);
                 break ctl.used() + self.inner.sealed_bytes() <= bytes;
             }
         };
         shared.write_target.store(0, Ordering::Release);
         if !reached {
-            let e = ctl.limit_error(Category::RowBlocks, ctl.used() - bytes);
+            // Name the category that holds the most, not the one a write would have needed.
+            let holder = Category::ALL.into_iter().max_by_key(|c| ctl.category_bytes(*c)).unwrap_or(Category::RowBlocks);
+            let e = ctl.limit_error(holder, (ctl.used() + self.inner.sealed_bytes()).saturating_sub(bytes));
             tracing::warn!(target_limit = bytes, used = ctl.used(), "lowered limit not reached; the old limit stays");
             return Err(e.into());
         }
         ctl.set_limit(bytes)?;
+        // A reservation that checked the old limit just before the swap may have landed after
+        // the check above; from now on none goes past the new limit, so `used` only falls:
+        // wait (bounded) until it is under.
+        while ctl.used() > bytes {
+            ctl.trim_free_chunks(0);
+            self.inner.relieve_pressure(true);
+            if !self.inner.wait_for_memory(deadline) {
+                break;
+            }
+        }
         Ok(())
     }
 

@@ -359,7 +359,9 @@ fn copy_out(batch: &RecordBatch) -> Result<RecordBatch> {
         };
         cols.push(taken);
     }
-    Ok(RecordBatch::try_new(batch.schema(), cols)?)
+    // The row count is explicit: an empty projection has no column to carry it.
+    let options = arrow_array::RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
+    Ok(RecordBatch::try_new_with_options(batch.schema(), cols, &options)?)
 }
 
 impl Scan {

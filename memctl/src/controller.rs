@@ -107,6 +107,8 @@ pub(crate) struct TableInner {
     pub(crate) id: u64,
     pub(crate) name: String,
     pub(crate) counters: CounterSet,
+    /// Set by [`TableAccount::mark_dropped`]: reports leave the table out once it holds 0 bytes.
+    pub(crate) dropped: std::sync::atomic::AtomicBool,
     ctl: Weak<MemoryController>,
 }
 
@@ -142,6 +144,18 @@ impl TableAccount {
     /// Bytes this table currently holds in `category`.
     pub fn bytes(&self, category: Category) -> usize {
         self.0.counters[category.index()].get()
+    }
+
+    /// Marks the table dropped: from now on reports leave it out as soon as it holds 0 bytes,
+    /// even while handles to its account (a `Table` handle, batches a scan handed out) live
+    /// on; while it still holds bytes it is reported with `dropped: true`.
+    pub fn mark_dropped(&self) {
+        self.0.dropped.store(true, Ordering::Release);
+    }
+
+    /// Whether [`TableAccount::mark_dropped`] was called.
+    pub fn is_dropped(&self) -> bool {
+        self.0.dropped.load(Ordering::Acquire)
     }
 
     /// Bytes this table currently holds in all categories.
@@ -338,6 +352,7 @@ impl MemoryController {
             id,
             name: name.to_owned(),
             counters: Default::default(),
+            dropped: std::sync::atomic::AtomicBool::new(false),
             ctl: self.weak_self.clone(),
         });
         lock(&self.tables).insert(id, Arc::downgrade(&inner));
@@ -349,14 +364,16 @@ impl MemoryController {
             .values()
             .filter_map(Weak::upgrade)
             .map(TableAccount)
+            .filter(|t| !t.is_dropped() || t.total_bytes() > 0)
             .collect();
         v.sort_by_key(|t| t.0.id);
         v
     }
 
-    /// Number of registered tables (live accounting handles).
+    /// Number of registered tables: live accounting handles, leaving out dropped tables that
+    /// hold 0 bytes.
     pub fn table_count(&self) -> usize {
-        lock(&self.tables).len()
+        self.live_tables().len()
     }
 
     /// Makes the `n`th following chunk acquisition or reservation fail with

@@ -42,6 +42,9 @@ pub struct TableReport {
     pub table: String,
     /// Current bytes over all categories.
     pub bytes: usize,
+    /// The table was dropped but still holds bytes (batches a scan handed out and the caller
+    /// keeps, or a flush stuck in a system call); they are released when those go.
+    pub dropped: bool,
     /// Per-category figures (categories with any activity).
     pub categories: Vec<CategoryReport>,
 }
@@ -102,6 +105,7 @@ impl MemoryController {
             .map(|t| TableReport {
                 table: t.name().to_owned(),
                 bytes: t.total_bytes(),
+                dropped: t.is_dropped(),
                 categories: Category::ALL
                     .iter()
                     .map(|c| CategoryReport::from_counters(*c, &t.0.counters[c.index()]))
@@ -180,7 +184,8 @@ impl fmt::Display for MemoryReport {
         let mut tables: Vec<&TableReport> = self.tables.iter().collect();
         tables.sort_by_key(|t| std::cmp::Reverse(t.bytes));
         for t in tables.iter().take(10) {
-            writeln!(f, "table {:<24} {:>12}", t.table, format_bytes(t.bytes))?;
+            let note = if t.dropped { "  (dropped; held by the caller's batches)" } else { "" };
+            writeln!(f, "table {:<24} {:>12}{note}", t.table, format_bytes(t.bytes))?;
         }
         if tables.len() > 10 {
             writeln!(f, "... {} more tables", tables.len() - 10)?;

@@ -124,3 +124,74 @@ fn empty_data_dir_path_is_refused() {
     assert!(matches!(Engine::open("", EngineConfig::default()), Err(Error::Config(_))));
     let _ = StringArray::from(vec!["unused"]);
 }
+
+/// An empty projection returns zero-column batches whose row counts add up to the table's
+/// rows, whether the rows are still in memory or already in files (it used to fail on
+/// in-memory rows: a batch with no column had no row count).
+#[test]
+fn empty_projection_counts_rows_in_memory_and_in_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
+    t.insert(&composite_batch(&wide_rows(0, 1000))).unwrap();
+    let count = |t: &gritdb::Table| -> usize {
+        t.scan(ScanOptions::default().projection(Vec::<String>::new()))
+            .unwrap()
+            .map(|b| {
+                let b = b.unwrap();
+                assert_eq!(b.num_columns(), 0);
+                b.num_rows()
+            })
+            .sum()
+    };
+    assert_eq!(count(&t), 1000);
+    t.flush().unwrap();
+    t.insert(&composite_batch(&wide_rows(1000, 500))).unwrap();
+    assert_eq!(count(&t), 1500);
+}
+
+/// `create_table` refuses names equal ignoring case, so lookups ignoring case are unambiguous:
+/// `table` and `drop_table` find "Foo" as "foo" (SQL folds unquoted names to lower case).
+#[test]
+fn table_names_resolve_ignoring_case_like_create_refuses_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    let t = engine.create_table("Foo", composite_schema(), &["k1", "k2"]).unwrap();
+    t.insert(&composite_batch(&wide_rows(0, 10))).unwrap();
+    assert!(matches!(engine.create_table("foo", composite_schema(), &["k1", "k2"]), Err(Error::TableExists { .. })));
+    assert_eq!(engine.table("foo").unwrap().row_count().unwrap(), 10);
+    assert_eq!(engine.table("FOO").unwrap().name(), "Foo");
+    assert!(matches!(engine.table("fo"), Err(Error::TableNotFound { .. })));
+    engine.drop_table("FOO").unwrap();
+    assert!(matches!(engine.table("Foo"), Err(Error::TableNotFound { .. })));
+    assert!(engine.table_names().is_empty());
+}
+
+/// A dropped table leaves the memory report as soon as it holds no bytes, even while a
+/// `Table` handle to it lives on; while a caller keeps its scan batches it is listed as
+/// dropped with exactly those bytes.
+#[test]
+fn dropped_table_leaves_the_report_while_handles_live() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    let base = engine.memory_report().tables.len();
+    let t = engine.create_table("r", composite_schema(), &["k1", "k2"]).unwrap();
+    t.insert(&composite_batch(&wide_rows(0, 100))).unwrap();
+    let held: Vec<RecordBatch> = t.scan(ScanOptions::default()).unwrap().map(Result::unwrap).collect();
+    assert_eq!(held.iter().map(RecordBatch::num_rows).sum::<usize>(), 100);
+    engine.drop_table("r").unwrap();
+    let report = engine.memory_report();
+    let rows: Vec<_> = report.tables.iter().filter(|r| r.table == "r").collect();
+    assert_eq!(rows.len(), 1, "{report}");
+    assert!(rows[0].dropped && rows[0].bytes > 0, "{report}");
+    drop(held);
+    let report = engine.memory_report();
+    assert_eq!(report.tables.len(), base, "{report}");
+    // Recreated under the same name: one row, not dropped.
+    let _t2 = engine.create_table("r", composite_schema(), &["k1", "k2"]).unwrap();
+    let report = engine.memory_report();
+    let rows: Vec<_> = report.tables.iter().filter(|r| r.table == "r").collect();
+    assert_eq!(rows.len(), 1, "{report}");
+    assert!(!rows[0].dropped);
+    drop(t);
+}

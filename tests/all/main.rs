@@ -11,11 +11,14 @@ mod compaction;
 mod crash;
 mod create_drop;
 mod faults;
+mod interop;
 mod model;
 mod regressions;
 mod retention;
 mod runtime;
 mod smoke;
+#[cfg(feature = "sql")]
+mod sql;
 mod tpch;
 mod wal;
 mod writer;

@@ -1,5 +1,5 @@
 //! SQL over gritdb: load TPC-H lineitem (SF 0.01, generated in process), update and delete
-//! some rows, and answer TPC-H Q1 through `Engine::sql` (DataFusion) — over committed files,
+//! some rows, and answer TPC-H Q1 through `Engine::sql` (`DataFusion`) — over committed files,
 //! their deletion vectors and the in-memory deltas at once.
 //!
 //! Run: `cargo run --release -p gritdb --features sql --example sql`

@@ -120,14 +120,14 @@ pub enum Error {
     #[error("invalid configuration: {0}")]
     Config(String),
     /// A SQL statement failed (`sql` feature): `kind` says at which stage, `source` is
-    /// DataFusion's error. Unknown tables are [`Error::TableNotFound`] and a query that
+    /// `DataFusion`'s error. Unknown tables are [`Error::TableNotFound`] and a query that
     /// cannot get memory is [`Error::MemoryLimit`] instead.
     #[cfg(feature = "sql")]
     #[error("SQL {kind}: {source}")]
     Sql {
         /// Which stage failed.
         kind: crate::sql::SqlErrorKind,
-        /// DataFusion's error.
+        /// `DataFusion`'s error.
         #[source]
         source: Box<datafusion::error::DataFusionError>,
     },

@@ -19,7 +19,7 @@ pub enum Category {
     /// Schemas, manifests, deletion vectors, arena block tables.
     Metadata,
     /// Memory SQL query operators reserve (hash tables, sort and aggregate buffers) through
-    /// the engine's DataFusion memory pool (the `sql` feature of `gritdb`).
+    /// the engine's `DataFusion` memory pool (the `sql` feature of `gritdb`).
     Query,
     /// Empty chunks cached by the pool for reuse.
     FreeChunks,

@@ -414,7 +414,7 @@ impl MemoryController {
     }
 
     /// Counts `bytes` in `category` (and for `table`) without checking the limit: for memory a
-    /// caller has already allocated and cannot refuse (DataFusion's infallible
+    /// caller has already allocated and cannot refuse (`DataFusion`'s infallible
     /// `MemoryReservation::grow`, used by a few join operators). The accounting stays truthful,
     /// so `used` may pass the limit; when it does, the request counts as a failure of
     /// `category`. Returns `true` when the bytes fit under the limit. Release them with

@@ -44,7 +44,7 @@ impl SchemaProvider for EngineSchema {
     /// A system table, else the engine's table of that name (exact, else the one table whose
     /// name matches ignoring case — names are unique ignoring case — so the lowercase form SQL
     /// gives unquoted identifiers finds `Orders`). An unknown name is
-    /// [`Error::TableNotFound`], carried through DataFusion and returned as such by
+    /// [`Error::TableNotFound`], carried through `DataFusion` and returned as such by
     /// `Engine::sql`.
     async fn table(&self, name: &str) -> datafusion::error::Result<Option<Arc<dyn TableProvider>>> {
         let engine = self.engine().map_err(to_datafusion)?;

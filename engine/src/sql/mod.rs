@@ -1,4 +1,4 @@
-//! SQL over gritdb tables through DataFusion (the `sql` cargo feature).
+//! SQL over gritdb tables through `DataFusion` (the `sql` cargo feature).
 //!
 //! ```text
 //! Engine::sql("SELECT ...")            (blocking; the engine's own "gritdb-sql" runtime)
@@ -65,11 +65,11 @@ pub enum SqlErrorKind {
     /// The query is valid SQL but cannot be planned (type mismatch, unknown function, ...).
     Plan,
     /// Not supported: writing statements (`INSERT`, `UPDATE`, `DELETE`, `CREATE`, `DROP`,
-    /// `COPY`, `SET`, ...) — write through [`crate::Table`] — or a SQL feature DataFusion lacks.
+    /// `COPY`, `SET`, ...) — write through [`crate::Table`] — or a SQL feature `DataFusion` lacks.
     NotSupported,
     /// The query failed while running (e.g. a cast of a bad value, division by zero).
     Execution,
-    /// An internal DataFusion error (a bug; please report it with the query).
+    /// An internal `DataFusion` error (a bug; please report it with the query).
     Internal,
 }
 
@@ -193,8 +193,10 @@ fn new_context(engine: &std::sync::Weak<EngineInner>, limit: usize, env: Arc<Run
 fn check_read_only(statement: &DfStatement) -> Result<()> {
     fn sql_ok(s: &SqlStatement) -> bool {
         match s {
-            SqlStatement::Query(_) | SqlStatement::ShowTables { .. } | SqlStatement::ShowColumns { .. } => true,
-            SqlStatement::ExplainTable { .. } => true,
+            SqlStatement::Query(_)
+            | SqlStatement::ShowTables { .. }
+            | SqlStatement::ShowColumns { .. }
+            | SqlStatement::ExplainTable { .. } => true,
             SqlStatement::Explain { statement, .. } => sql_ok(statement),
             _ => false,
         }
@@ -219,7 +221,7 @@ fn check_read_only(statement: &DfStatement) -> Result<()> {
     })
 }
 
-/// Carries a gritdb error through DataFusion (unwrapped again by `Engine::sql`).
+/// Carries a gritdb error through `DataFusion` (unwrapped again by `Engine::sql`).
 pub(crate) fn to_datafusion(e: Error) -> DataFusionError {
     DataFusionError::External(Box::new(e))
 }
@@ -254,7 +256,7 @@ fn take_ours(e: DataFusionError) -> std::result::Result<Error, DataFusionError> 
     }
 }
 
-/// A copy of a gritdb error found by reference (shared by several DataFusion consumers),
+/// A copy of a gritdb error found by reference (shared by several `DataFusion` consumers),
 /// for the variants that can be rebuilt.
 fn rebuild(e: &Error) -> Option<Error> {
     Some(match e {
@@ -274,7 +276,7 @@ fn chain<'a>(e: &'a (dyn std::error::Error + 'static)) -> impl Iterator<Item = &
     std::iter::successors(Some(e), |e| e.source())
 }
 
-/// The innermost DataFusion error of `e` (also inside `Collection`s: their first).
+/// The innermost `DataFusion` error of `e` (also inside `Collection`s: their first).
 fn root(e: &DataFusionError) -> &DataFusionError {
     let mut last = e;
     for s in chain(e) {
@@ -290,10 +292,10 @@ fn root(e: &DataFusionError) -> &DataFusionError {
     }
 }
 
-/// Turns a DataFusion error into gritdb's: a gritdb error carried inside (unknown table,
+/// Turns a `DataFusion` error into gritdb's: a gritdb error carried inside (unknown table,
 /// storage, memory) comes back as itself; a refusal of the query memory pool becomes
 /// [`Error::MemoryLimit`] with the figures of the refusal; the rest is [`Error::Sql`] with
-/// its [`SqlErrorKind`] and the DataFusion error as source.
+/// its [`SqlErrorKind`] and the `DataFusion` error as source.
 fn sql_error(e: DataFusionError, last: &LastRefusal) -> Error {
     let e = match take_ours(e) {
         Ok(ours) => return ours,
@@ -380,15 +382,15 @@ impl Engine {
         state.run(query).await
     }
 
-    /// A new DataFusion [`SessionContext`] over this engine: catalog `gritdb`, schema
+    /// A new `DataFusion` [`SessionContext`] over this engine: catalog `gritdb`, schema
     /// `public` (the defaults) with every table and the system tables, and the engine's
     /// memory pool, so its queries are governed like [`Engine::sql`]'s. It is the caller's
-    /// own session (settings, extra tables and DataFrames stay in it); use it on a tokio
+    /// own session (settings, extra tables and `DataFrames` stay in it); use it on a tokio
     /// runtime. Unlike [`Engine::sql`] it does not restrict statements, but the engine's
     /// tables accept no writes through it.
     ///
     /// # Errors
-    /// [`Error::Closed`]; DataFusion setup errors as [`Error::Sql`].
+    /// [`Error::Closed`]; `DataFusion` setup errors as [`Error::Sql`].
     pub fn session_context(&self) -> Result<SessionContext> {
         let state = self.inner.sql_state()?;
         new_context(&state.engine, self.inner.shared.ctl.limit(), Arc::clone(&state.env)).map_err(|e| sql_error(e, &state.last_refusal))

@@ -1,4 +1,4 @@
-//! DataFusion's memory pool over gritdb's memory controller: every byte a query operator
+//! `DataFusion`'s memory pool over gritdb's memory controller: every byte a query operator
 //! reserves is counted in the `query` category under the engine's one limit.
 
 use crate::engine::Shared;
@@ -8,7 +8,7 @@ use gritdb_memctl::{Category, MemoryError};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-/// The last refusal of the pool, kept so `Engine::sql` can turn DataFusion's string-only
+/// The last refusal of the pool, kept so `Engine::sql` can turn `DataFusion`'s string-only
 /// `ResourcesExhausted` back into a typed [`crate::Error::MemoryLimit`] with its figures.
 #[derive(Debug, Default)]
 pub(crate) struct LastRefusal(Mutex<Option<MemoryError>>);
@@ -30,8 +30,8 @@ impl LastRefusal {
 /// counted) plus the request stay under the *write soft limit* (`limit − flush_headroom`,
 /// docs/memory.md): a query never takes the headroom the background writer needs to flush,
 /// and the hard limit is enforced by memctl's compare-and-swap as for every other category.
-/// A refusal is DataFusion's `ResourcesExhausted` (so sorts and aggregates spill), with the
-/// figures in its text. `grow` (infallible in DataFusion, used by a few join operators for
+/// A refusal is `DataFusion`'s `ResourcesExhausted` (so sorts and aggregates spill), with the
+/// figures in its text. `grow` (infallible in `DataFusion`, used by a few join operators for
 /// memory they already hold) is counted even past the limit, so the accounting stays true.
 pub(crate) struct GritMemoryPool {
     shared: Arc<Shared>,

@@ -1,4 +1,4 @@
-//! gritdb tables as DataFusion [`TableProvider`]s, read by a leaf plan that runs the blocking
+//! gritdb tables as `DataFusion` [`TableProvider`]s, read by a leaf plan that runs the blocking
 //! scan iterator off the async workers.
 
 use super::to_datafusion;
@@ -31,7 +31,7 @@ pub(crate) type Producer =
     dyn Fn(&Sender<datafusion::error::Result<RecordBatch>>, usize) -> datafusion::error::Result<()> + Send + Sync;
 
 /// A leaf plan with one partition whose batches come from a blocking producer (a table scan,
-/// a system table). The producer runs through DataFusion's
+/// a system table). The producer runs through `DataFusion`'s
 /// [`RecordBatchReceiverStream::builder`]`.spawn_blocking` (the spawned task is tied to the
 /// stream: dropping the stream stops it at its next batch).
 pub(crate) struct BlockingSourceExec {
@@ -120,7 +120,7 @@ impl ExecutionPlan for BlockingSourceExec {
     }
 }
 
-/// A gritdb table as a DataFusion table: a consistent snapshot (committed files minus
+/// A gritdb table as a `DataFusion` table: a consistent snapshot (committed files minus
 /// deletion vectors, merged with the sealed and active deltas — [`Table::scan`]) taken when
 /// the query starts reading it, with projection and limit pushed into the scan.
 #[derive(Debug)]

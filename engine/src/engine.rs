@@ -568,13 +568,45 @@ impl Engine {
     /// removed (renamed into `trash/` first, so a crash never leaves half a table visible).
     /// Handles to it return [`Error::TableNotFound`] afterwards.
     ///
+    /// A flush or compaction of the table in flight is cancelled: its Parquet write stops at
+    /// its next call into the file layer (every `write` call, fsync and rename checks) or
+    /// between the batches it encodes, removes its temp file and frees its batch block and
+    /// writer buffers. `drop_table` waits for that (so when it returns the table's accounted
+    /// bytes are all released and the engine total is back where it was before the table
+    /// existed), but at most `EngineConfig::backpressure_timeout`: when the file layer is hung
+    /// inside a system call (a `write` or `fsync` that does not return), it returns after that
+    /// wait with the table gone (name free, directory removed) and the bytes that flush holds —
+    /// its batch block (at most `flush_batch_bytes` per batch of the flush) and writer buffers
+    /// (about 32 MiB at most) — are released when the system call returns.
+    ///
     /// # Errors
     /// [`Error::TableNotFound`], [`Error::Io`] when the directory cannot be removed.
     pub fn drop_table(&self, name: &str) -> Result<()> {
         self.inner.check_open()?;
         let t = self.inner.tables_write().remove(name).ok_or_else(|| Error::TableNotFound { name: name.to_owned() })?;
-        let state = lock(&t.state).take();
+        // Cancel writes first, then take the state (under one lock), so once a handle sees the
+        // table gone its writes are cancelled.
+        let state = {
+            let mut g = lock(&t.state);
+            if let Some(st) = g.as_ref() {
+                st.store.write_options().cancel.cancel();
+            }
+            g.take()
+        };
         drop(state);
+        // A flush or compaction in flight holds the flush lock until it has let go of its
+        // memory: wait for it (bounded; a hung system call cannot be interrupted).
+        let deadline = Instant::now() + self.inner.shared.config.backpressure_timeout;
+        let acknowledged = loop {
+            match t.flush_lock.try_lock() {
+                Ok(_) | Err(std::sync::TryLockError::Poisoned(_)) => break true,
+                Err(std::sync::TryLockError::WouldBlock) if Instant::now() >= deadline => break false,
+                Err(std::sync::TryLockError::WouldBlock) => std::thread::sleep(Duration::from_millis(1)),
+            }
+        };
+        if !acknowledged {
+            tracing::warn!(table = name, "drop_table: a flush of the table is stuck in the file layer; its memory is released when the call returns");
+        }
         let trash = self.inner.dir.join("trash").join(format!("t{}", t.id));
         fs::rename(&t.dir, &trash).map_err(io(&t.dir))?;
         // The rename is the commit point of the drop: make it durable before the WAL forgets.

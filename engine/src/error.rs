@@ -64,6 +64,17 @@ pub enum Error {
         /// Column asked for.
         column: String,
     },
+    /// A scan filter does not fit the table: a literal whose type cannot be compared with its
+    /// column, a literal that is not one element, or a column type without an ordering.
+    /// (A filter naming an unknown column is [`Error::ColumnNotFound`].)
+    #[error("invalid scan filter for table `{table}`: {source}")]
+    InvalidFilter {
+        /// Table name.
+        table: String,
+        /// What does not fit.
+        #[source]
+        source: gritdb_storage::FilterError,
+    },
     /// `insert` of a key that already exists.
     #[error("table `{table}`: primary key at row {row} already exists; use upsert to replace rows")]
     KeyExists {

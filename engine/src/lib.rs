@@ -35,7 +35,7 @@ pub use engine::{DEFAULT_DATA_DIR, Engine};
 pub use error::{Error, Result};
 pub use export::{ExportError, ExportOptions, ExportStats};
 pub use scan::{RETAIN_RATIO, Scan, ScanOptions, compact_if_sparse, retained_bytes};
-pub use gritdb_storage::WalSync;
+pub use gritdb_storage::{CompareOp, FilterError, ScanFilter, ScanMetrics, WalSync};
 pub use table::{Table, TableStats};
 
 /// Memory-controller types re-exported for reports and configuration.

@@ -2,20 +2,25 @@ use crate::error::{Error, Result};
 use crate::table::TableInner;
 use arrow_array::{BooleanArray, RecordBatch};
 use arrow_select::filter::filter_record_batch;
-use gritdb_memctl::Category;
-use gritdb_storage::{FileScan, ScanSource, StorageError, read_file};
+use arrow_buffer::{BooleanBuffer, Buffer, NullBuffer};
+use arrow_data::ArrayData;
+use gritdb_memctl::{Category, MemoryController, MemoryError, Reservation, TableAccount};
+use std::collections::HashMap;
+use gritdb_storage::{BoundFilter, FileScan, FilterError, ReadSpec, ScanCounters, ScanFilter, ScanMetrics, ScanSource, StorageError, filter_batch, read_file_with};
 use std::collections::VecDeque;
+use std::sync::Arc;
 
-/// What a scan reads.
+/// What a scan reads: columns, a predicate, batch size.
 #[derive(Debug, Clone)]
 pub struct ScanOptions {
     projection: Option<Vec<String>>,
+    filter: Option<ScanFilter>,
     batch_rows: usize,
 }
 
 impl Default for ScanOptions {
     fn default() -> Self {
-        Self { projection: None, batch_rows: 8192 }
+        Self { projection: None, filter: None, batch_rows: 8192 }
     }
 }
 
@@ -28,6 +33,21 @@ impl ScanOptions {
         S: Into<String>,
     {
         self.projection = Some(columns.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// Only rows for which `filter` is true (SQL semantics: a comparison with null is not
+    /// true), from files and in-memory deltas alike. Data files skip row groups and pages
+    /// whose Parquet statistics prove no row matches ([`Scan::metrics`] counts them); the
+    /// rest is filtered row by row, so the result is exact. Filter columns need not be in
+    /// the projection. Replaces an earlier filter.
+    ///
+    /// [`Table::scan`](crate::Table::scan) returns [`Error::ColumnNotFound`] for an unknown
+    /// filter column and [`Error::InvalidFilter`] for a literal that cannot be compared with
+    /// its column.
+    #[must_use]
+    pub fn filter(mut self, filter: ScanFilter) -> Self {
+        self.filter = Some(filter);
         self
     }
 
@@ -49,13 +69,21 @@ type FileIter = Box<dyn Iterator<Item = Result<RecordBatch, StorageError>> + Sen
 ///
 /// The snapshot is taken when the scan is created: in-memory deltas are copied into
 /// batch blocks counted under `scan_buffers` (released when the batches are dropped), file
-/// lists and deletion vectors are cloned; files are then read one row group batch at a time.
+/// lists and deletion vectors are cloned; files are then read one batch of `batch_rows` at a
+/// time (never a whole row group). Every batch handed out — decoded from a file or copied out
+/// of a delta — counts under `scan_buffers` (and the table's figures) for as long as the
+/// caller holds any array of it; when that memory cannot be had, `next` waits up to
+/// `backpressure_timeout` for releases and then yields [`Error::MemoryLimit`].
 pub struct Scan {
     table: std::sync::Arc<TableInner>,
-    memory: VecDeque<RecordBatch>,
+    /// In-memory batches to return; `true` when the batch is a copy on the heap (filtered or
+    /// projected out of its block), so it still has to be counted.
+    memory: VecDeque<(RecordBatch, bool)>,
     files: VecDeque<FileScan>,
     current: Option<FileIter>,
     projection: Option<Vec<usize>>,
+    filter: Option<Arc<BoundFilter>>,
+    counters: Arc<ScanCounters>,
     batch_rows: usize,
 }
 
@@ -77,6 +105,13 @@ impl Scan {
                     })
                     .collect::<Result<Vec<_>>>()?,
             ),
+        };
+        let filter = match &options.filter {
+            None => None,
+            Some(f) => Some(Arc::new(f.bind(schema).map_err(|e| match e {
+                FilterError::ColumnNotFound { column } => Error::ColumnNotFound { table: inner.name.clone(), column },
+                source => Error::InvalidFilter { table: inner.name.clone(), source },
+            })?)),
         };
         let g = inner.state()?;
         let st = g.as_ref().ok_or_else(|| Error::TableNotFound { name: inner.name.clone() })?;
@@ -101,6 +136,7 @@ impl Scan {
         drop(g);
         let mut out = VecDeque::new();
         for b in memory {
+            let Some(b) = apply_filter(b, filter.as_deref())? else { continue };
             push_sliced(&mut out, b, options.batch_rows, projection.as_deref())?;
         }
         Ok(Self {
@@ -109,8 +145,17 @@ impl Scan {
             files: files.into(),
             current: None,
             projection,
+            filter,
+            counters: Arc::new(ScanCounters::default()),
             batch_rows: options.batch_rows,
         })
+    }
+
+    /// What the scan has done so far: files opened, row groups read and pruned by the
+    /// filter, rows decoded and returned. Files are opened as the scan reaches them, so the
+    /// figures are complete once the scan is exhausted.
+    pub fn metrics(&self) -> ScanMetrics {
+        self.counters.snapshot()
     }
 
     fn open_next_file(&mut self) -> Result<bool> {
@@ -127,11 +172,18 @@ impl Scan {
                         filter_record_batch(&batch, &keep)?
                     };
                     first += n;
+                    let Some(batch) = apply_filter(batch, self.filter.as_deref())? else { continue };
                     push_sliced(&mut self.memory, batch, self.batch_rows, self.projection.as_deref())?;
                 }
             }
             ScanSource::File(path) => {
-                let it = read_file(&path, self.projection.as_deref(), f.deleted, self.batch_rows)?;
+                let it = read_file_with(&path, ReadSpec {
+                    projection: self.projection.clone(),
+                    filter: self.filter.clone(),
+                    deleted: f.deleted,
+                    batch_rows: self.batch_rows,
+                    counters: Some(Arc::clone(&self.counters)),
+                })?;
                 self.current = Some(Box::new(it));
             }
         }
@@ -139,21 +191,100 @@ impl Scan {
     }
 }
 
-fn push_sliced(out: &mut VecDeque<RecordBatch>, b: RecordBatch, rows: usize, projection: Option<&[usize]>) -> Result<()> {
+/// Keeps a decoded (or copied) buffer alive and its bytes counted under `scan_buffers`: the
+/// owner of the buffers a returned batch points at, dropped with the last of them.
+struct Counted {
+    _buffer: Buffer,
+    _reservation: Reservation,
+}
+
+/// `batch` with every buffer re-pointed at a [`Counted`] owner that holds the original buffer
+/// and a `scan_buffers` reservation of its allocation's capacity, so the bytes count for as long
+/// as any array of the batch is alive. No data is copied. An allocation referenced by several
+/// buffers or columns of the batch is counted once.
+///
+/// # Errors
+/// [`MemoryError::Limit`] when a reservation does not fit; whatever was reserved for the
+/// batch is released again.
+pub(crate) fn count_batch(batch: &RecordBatch, ctl: &Arc<MemoryController>, table: Option<&TableAccount>) -> Result<RecordBatch, MemoryError> {
+    let mut owners: HashMap<usize, Arc<Counted>> = HashMap::new();
+    let mut cols = Vec::with_capacity(batch.num_columns());
+    for c in batch.columns() {
+        cols.push(arrow_array::make_array(rewrap(&c.to_data(), &mut owners, ctl, table)?));
+    }
+    let options = arrow_array::RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
+    RecordBatch::try_new_with_options(batch.schema(), cols, &options).map_err(|e| MemoryError::Config(e.to_string()))
+}
+
+fn rewrap(
+    d: &ArrayData,
+    owners: &mut HashMap<usize, Arc<Counted>>,
+    ctl: &Arc<MemoryController>,
+    table: Option<&TableAccount>,
+) -> Result<ArrayData, MemoryError> {
+    let mut wrap = |b: &Buffer| -> Result<Buffer, MemoryError> {
+        if b.capacity() == 0 || b.is_empty() {
+            return Ok(b.clone());
+        }
+        let key = b.data_ptr().as_ptr() as usize;
+        let owner = match owners.entry(key) {
+            std::collections::hash_map::Entry::Occupied(o) => Arc::clone(o.get()),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                let mut r = Reservation::new(ctl, Category::ScanBuffers, table);
+                r.try_grow(b.capacity())?;
+                Arc::clone(v.insert(Arc::new(Counted { _buffer: b.clone(), _reservation: r })))
+            }
+        };
+        let ptr = std::ptr::NonNull::new(b.as_ptr().cast_mut()).unwrap_or(std::ptr::NonNull::dangling());
+        // SAFETY: `ptr..ptr + b.len()` lies inside the allocation `b` points at, which the owner
+        // keeps alive (it holds a clone of `b`) for as long as the new buffer exists; the bytes
+        // are never written through either buffer (Arrow buffers are immutable once shared).
+        Ok(unsafe { Buffer::from_custom_allocation(ptr, b.len(), owner) })
+    };
+    let buffers = d.buffers().iter().map(&mut wrap).collect::<Result<Vec<Buffer>, _>>()?;
+    let nulls = match d.nulls() {
+        Some(n) => {
+            let inner = n.inner();
+            let wrapped = wrap(inner.inner())?;
+            // SAFETY: the same bits, offset, length and null count as `n`.
+            Some(unsafe { NullBuffer::new_unchecked(BooleanBuffer::new(wrapped, inner.offset(), inner.len()), n.null_count()) })
+        }
+        None => None,
+    };
+    let children = d.child_data().iter().map(|c| rewrap(c, owners, ctl, table)).collect::<Result<Vec<_>, _>>()?;
+    let builder = d.clone().into_builder().buffers(buffers).nulls(nulls).child_data(children);
+    // SAFETY: the same data as `d` (a valid array), only owned through other handles.
+    Ok(unsafe { builder.build_unchecked() })
+}
+
+/// `b` (a batch of the whole table schema) minus the rows `filter` does not make true.
+/// The flag says whether the rows were copied out (some were dropped).
+fn apply_filter(b: RecordBatch, filter: Option<&BoundFilter>) -> Result<Option<(RecordBatch, bool)>> {
+    let n = b.num_rows();
+    match filter {
+        None => Ok(Some((b, false))),
+        Some(f) => Ok(filter_batch(&b, f)?.map(|out| {
+            let copied = out.num_rows() != n;
+            (out, copied)
+        })),
+    }
+}
+
+fn push_sliced(out: &mut VecDeque<(RecordBatch, bool)>, (b, copied): (RecordBatch, bool), rows: usize, projection: Option<&[usize]>) -> Result<()> {
     if b.num_rows() == 0 {
         return Ok(());
     }
-    let b = match projection {
+    let (b, copied) = match projection {
         // A projected in-memory batch would keep the dropped columns' part of its block
         // alive: copy the projected columns out.
-        Some(p) if p.len() < b.num_columns() => copy_out(&b.project(p)?)?,
-        Some(p) => b.project(p)?,
-        None => b,
+        Some(p) if p.len() < b.num_columns() => (copy_out(&b.project(p)?)?, true),
+        Some(p) => (b.project(p)?, copied),
+        None => (b, copied),
     };
     let mut at = 0;
     while at < b.num_rows() {
         let len = rows.min(b.num_rows() - at);
-        out.push_back(b.slice(at, len));
+        out.push_back((b.slice(at, len), copied));
         at += len;
     }
     Ok(())
@@ -202,11 +333,16 @@ fn used_bytes(batch: &RecordBatch) -> usize {
 /// # Errors
 /// Arrow errors while copying.
 pub fn compact_if_sparse(batch: RecordBatch) -> Result<RecordBatch> {
+    Ok(compact_if_sparse_flag(batch)?.0)
+}
+
+/// [`compact_if_sparse`], saying whether it copied.
+fn compact_if_sparse_flag(batch: RecordBatch) -> Result<(RecordBatch, bool)> {
     let used = used_bytes(&batch).max(1);
     if retained_bytes(&batch) < RETAIN_RATIO * used {
-        return Ok(batch);
+        return Ok((batch, false));
     }
-    copy_out(&batch)
+    Ok((copy_out(&batch)?, true))
 }
 
 /// A copy of `batch` whose buffers hold exactly its rows.
@@ -241,6 +377,9 @@ impl Iterator for Scan {
 
     fn next(&mut self) -> Option<Self::Item> {
         let r = self.next_inner();
+        if let Some(Ok(b)) = &r {
+            self.counters.add_matched(b.num_rows() as u64);
+        }
         match r {
             Some(Err(e)) => Some(Err(self.explain(e))),
             other => other,
@@ -249,14 +388,36 @@ impl Iterator for Scan {
 }
 
 impl Scan {
+    /// `b` counted under `scan_buffers` (see [`count_batch`]). When the memory is not there,
+    /// waits for releases (flushes, or batches the caller drops) up to `backpressure_timeout`,
+    /// then returns [`Error::MemoryLimit`].
+    fn counted(&self, b: &RecordBatch) -> Result<RecordBatch> {
+        let shared = &self.table.shared;
+        let deadline = std::time::Instant::now() + shared.config.backpressure_timeout;
+        loop {
+            match count_batch(b, &shared.ctl, Some(&self.table.account)) {
+                Ok(b) => return Ok(b),
+                Err(e @ MemoryError::Limit { .. }) => {
+                    let now = std::time::Instant::now();
+                    if now >= deadline {
+                        return Err(e.into());
+                    }
+                    shared.ctl.wait_for_release((deadline - now).min(std::time::Duration::from_millis(100)));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
     fn next_inner(&mut self) -> Option<Result<RecordBatch>> {
         loop {
-            if let Some(b) = self.memory.pop_front() {
-                return Some(compact_if_sparse(b));
+            if let Some((b, copied)) = self.memory.pop_front() {
+                return Some(compact_if_sparse_flag(b).and_then(|(b, c)| if copied || c { self.counted(&b) } else { Ok(b) }));
             }
             if let Some(it) = self.current.as_mut() {
                 match it.next() {
-                    Some(r) => return Some(r.map_err(Error::from).and_then(compact_if_sparse)),
+                    // Decoded batches are always counted (they were on the heap).
+                    Some(r) => return Some(r.map_err(Error::from).and_then(compact_if_sparse).and_then(|b| self.counted(&b))),
                     None => self.current = None,
                 }
             }
@@ -272,5 +433,30 @@ impl Scan {
 impl From<arrow_schema::ArrowError> for Error {
     fn from(e: arrow_schema::ArrowError) -> Self {
         Error::Storage(StorageError::Arrow(e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow_array::{ArrayRef, Int64Array};
+
+    /// A buffer shared by two columns (and the same batch counted twice) is reserved once per
+    /// counted batch, for exactly its capacity, and released when the last array goes.
+    #[test]
+    fn shared_buffers_count_once_per_batch() {
+        let ctl = MemoryController::new(gritdb_memctl::ControllerConfig { memory_limit: Some(64 << 20), ..Default::default() }).unwrap();
+        let col: ArrayRef = Arc::new(Int64Array::from_iter_values(0..10_000));
+        let cap = retained_bytes(&RecordBatch::try_from_iter([("a", Arc::clone(&col))]).unwrap());
+        let batch = RecordBatch::try_from_iter([("a", Arc::clone(&col)), ("b", col)]).unwrap();
+        let counted = count_batch(&batch, &ctl, None).unwrap();
+        assert_eq!(ctl.category_bytes(Category::ScanBuffers), cap);
+        assert_eq!(counted, batch);
+        let kept = Arc::clone(counted.column(1));
+        drop(counted);
+        drop(batch);
+        assert_eq!(ctl.category_bytes(Category::ScanBuffers), cap, "a kept column keeps the allocation counted");
+        drop(kept);
+        assert_eq!(ctl.category_bytes(Category::ScanBuffers), 0);
     }
 }

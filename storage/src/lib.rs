@@ -18,6 +18,7 @@
 
 mod compact;
 mod error;
+mod filter;
 mod index;
 mod manifest;
 mod table;
@@ -27,9 +28,10 @@ mod write;
 
 pub use compact::{CompactionOptions, CompactionPlan};
 pub use error::StorageError;
+pub use filter::{BoundFilter, CompareOp, FilePlan, FilterError, ScanCounters, ScanFilter, ScanMetrics, filter_batch, keep_rows};
 pub use index::{FileKeys, KeyIndex, Loc};
 pub use manifest::{FileMeta, Manifest, MANIFEST_FILE};
 pub use table::{CommitPlan, FileGuard, FileScan, ScanSource, Staged, TableStore};
 pub use vfs::{FaultFs, FsOp, StdFs, Vfs, VfsFile};
 pub use wal::{SEGMENT_BYTES, WAL_DIR, Wal, WalOp, WalRecord, WalSync, decode_segment};
-pub use write::{WriteOptions, read_file, write_data_file, write_data_file_from};
+pub use write::{CancelToken, FileReader, ReadSpec, WriteOptions, read_file, read_file_with, write_data_file, write_data_file_from};

@@ -88,6 +88,12 @@ struct Inner {
     unsynced: bool,
 }
 
+/// A record buffer and the `write_buffers` reservation covering its capacity.
+struct Scratch {
+    buf: Vec<u8>,
+    res: Reservation,
+}
+
 /// The write-ahead log of one engine.
 pub struct Wal {
     dir: PathBuf,
@@ -157,36 +163,62 @@ impl Wal {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Whether [`Self::append`] fsyncs before it returns ([`WalSync::PerBatch`]).
+    pub fn syncs_each_append(&self) -> bool {
+        self.sync == WalSync::PerBatch
+    }
+
+    /// Encodes one record (header placeholder, payload header, Arrow IPC stream) into `scratch`
+    /// and fills in its length and checksum; returns the record's length in bytes.
+    fn encode(scratch: &mut Scratch, op: WalOp, table: u64, first_seq: u64, last_seq: u64, batch: &RecordBatch) -> Result<usize, StorageError> {
+        let buf = &mut scratch.buf;
+        buf.clear();
+        let estimate = HEADER + PAYLOAD_HEADER + batch.get_array_memory_size() + 1024;
+        if scratch.res.size() < estimate.max(buf.capacity()) {
+            scratch.res.try_resize(estimate.max(buf.capacity()))?;
+        }
+        buf.reserve(estimate);
+        buf.extend_from_slice(&[0; HEADER]);
+        buf.push(match op {
+            WalOp::Put => 1,
+            WalOp::Delete => 2,
+        });
+        buf.extend_from_slice(&table.to_le_bytes());
+        buf.extend_from_slice(&first_seq.to_le_bytes());
+        buf.extend_from_slice(&last_seq.to_le_bytes());
+        {
+            let mut w = StreamWriter::try_new(&mut *buf, batch.schema_ref())?;
+            w.write(batch)?;
+            w.finish()?;
+        }
+        scratch.res.try_resize(buf.capacity())?;
+        let len = u32::try_from(buf.len() - HEADER).map_err(|_| StorageError::Io {
+            path: PathBuf::new(),
+            source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "WAL record above 4 GiB; write smaller batches"),
+        })?;
+        let crc = crc32fast::hash(&buf[HEADER..]);
+        buf[..4].copy_from_slice(&len.to_le_bytes());
+        buf[4..HEADER].copy_from_slice(&crc.to_le_bytes());
+        Ok(buf.len())
+    }
+
     /// Appends one record; with [`WalSync::PerBatch`] it is fsynced before this returns.
-    /// The encoding buffer is reserved under `write_buffers` while it exists.
+    /// The record (frame header included) is encoded into one buffer, sized up front and
+    /// reserved under `write_buffers` while it exists, and written with one `write`.
     ///
     /// # Errors
     /// [`StorageError::Io`] (the record may be partly written: recovery drops a torn tail),
     /// [`StorageError::Memory`], [`StorageError::Arrow`].
     pub fn append(&self, op: WalOp, table: u64, first_seq: u64, last_seq: u64, batch: &RecordBatch) -> Result<(), StorageError> {
-        let mut res = Reservation::new(&self.ctl, Category::WriteBuffers, None);
-        res.try_grow(batch.get_array_memory_size() + 1024)?;
-        let mut payload = Vec::with_capacity(PAYLOAD_HEADER + batch.get_array_memory_size() / 2 + 512);
-        payload.push(match op {
-            WalOp::Put => 1,
-            WalOp::Delete => 2,
-        });
-        payload.extend_from_slice(&table.to_le_bytes());
-        payload.extend_from_slice(&first_seq.to_le_bytes());
-        payload.extend_from_slice(&last_seq.to_le_bytes());
-        {
-            let mut w = StreamWriter::try_new(&mut payload, batch.schema_ref())?;
-            w.write(batch)?;
-            w.finish()?;
-        }
-        res.try_resize(payload.capacity())?;
-        let len = u32::try_from(payload.len()).map_err(|_| {
-            StorageError::Io {
-                path: self.dir.clone(),
-                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "WAL record above 4 GiB; write smaller batches"),
-            }
+        let mut scratch = Scratch { buf: Vec::new(), res: Reservation::new(&self.ctl, Category::WriteBuffers, None) };
+        self.append_encoded(&mut scratch, op, table, first_seq, last_seq, batch)
+    }
+
+    fn append_encoded(&self, scratch: &mut Scratch, op: WalOp, table: u64, first_seq: u64, last_seq: u64, batch: &RecordBatch) -> Result<(), StorageError> {
+        let record_len = Self::encode(scratch, op, table, first_seq, last_seq, batch).map_err(|e| match e {
+            StorageError::Io { source, .. } => StorageError::Io { path: self.dir.clone(), source },
+            other => other,
         })?;
-        let crc = crc32fast::hash(&payload);
         let mut g = self.lock();
         if g.active.as_ref().is_some_and(|a| a.seg.bytes >= SEGMENT_BYTES) {
             let a = g.active.take().map(|a| a.seg);
@@ -201,12 +233,8 @@ impl Wal {
             g.active = Some(Active { seg: Segment { id, bytes: 0, max_seq: HashMap::new() }, file });
         }
         let a = g.active.as_mut().expect("active segment just ensured"); // infallible
-        let path = self.dir.join(seg_name(a.seg.id));
-        let mut frame = Vec::with_capacity(HEADER);
-        frame.extend_from_slice(&len.to_le_bytes());
-        frame.extend_from_slice(&crc.to_le_bytes());
         let good = a.seg.bytes;
-        let mut res = a.file.write_all(&frame).and_then(|()| a.file.write_all(&payload));
+        let mut res = a.file.write_all(&scratch.buf);
         if res.is_ok() && self.sync == WalSync::PerBatch {
             res = a.file.sync_all();
         }
@@ -214,6 +242,7 @@ impl Wal {
             // The write is not acknowledged, so it must not come back on recovery: cut the
             // segment back to its last whole record (best effort) and start a new segment for
             // the next append.
+            let path = self.dir.join(seg_name(a.seg.id));
             let seg = g.active.take().map(|a| a.seg);
             g.closed.extend(seg);
             drop(g);
@@ -225,7 +254,7 @@ impl Wal {
             }
             return Err(StorageError::Io { path, source: e });
         }
-        a.seg.bytes += (HEADER + payload.len()) as u64;
+        a.seg.bytes += record_len as u64;
         let e = a.seg.max_seq.entry(table).or_insert(0);
         *e = (*e).max(last_seq);
         if self.sync == WalSync::Relaxed {

@@ -1,12 +1,14 @@
 use crate::error::{StorageError, io};
 use crate::vfs::Vfs;
-use arrow_array::{BooleanArray, RecordBatch};
-use arrow_select::filter::filter_record_batch;
+use crate::filter::{BoundFilter, FilePlan, ScanCounters, keep_rows};
+use arrow_array::RecordBatch;
+use arrow_buffer::{BooleanBuffer, BooleanBufferBuilder};
 use gritdb_memctl::{Category, MemoryController, Reservation, TableAccount};
 use parquet::arrow::ArrowWriter;
 use parquet::arrow::ProjectionMask;
-use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use parquet::arrow::arrow_reader::{ArrowReaderOptions, ParquetRecordBatchReader, ParquetRecordBatchReaderBuilder, RowSelection};
 use parquet::basic::Compression;
+use parquet::file::metadata::PageIndexPolicy;
 use parquet::file::properties::WriterProperties;
 use roaring::RoaringBitmap;
 use std::fs;
@@ -24,13 +26,50 @@ pub struct WriteOptions {
     pub row_group_bytes: usize,
     /// Upper bound on rows per row group. Default 1,048,576 (Parquet's default).
     pub row_group_rows: usize,
+    /// Cancels writes made with these options (and their clones): set when the table is
+    /// dropped. Every default-built `WriteOptions` has its own token.
+    pub cancel: CancelToken,
 }
 
 impl Default for WriteOptions {
     fn default() -> Self {
-        Self { write_batch_rows: 8192, row_group_bytes: 32 << 20, row_group_rows: 1 << 20 }
+        Self { write_batch_rows: 8192, row_group_bytes: 32 << 20, row_group_rows: 1 << 20, cancel: CancelToken::default() }
     }
 }
+
+/// A flag that cancels the data-file writes of one table (its flushes and compactions) when
+/// the table is dropped. Clones share the flag.
+///
+/// A write checks it before every call into the file layer (each `write` of the Parquet sink,
+/// the fsync and the rename) and between the batches it encodes; once set, the write stops with
+/// an I/O error of kind [`std::io::ErrorKind::Other`] ("write cancelled: the table was
+/// dropped"), removes its temp file and frees its buffers. A call already inside the file
+/// layer (a `write` or `fsync` blocked in the kernel) cannot be interrupted: the write stops
+/// when that call returns.
+#[derive(Debug, Clone, Default)]
+pub struct CancelToken(Arc<std::sync::atomic::AtomicBool>);
+
+impl CancelToken {
+    /// Cancels every write using this token, now and later.
+    pub fn cancel(&self) {
+        self.0.store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// True once [`Self::cancel`] was called.
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn check(&self) -> std::io::Result<()> {
+        if self.is_cancelled() {
+            return Err(std::io::Error::other(CANCELLED));
+        }
+        Ok(())
+    }
+}
+
+/// The message of a cancelled write's error.
+const CANCELLED: &str = "write cancelled: the table was dropped";
 
 /// Writes `batches` (in order, one schema) as the Parquet file `dir/name`: written to `name.tmp`, fsynced, renamed,
 /// directory fsynced, so the file is either absent or complete. The writer's buffers are
@@ -76,7 +115,9 @@ pub fn write_data_file_from(
     let dst = dir.join(name);
     let res = (|| {
         let seen = Arc::new(std::sync::Mutex::new(None));
-        let file = Recording { inner: vfs.create(&tmp).map_err(io(&tmp))?, seen: Arc::clone(&seen) };
+        let cancel = &opts.cancel;
+        cancel.check().map_err(io(&tmp))?;
+        let file = Recording { inner: vfs.create(&tmp).map_err(io(&tmp))?, seen: Arc::clone(&seen), cancel: cancel.clone() };
         let props = WriterProperties::builder()
             .set_compression(Compression::SNAPPY)
             .set_max_row_group_row_count(Some(opts.row_group_rows.max(1)))
@@ -89,6 +130,8 @@ pub fn write_data_file_from(
             let batch = batch?;
             let mut at = 0;
             while at < batch.num_rows() {
+                // Between encoded batches (and so between row groups) a drop stops the write.
+                cancel.check().map_err(io(&tmp))?;
                 let len = step.min(batch.num_rows() - at);
                 writer.write(&batch.slice(at, len)).map_err(pq)?;
                 at += len;
@@ -103,9 +146,11 @@ pub fn write_data_file_from(
         }
         let mut file = writer.into_inner().map_err(pq)?.inner;
         drop(buffers);
+        cancel.check().map_err(io(&tmp))?;
         file.sync_all().map_err(io(&tmp))?;
         let size = file.len().map_err(io(&tmp))?;
         drop(file);
+        cancel.check().map_err(io(&tmp))?;
         vfs.rename(&tmp, &dst).map_err(io(&dst))?;
         vfs.sync_dir(dir).map_err(io(dir))?;
         Ok(size)
@@ -127,32 +172,216 @@ pub fn read_file(
     projection: Option<&[usize]>,
     deleted: Arc<RoaringBitmap>,
     batch_rows: usize,
-) -> Result<impl Iterator<Item = Result<RecordBatch, StorageError>> + Send + use<>, StorageError> {
+) -> Result<FileReader, StorageError> {
+    read_file_with(path, ReadSpec { projection: projection.map(<[usize]>::to_vec), filter: None, deleted, batch_rows, counters: None })
+}
+
+/// What [`read_file_with`] reads from a data file.
+#[derive(Debug, Clone)]
+pub struct ReadSpec {
+    /// Columns returned, in this order (indices into the table schema; `None` = all, in
+    /// schema order).
+    pub projection: Option<Vec<usize>>,
+    /// Only rows this predicate makes true (bound to the table schema).
+    pub filter: Option<Arc<BoundFilter>>,
+    /// File rows to skip (deletion vector and rows replaced in memory).
+    pub deleted: Arc<RoaringBitmap>,
+    /// Largest batch decoded at a time, in rows (returned batches are at most this).
+    pub batch_rows: usize,
+    /// Where row groups read and pruned and rows decoded are counted.
+    pub counters: Option<Arc<ScanCounters>>,
+}
+
+/// Reads a data file as `spec` says: row groups (and, with the page index, pages) whose
+/// statistics prove no row matches the filter are not read; the rest are decoded
+/// `batch_rows` at a time (never a whole row group at once) and filtered exactly (deleted
+/// rows and rows the predicate does not make true are dropped). Empty batches are never
+/// yielded.
+///
+/// # Errors
+/// [`StorageError::Io`] when the file cannot be opened, [`StorageError::Parquet`] when it is
+/// not valid Parquet; the iterator yields later decoding errors.
+pub fn read_file_with(path: &Path, spec: ReadSpec) -> Result<FileReader, StorageError> {
     let file = fs::File::open(path).map_err(io(path))?;
-    let mut builder = ParquetRecordBatchReaderBuilder::try_new(file)?.with_batch_size(batch_rows.max(1));
-    if let Some(p) = projection {
-        let mask = ProjectionMask::roots(builder.parquet_schema(), p.iter().copied());
-        builder = builder.with_projection(mask);
+    // The page index is loaded only when a filter can use it.
+    let policy = if spec.filter.is_some() { PageIndexPolicy::Optional } else { PageIndexPolicy::Skip };
+    let options = ArrowReaderOptions::new().with_page_index_policy(policy);
+    let builder = ParquetRecordBatchReaderBuilder::try_new_with_options(file, options)?.with_batch_size(spec.batch_rows.max(1));
+    let width = builder.schema().fields().len();
+    let out: Vec<usize> = spec.projection.clone().unwrap_or_else(|| (0..width).collect());
+    let mut read: Vec<usize> = out.iter().chain(spec.filter.iter().flat_map(|f| f.columns())).copied().collect();
+    read.sort_unstable();
+    read.dedup();
+    if let Some(&bad) = read.iter().find(|&&c| c >= width) {
+        return Err(StorageError::CorruptFile { path: path.to_path_buf(), detail: format!("column {bad} asked for; the file has {width}") });
     }
-    let reader = builder.build()?;
-    let mut row = 0u32;
-    Ok(reader.filter_map(move |b| {
-        let b = match b {
-            Ok(b) => b,
-            Err(e) => return Some(Err(StorageError::Arrow(e))),
+    let mut position = vec![usize::MAX; width];
+    for (at, &c) in read.iter().enumerate() {
+        position[c] = at;
+    }
+    let md = Arc::clone(builder.metadata());
+    let total: u64 = md.row_groups().iter().map(|g| g.num_rows() as u64).sum();
+    let plan = match &spec.filter {
+        Some(f) => f.plan(&md, builder.schema()),
+        None => FilePlan {
+            row_groups: (0..md.num_row_groups()).collect(),
+            ranges: if total > 0 { crate::filter::whole(total) } else { Vec::new() },
+            pruned_row_groups: 0,
+            pruned_page_rows: 0,
+        },
+    };
+    if let Some(c) = &spec.counters {
+        c.add_file(md.num_row_groups() as u64, plan.pruned_row_groups, plan.pruned_page_rows);
+    }
+    let out_positions: Vec<usize> = out.iter().map(|&c| position[c]).collect();
+    let identity = out_positions.iter().copied().eq(0..read.len());
+    let mut reader = FileReader {
+        inner: None,
+        cursor: Cursor { ranges: plan.ranges.clone(), at: 0, offset: 0 },
+        position,
+        out_positions: (!identity).then_some(out_positions),
+        spec,
+    };
+    if plan.row_groups.is_empty() {
+        return Ok(reader);
+    }
+    // The selection is relative to the rows of the chosen row groups, concatenated.
+    let mut starts = Vec::with_capacity(md.num_row_groups());
+    let mut at = 0u64;
+    for g in md.row_groups() {
+        starts.push(at);
+        at += g.num_rows() as u64;
+    }
+    let mut relative = Vec::with_capacity(plan.ranges.len());
+    let mut base = 0u64;
+    let mut selected_rows = 0u64;
+    let mut ranges = plan.ranges.iter().peekable();
+    for &g in &plan.row_groups {
+        let (lo, n) = (starts[g], md.row_group(g).num_rows() as u64);
+        while let Some(r) = ranges.next_if(|r| r.start < lo + n) {
+            relative.push((r.start - lo + base) as usize..(r.end - lo + base) as usize);
+        }
+        base += n;
+        selected_rows += n;
+    }
+    let kept: u64 = plan.ranges.iter().map(|r| r.end - r.start).sum();
+    let mut builder = builder.with_projection(ProjectionMask::roots(md.file_metadata().schema_descr(), read.iter().copied()));
+    if plan.row_groups.len() < md.num_row_groups() {
+        builder = builder.with_row_groups(plan.row_groups.clone());
+    }
+    if kept < selected_rows {
+        builder = builder.with_row_selection(RowSelection::from_consecutive_ranges(relative.into_iter(), selected_rows as usize));
+    }
+    reader.inner = Some(builder.build()?);
+    Ok(reader)
+}
+
+/// File row numbers of the rows a reader yields, in order.
+#[derive(Debug)]
+struct Cursor {
+    ranges: Vec<std::ops::Range<u64>>,
+    at: usize,
+    offset: u64,
+}
+
+impl Cursor {
+    /// The next `n` file rows as `(first row, count)` runs.
+    fn take(&mut self, mut n: u64, out: &mut Vec<(u64, u64)>) {
+        out.clear();
+        while n > 0 && self.at < self.ranges.len() {
+            let r = &self.ranges[self.at];
+            let start = r.start + self.offset;
+            let len = (r.end - start).min(n);
+            out.push((start, len));
+            n -= len;
+            self.offset += len;
+            if r.start + self.offset == r.end {
+                self.at += 1;
+                self.offset = 0;
+            }
+        }
+    }
+}
+
+/// The batches of one data file ([`read_file_with`]): an iterator of
+/// `Result<RecordBatch, StorageError>`.
+pub struct FileReader {
+    inner: Option<ParquetRecordBatchReader>,
+    cursor: Cursor,
+    /// Table column -> column of the decoded batch.
+    position: Vec<usize>,
+    /// Decoded columns in output order (`None`: the decoded order is the output order).
+    out_positions: Option<Vec<usize>>,
+    spec: ReadSpec,
+}
+
+impl std::fmt::Debug for FileReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FileReader").field("spec", &self.spec).finish_non_exhaustive()
+    }
+}
+
+impl FileReader {
+    fn filter(&mut self, b: &RecordBatch) -> Result<Option<RecordBatch>, StorageError> {
+        let n = b.num_rows() as u64;
+        if let Some(c) = &self.spec.counters {
+            c.add_decoded(n);
+        }
+        let mut runs = Vec::new();
+        self.cursor.take(n, &mut runs);
+        let deleted = &self.spec.deleted;
+        let mut keep: Option<BooleanBuffer> = None;
+        if runs.iter().any(|&(s, l)| deleted.range_cardinality(s as u32..(s + l) as u32) > 0) {
+            let mut bits = BooleanBufferBuilder::new(n as usize);
+            for &(s, l) in &runs {
+                if deleted.range_cardinality(s as u32..(s + l) as u32) == 0 {
+                    bits.append_n(l as usize, true);
+                } else {
+                    for r in s..s + l {
+                        bits.append(!deleted.contains(r as u32));
+                    }
+                }
+            }
+            keep = Some(bits.finish());
+        }
+        if let Some(f) = &self.spec.filter {
+            let pos = &self.position;
+            let m = f.evaluate(b, &|c| pos[c])?;
+            keep = Some(match keep {
+                Some(k) => &k & &m,
+                None => m,
+            });
+        }
+        let b = match keep {
+            Some(k) => match keep_rows(b, k)? {
+                Some(b) => b,
+                None => return Ok(None),
+            },
+            None => b.clone(),
         };
-        let start = row;
-        row += b.num_rows() as u32;
-        if deleted.range_cardinality(start..row) == 0 {
-            return Some(Ok(b));
+        Ok(Some(match &self.out_positions {
+            Some(p) => b.project(p)?,
+            None => b,
+        }))
+    }
+}
+
+impl Iterator for FileReader {
+    type Item = Result<RecordBatch, StorageError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            let b = match self.inner.as_mut()?.next()? {
+                Ok(b) => b,
+                Err(e) => return Some(Err(StorageError::Arrow(e))),
+            };
+            match self.filter(&b) {
+                Ok(Some(b)) => return Some(Ok(b)),
+                Ok(None) => {}
+                Err(e) => return Some(Err(e)),
+            }
         }
-        let keep: BooleanArray = (start..row).map(|r| Some(!deleted.contains(r))).collect();
-        match filter_record_batch(&b, &keep) {
-            Ok(f) if f.num_rows() == 0 => None,
-            Ok(f) => Some(Ok(f)),
-            Err(e) => Some(Err(StorageError::Arrow(e))),
-        }
-    }))
+    }
 }
 
 /// The Parquet writer's sink: remembers the last I/O error, because Parquet reports some of
@@ -160,6 +389,8 @@ pub fn read_file(
 struct Recording {
     inner: Box<dyn crate::vfs::VfsFile>,
     seen: Arc<Seen>,
+    /// Checked before every call into the file layer.
+    cancel: CancelToken,
 }
 
 impl Recording {
@@ -172,6 +403,7 @@ impl Recording {
 
 impl std::io::Write for Recording {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.cancel.check().inspect_err(|e| self.note(e))?;
         self.inner.write(buf).inspect_err(|e| self.note(e))
     }
     fn flush(&mut self) -> std::io::Result<()> {

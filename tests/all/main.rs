@@ -10,11 +10,14 @@ mod big_strings;
 mod compaction;
 mod crash;
 mod create_drop;
+mod drop_flush;
 mod faults;
+mod filter;
 mod interop;
 mod model;
 mod regressions;
 mod retention;
+mod scan_memory;
 mod runtime;
 mod smoke;
 #[cfg(feature = "sql")]

@@ -84,3 +84,90 @@ fn wide_table_writer_buffers_are_bounded_and_counted() {
     assert_eq!(engine.memory().category_bytes(Category::WriteBuffers), 0);
     assert_eq!(t.row_count().unwrap(), 400_000);
 }
+
+/// Ten tables, each one 1 M-row file of ONE row group, scanned at once (a batch pulled from
+/// each in turn, the ten current batches held): decoded batches are counted under
+/// `scan_buffers` while held, its peak stays within its documented share (limit / 4), and the
+/// allocator's growth stays far below what decoding the ten row groups whole would take.
+#[test]
+fn ten_single_row_group_files_scan_within_scan_buffers_share() {
+    use arrow::array::{Int64Array, RecordBatch};
+    use arrow::datatypes::{DataType, Field, Schema};
+    use std::sync::Arc;
+    const ROWS: i64 = 1_000_000;
+    let _g = SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let dir = tempfile::tempdir().unwrap();
+    // A flush threshold above 1 M rows, so each table's rows go to one file in one flush.
+    let engine = Engine::open(
+        dir.path(),
+        EngineConfig::default().memory_limit(1 << 30).table_flush_bytes(120 << 20).flush_age(std::time::Duration::from_hours(1)),
+    )
+    .unwrap();
+    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", DataType::Int64, true)]));
+    let mut tables = Vec::new();
+    for t in 0..10i64 {
+        let table = engine.create_table(&format!("t{t}"), Arc::clone(&schema), &["k"]).unwrap();
+        for start in (0..ROWS).step_by(1 << 16) {
+            let end = (start + (1 << 16)).min(ROWS);
+            let b = RecordBatch::try_new(
+                Arc::clone(&schema),
+                vec![Arc::new(Int64Array::from_iter_values(start..end)), Arc::new(Int64Array::from_iter_values((start..end).map(|k| k * 3 + t)))],
+            )
+            .unwrap();
+            table.insert(&b).unwrap();
+        }
+        table.flush().unwrap();
+        assert_eq!(table.stats().unwrap().files, 1);
+        tables.push(table);
+    }
+    let limit = 256usize << 20;
+    engine.set_memory_limit(limit).unwrap();
+    engine.release_cached_memory();
+    engine.memory().reset_peaks();
+    let share = limit / 4;
+    let before = allocated();
+    let mut scans: Vec<gritdb::Scan> = tables.iter().map(|t| t.scan(gritdb::ScanOptions::default()).unwrap()).collect();
+    let mut held: Vec<Option<RecordBatch>> = vec![None; 10];
+    let (mut rows, mut sums) = (vec![0i64; 10], vec![0i64; 10]);
+    let (mut max_growth, mut max_held_counted) = (0usize, 0usize);
+    loop {
+        let mut any = false;
+        for (i, s) in scans.iter_mut().enumerate() {
+            held[i] = None; // the caller lets go of its previous batch, then takes the next
+            if let Some(b) = s.next() {
+                let b = b.unwrap();
+                rows[i] += b.num_rows() as i64;
+                sums[i] += b.column(1).as_any().downcast_ref::<Int64Array>().unwrap().values().iter().sum::<i64>();
+                held[i] = Some(b);
+                any = true;
+            }
+        }
+        if !any {
+            break;
+        }
+        max_growth = max_growth.max(allocated().saturating_sub(before));
+        if held.iter().all(Option::is_some) {
+            max_held_counted = max_held_counted.max(engine.memory().category_bytes(Category::ScanBuffers));
+        }
+    }
+    for (i, s) in scans.iter().enumerate() {
+        assert_eq!(rows[i], ROWS);
+        assert_eq!(sums[i], (0..ROWS).map(|k| k * 3 + i as i64).sum::<i64>());
+        let m = s.metrics();
+        assert_eq!((m.files_opened, m.row_groups_total, m.rows_decoded), (1, 1, ROWS as u64), "one file of one row group: {m:?}");
+    }
+    let peak = engine.memory().category_peak(Category::ScanBuffers);
+    // Ten held 8,192-row batches of two Int64 columns: at least 10 x 128 KiB counted.
+    let batch_bytes = 8192 * 16;
+    let whole = 10 * ROWS as usize * 16;
+    eprintln!(
+        "ten scans: scan_buffers peak {peak} B (share {share} B, ten held batches counted {max_held_counted} B), allocator growth max {max_growth} B (whole row groups: {whole} B)"
+    );
+    assert!(max_held_counted >= 10 * batch_bytes, "held batches must be counted: {max_held_counted} B");
+    assert!(peak <= share, "scan_buffers peak {peak} B above its share {share} B");
+    assert!(peak <= 4 * 10 * batch_bytes, "streaming holds about one batch per scan, not {peak} B");
+    assert!(max_growth * 4 <= whole, "allocator grew {max_growth} B: row groups decoded whole ({whole} B)?");
+    drop(held);
+    drop(scans);
+    assert_eq!(engine.memory().category_bytes(Category::ScanBuffers), 0, "every counted batch released");
+}

@@ -228,20 +228,61 @@ impl RowCodec {
     ///
     /// # Errors
     /// [`UnifyError::RowTooLarge`] naming the first row above the maximum.
-    pub(crate) fn row_sizes(&self, batch: &RecordBatch, keys: &Rows, readers: &[ColReader<'_>]) -> Result<Vec<usize>, UnifyError> {
+    pub(crate) fn row_sizes(&self, keys: &Rows, readers: &[ColReader<'_>]) -> Result<Vec<usize>, UnifyError> {
         let base = HEADER + self.bitmap_len + self.fixed_len;
-        let mut sizes: Vec<usize> = (0..batch.num_rows()).map(|i| base + keys.row(i).as_ref().len()).collect();
-        for (j, r) in readers.iter().enumerate() {
-            if self.kinds[j].is_var() {
-                for (i, s) in sizes.iter_mut().enumerate() {
-                    *s += r.var_len(i);
-                }
-            }
+        let mut sizes: Vec<usize> = keys.iter().map(|k| base + k.as_ref().len()).collect();
+        for r in readers {
+            r.add_var_lens(&mut sizes);
         }
         if let Some((row, &bytes)) = sizes.iter().enumerate().find(|(_, s)| **s > self.max_row_bytes) {
             return Err(UnifyError::RowTooLarge { row, bytes, max: self.max_row_bytes });
         }
         Ok(sizes)
+    }
+
+    /// Writes row `i` of the batch read by `readers` into `buf` (exactly its encoded size, as
+    /// [`Self::row_sizes`] computed it): header, key, null bitmap, fixed slots, var-len bytes.
+    #[inline]
+    pub(crate) fn encode_row(&self, buf: &mut [u8], op: u8, seq: u64, key: &[u8], readers: &[ColReader<'_>], i: usize) {
+        let (head, body) = buf.split_at_mut(HEADER + key.len());
+        head[0] = op;
+        head[1..9].copy_from_slice(&seq.to_le_bytes());
+        head[9..13].copy_from_slice(&(key.len() as u32).to_le_bytes());
+        head[HEADER..].copy_from_slice(key);
+        let (bitmap, rest) = body.split_at_mut(self.bitmap_len);
+        bitmap.fill(0);
+        let (fixed, var) = rest.split_at_mut(self.fixed_len);
+        let mut var_pos = 0usize;
+        for (j, (r, &slot)) in readers.iter().zip(&self.slot_offsets).enumerate() {
+            let slot = &mut fixed[slot..];
+            if r.is_null(i) {
+                bitmap[j / 8] |= 1 << (j % 8);
+                match r {
+                    ColReader::Bool { .. } => slot[0] = 0,
+                    ColReader::Fixed { width, .. } => slot[..*width].fill(0),
+                    _ => slot[..4].copy_from_slice(&(var_pos as u32).to_le_bytes()),
+                }
+                continue;
+            }
+            match r {
+                ColReader::Bool { values, .. } => slot[0] = u8::from(values.value(i)),
+                ColReader::Fixed { values, start, width, .. } => {
+                    let at = start + i * width;
+                    match *width {
+                        4 => slot[..4].copy_from_slice(&values[at..at + 4]),
+                        8 => slot[..8].copy_from_slice(&values[at..at + 8]),
+                        16 => slot[..16].copy_from_slice(&values[at..at + 16]),
+                        w => slot[..w].copy_from_slice(&values[at..at + w]),
+                    }
+                }
+                _ => {
+                    let v = r.var_value_unchecked_null(i);
+                    var[var_pos..var_pos + v.len()].copy_from_slice(v);
+                    var_pos += v.len();
+                    slot[..4].copy_from_slice(&(var_pos as u32).to_le_bytes());
+                }
+            }
+        }
     }
 }
 
@@ -280,7 +321,8 @@ fn first_null(a: &dyn Array) -> usize {
 
 /// Reads values of one Arrow column for encoding.
 pub(crate) enum ColReader<'a> {
-    Bool(&'a arrow_array::BooleanArray),
+    Bool { values: arrow_buffer::BooleanBuffer, nulls: Option<&'a arrow_buffer::NullBuffer> },
+    /// `values` is the array's whole values buffer; the array's first value is at byte `start`.
     Fixed { values: arrow_buffer::Buffer, start: usize, width: usize, nulls: Option<&'a arrow_buffer::NullBuffer> },
     Off32 { offsets: &'a [i32], values: &'a [u8], nulls: Option<&'a arrow_buffer::NullBuffer> },
     Off64 { offsets: &'a [i64], values: &'a [u8], nulls: Option<&'a arrow_buffer::NullBuffer> },
@@ -291,7 +333,10 @@ pub(crate) enum ColReader<'a> {
 impl<'a> ColReader<'a> {
     pub(crate) fn new(a: &'a ArrayRef, kind: ColKind) -> Self {
         match kind {
-            ColKind::Bool => ColReader::Bool(a.as_boolean()),
+            ColKind::Bool => {
+                let b = a.as_boolean();
+                ColReader::Bool { values: b.values().clone(), nulls: a.nulls() }
+            }
             ColKind::Fixed(width) => {
                 // Every fixed-width Arrow type keeps its values in buffer 0, `width` bytes each,
                 // little endian, starting at the array's offset. (Cloning the buffer is an
@@ -321,22 +366,31 @@ impl<'a> ColReader<'a> {
         }
     }
 
-    pub(crate) fn is_null(&self, i: usize) -> bool {
+    fn nulls(&self) -> Option<&'a arrow_buffer::NullBuffer> {
         match self {
-            ColReader::Bool(a) => a.is_null(i),
-            ColReader::Fixed { nulls, .. } | ColReader::Off32 { nulls, .. } | ColReader::Off64 { nulls, .. } => {
-                nulls.is_some_and(|n| n.is_null(i))
+            ColReader::Bool { nulls, .. }
+            | ColReader::Fixed { nulls, .. }
+            | ColReader::Off32 { nulls, .. }
+            | ColReader::Off64 { nulls, .. } => *nulls,
+            ColReader::StrView(a) => {
+                let a: &'a StringViewArray = a;
+                a.nulls()
             }
-            ColReader::StrView(a) => a.is_null(i),
-            ColReader::BinView(a) => a.is_null(i),
+            ColReader::BinView(a) => {
+                let a: &'a BinaryViewArray = a;
+                a.nulls()
+            }
         }
     }
 
-    /// Bytes of a variable-length value (empty for null or fixed columns).
-    pub(crate) fn var_value(&self, i: usize) -> &'a [u8] {
-        if self.is_null(i) {
-            return &[];
-        }
+    #[inline]
+    pub(crate) fn is_null(&self, i: usize) -> bool {
+        self.nulls().is_some_and(|n| n.is_null(i))
+    }
+
+    /// Bytes of the variable-length value of row `i`, which is not null.
+    #[inline]
+    fn var_value_unchecked_null(&self, i: usize) -> &'a [u8] {
         match self {
             ColReader::Off32 { offsets, values, .. } => &values[offsets[i] as usize..offsets[i + 1] as usize],
             ColReader::Off64 { offsets, values, .. } => &values[offsets[i] as usize..offsets[i + 1] as usize],
@@ -346,20 +400,29 @@ impl<'a> ColReader<'a> {
         }
     }
 
-    pub(crate) fn var_len(&self, i: usize) -> usize {
-        self.var_value(i).len()
-    }
-
-    /// Writes the fixed-slot value of row `i` into `out` (its slot width).
-    pub(crate) fn write_fixed(&self, i: usize, out: &mut [u8]) {
-        match self {
-            ColReader::Bool(a) => out[0] = u8::from(!a.is_null(i) && a.value(i)),
-            ColReader::Fixed { values, start, width, .. } => {
-                let at = start + i * width;
-                out.copy_from_slice(&values.as_slice()[at..at + width]);
+    /// Adds each row's variable-length byte count (0 for a null) to `sizes`; nothing for a
+    /// fixed-width column.
+    fn add_var_lens(&self, sizes: &mut [usize]) {
+        let nulls = self.nulls().filter(|n| n.null_count() > 0);
+        match (self, nulls) {
+            (ColReader::Bool { .. } | ColReader::Fixed { .. }, _) => {}
+            (ColReader::Off32 { offsets, .. }, None) => {
+                for (s, w) in sizes.iter_mut().zip(offsets.windows(2)) {
+                    *s += (w[1] - w[0]) as usize;
+                }
             }
-            _ => {}
+            (ColReader::Off64 { offsets, .. }, None) => {
+                for (s, w) in sizes.iter_mut().zip(offsets.windows(2)) {
+                    *s += (w[1] - w[0]) as usize;
+                }
+            }
+            _ => {
+                for (i, s) in sizes.iter_mut().enumerate() {
+                    if !self.is_null(i) {
+                        *s += self.var_value_unchecked_null(i).len();
+                    }
+                }
+            }
         }
     }
 }
-

@@ -1,0 +1,106 @@
+//! Batches a scan hands out — decoded from Parquet, or copied out of a delta by a filter or a
+//! projection — are counted under `scan_buffers` for as long as the caller holds them, and a
+//! scan that cannot get that memory returns a typed error.
+
+use arrow::array::{Array, Int64Array, RecordBatch};
+use gritdb::memory::Category;
+use gritdb::{CompareOp, Engine, EngineConfig, Error, ScanFilter, ScanOptions};
+use gritdb_tests::*;
+use std::sync::Arc;
+
+fn rows(from: i64, n: i64) -> Vec<((i64, i32), Row)> {
+    (from..from + n).map(|k| ((k, (k % 3) as i32), (Some(k), Some(format!("value number {k}"))))).collect()
+}
+
+/// Bytes the batch's arrays use (slices of their buffers).
+fn used(b: &RecordBatch) -> usize {
+    b.columns().iter().map(|c| c.to_data().get_slice_memory_size().unwrap()).sum()
+}
+
+#[test]
+fn decoded_batches_count_while_held() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(256 << 20)).unwrap();
+    let t = engine.create_table("d", composite_schema(), &["k1", "k2"]).unwrap();
+    t.insert(&composite_batch(&rows(0, 100_000))).unwrap();
+    t.flush().unwrap();
+    let scan_bytes = || engine.memory().category_bytes(Category::ScanBuffers);
+    assert_eq!(scan_bytes(), 0);
+
+    // Every batch of a file scan, held: all counted, at least the bytes they use and less than
+    // twice that (the copy-out rule), per table as well as engine-wide.
+    let held: Vec<RecordBatch> = t.scan(ScanOptions::default()).unwrap().map(Result::unwrap).collect();
+    assert_eq!(held.iter().map(RecordBatch::num_rows).sum::<usize>(), 100_000);
+    let in_use: usize = held.iter().map(used).sum();
+    let counted = scan_bytes();
+    assert!(counted >= in_use && counted < 2 * in_use, "counted {counted} B for {in_use} B in use");
+    let table_scan = engine.memory_report().tables.iter().find(|r| r.table == "d").unwrap().categories.iter().find(|c| c.category == Category::ScanBuffers).unwrap().bytes;
+    assert_eq!(table_scan, counted);
+    // Data is intact through the re-pointed buffers.
+    assert_eq!(collect_composite(held.clone().into_iter().map(Ok)), rows(0, 100_000).into_iter().collect());
+    // Letting go of half of them releases about half.
+    let (first, second) = held.split_at(held.len() / 2);
+    let second_in_use: usize = second.iter().map(used).sum();
+    let first: Vec<RecordBatch> = first.to_vec();
+    drop(held);
+    let after_half = scan_bytes();
+    assert!(after_half < counted && after_half >= first.iter().map(used).sum::<usize>(), "{after_half} of {counted}; second half used {second_in_use}");
+    drop(first);
+    assert_eq!(scan_bytes(), 0, "dropping the batches releases every counted byte");
+
+    // A column shared by a batch and a slice of it counts once per batch handed out.
+    let mut s = t.scan(ScanOptions::default().projection(["k1"]).batch_rows(1000)).unwrap();
+    let b = s.next().unwrap().unwrap();
+    let one = scan_bytes();
+    let k1 = b.column(0).as_any().downcast_ref::<Int64Array>().unwrap().clone();
+    drop(b);
+    assert_eq!(scan_bytes(), one, "an array kept from a batch keeps its bytes counted");
+    assert_eq!(k1.value(999), 999);
+    drop(k1);
+    drop(s);
+    assert_eq!(scan_bytes(), 0);
+
+    // Rows copied out of a delta by a filter are counted too.
+    t.insert(&composite_batch(&rows(200_000, 5_000))).unwrap();
+    let f = ScanFilter::compare("k1", CompareOp::GtEq, Arc::new(Int64Array::from(vec![202_000])));
+    let held: Vec<RecordBatch> = t.scan(ScanOptions::default().filter(f)).unwrap().map(Result::unwrap).collect();
+    assert_eq!(held.iter().map(RecordBatch::num_rows).sum::<usize>(), 3_000);
+    assert!(scan_bytes() >= held.iter().map(used).sum::<usize>());
+    drop(held);
+    assert_eq!(scan_bytes(), 0);
+}
+
+/// Holding scan results until the limit is reached: the next batch is a typed
+/// `MemoryLimit` error naming `scan_buffers` (after the bounded wait), and scanning works
+/// again once the held batches are dropped.
+#[test]
+fn held_batches_at_the_limit_are_a_typed_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = EngineConfig::default().memory_limit(24 << 20).backpressure_timeout(std::time::Duration::from_millis(100));
+    let engine = Engine::open(dir.path(), config).unwrap();
+    let t = engine.create_table("h", composite_schema(), &["k1", "k2"]).unwrap();
+    for start in (0..100_000).step_by(10_000) {
+        t.insert(&composite_batch(&rows(start, 10_000))).unwrap();
+    }
+    t.flush().unwrap();
+    engine.release_cached_memory();
+    let mut held = Vec::new();
+    let mut error = None;
+    'outer: for _ in 0..20 {
+        for b in t.scan(ScanOptions::default()).unwrap() {
+            match b {
+                Ok(b) => held.push(b),
+                Err(e) => {
+                    error = Some(e);
+                    break 'outer;
+                }
+            }
+        }
+    }
+    let e = error.expect("holding 20 full scans cannot fit in 24 MiB");
+    assert!(matches!(e, Error::MemoryLimit { category: Category::ScanBuffers, .. }), "{e:?}");
+    assert!(engine.memory().used() <= 24 << 20);
+    drop(held);
+    assert_eq!(engine.memory().category_bytes(Category::ScanBuffers), 0);
+    assert_eq!(t.row_count().unwrap(), 100_000);
+}

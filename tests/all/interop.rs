@@ -168,7 +168,7 @@ fn assert_readers_agree(readers: &[Reader], expected: Totals) {
 }
 
 /// (a) gritdb's own data files, after a flush whose deletes and replacements pass the
-/// compaction threshold (10% of a file), hold no deletion vector: pyarrow and DuckDB reading
+/// compaction threshold (10% of a file), hold no deletion vector: pyarrow and `DuckDB` reading
 /// the files the manifest names get gritdb's count and sums. (There is no public "compact now"
 /// call: compaction runs inside `flush`, which is what this relies on; check.py fails if a
 /// deletion vector is left.)

@@ -329,6 +329,7 @@ async fn sql(State(s): State<AppState>, query: String) -> ApiResult<Json<Value>>
 }
 
 #[cfg(not(feature = "sql"))]
+#[allow(clippy::unused_async)] // an axum handler is an async fn
 async fn sql(State(_): State<AppState>, _query: String) -> ApiResult<Json<Value>> {
     Err(ApiError::new(
         StatusCode::NOT_IMPLEMENTED,

@@ -231,8 +231,8 @@ async fn graceful_shutdown_closes_the_engine() {
         stop.send(()).unwrap();
         text
     };
-    let (served, text) = tokio::join!(server, client);
-    served.unwrap();
+    let (outcome, text) = tokio::join!(server, client);
+    outcome.unwrap();
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
     assert!(text.contains("\"rows\":250"), "{text}");
     // Closed: the lock is free and the rows are in files.

@@ -14,10 +14,11 @@
 //!                                                          <dir>/<name>, then fsync <dir>
 //! ```
 //!
-//! Memory: the scan holds one batch at a time (delta snapshot batches are `scan_buffers`, as
-//! in every scan); the Parquet writer's buffers are reserved under `write_buffers` for the
-//! table as they grow and released when the file is closed. Decoded file batches in flight
-//! (at most `batch_rows` rows) are not accounted, as in [`Table::scan`].
+//! Memory: one scanned batch at a time (at most `batch_rows` rows), counted under
+//! `scan_buffers` by the scan as every batch it hands out, and dropped once written; the
+//! Parquet writer's buffers are reserved under `write_buffers` for the table as they grow and
+//! released when the file is closed. Both categories are back where they were when the
+//! export returns.
 //!
 //! Atomicity: the file appears under its name complete or not at all. On any error the temp
 //! file is removed, and when the only failing step was the final directory fsync the renamed

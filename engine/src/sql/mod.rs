@@ -20,6 +20,7 @@
 //! Writes go through [`crate::Table`]. See `docs/sql.md`.
 
 mod catalog;
+mod filter;
 mod pool;
 mod provider;
 mod system;
@@ -175,9 +176,9 @@ fn new_context(engine: &std::sync::Weak<EngineInner>, limit: usize, env: Arc<Run
         .with_information_schema(true)
         .with_create_default_catalog_and_schema(false)
         .with_default_catalog_and_schema(CATALOG, SCHEMA);
-    // A sort that may spill sets this much aside for merging its spill files (DataFusion's
-    // default, 10 MiB, is a sizeable share of a small limit).
-    config.options_mut().execution.sort_spill_reservation_bytes = (limit / 64).min(10 << 20);
+    // A sort that may spill sets this much aside for merging its spill files: a batch of
+    // each file being merged must fit (DataFusion's default, 10 MiB, is most of a small limit).
+    config.options_mut().execution.sort_spill_reservation_bytes = (limit / 16).min(10 << 20);
     // `0.06` is an exact DECIMAL, as in DuckDB and the SQL standard, not a binary float:
     // `l_discount BETWEEN 0.06 - 0.01 AND 0.06 + 0.01` must include 0.07.
     config.options_mut().sql_parser.parse_float_as_decimal = true;

@@ -1,8 +1,10 @@
 //! gritdb tables as `DataFusion` [`TableProvider`]s, read by a leaf plan that runs the blocking
 //! scan iterator off the async workers.
 
+use super::filter::translate;
 use super::to_datafusion;
 use crate::scan::ScanOptions;
+use crate::ScanFilter;
 use crate::table::Table;
 use arrow_array::{RecordBatch, RecordBatchOptions};
 use arrow_schema::SchemaRef;
@@ -10,7 +12,8 @@ use async_trait::async_trait;
 use datafusion::catalog::{Session, TableProvider};
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::execution::TaskContext;
-use datafusion::logical_expr::{Expr, TableType};
+use datafusion::logical_expr::{Expr, TableProviderFilterPushDown, TableType};
+use datafusion::physical_plan::metrics::{ExecutionPlanMetricsSet, MetricBuilder, MetricsSet};
 use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
 use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
 use datafusion::physical_plan::stream::RecordBatchReceiverStream;
@@ -25,10 +28,13 @@ use tokio::sync::mpsc::Sender;
 /// Batches a scan may have produced but the query not yet taken (bounded channel).
 const CHANNEL_BATCHES: usize = 2;
 
-/// Produces the batches of one partition on a blocking thread, sending them into `tx`;
-/// returns when done, on error, or when the receiver is gone (`blocking_send` fails).
-pub(crate) type Producer =
-    dyn Fn(&Sender<datafusion::error::Result<RecordBatch>>, usize) -> datafusion::error::Result<()> + Send + Sync;
+/// Where a producer sends its batches.
+type BatchSender = Sender<datafusion::error::Result<RecordBatch>>;
+
+/// Produces the batches of one partition on a blocking thread, sending them into the sender
+/// (batches of at most the given rows) and recording its figures in the metrics set; returns
+/// when done, on error, or when the receiver is gone (`blocking_send` fails).
+pub(crate) type Producer = dyn Fn(&BatchSender, usize, &ExecutionPlanMetricsSet) -> datafusion::error::Result<()> + Send + Sync;
 
 /// A leaf plan with one partition whose batches come from a blocking producer (a table scan,
 /// a system table). The producer runs through `DataFusion`'s
@@ -40,6 +46,7 @@ pub(crate) struct BlockingSourceExec {
     schema: SchemaRef,
     producer: Arc<Producer>,
     properties: Arc<PlanProperties>,
+    metrics: ExecutionPlanMetricsSet,
 }
 
 impl fmt::Debug for BlockingSourceExec {
@@ -56,7 +63,7 @@ impl BlockingSourceExec {
             EmissionType::Incremental,
             Boundedness::Bounded,
         );
-        Self { label, schema, producer, properties: Arc::new(properties) }
+        Self { label, schema, producer, properties: Arc::new(properties), metrics: ExecutionPlanMetricsSet::new() }
     }
 }
 
@@ -115,8 +122,15 @@ impl ExecutionPlan for BlockingSourceExec {
         let mut builder = RecordBatchReceiverStream::builder(Arc::clone(&self.schema), CHANNEL_BATCHES);
         let tx = builder.tx();
         let producer = Arc::clone(&self.producer);
-        builder.spawn_blocking(move || producer(&tx, batch_rows));
+        let metrics = self.metrics.clone();
+        builder.spawn_blocking(move || producer(&tx, batch_rows, &metrics));
         Ok(builder.build())
+    }
+
+    /// The scan's figures (`EXPLAIN ANALYZE`): `files_opened`, `row_groups_total`,
+    /// `row_groups_pruned`, `rows_pruned_by_page_index`, `rows_decoded`, `rows_matched`.
+    fn metrics(&self) -> Option<MetricsSet> {
+        Some(self.metrics.clone_inner())
     }
 }
 
@@ -146,16 +160,35 @@ impl TableProvider for TableScanProvider {
         TableType::Base
     }
 
+    fn supports_filters_pushdown(&self, filters: &[&Expr]) -> datafusion::error::Result<Vec<TableProviderFilterPushDown>> {
+        Ok(filters
+            .iter()
+            .map(|f| {
+                if translate(f, &self.schema).is_some() {
+                    TableProviderFilterPushDown::Inexact
+                } else {
+                    TableProviderFilterPushDown::Unsupported
+                }
+            })
+            .collect())
+    }
+
     async fn scan(
         &self,
         _state: &dyn Session,
         projection: Option<&Vec<usize>>,
-        _filters: &[Expr],
+        filters: &[Expr],
         limit: Option<usize>,
     ) -> datafusion::error::Result<Arc<dyn ExecutionPlan>> {
         let out_schema: SchemaRef = match projection {
             Some(p) => Arc::new(self.schema.project(p)?),
             None => Arc::clone(&self.schema),
+        };
+        let filters: Vec<ScanFilter> = filters.iter().filter_map(|f| translate(f, &self.schema)).collect();
+        let filter = match filters.len() {
+            0 => None,
+            1 => filters.into_iter().next(),
+            _ => Some(ScanFilter::and(filters)),
         };
         // Columns the scan reads. An empty projection (COUNT(*)) still needs the row counts:
         // read the first key column, return batches without columns.
@@ -168,31 +201,52 @@ impl TableProvider for TableScanProvider {
         if projection.is_some() {
             label.push_str(&format!(", projection=[{}]", out_schema.fields().iter().map(|f| f.name().as_str()).collect::<Vec<_>>().join(", ")));
         }
+        if let Some(f) = &filter {
+            label.push_str(&format!(", filter={f}"));
+        }
         if let Some(n) = limit {
             label.push_str(&format!(", limit={n}"));
         }
         let table = self.table.clone();
         let schema = Arc::clone(&out_schema);
-        let producer: Arc<Producer> = Arc::new(move |tx: &Sender<datafusion::error::Result<RecordBatch>>, batch_rows: usize| {
-            let scan = table.scan(ScanOptions::default().projection(read.clone()).batch_rows(batch_rows)).map_err(to_datafusion)?;
-            let mut remaining = limit.unwrap_or(usize::MAX);
-            for batch in scan {
-                if remaining == 0 {
-                    break;
-                }
-                let batch = batch.map_err(to_datafusion)?;
-                let n = batch.num_rows().min(remaining);
-                remaining -= n;
-                let batch = if n < batch.num_rows() { batch.slice(0, n) } else { batch };
-                let batch = conform(&schema, &batch)?;
-                if tx.blocking_send(Ok(batch)).is_err() {
-                    break; // the query stopped reading (LIMIT satisfied, cancelled, failed)
-                }
+        let producer: Arc<Producer> = Arc::new(move |tx: &BatchSender, batch_rows: usize, metrics: &ExecutionPlanMetricsSet| {
+            let mut options = ScanOptions::default().projection(read.clone()).batch_rows(batch_rows);
+            if let Some(f) = &filter {
+                options = options.filter(f.clone());
             }
-            Ok(())
+            let mut scan = table.scan(options).map_err(to_datafusion)?;
+            let result = send_all(&mut scan, &schema, limit, tx);
+            let m = scan.metrics();
+            for (name, v) in [
+                ("files_opened", m.files_opened),
+                ("row_groups_total", m.row_groups_total),
+                ("row_groups_pruned", m.row_groups_pruned),
+                ("rows_pruned_by_page_index", m.rows_pruned_by_page_index),
+                ("rows_decoded", m.rows_decoded),
+                ("rows_matched", m.rows_matched),
+            ] {
+                MetricBuilder::new(metrics).global_counter(name).add(v as usize);
+            }
+            result
         });
         Ok(Arc::new(BlockingSourceExec::new(label, out_schema, producer)))
     }
+}
+
+/// Sends the scan's batches (at most `limit` rows) until the scan ends or the receiver is gone.
+fn send_all(scan: &mut crate::Scan, schema: &SchemaRef, limit: Option<usize>, tx: &BatchSender) -> datafusion::error::Result<()> {
+    let mut remaining = limit.unwrap_or(usize::MAX);
+    while remaining > 0 {
+        let Some(batch) = scan.next() else { break };
+        let batch = batch.map_err(to_datafusion)?;
+        let n = batch.num_rows().min(remaining);
+        remaining -= n;
+        let batch = if n < batch.num_rows() { batch.slice(0, n) } else { batch };
+        if tx.blocking_send(Ok(conform(schema, &batch)?)).is_err() {
+            break; // the query stopped reading (LIMIT satisfied, cancelled, failed)
+        }
+    }
+    Ok(())
 }
 
 /// `batch` under the plan's schema (same columns; names, nullability and metadata as the
@@ -246,7 +300,7 @@ impl TableProvider for ComputedTable {
         let projection = projection.cloned();
         let compute = Arc::clone(&self.compute);
         let schema = Arc::clone(&out_schema);
-        let producer: Arc<Producer> = Arc::new(move |tx: &Sender<datafusion::error::Result<RecordBatch>>, _batch_rows: usize| {
+        let producer: Arc<Producer> = Arc::new(move |tx: &BatchSender, _batch_rows: usize, _metrics: &ExecutionPlanMetricsSet| {
             let batch = compute().map_err(to_datafusion)?;
             let batch = match &projection {
                 Some(p) => batch.project(p)?,

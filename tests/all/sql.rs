@@ -40,7 +40,8 @@ fn keys(ids: impl IntoIterator<Item = i64>) -> RecordBatch {
 }
 
 fn open(dir: &std::path::Path, limit: usize) -> Engine {
-    Engine::open(dir, EngineConfig::default().memory_limit(limit)).unwrap()
+    // A scan waiting for memory gives up after 5 s (not the default 30 s) in these tests.
+    Engine::open(dir, EngineConfig::default().memory_limit(limit).backpressure_timeout(std::time::Duration::from_secs(5))).unwrap()
 }
 
 /// The single value of a one-row, one-column Int64 or UInt64 answer.
@@ -91,7 +92,7 @@ fn sql_reads_files_minus_deletes_merged_with_deltas() {
     assert_eq!(scalar(&engine.sql("SELECT v FROM t WHERE id = 250").unwrap()), 25_000);
     assert_eq!(scalar(&engine.sql("SELECT count(*) FROM t WHERE s LIKE 'c%'").unwrap()), 100);
     // A join of the table with itself, and a GROUP BY over the layers.
-    assert_eq!(scalar(&engine.sql("SELECT count(*) FROM t a JOIN t b ON a.id = b.id + 1").unwrap()), 938);
+    assert_eq!(scalar(&engine.sql("SELECT count(*) FROM t a JOIN t b ON a.id = b.id + 1").unwrap()), 939); // ids 100..1040: a.id in 101..1040
     let b = engine.sql("SELECT substr(s, 1, 1) AS tag, count(*) AS n FROM t GROUP BY tag ORDER BY tag").unwrap();
     let b = arrow::compute::concat_batches(&b[0].schema(), &b).unwrap();
     let tags: Vec<String> = (0..b.num_rows()).map(|i| gritdb_soak::data::str_at(b.column(0).as_ref(), i).unwrap().to_owned()).collect();
@@ -127,6 +128,67 @@ fn sql_pushes_projection_and_limit_into_the_scan() {
     assert_eq!(b[0].schema().fields().iter().map(|f| f.name().as_str()).collect::<Vec<_>>(), ["id", "s"]);
     assert_eq!(total_rows(&engine.sql("SELECT * FROM t LIMIT 0").unwrap()), 0);
     assert_eq!(total_rows(&engine.sql("SELECT * FROM t LIMIT 2000").unwrap()), 940);
+}
+
+/// The text of `EXPLAIN ANALYZE <q>` (the plan with each operator's metrics).
+fn analyze(engine: &Engine, q: &str) -> String {
+    let b = engine.sql(&format!("EXPLAIN ANALYZE {q}")).unwrap();
+    b.iter().flat_map(|b| (0..b.num_rows()).map(move |i| format!("{}\n", b.column(1).as_string::<i32>().value(i)))).collect()
+}
+
+#[test]
+fn sql_pushes_filters_into_the_scan_and_prunes_by_statistics() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path(), 64 << 20);
+    let t = engine.create_table("t", schema(), &["id"]).unwrap();
+    t.insert(&rows(0..1000, 1, "a")).unwrap();
+    t.flush().unwrap();
+    t.insert(&rows(1000..2000, 1, "b")).unwrap();
+    t.flush().unwrap(); // two files, one row group each: ids 0..1000 and 1000..2000
+    let count = |w: &str| scalar(&engine.sql(&format!("SELECT count(*) FROM t WHERE {w}")).unwrap());
+    let explain = |q: &str| -> String {
+        let b = engine.sql(&format!("EXPLAIN {q}")).unwrap();
+        (0..b[0].num_rows()).map(|i| format!("{}\n", b[0].column(1).as_string::<i32>().value(i))).collect()
+    };
+    let p = explain("SELECT s FROM t WHERE id >= 1500");
+    assert!(p.contains("GritScan: table=t, projection=[s], filter=id >= 1500") || p.contains("filter=id >= 1500"), "{p}");
+    // The first file's statistics (max id 999) rule it out: one of two row groups pruned.
+    let a = analyze(&engine, "SELECT count(*) FROM t WHERE id >= 1500");
+    assert!(a.contains("row_groups_total=2") && a.contains("row_groups_pruned=1"), "{a}");
+    assert!(a.contains("rows_matched=500"), "{a}");
+    assert_eq!(count("id >= 1500"), 500);
+    assert_eq!(count("1500 <= id"), 500);
+    assert_eq!(count("id >= 100 AND id < 200"), 100);
+    assert_eq!(count("id BETWEEN 10 AND 19"), 10);
+    assert_eq!(count("id = 7 OR id = 1007"), 2);
+    assert_eq!(count("s = 'b1500'"), 1);
+    assert_eq!(count("id <> 0"), 1999);
+    // Not translatable (LIKE): DataFusion filters alone, same answer.
+    assert!(!explain("SELECT id FROM t WHERE s LIKE 'b1%'").contains("filter="));
+    assert_eq!(count("s LIKE 'b1%'"), 1000);
+    // Over deltas: updated values are matched, the stale file versions are not.
+    t.update(&rows(0..10, 10, "c")).unwrap();
+    assert_eq!(count("v = 5"), 0);
+    assert_eq!(count("v = 50"), 2); // id 5 (updated) and id 50 (file)
+    // NULLs: IS NULL / IS NOT NULL, and a comparison is never true for a null.
+    let nulls = RecordBatch::try_new(
+        schema(),
+        vec![
+            Arc::new(Int64Array::from(vec![5000, 5001, 5002])),
+            Arc::new(Int64Array::from(vec![None, None, Some(1)])),
+            Arc::new(StringArray::from(vec![None, Some("x"), None])),
+        ],
+    )
+    .unwrap();
+    t.insert(&nulls).unwrap();
+    assert_eq!(count("v IS NULL"), 2);
+    assert_eq!(count("s IS NULL"), 2);
+    assert_eq!(count("v IS NOT NULL AND id >= 5000"), 1);
+    assert_eq!(count("v <> 3 AND id >= 5000"), 1);
+    assert_eq!(count("v = NULL"), 0);
+    t.flush().unwrap();
+    assert_eq!(count("v IS NULL"), 2);
+    assert_eq!(count("s IS NULL AND id >= 5000"), 2);
 }
 
 fn sql_err(engine: &Engine, q: &str) -> Error {
@@ -317,48 +379,51 @@ fn sql_from_async_code() {
     }
 }
 
-/// Baseline of the engine's accounted bytes with no query running and no cached chunks.
-/// After a failed query `DataFusion`'s aborted tasks drop their reservations on the runtime's
-/// threads, a moment after the error was returned: wait (bounded) for `query` to reach 0.
-fn settled_used(engine: &Engine) -> usize {
+/// Accounted bytes per category with no query running and no cached chunks. After a failed
+/// query, `DataFusion`'s aborted tasks and the scan's blocking thread drop what they hold a
+/// moment after the error was returned: wait (bounded) for `query` and `scan_buffers` to
+/// reach 0.
+fn settled(engine: &Engine) -> Vec<(Category, usize)> {
     let start = std::time::Instant::now();
-    while engine.memory().category_bytes(Category::Query) != 0 {
-        assert!(start.elapsed() < std::time::Duration::from_secs(10), "query memory not released");
+    let ctl = engine.memory();
+    while ctl.category_bytes(Category::Query) != 0 || ctl.category_bytes(Category::ScanBuffers) != 0 {
+        assert!(start.elapsed() < std::time::Duration::from_secs(10), "query or scan memory not released: {}", engine.memory_report());
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
     engine.release_cached_memory();
-    engine.memory().used()
+    Category::ALL.iter().map(|&c| (c, ctl.category_bytes(c))).collect()
 }
 
 #[test]
 fn query_memory_spills_or_fails_typed_and_returns_to_the_baseline() {
     let dir = tempfile::tempdir().unwrap();
-    // 16 MiB: queries may use what the write soft limit leaves (limit − 4 MiB flush headroom).
-    let engine = open(dir.path(), 16 << 20);
+    // 64 MiB: queries may use what the write soft limit leaves (limit − 16 MiB flush headroom).
+    const LIMIT: usize = 64 << 20;
+    let engine = open(dir.path(), LIMIT);
     let t = engine.create_table("big", schema(), &["id"]).unwrap();
-    let n = 200_000i64;
+    let n = 500_000i64; // ~50 MiB of rows (ids, values, ~80-byte strings)
     let tag = "a-fairly-long-string-value-that-makes-every-row-weigh-about-eighty-bytes-";
-    for start in (0..n).step_by(20_000) {
-        t.insert(&rows(start..start + 20_000, 3, tag)).unwrap();
+    for start in (0..n).step_by(50_000) {
+        t.insert(&rows(start..start + 50_000, 3, tag)).unwrap();
     }
     t.flush().unwrap();
-    let base = settled_used(&engine);
+    let base = settled(&engine);
     assert_eq!(engine.memory().category_bytes(Category::Query), 0);
 
-    // One aggregate holding every string of the table (~16 MiB) cannot spill: typed error.
+    // One aggregate holding every string of the table (~40 MiB) cannot spill: typed error.
     let e = sql_err(&engine, "SELECT array_agg(s) FROM big");
     match &e {
         Error::MemoryLimit { category, requested, limit, used, .. } => {
             assert_eq!(*category, Category::Query);
             assert!(*requested > 0 && *used + *requested > *limit, "{e}");
-            assert!(*limit <= 16 << 20);
+            assert!(*limit <= LIMIT);
         }
         other => panic!("expected MemoryLimit, got {other:?}"),
     }
     assert!(e.to_string().contains("query"), "{e}");
-    assert_eq!(settled_used(&engine), base);
+    assert_eq!(settled(&engine), base);
     assert_eq!(engine.memory().category_bytes(Category::Query), 0);
-    assert!(engine.memory().peak() <= 16 << 20);
+    assert!(engine.memory().peak() <= LIMIT);
 
     // A sort of every row by a string spills to disk and answers correctly.
     let failures_before = query_failures(&engine);
@@ -373,8 +438,8 @@ fn query_memory_spills_or_fails_typed_and_returns_to_the_baseline() {
     assert!(query_failures(&engine) > failures_before, "the sort was refused memory at least once (it spilled)");
     drop(b);
     assert_eq!(engine.memory().category_bytes(Category::Query), 0, "a query that succeeded released everything");
-    assert_eq!(settled_used(&engine), base);
-    assert!(engine.memory().peak() <= 16 << 20, "never above the limit");
+    assert_eq!(settled(&engine), base);
+    assert!(engine.memory().peak() <= LIMIT, "never above the limit");
     // Writes still work after the queries.
     t.insert(&rows(n..n + 10, 1, "z")).unwrap();
     assert_eq!(scalar(&engine.sql("SELECT count(*) FROM big").unwrap()), n + 10);

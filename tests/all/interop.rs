@@ -395,8 +395,8 @@ fn export_enospc_at_every_step_leaves_no_file() {
 }
 
 /// The export streams: row groups are cut by the writer's buffered bytes, the writer's
-/// buffers are reserved under `write_buffers` while it runs and released after, and the file
-/// holds the scan's rows.
+/// buffers (`write_buffers`) and the scanned batches (`scan_buffers`) are counted while it
+/// runs and released after, and the file holds the scan's rows.
 #[test]
 fn export_streams_in_row_groups_cut_by_bytes() {
     let dir = tempfile::tempdir().unwrap();
@@ -406,10 +406,12 @@ fn export_streams_in_row_groups_cut_by_bytes() {
     t.flush().unwrap();
     let expected = scan_totals(&t);
     let before = engine.memory().category_bytes(Category::WriteBuffers);
+    let scan_before = engine.memory().category_bytes(Category::ScanBuffers);
     let cut = 256 << 10;
     let path = out.path().join("t.parquet");
     let stats = t.export_parquet_with(&path, &ExportOptions::default().row_group_bytes(cut).batch_rows(2048)).unwrap();
     assert_eq!(engine.memory().category_bytes(Category::WriteBuffers), before, "writer buffers released");
+    assert_eq!(engine.memory().category_bytes(Category::ScanBuffers), scan_before, "scanned batches released");
     assert!(stats.row_groups >= 4, "{stats:?}");
     // Bounded by the cut plus what one batch of 2,048 rows adds.
     assert!(stats.peak_buffer_bytes > 0 && stats.peak_buffer_bytes < cut + (2 << 20), "{stats:?}");

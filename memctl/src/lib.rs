@@ -33,7 +33,7 @@
 //! | `write_buffers` | Parquet writer buffers, from `ArrowWriter::memory_size`                  | storage via [`Reservation`] |
 //! | `scan_buffers`  | decoded batches held by scans and delta snapshots                        | engine via [`Reservation`] (or [`BatchBlock`]) |
 //! | `metadata`      | per-table bookkeeping (schemas, manifests, deletion vectors) and each row arena's block table: its capacity × (block header + 4-byte free-id slot) | every crate via [`Reservation`]; [`RowArena`] |
-//! | `query`         | what SQL query operators (hash tables, sorts, aggregates) reserve through the engine's DataFusion memory pool, at the sizes DataFusion asks for; freed when the operators drop their reservations | `gritdb` (`sql` feature) via [`Reservation`]-like calls to [`MemoryController::try_reserve`] |
+//! | `query`         | what SQL query operators (hash tables, sorts, aggregates) reserve through the engine's `DataFusion` memory pool, at the sizes `DataFusion` asks for; freed when the operators drop their reservations | `gritdb` (`sql` feature) via [`Reservation`]-like calls to [`MemoryController::try_reserve`] |
 //! | `free_chunks`   | empty chunks cached for reuse, `chunk_size` each, wherever they are: the central list **and every thread's cache**. They count toward `used` | the pool itself |
 //!
 //! `used` is the sum of all categories, and is what the limit is enforced against:
@@ -43,7 +43,7 @@
 //! `used <= limit` holds at every instant (it can only be above the limit after the limit
 //! was lowered, until the owners release memory; meanwhile released chunks are freed, not
 //! cached; or after [`MemoryController::force_reserve`], which counts memory a caller has
-//! already allocated and cannot give back, such as DataFusion's infallible `grow`). Taking a cached chunk moves its bytes from `free_chunks` to `row_blocks` and
+//! already allocated and cannot give back, such as `DataFusion`'s infallible `grow`). Taking a cached chunk moves its bytes from `free_chunks` to `row_blocks` and
 //! leaves `used` unchanged; only new chunks and chunks given back to the allocator move `used`.
 //!
 //! ## How exact the figures are

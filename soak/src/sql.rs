@@ -78,7 +78,7 @@ fn decimal_raw(b: &RecordBatch, name: &str, row: usize) -> Result<(i128, i8)> {
 }
 
 fn rescale(v: i128, from: i8, to: i8) -> Option<i128> {
-    let d = u32::try_from((i32::from(to) - i32::from(from)).unsigned_abs()).ok()?;
+    let d = (i32::from(to) - i32::from(from)).unsigned_abs();
     let p = 10i128.checked_pow(d)?;
     if to >= from {
         v.checked_mul(p)

@@ -44,7 +44,7 @@ fn open(dir: &std::path::Path, limit: usize) -> Engine {
     Engine::open(dir, EngineConfig::default().memory_limit(limit).backpressure_timeout(std::time::Duration::from_secs(5))).unwrap()
 }
 
-/// The single value of a one-row, one-column Int64 or UInt64 answer.
+/// The single value of a one-row, one-column `Int64` or `UInt64` answer.
 fn scalar(batches: &[RecordBatch]) -> i64 {
     let b: Vec<&RecordBatch> = batches.iter().filter(|b| b.num_rows() > 0).collect();
     assert_eq!((b.len(), b[0].num_rows()), (1, 1), "{batches:?}");
@@ -115,7 +115,7 @@ fn sql_pushes_projection_and_limit_into_the_scan() {
     let plan = |q: &str| -> String {
         let b = engine.sql(&format!("EXPLAIN {q}")).unwrap();
         let b = &b[0];
-        (0..b.num_rows()).map(|i| format!("{}\n", b.column(1).as_string::<i32>().value(i))).collect()
+        (0..b.num_rows()).map(|i| b.column(1).as_string::<i32>().value(i).to_owned() + "\n").collect()
     };
     let p = plan("SELECT s FROM t LIMIT 5");
     assert!(p.contains("GritScan: table=t, projection=[s], limit=5"), "{p}");
@@ -133,7 +133,7 @@ fn sql_pushes_projection_and_limit_into_the_scan() {
 /// The text of `EXPLAIN ANALYZE <q>` (the plan with each operator's metrics).
 fn analyze(engine: &Engine, q: &str) -> String {
     let b = engine.sql(&format!("EXPLAIN ANALYZE {q}")).unwrap();
-    b.iter().flat_map(|b| (0..b.num_rows()).map(move |i| format!("{}\n", b.column(1).as_string::<i32>().value(i)))).collect()
+    b.iter().flat_map(|b| (0..b.num_rows()).map(move |i| b.column(1).as_string::<i32>().value(i).to_owned() + "\n")).collect()
 }
 
 #[test]
@@ -148,7 +148,7 @@ fn sql_pushes_filters_into_the_scan_and_prunes_by_statistics() {
     let count = |w: &str| scalar(&engine.sql(&format!("SELECT count(*) FROM t WHERE {w}")).unwrap());
     let explain = |q: &str| -> String {
         let b = engine.sql(&format!("EXPLAIN {q}")).unwrap();
-        (0..b[0].num_rows()).map(|i| format!("{}\n", b[0].column(1).as_string::<i32>().value(i))).collect()
+        (0..b[0].num_rows()).map(|i| b[0].column(1).as_string::<i32>().value(i).to_owned() + "\n").collect()
     };
     let p = explain("SELECT s FROM t WHERE id >= 1500");
     assert!(p.contains("GritScan: table=t, projection=[s], filter=id >= 1500") || p.contains("filter=id >= 1500"), "{p}");
@@ -396,9 +396,9 @@ fn settled(engine: &Engine) -> Vec<(Category, usize)> {
 
 #[test]
 fn query_memory_spills_or_fails_typed_and_returns_to_the_baseline() {
-    let dir = tempfile::tempdir().unwrap();
     // 64 MiB: queries may use what the write soft limit leaves (limit − 16 MiB flush headroom).
     const LIMIT: usize = 64 << 20;
+    let dir = tempfile::tempdir().unwrap();
     let engine = open(dir.path(), LIMIT);
     let t = engine.create_table("big", schema(), &["id"]).unwrap();
     let n = 500_000i64; // ~50 MiB of rows (ids, values, ~80-byte strings)

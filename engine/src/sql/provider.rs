@@ -22,6 +22,7 @@ use datafusion::physical_plan::{
     SendableRecordBatchStream,
 };
 use std::fmt;
+use std::fmt::Write as _;
 use std::sync::Arc;
 use tokio::sync::mpsc::Sender;
 
@@ -199,13 +200,14 @@ impl TableProvider for TableScanProvider {
         };
         let mut label = format!("GritScan: table={}", self.table.name());
         if projection.is_some() {
-            label.push_str(&format!(", projection=[{}]", out_schema.fields().iter().map(|f| f.name().as_str()).collect::<Vec<_>>().join(", ")));
+            let names: Vec<&str> = out_schema.fields().iter().map(|f| f.name().as_str()).collect();
+            let _ = write!(label, ", projection=[{}]", names.join(", "));
         }
         if let Some(f) = &filter {
-            label.push_str(&format!(", filter={f}"));
+            let _ = write!(label, ", filter={f}");
         }
         if let Some(n) = limit {
-            label.push_str(&format!(", limit={n}"));
+            let _ = write!(label, ", limit={n}");
         }
         let table = self.table.clone();
         let schema = Arc::clone(&out_schema);

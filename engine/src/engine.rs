@@ -102,6 +102,9 @@ pub(crate) struct EngineInner {
     closed: AtomicBool,
     /// The exclusive lock on `<dir>/LOCK`, released by [`EngineInner::shutdown`].
     lock_file: Mutex<Option<fs::File>>,
+    /// SQL sessions and their runtime, built at the first query (`sql` feature).
+    #[cfg(feature = "sql")]
+    pub(crate) sql: crate::sql::SqlSlot,
 }
 
 impl EngineInner {
@@ -120,8 +123,25 @@ impl EngineInner {
         self.tables.write().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn all_tables(&self) -> Vec<Arc<TableInner>> {
+    pub(crate) fn all_tables(&self) -> Vec<Arc<TableInner>> {
         self.tables_read().values().cloned().collect()
+    }
+
+    /// Names of all tables, sorted.
+    pub(crate) fn table_names(&self) -> Vec<String> {
+        self.tables_read().keys().cloned().collect()
+    }
+
+    /// The table named exactly `name`, else the one whose name equals it ignoring case
+    /// (names are unique ignoring case, so there is at most one).
+    #[cfg_attr(not(feature = "sql"), allow(dead_code))]
+    pub(crate) fn lookup(&self, name: &str) -> Option<Arc<TableInner>> {
+        let tables = self.tables_read();
+        if let Some(t) = tables.get(name) {
+            return Some(Arc::clone(t));
+        }
+        let lower = name.to_lowercase();
+        tables.iter().find(|(k, _)| k.to_lowercase() == lower).map(|(_, t)| Arc::clone(t))
     }
 
     /// Seals the largest active deltas across all tables and queues their flush. With
@@ -207,6 +227,8 @@ impl EngineInner {
             std::thread::sleep(Duration::from_millis(2));
         }
         self.writer.shutdown();
+        #[cfg(feature = "sql")]
+        self.sql.shutdown();
         if let Some(wal) = self.shared.wal.get() {
             let _ = wal.sync();
         }
@@ -255,7 +277,7 @@ impl Drop for Engine {
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub struct Engine {
-    inner: Arc<EngineInner>,
+    pub(crate) inner: Arc<EngineInner>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -455,6 +477,8 @@ impl Engine {
                 next_table_id: AtomicU64::new(max_id + 1),
                 closed: AtomicBool::new(false),
                 lock_file: Mutex::new(Some(lock_file)),
+                #[cfg(feature = "sql")]
+                sql: crate::sql::SqlSlot::default(),
             }),
         };
         // Age-based flushes: a delta older than `flush_age` is sealed and flushed even when
@@ -552,7 +576,7 @@ impl Engine {
 
     /// Names of all tables, sorted.
     pub fn table_names(&self) -> Vec<String> {
-        self.inner.tables_read().keys().cloned().collect()
+        self.inner.table_names()
     }
 
     /// Drops a table: every accounted byte it holds is released at once, and its directory is
@@ -649,52 +673,7 @@ impl Engine {
     /// # Errors
     /// Arrow errors (none expected).
     pub fn memory_report_batch(&self) -> Result<arrow_array::RecordBatch> {
-        use arrow_array::{ArrayRef, StringArray, UInt64Array};
-        use arrow_schema::{DataType, Field, Schema};
-        let r = self.memory_report();
-        let mut scope = Vec::new();
-        let mut name: Vec<Option<String>> = Vec::new();
-        let mut cat = Vec::new();
-        let (mut bytes, mut peak, mut allocs, mut frees, mut fails) = (vec![], vec![], vec![], vec![], vec![]);
-        let mut push = |s: &str, n: Option<String>, c: &gritdb_memctl::CategoryReport| {
-            scope.push(s.to_owned());
-            name.push(n);
-            cat.push(c.category.name().to_owned());
-            bytes.push(c.bytes as u64);
-            peak.push(c.peak_bytes as u64);
-            allocs.push(c.allocs);
-            frees.push(c.frees);
-            fails.push(c.failures);
-        };
-        for c in &r.categories {
-            push("engine", None, c);
-        }
-        for t in &r.tables {
-            for c in &t.categories {
-                push("table", Some(t.table.clone()), c);
-            }
-        }
-        let schema = Arc::new(Schema::new(vec![
-            Field::new("scope", DataType::Utf8, false),
-            Field::new("name", DataType::Utf8, true),
-            Field::new("category", DataType::Utf8, false),
-            Field::new("bytes", DataType::UInt64, false),
-            Field::new("peak_bytes", DataType::UInt64, false),
-            Field::new("allocs", DataType::UInt64, false),
-            Field::new("frees", DataType::UInt64, false),
-            Field::new("failures", DataType::UInt64, false),
-        ]));
-        let cols: Vec<ArrayRef> = vec![
-            Arc::new(StringArray::from(scope)),
-            Arc::new(StringArray::from(name)),
-            Arc::new(StringArray::from(cat)),
-            Arc::new(UInt64Array::from(bytes)),
-            Arc::new(UInt64Array::from(peak)),
-            Arc::new(UInt64Array::from(allocs)),
-            Arc::new(UInt64Array::from(frees)),
-            Arc::new(UInt64Array::from(fails)),
-        ];
-        Ok(arrow_array::RecordBatch::try_new(schema, cols)?)
+        memory_batch(&self.memory_report())
     }
 
     /// The memory controller (limit, used, peak, per-category figures).
@@ -812,4 +791,57 @@ impl Engine {
         // Drop (right after this) stops the writer and releases the directory lock.
         res
     }
+}
+
+/// The schema of [`Engine::memory_report_batch`] (and of the SQL system table `gritdb_memory`).
+pub(crate) fn memory_batch_schema() -> arrow_schema::SchemaRef {
+    use arrow_schema::{DataType, Field, Schema};
+    Arc::new(Schema::new(vec![
+        Field::new("scope", DataType::Utf8, false),
+        Field::new("name", DataType::Utf8, true),
+        Field::new("category", DataType::Utf8, false),
+        Field::new("bytes", DataType::UInt64, false),
+        Field::new("peak_bytes", DataType::UInt64, false),
+        Field::new("allocs", DataType::UInt64, false),
+        Field::new("frees", DataType::UInt64, false),
+        Field::new("failures", DataType::UInt64, false),
+    ]))
+}
+
+/// `report` as the batch of [`Engine::memory_report_batch`].
+pub(crate) fn memory_batch(r: &MemoryReport) -> Result<arrow_array::RecordBatch> {
+    use arrow_array::{ArrayRef, StringArray, UInt64Array};
+    let mut scope = Vec::new();
+    let mut name: Vec<Option<String>> = Vec::new();
+    let mut cat = Vec::new();
+    let (mut bytes, mut peak, mut allocs, mut frees, mut fails) = (vec![], vec![], vec![], vec![], vec![]);
+    let mut push = |s: &str, n: Option<String>, c: &gritdb_memctl::CategoryReport| {
+        scope.push(s.to_owned());
+        name.push(n);
+        cat.push(c.category.name().to_owned());
+        bytes.push(c.bytes as u64);
+        peak.push(c.peak_bytes as u64);
+        allocs.push(c.allocs);
+        frees.push(c.frees);
+        fails.push(c.failures);
+    };
+    for c in &r.categories {
+        push("engine", None, c);
+    }
+    for t in &r.tables {
+        for c in &t.categories {
+            push("table", Some(t.table.clone()), c);
+        }
+    }
+    let cols: Vec<ArrayRef> = vec![
+        Arc::new(StringArray::from(scope)),
+        Arc::new(StringArray::from(name)),
+        Arc::new(StringArray::from(cat)),
+        Arc::new(UInt64Array::from(bytes)),
+        Arc::new(UInt64Array::from(peak)),
+        Arc::new(UInt64Array::from(allocs)),
+        Arc::new(UInt64Array::from(frees)),
+        Arc::new(UInt64Array::from(fails)),
+    ];
+    Ok(arrow_array::RecordBatch::try_new(memory_batch_schema(), cols)?)
 }

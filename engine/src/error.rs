@@ -130,6 +130,18 @@ pub enum Error {
     /// A configuration value is out of range.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// A SQL statement failed (`sql` feature): `kind` says at which stage, `source` is
+    /// `DataFusion`'s error. Unknown tables are [`Error::TableNotFound`] and a query that
+    /// cannot get memory is [`Error::MemoryLimit`] instead.
+    #[cfg(feature = "sql")]
+    #[error("SQL {kind}: {source}")]
+    Sql {
+        /// Which stage failed.
+        kind: crate::sql::SqlErrorKind,
+        /// `DataFusion`'s error.
+        #[source]
+        source: Box<datafusion::error::DataFusionError>,
+    },
 }
 
 fn top_list(top: &[Consumer]) -> String {

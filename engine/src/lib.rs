@@ -23,13 +23,17 @@
 mod config;
 mod engine;
 mod error;
+mod export;
 mod scan;
+#[cfg(feature = "sql")]
+pub mod sql;
 mod table;
 mod writer;
 
 pub use config::EngineConfig;
 pub use engine::{DEFAULT_DATA_DIR, Engine};
 pub use error::{Error, Result};
+pub use export::{ExportError, ExportOptions, ExportStats};
 pub use scan::{RETAIN_RATIO, Scan, ScanOptions, compact_if_sparse, retained_bytes};
 pub use gritdb_storage::{CompareOp, FilterError, ScanFilter, ScanMetrics, WalSync};
 pub use table::{Table, TableStats};
@@ -49,3 +53,6 @@ pub mod vfs {
 
 pub use arrow_array;
 pub use arrow_schema;
+/// The `parquet` crate gritdb writes with, for reading exported files ([`Table::export_parquet`])
+/// with the same version.
+pub use parquet;

@@ -612,6 +612,7 @@ impl Table {
             file_rows: st.store.live_rows(),
             active_delta_bytes: st.active.bytes(),
             sealed_deltas: st.sealed.len(),
+            sealed_delta_bytes: st.sealed.iter().map(|d| d.bytes()).sum(),
             key_index_bytes: st.store.index().bytes(),
             accounted_bytes: self.inner.account.total_bytes(),
             manifest_version: st.store.version(),
@@ -631,6 +632,8 @@ pub struct TableStats {
     pub active_delta_bytes: usize,
     /// Sealed deltas waiting for the writer.
     pub sealed_deltas: usize,
+    /// Bytes of the sealed deltas (row blocks + key maps).
+    pub sealed_delta_bytes: usize,
     /// Key index bytes (hash table + key stores).
     pub key_index_bytes: usize,
     /// All bytes accounted to the table.

@@ -18,13 +18,16 @@ pub enum Category {
     ScanBuffers,
     /// Schemas, manifests, deletion vectors, arena block tables.
     Metadata,
+    /// Memory SQL query operators reserve (hash tables, sort and aggregate buffers) through
+    /// the engine's `DataFusion` memory pool (the `sql` feature of `gritdb`).
+    Query,
     /// Empty chunks cached by the pool for reuse.
     FreeChunks,
 }
 
 impl Category {
     /// Number of categories.
-    pub const COUNT: usize = 7;
+    pub const COUNT: usize = 8;
     /// All categories in report order.
     pub const ALL: [Category; Category::COUNT] = [
         Category::RowBlocks,
@@ -33,6 +36,7 @@ impl Category {
         Category::WriteBuffers,
         Category::ScanBuffers,
         Category::Metadata,
+        Category::Query,
         Category::FreeChunks,
     ];
 
@@ -45,6 +49,7 @@ impl Category {
             Category::WriteBuffers => "write_buffers",
             Category::ScanBuffers => "scan_buffers",
             Category::Metadata => "metadata",
+            Category::Query => "query",
             Category::FreeChunks => "free_chunks",
         }
     }

@@ -421,6 +421,39 @@ impl MemoryController {
         Ok(())
     }
 
+    /// Counts a refused request of `category` that a policy above the controller turned
+    /// down (the SQL memory pool keeps queries under the write soft limit), so the report's
+    /// `failures` shows it like a refusal at the limit.
+    pub fn count_failure(&self, category: Category) {
+        self.counters[category.index()]
+            .failures
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts `bytes` in `category` (and for `table`) without checking the limit: for memory a
+    /// caller has already allocated and cannot refuse (`DataFusion`'s infallible
+    /// `MemoryReservation::grow`, used by a few join operators). The accounting stays truthful,
+    /// so `used` may pass the limit; when it does, the request counts as a failure of
+    /// `category`. Returns `true` when the bytes fit under the limit. Release them with
+    /// [`Self::release`].
+    pub fn force_reserve(
+        &self,
+        category: Category,
+        table: Option<&TableAccount>,
+        bytes: usize,
+    ) -> bool {
+        if self.try_reserve(category, table, bytes).is_ok() {
+            return true;
+        }
+        let new = self.used.fetch_add(bytes, Ordering::AcqRel) + bytes;
+        self.peak.fetch_max(new, Ordering::AcqRel);
+        self.counter_add(category, bytes);
+        if let Some(t) = table {
+            t.0.counters[category.index()].add(bytes);
+        }
+        new <= self.limit()
+    }
+
     /// Releases `bytes` previously reserved with [`Self::try_reserve`].
     pub fn release(&self, category: Category, table: Option<&TableAccount>, bytes: usize) {
         if bytes == 0 {

@@ -12,7 +12,7 @@
 //!   central list    try_grow / shrink      one aligned block,       RSS, VmHWM (/proc),
 //!    ▲ flush 16     key_index, metadata,   freed whole              jemalloc or glibc
 //!    │ ▼ refill 16  write_buffers,         (batch_blocks)           allocator figures
-//!   thread caches   scan_buffers
+//!   thread caches   scan_buffers, query
 //!   (one per thread and controller; empty chunks = free_chunks)
 //!      │ take / put: no shared counter written
 //!   RowArena, PoolChunk
@@ -33,6 +33,7 @@
 //! | `write_buffers` | Parquet writer buffers, from `ArrowWriter::memory_size`                  | storage via [`Reservation`] |
 //! | `scan_buffers`  | decoded batches held by scans and delta snapshots                        | engine via [`Reservation`] (or [`BatchBlock`]) |
 //! | `metadata`      | per-table bookkeeping (schemas, manifests, deletion vectors) and each row arena's block table: its capacity × (block header + 4-byte free-id slot) | every crate via [`Reservation`]; [`RowArena`] |
+//! | `query`         | what SQL query operators (hash tables, sorts, aggregates) reserve through the engine's `DataFusion` memory pool, at the sizes `DataFusion` asks for; freed when the operators drop their reservations | `gritdb` (`sql` feature) via [`Reservation`]-like calls to [`MemoryController::try_reserve`] |
 //! | `free_chunks`   | empty chunks cached for reuse, `chunk_size` each, wherever they are: the central list **and every thread's cache**. They count toward `used` | the pool itself |
 //!
 //! `used` is the sum of all categories, and is what the limit is enforced against:
@@ -41,7 +42,8 @@
 //! chunk (other threads' caches included). The check is a compare-and-swap on one atomic, so
 //! `used <= limit` holds at every instant (it can only be above the limit after the limit
 //! was lowered, until the owners release memory; meanwhile released chunks are freed, not
-//! cached). Taking a cached chunk moves its bytes from `free_chunks` to `row_blocks` and
+//! cached; or after [`MemoryController::force_reserve`], which counts memory a caller has
+//! already allocated and cannot give back, such as `DataFusion`'s infallible `grow`). Taking a cached chunk moves its bytes from `free_chunks` to `row_blocks` and
 //! leaves `used` unchanged; only new chunks and chunks given back to the allocator move `used`.
 //!
 //! ## How exact the figures are
@@ -53,7 +55,7 @@
 //!   flush and trim, and every read adds the unfolded rest. With no concurrent pool traffic
 //!   a read is exact to the byte; during traffic each operation is seen wholly or not at all.
 //! - **Peaks**: `peak` (of `used`) and the peaks of `batch_blocks`, `key_index`,
-//!   `write_buffers`, `scan_buffers`, `metadata` and of every table are exact high-water
+//!   `write_buffers`, `scan_buffers`, `metadata`, `query` and of every table are exact high-water
 //!   marks. The peaks of `row_blocks` and `free_chunks` are taken at every central-list
 //!   operation (refill, flush, take or put at the central list, new chunk) and at every
 //!   read; moves inside thread caches between two such points are not seen, so these two

@@ -6,7 +6,7 @@
 //! load lineitem (Parquet file or tpchgen, 8,192-row batches)      base RSS read here
 //!  1. engine, default config: insert all, upsert every 10th (0, 10, …), delete every 10th
 //!     from 5 (5, 15, …), table.flush() (durable_s), count + sum(l_quantity), Q1, full scan
-//!     -> RSS above base and VmHWM read here (the DuckDB script's figures)
+//!     -> RSS above base and VmHWM read here (the `DuckDB` script's figures)
 //!  2. engine with a flush threshold above the data: insert all (allocations and accounted
 //!     bytes per row, nothing flushed meanwhile), then one flush of all rows (flush rows/s)
 //!     then, on a third engine with WalSync::Relaxed (group commit), insert all again: the
@@ -180,6 +180,9 @@ pub struct BenchResult {
     pub durable_rows: u64,
     /// `memory_limit` of phase 1 (the engine's default when not given).
     pub memory_limit_bytes: u64,
+    /// TPC-H Q1 through SQL (`Engine::sql`, `DataFusion`) after phase 1's workload, ms, warm
+    /// (the second run); `None` when built without the `sql` feature.
+    pub sql_q1_ms: Option<f64>,
 }
 
 /// The Q1-style aggregate of one group (raw decimal sums, scale 2).
@@ -378,6 +381,7 @@ fn run(args: &BenchArgs, dir: &Path) -> Result<(BenchResult, Vec<Q1Group>, bool)
     let t = Instant::now();
     let groups = q1(table.scan(ScanOptions::default().projection(Q1_COLUMNS))?.map(|b| b.map_err(anyhow::Error::from)))?;
     r.q1_ms = t.elapsed().as_secs_f64() * 1000.0;
+    r.sql_q1_ms = sql_q1_ms(&engine)?;
     let after = ProcessView::read();
     r.rss_above_base_bytes = after.rss as i64 - base.rss as i64;
     r.vmhwm_bytes = after.vmhwm as u64;
@@ -494,6 +498,22 @@ fn run(args: &BenchArgs, dir: &Path) -> Result<(BenchResult, Vec<Q1Group>, bool)
     Ok((r, groups, ok))
 }
 
+/// TPC-H Q1 through SQL in ms: the second of two runs (the first builds the SQL session).
+#[cfg(feature = "sql")]
+fn sql_q1_ms(engine: &Engine) -> Result<Option<f64>> {
+    crate::sql::run_q1(engine)?;
+    let (rows, took) = crate::sql::run_q1(engine)?;
+    ensure!(!rows.is_empty(), "SQL Q1 returned no groups");
+    Ok(Some(took.as_secs_f64() * 1000.0))
+}
+
+/// Without the `sql` feature there is no SQL Q1.
+#[cfg(not(feature = "sql"))]
+#[allow(clippy::unnecessary_wraps)] // the same signature as with the feature
+fn sql_q1_ms(_engine: &Engine) -> Result<Option<f64>> {
+    Ok(None)
+}
+
 fn mrows(v: f64) -> String {
     format!("{:.3} M rows/s", v / 1e6)
 }
@@ -509,6 +529,9 @@ fn print_table(r: &BenchResult, groups: &[Q1Group]) {
     println!("{:<26} {:>20} {:>16} {:>9.2}x", "insert, WAL relaxed", mrows(r.insert_relaxed_rows_per_s), mrows(d.insert), r.insert_relaxed_rows_per_s / d.insert);
     println!("{:<26} {:>18.3} s {:>14.2} s {:>9.2}x", "durable (flush)", r.durable_s, d.durable_s, d.durable_s / r.durable_s);
     println!("{:<26} {:>17.1} ms {:>13.0} ms {:>9.2}x", "Q1", r.q1_ms, d.q1_ms, d.q1_ms / r.q1_ms);
+    if let Some(ms) = r.sql_q1_ms {
+        println!("{:<26} {:>17.1} ms {:>13.0} ms {:>9.2}x", "Q1 through SQL (TPC-H)", ms, d.q1_ms, d.q1_ms / ms);
+    }
     println!("(ratio > 1: gritdb faster)");
     println!("count {} sum(l_quantity) {}", r.count, r.sum_quantity);
     for g in groups {
@@ -573,6 +596,7 @@ mod tests {
             "scan_rows_per_s",
             "allocations_per_row",
             "accounted_bytes_per_row",
+            "sql_q1_ms",
         ] {
             assert!(o.contains_key(k), "missing {k}");
         }

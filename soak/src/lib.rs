@@ -18,6 +18,8 @@ pub mod plot;
 pub mod report;
 pub mod run;
 pub mod sample;
+#[cfg(feature = "sql")]
+pub mod sql;
 pub mod tune;
 
 use clap::Parser;

@@ -13,12 +13,15 @@ mod create_drop;
 mod drop_flush;
 mod faults;
 mod filter;
+mod interop;
 mod model;
 mod regressions;
 mod retention;
 mod scan_memory;
 mod runtime;
 mod smoke;
+#[cfg(feature = "sql")]
+mod sql;
 mod tpch;
 mod wal;
 mod writer;

@@ -77,3 +77,25 @@ fn report_matches_the_exact_figures() {
     assert!(text.contains("table orders"), "{text}");
     drop(held);
 }
+
+#[test]
+fn force_reserve_counts_truthfully_past_the_limit_and_releases_to_zero() {
+    let ctl = ctl(4 * CHUNK);
+    assert!(ctl.force_reserve(Category::Query, None, CHUNK), "fits under the limit");
+    assert_eq!(ctl.category_bytes(Category::Query), CHUNK);
+    let failures = |ctl: &gritdb_memctl::MemoryController| {
+        let r = ctl.report();
+        r.categories.iter().find(|c| c.category == Category::Query).map(|c| c.failures)
+    };
+    assert_eq!(failures(&ctl), Some(0));
+    // 1 + 4 chunks: refused by try_reserve, counted anyway (already allocated by the caller).
+    assert!(!ctl.force_reserve(Category::Query, None, 4 * CHUNK));
+    assert_eq!(ctl.used(), 5 * CHUNK);
+    assert_eq!(ctl.category_bytes(Category::Query), 5 * CHUNK);
+    assert_eq!(ctl.peak(), 5 * CHUNK);
+    assert_eq!(failures(&ctl), Some(1));
+    assert!(ctl.try_reserve(Category::Query, None, 1).is_err(), "over the limit: nothing more");
+    ctl.release(Category::Query, None, 5 * CHUNK);
+    assert_eq!(ctl.category_bytes(Category::Query), 0);
+    assert_all_zero(&ctl);
+}

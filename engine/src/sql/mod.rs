@@ -1,0 +1,399 @@
+//! SQL over gritdb tables through `DataFusion` (the `sql` cargo feature).
+//!
+//! ```text
+//! Engine::sql("SELECT ...")            (blocking; the engine's own "gritdb-sql" runtime)
+//! Engine::sql_async("SELECT ...")      (on the caller's tokio runtime)
+//! Engine::session_context()            (a DataFusion SessionContext for DataFrames)
+//!     │
+//!     ▼  catalog `gritdb`, schema `public`: every engine table, resolved at planning time,
+//!        plus the system tables `gritdb_memory`, `gritdb_tables`
+//! TableProvider (one per table) ── projection, limit pushed into Table::scan
+//!     │  GritScan: one partition; the blocking scan iterator runs on a blocking thread
+//!     │  (RecordBatchReceiverStream::spawn_blocking), 2 batches buffered
+//!     ▼
+//! DataFusion operators ── reservations ──> memory pool over memctl, category `query`
+//!                                          (refusal = ResourcesExhausted: spill or
+//!                                          Error::MemoryLimit)
+//! ```
+//!
+//! Statements are read-only: queries, `EXPLAIN`, `DESCRIBE`, `SHOW TABLES`/`SHOW COLUMNS`.
+//! Writes go through [`crate::Table`]. See `docs/sql.md`.
+
+mod catalog;
+mod filter;
+mod pool;
+mod provider;
+mod system;
+
+pub use datafusion;
+
+use crate::engine::{Engine, EngineInner};
+use crate::error::{Error, Result};
+use arrow_array::RecordBatch;
+use datafusion::catalog::{CatalogProvider, MemoryCatalogProvider};
+use datafusion::error::DataFusionError;
+use datafusion::execution::SessionStateBuilder;
+use datafusion::execution::runtime_env::{RuntimeEnv, RuntimeEnvBuilder};
+use datafusion::prelude::{SessionConfig, SessionContext};
+use datafusion::sql::parser::Statement as DfStatement;
+use datafusion::sql::sqlparser::ast::Statement as SqlStatement;
+use pool::{GritMemoryPool, LastRefusal};
+use std::sync::{Arc, Mutex, PoisonError};
+
+/// Names of the system tables, queryable like tables: `gritdb_memory` (one row per memory
+/// category engine-wide and per table and category: `scope`, `name`, `category`, `bytes`,
+/// `peak_bytes`, `allocs`, `frees`, `failures`; the columns of
+/// [`Engine::memory_report_batch`]) and `gritdb_tables` (one row per table: `name`,
+/// `primary_key`, `rows`, `files`, `file_rows`, `delta_bytes`, `sealed_deltas`, `index_bytes`,
+/// `accounted_bytes`, `manifest_version`, `last_flush_error`). They take precedence over
+/// engine tables of the same name.
+pub const SYSTEM_TABLES: [&str; 2] = system::NAMES;
+
+/// The catalog and schema gritdb tables live in (`gritdb.public.<table>`; both are the
+/// session's defaults, so plain names resolve).
+pub const CATALOG: &str = "gritdb";
+/// See [`CATALOG`].
+pub const SCHEMA: &str = "public";
+
+/// Which stage of a SQL query failed ([`Error::Sql`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SqlErrorKind {
+    /// The text is not valid SQL (parser error), or holds no statement or more than one.
+    Syntax,
+    /// A column the query names does not exist (or is ambiguous).
+    UnknownColumn,
+    /// The query is valid SQL but cannot be planned (type mismatch, unknown function, ...).
+    Plan,
+    /// Not supported: writing statements (`INSERT`, `UPDATE`, `DELETE`, `CREATE`, `DROP`,
+    /// `COPY`, `SET`, ...) — write through [`crate::Table`] — or a SQL feature `DataFusion` lacks.
+    NotSupported,
+    /// The query failed while running (e.g. a cast of a bad value, division by zero).
+    Execution,
+    /// An internal `DataFusion` error (a bug; please report it with the query).
+    Internal,
+}
+
+impl std::fmt::Display for SqlErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            SqlErrorKind::Syntax => "syntax error",
+            SqlErrorKind::UnknownColumn => "unknown column",
+            SqlErrorKind::Plan => "planning error",
+            SqlErrorKind::NotSupported => "not supported",
+            SqlErrorKind::Execution => "execution error",
+            SqlErrorKind::Internal => "internal error",
+        })
+    }
+}
+
+/// The engine's SQL state, built at the first query.
+#[derive(Default)]
+pub(crate) struct SqlSlot(Mutex<Option<Arc<SqlState>>>);
+
+impl SqlSlot {
+    fn get_or_init(&self, engine: &Arc<EngineInner>) -> Result<Arc<SqlState>> {
+        let mut g = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(s) = g.as_ref() {
+            return Ok(Arc::clone(s));
+        }
+        let s = Arc::new(SqlState::new(engine)?);
+        *g = Some(Arc::clone(&s));
+        Ok(s)
+    }
+
+    /// Stops the SQL runtime without blocking (safe inside another runtime).
+    pub(crate) fn shutdown(&self) {
+        let state = self.0.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(s) = state
+            && let Some(rt) = s.runtime.lock().unwrap_or_else(PoisonError::into_inner).take()
+        {
+            rt.shutdown_background();
+        }
+    }
+}
+
+pub(crate) struct SqlState {
+    engine: std::sync::Weak<EngineInner>,
+    env: Arc<RuntimeEnv>,
+    /// The session of [`Engine::sql`] (users' `session_context()`s are separate).
+    ctx: SessionContext,
+    last_refusal: Arc<LastRefusal>,
+    /// The runtime blocking [`Engine::sql`] calls run on, built at the first one.
+    runtime: Mutex<Option<tokio::runtime::Runtime>>,
+}
+
+impl SqlState {
+    fn new(engine: &Arc<EngineInner>) -> Result<Self> {
+        let last_refusal = Arc::new(LastRefusal::default());
+        let pool = GritMemoryPool::new(Arc::clone(&engine.shared), Arc::clone(&last_refusal));
+        let env = RuntimeEnvBuilder::new().with_memory_pool(Arc::new(pool)).build_arc().map_err(|e| sql_error(e, &last_refusal))?;
+        let weak = Arc::downgrade(engine);
+        let ctx = new_context(&weak, engine.shared.ctl.limit(), Arc::clone(&env)).map_err(|e| sql_error(e, &last_refusal))?;
+        Ok(Self { engine: weak, env, ctx, last_refusal, runtime: Mutex::new(None) })
+    }
+
+    fn runtime(&self) -> Result<tokio::runtime::Handle> {
+        let mut g = self.runtime.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(rt) = g.as_ref() {
+            return Ok(rt.handle().clone());
+        }
+        let threads = std::thread::available_parallelism().map_or(2, std::num::NonZero::get);
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads)
+            .thread_name("gritdb-sql")
+            .enable_all()
+            .build()
+            .map_err(|e| Error::Io { path: "tokio runtime (gritdb-sql)".into(), source: e })?;
+        let handle = rt.handle().clone();
+        *g = Some(rt);
+        Ok(handle)
+    }
+
+    /// Plans and runs one read-only statement on the current tokio runtime.
+    async fn run(&self, query: &str) -> Result<Vec<RecordBatch>> {
+        let err = |e| sql_error(e, &self.last_refusal);
+        let state = self.ctx.state();
+        let dialect = state.config().options().sql_parser.dialect;
+        // Any failure to get one statement out of the text (parser error, none, several).
+        let statement = state.sql_to_statement(query, &dialect).map_err(|e| Error::Sql { kind: SqlErrorKind::Syntax, source: Box::new(e) })?;
+        check_read_only(&statement)?;
+        let plan = state.statement_to_plan(statement).await.map_err(err)?;
+        datafusion::execution::context::SQLOptions::new()
+            .with_allow_ddl(false)
+            .with_allow_dml(false)
+            .with_allow_statements(false)
+            .verify_plan(&plan)
+            .map_err(|e| Error::Sql { kind: SqlErrorKind::NotSupported, source: Box::new(e) })?;
+        let df = self.ctx.execute_logical_plan(plan).await.map_err(err)?;
+        df.collect().await.map_err(err)
+    }
+}
+
+/// A session over the engine's catalog and memory pool.
+fn new_context(engine: &std::sync::Weak<EngineInner>, limit: usize, env: Arc<RuntimeEnv>) -> datafusion::error::Result<SessionContext> {
+    let mut config = SessionConfig::new()
+        .with_information_schema(true)
+        .with_create_default_catalog_and_schema(false)
+        .with_default_catalog_and_schema(CATALOG, SCHEMA);
+    // A sort that may spill sets this much aside for merging its spill files: a batch of
+    // each file being merged must fit (DataFusion's default, 10 MiB, is most of a small limit).
+    config.options_mut().execution.sort_spill_reservation_bytes = (limit / 16).min(10 << 20);
+    // `0.06` is an exact DECIMAL, as in DuckDB and the SQL standard, not a binary float:
+    // `l_discount BETWEEN 0.06 - 0.01 AND 0.06 + 0.01` must include 0.07.
+    config.options_mut().sql_parser.parse_float_as_decimal = true;
+    let state = SessionStateBuilder::new().with_config(config).with_runtime_env(env).with_default_features().build();
+    let ctx = SessionContext::new_with_state(state);
+    let catalog = MemoryCatalogProvider::new();
+    catalog.register_schema(SCHEMA, Arc::new(catalog::EngineSchema::new(engine.clone())))?;
+    ctx.register_catalog(CATALOG, Arc::new(catalog));
+    Ok(ctx)
+}
+
+/// Only statements that read: queries, EXPLAIN of them, DESCRIBE, SHOW TABLES/COLUMNS.
+fn check_read_only(statement: &DfStatement) -> Result<()> {
+    fn sql_ok(s: &SqlStatement) -> bool {
+        match s {
+            SqlStatement::Query(_)
+            | SqlStatement::ShowTables { .. }
+            | SqlStatement::ShowColumns { .. }
+            | SqlStatement::ExplainTable { .. } => true,
+            SqlStatement::Explain { statement, .. } => sql_ok(statement),
+            _ => false,
+        }
+    }
+    fn ok(s: &DfStatement) -> bool {
+        match s {
+            DfStatement::Statement(s) => sql_ok(s),
+            DfStatement::Explain(e) => ok(&e.statement),
+            _ => false,
+        }
+    }
+    if ok(statement) {
+        return Ok(());
+    }
+    let first = statement.to_string();
+    let first = first.split_whitespace().next().unwrap_or("").to_uppercase();
+    Err(Error::Sql {
+        kind: SqlErrorKind::NotSupported,
+        source: Box::new(DataFusionError::NotImplemented(format!(
+            "gritdb SQL is read-only: `{first}` statements are not supported; write through Table::insert/upsert/update/delete"
+        ))),
+    })
+}
+
+/// Carries a gritdb error through `DataFusion` (unwrapped again by `Engine::sql`).
+pub(crate) fn to_datafusion(e: Error) -> DataFusionError {
+    DataFusionError::External(Box::new(e))
+}
+
+/// The first gritdb error inside `e`, taken out when `e` owns it alone.
+fn take_ours(e: DataFusionError) -> std::result::Result<Error, DataFusionError> {
+    match e {
+        DataFusionError::External(b) => match b.downcast::<Error>() {
+            Ok(ours) => Ok(*ours),
+            Err(b) => match b.downcast::<DataFusionError>() {
+                Ok(inner) => take_ours(*inner),
+                Err(b) => Err(DataFusionError::External(b)),
+            },
+        },
+        DataFusionError::Context(c, inner) => take_ours(*inner).map_err(|i| DataFusionError::Context(c, Box::new(i))),
+        DataFusionError::Diagnostic(d, inner) => take_ours(*inner).map_err(|i| DataFusionError::Diagnostic(d, Box::new(i))),
+        DataFusionError::Shared(arc) => match Arc::try_unwrap(arc) {
+            Ok(inner) => take_ours(inner),
+            Err(arc) => Err(DataFusionError::Shared(arc)),
+        },
+        DataFusionError::ArrowError(a, ctx) => match *a {
+            arrow_schema::ArrowError::ExternalError(b) => match b.downcast::<Error>() {
+                Ok(ours) => Ok(*ours),
+                Err(b) => match b.downcast::<DataFusionError>() {
+                    Ok(inner) => take_ours(*inner),
+                    Err(b) => Err(DataFusionError::ArrowError(Box::new(arrow_schema::ArrowError::ExternalError(b)), ctx)),
+                },
+            },
+            other => Err(DataFusionError::ArrowError(Box::new(other), ctx)),
+        },
+        other => Err(other),
+    }
+}
+
+/// A copy of a gritdb error found by reference (shared by several `DataFusion` consumers),
+/// for the variants that can be rebuilt.
+fn rebuild(e: &Error) -> Option<Error> {
+    Some(match e {
+        Error::MemoryLimit { requested, used, limit, category, top } => {
+            Error::MemoryLimit { requested: *requested, used: *used, limit: *limit, category: *category, top: top.clone() }
+        }
+        Error::TableNotFound { name } => Error::TableNotFound { name: name.clone() },
+        Error::ColumnNotFound { table, column } => Error::ColumnNotFound { table: table.clone(), column: column.clone() },
+        Error::Closed(s) => Error::Closed(s.clone()),
+        Error::Config(s) => Error::Config(s.clone()),
+        _ => return None,
+    })
+}
+
+/// Every error in `e`'s source chain, `e` first.
+fn chain<'a>(e: &'a (dyn std::error::Error + 'static)) -> impl Iterator<Item = &'a (dyn std::error::Error + 'static)> {
+    std::iter::successors(Some(e), |e| e.source())
+}
+
+/// The innermost `DataFusion` error of `e` (also inside `Collection`s: their first).
+fn root(e: &DataFusionError) -> &DataFusionError {
+    let mut last = e;
+    for s in chain(e) {
+        if let Some(d) = s.downcast_ref::<DataFusionError>() {
+            last = d;
+        } else if let Some(d) = s.downcast_ref::<Arc<DataFusionError>>() {
+            last = d.as_ref();
+        }
+    }
+    match last {
+        DataFusionError::Collection(v) if !v.is_empty() => root(&v[0]),
+        other => other,
+    }
+}
+
+/// Turns a `DataFusion` error into gritdb's: a gritdb error carried inside (unknown table,
+/// storage, memory) comes back as itself; a refusal of the query memory pool becomes
+/// [`Error::MemoryLimit`] with the figures of the refusal; the rest is [`Error::Sql`] with
+/// its [`SqlErrorKind`] and the `DataFusion` error as source.
+fn sql_error(e: DataFusionError, last: &LastRefusal) -> Error {
+    let e = match take_ours(e) {
+        Ok(ours) => return ours,
+        Err(e) => e,
+    };
+    if let Some(ours) = chain(&e).find_map(|s| s.downcast_ref::<Error>()).and_then(rebuild) {
+        return ours;
+    }
+    let r = root(&e);
+    if matches!(r, DataFusionError::ResourcesExhausted(_))
+        && let Some(refusal) = last.get()
+    {
+        return refusal.into();
+    }
+    let kind = match r {
+        DataFusionError::SQL(..) => SqlErrorKind::Syntax,
+        DataFusionError::SchemaError(s, _)
+            if matches!(**s, datafusion::common::SchemaError::FieldNotFound { .. } | datafusion::common::SchemaError::AmbiguousReference { .. }) =>
+        {
+            SqlErrorKind::UnknownColumn
+        }
+        DataFusionError::Plan(_) | DataFusionError::SchemaError(..) | DataFusionError::Configuration(_) => SqlErrorKind::Plan,
+        DataFusionError::NotImplemented(_) => SqlErrorKind::NotSupported,
+        DataFusionError::Internal(_) => SqlErrorKind::Internal,
+        _ => SqlErrorKind::Execution,
+    };
+    Error::Sql { kind, source: Box::new(e) }
+}
+
+impl EngineInner {
+    fn sql_state(self: &Arc<Self>) -> Result<Arc<SqlState>> {
+        self.check_open()?;
+        self.sql.get_or_init(self)
+    }
+}
+
+impl Engine {
+    /// Runs one read-only SQL statement and returns its result batches (all of them, or an
+    /// error and none). Blocks the calling thread.
+    ///
+    /// Tables resolve like [`Engine::table`] (an exact name, else the one table whose name
+    /// matches ignoring case, so the lowercase form SQL gives unquoted names finds
+    /// `Orders`); each is read as one consistent snapshot (files minus deletion vectors,
+    /// merged with the deltas), with projection and `LIMIT` pushed into the scan. The
+    /// system tables [`SYSTEM_TABLES`] show memory and tables. Query operators reserve
+    /// memory (category `query`) under the engine's limit; past what a query may use they
+    /// spill (sorts, aggregates) or the query fails with [`Error::MemoryLimit`].
+    ///
+    /// The query runs on the engine's own runtime (threads `gritdb-sql`, one per core, built
+    /// at the first call). Called from inside a tokio runtime it runs on a helper thread and
+    /// still blocks the caller: in async code use [`Engine::sql_async`].
+    ///
+    /// # Errors
+    /// [`Error::Sql`] with [`SqlErrorKind`] `Syntax` (not SQL, several statements),
+    /// `UnknownColumn`, `Plan`, `NotSupported` (statements that write or change settings),
+    /// `Execution`; [`Error::TableNotFound`] for an unknown table; [`Error::MemoryLimit`]
+    /// when the query's operators cannot get memory and cannot spill; [`Error::Storage`]
+    /// and other engine errors from the scans; [`Error::Closed`].
+    pub fn sql(&self, query: &str) -> Result<Vec<RecordBatch>> {
+        let state = self.inner.sql_state()?;
+        let handle = state.runtime()?;
+        if tokio::runtime::Handle::try_current().is_err() {
+            return handle.block_on(state.run(query));
+        }
+        // Inside a runtime a thread may not block on another runtime: use a helper thread.
+        std::thread::scope(|s| s.spawn(|| handle.block_on(state.run(query))).join()).unwrap_or_else(|_| {
+            Err(Error::Sql {
+                kind: SqlErrorKind::Internal,
+                source: Box::new(DataFusionError::Internal("the query thread panicked".into())),
+            })
+        })
+    }
+
+    /// [`Engine::sql`] for async code: runs on the caller's tokio runtime (scans run on its
+    /// blocking threads).
+    ///
+    /// # Errors
+    /// As [`Engine::sql`]; [`Error::Config`] when not polled inside a tokio runtime.
+    pub async fn sql_async(&self, query: &str) -> Result<Vec<RecordBatch>> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(Error::Config("Engine::sql_async must run inside a tokio runtime; use Engine::sql from synchronous code".into()));
+        }
+        let state = self.inner.sql_state()?;
+        state.run(query).await
+    }
+
+    /// A new `DataFusion` [`SessionContext`] over this engine: catalog `gritdb`, schema
+    /// `public` (the defaults) with every table and the system tables, and the engine's
+    /// memory pool, so its queries are governed like [`Engine::sql`]'s. It is the caller's
+    /// own session (settings, extra tables and `DataFrames` stay in it); use it on a tokio
+    /// runtime. Unlike [`Engine::sql`] it does not restrict statements, but the engine's
+    /// tables accept no writes through it.
+    ///
+    /// # Errors
+    /// [`Error::Closed`]; `DataFusion` setup errors as [`Error::Sql`].
+    pub fn session_context(&self) -> Result<SessionContext> {
+        let state = self.inner.sql_state()?;
+        new_context(&state.engine, self.inner.shared.ctl.limit(), Arc::clone(&state.env)).map_err(|e| sql_error(e, &state.last_refusal))
+    }
+}

@@ -1,0 +1,522 @@
+//! SQL through `DataFusion` (`sql` feature): tables as `DataFusion` tables (files minus deletion
+//! vectors merged with the deltas), pushdown, typed errors, system tables, query memory
+//! under the engine's limit, and TPC-H Q1/Q6 against the soak's model.
+
+use arrow::array::{Array, AsArray, Int64Array, RecordBatch, StringArray};
+use arrow::datatypes::{DataType, Field, Int64Type, Schema, SchemaRef, UInt64Type};
+use gritdb::memory::Category;
+use gritdb::sql::SqlErrorKind;
+use gritdb::{Engine, EngineConfig, Error};
+use gritdb_soak::data::{self, LINEITEM_KEY};
+use gritdb_soak::model::LineitemAgg;
+use gritdb_soak::sql as tpch;
+use std::sync::Arc;
+
+fn schema() -> SchemaRef {
+    Arc::new(Schema::new(vec![
+        Field::new("id", DataType::Int64, false),
+        Field::new("v", DataType::Int64, true),
+        Field::new("s", DataType::Utf8, true),
+    ]))
+}
+
+/// Rows `ids` with `v = id * mul` and `s = "<tag><id>"`.
+fn rows(ids: impl IntoIterator<Item = i64>, mul: i64, tag: &str) -> RecordBatch {
+    let ids: Vec<i64> = ids.into_iter().collect();
+    RecordBatch::try_new(
+        schema(),
+        vec![
+            Arc::new(Int64Array::from(ids.clone())),
+            Arc::new(Int64Array::from(ids.iter().map(|i| i * mul).collect::<Vec<_>>())),
+            Arc::new(StringArray::from(ids.iter().map(|i| format!("{tag}{i}")).collect::<Vec<_>>())),
+        ],
+    )
+    .unwrap()
+}
+
+fn keys(ids: impl IntoIterator<Item = i64>) -> RecordBatch {
+    let s = Arc::new(Schema::new(vec![Field::new("id", DataType::Int64, false)]));
+    RecordBatch::try_new(s, vec![Arc::new(Int64Array::from(ids.into_iter().collect::<Vec<_>>()))]).unwrap()
+}
+
+fn open(dir: &std::path::Path, limit: usize) -> Engine {
+    // A scan waiting for memory gives up after 5 s (not the default 30 s) in these tests.
+    Engine::open(dir, EngineConfig::default().memory_limit(limit).backpressure_timeout(std::time::Duration::from_secs(5))).unwrap()
+}
+
+/// The single value of a one-row, one-column `Int64` or `UInt64` answer.
+fn scalar(batches: &[RecordBatch]) -> i64 {
+    let b: Vec<&RecordBatch> = batches.iter().filter(|b| b.num_rows() > 0).collect();
+    assert_eq!((b.len(), b[0].num_rows()), (1, 1), "{batches:?}");
+    let c = b[0].column(0);
+    match c.data_type() {
+        DataType::Int64 => c.as_primitive::<Int64Type>().value(0),
+        DataType::UInt64 => c.as_primitive::<UInt64Type>().value(0) as i64,
+        t => panic!("not an integer: {t}"),
+    }
+}
+
+fn total_rows(batches: &[RecordBatch]) -> usize {
+    batches.iter().map(RecordBatch::num_rows).sum()
+}
+
+/// A table with rows in a committed file, deletes applied to the file (deletion vector),
+/// updated rows in the sealed-and-flushed layer and in the active delta.
+fn layered_table(engine: &Engine) -> gritdb::Table {
+    let t = engine.create_table("t", schema(), &["id"]).unwrap();
+    t.insert(&rows(0..1000, 1, "a")).unwrap();
+    t.flush().unwrap();
+    t.delete(&keys(0..100)).unwrap(); // deletes of file rows
+    t.update(&rows(100..200, 10, "b")).unwrap();
+    t.flush().unwrap(); // second file + deletion vector on the first
+    t.update(&rows(200..300, 100, "c")).unwrap(); // active delta, over the file rows
+    t.insert(&rows(1000..1050, 1, "d")).unwrap(); // new keys in the active delta
+    t.delete(&keys(1040..1050)).unwrap(); // removed again inside the active delta
+    t
+}
+
+/// Expected `sum(v)` of [`layered_table`]: ids 100..200 ×10, 200..300 ×100, the rest ×1.
+fn layered_sum() -> i64 {
+    (100..200).map(|i| i * 10).sum::<i64>() + (200..300).map(|i| i * 100).sum::<i64>() + (300..1000).sum::<i64>() + (1000..1040).sum::<i64>()
+}
+
+#[test]
+fn sql_reads_files_minus_deletes_merged_with_deltas() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path(), 64 << 20);
+    let _t = layered_table(&engine);
+    assert_eq!(scalar(&engine.sql("SELECT count(*) FROM t").unwrap()), 940);
+    assert_eq!(scalar(&engine.sql("SELECT sum(v) FROM t").unwrap()), layered_sum());
+    assert_eq!(scalar(&engine.sql("SELECT count(*) FROM t WHERE id < 100").unwrap()), 0);
+    assert_eq!(scalar(&engine.sql("SELECT v FROM t WHERE id = 150").unwrap()), 1500);
+    assert_eq!(scalar(&engine.sql("SELECT v FROM t WHERE id = 250").unwrap()), 25_000);
+    assert_eq!(scalar(&engine.sql("SELECT count(*) FROM t WHERE s LIKE 'c%'").unwrap()), 100);
+    // A join of the table with itself, and a GROUP BY over the layers.
+    assert_eq!(scalar(&engine.sql("SELECT count(*) FROM t a JOIN t b ON a.id = b.id + 1").unwrap()), 939); // ids 100..1040: a.id in 101..1040
+    let b = engine.sql("SELECT substr(s, 1, 1) AS tag, count(*) AS n FROM t GROUP BY tag ORDER BY tag").unwrap();
+    let b = arrow::compute::concat_batches(&b[0].schema(), &b).unwrap();
+    let tags: Vec<String> = (0..b.num_rows()).map(|i| gritdb_soak::data::str_at(b.column(0).as_ref(), i).unwrap().to_owned()).collect();
+    let n: Vec<i64> = b.column(1).as_primitive::<Int64Type>().values().to_vec();
+    assert_eq!(tags, ["a", "b", "c", "d"]);
+    assert_eq!(n, [700, 100, 100, 40]);
+    // Writes after the session was built are seen by the next query; so are new tables.
+    engine.table("t").unwrap().delete(&keys([500])).unwrap();
+    assert_eq!(scalar(&engine.sql("SELECT count(*) FROM t").unwrap()), 939);
+    let u = engine.create_table("u", schema(), &["id"]).unwrap();
+    u.insert(&rows(0..7, 1, "u")).unwrap();
+    assert_eq!(scalar(&engine.sql("SELECT count(*) FROM u").unwrap()), 7);
+}
+
+#[test]
+fn sql_pushes_projection_and_limit_into_the_scan() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path(), 64 << 20);
+    let _t = layered_table(&engine);
+    let plan = |q: &str| -> String {
+        let b = engine.sql(&format!("EXPLAIN {q}")).unwrap();
+        let b = &b[0];
+        (0..b.num_rows()).map(|i| b.column(1).as_string::<i32>().value(i).to_owned() + "\n").collect()
+    };
+    let p = plan("SELECT s FROM t LIMIT 5");
+    assert!(p.contains("GritScan: table=t, projection=[s], limit=5"), "{p}");
+    let p = plan("SELECT v, id FROM t");
+    assert!(p.contains("GritScan: table=t, projection=[id, v]") || p.contains("GritScan: table=t, projection=[v, id]"), "{p}");
+    let p = plan("SELECT count(*) FROM t");
+    assert!(p.contains("GritScan: table=t, projection=[]"), "{p}");
+    let b = engine.sql("SELECT id, s FROM t LIMIT 5").unwrap();
+    assert_eq!(total_rows(&b), 5);
+    assert_eq!(b[0].schema().fields().iter().map(|f| f.name().as_str()).collect::<Vec<_>>(), ["id", "s"]);
+    assert_eq!(total_rows(&engine.sql("SELECT * FROM t LIMIT 0").unwrap()), 0);
+    assert_eq!(total_rows(&engine.sql("SELECT * FROM t LIMIT 2000").unwrap()), 940);
+}
+
+/// The text of `EXPLAIN ANALYZE <q>` (the plan with each operator's metrics).
+fn analyze(engine: &Engine, q: &str) -> String {
+    let b = engine.sql(&format!("EXPLAIN ANALYZE {q}")).unwrap();
+    b.iter().flat_map(|b| (0..b.num_rows()).map(move |i| b.column(1).as_string::<i32>().value(i).to_owned() + "\n")).collect()
+}
+
+#[test]
+fn sql_pushes_filters_into_the_scan_and_prunes_by_statistics() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path(), 64 << 20);
+    let t = engine.create_table("t", schema(), &["id"]).unwrap();
+    t.insert(&rows(0..1000, 1, "a")).unwrap();
+    t.flush().unwrap();
+    t.insert(&rows(1000..2000, 1, "b")).unwrap();
+    t.flush().unwrap(); // two files, one row group each: ids 0..1000 and 1000..2000
+    let count = |w: &str| scalar(&engine.sql(&format!("SELECT count(*) FROM t WHERE {w}")).unwrap());
+    let explain = |q: &str| -> String {
+        let b = engine.sql(&format!("EXPLAIN {q}")).unwrap();
+        (0..b[0].num_rows()).map(|i| b[0].column(1).as_string::<i32>().value(i).to_owned() + "\n").collect()
+    };
+    let p = explain("SELECT s FROM t WHERE id >= 1500");
+    assert!(p.contains("GritScan: table=t, projection=[s], filter=id >= 1500") || p.contains("filter=id >= 1500"), "{p}");
+    // The first file's statistics (max id 999) rule it out: one of two row groups pruned.
+    let a = analyze(&engine, "SELECT count(*) FROM t WHERE id >= 1500");
+    assert!(a.contains("row_groups_total=2") && a.contains("row_groups_pruned=1"), "{a}");
+    assert!(a.contains("rows_matched=500"), "{a}");
+    assert_eq!(count("id >= 1500"), 500);
+    assert_eq!(count("1500 <= id"), 500);
+    assert_eq!(count("id >= 100 AND id < 200"), 100);
+    assert_eq!(count("id BETWEEN 10 AND 19"), 10);
+    assert_eq!(count("id = 7 OR id = 1007"), 2);
+    assert_eq!(count("s = 'b1500'"), 1);
+    assert_eq!(count("id <> 0"), 1999);
+    // Not translatable (LIKE): DataFusion filters alone, same answer.
+    assert!(!explain("SELECT id FROM t WHERE s LIKE 'b1%'").contains("filter="));
+    assert_eq!(count("s LIKE 'b1%'"), 1000);
+    // Over deltas: updated values are matched, the stale file versions are not.
+    t.update(&rows(0..10, 10, "c")).unwrap();
+    assert_eq!(count("v = 5"), 0);
+    assert_eq!(count("v = 50"), 2); // id 5 (updated) and id 50 (file)
+    // NULLs: IS NULL / IS NOT NULL, and a comparison is never true for a null.
+    let nulls = RecordBatch::try_new(
+        schema(),
+        vec![
+            Arc::new(Int64Array::from(vec![5000, 5001, 5002])),
+            Arc::new(Int64Array::from(vec![None, None, Some(1)])),
+            Arc::new(StringArray::from(vec![None, Some("x"), None])),
+        ],
+    )
+    .unwrap();
+    t.insert(&nulls).unwrap();
+    assert_eq!(count("v IS NULL"), 2);
+    assert_eq!(count("s IS NULL"), 2);
+    assert_eq!(count("v IS NOT NULL AND id >= 5000"), 1);
+    assert_eq!(count("v <> 3 AND id >= 5000"), 1);
+    assert_eq!(count("v = NULL"), 0);
+    t.flush().unwrap();
+    assert_eq!(count("v IS NULL"), 2);
+    assert_eq!(count("s IS NULL AND id >= 5000"), 2);
+}
+
+fn sql_err(engine: &Engine, q: &str) -> Error {
+    match engine.sql(q) {
+        Ok(b) => panic!("{q}: expected an error, got {b:?}"),
+        Err(e) => e,
+    }
+}
+
+fn kind(e: &Error) -> SqlErrorKind {
+    match e {
+        Error::Sql { kind, .. } => *kind,
+        other => panic!("expected Error::Sql, got {other:?}"),
+    }
+}
+
+#[test]
+fn sql_bad_input_is_a_typed_error_and_nothing_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path(), 64 << 20);
+    let t = engine.create_table("t", schema(), &["id"]).unwrap();
+    t.insert(&rows(0..10, 1, "a")).unwrap();
+    // Not SQL; two statements; nothing at all.
+    assert_eq!(kind(&sql_err(&engine, "SELEKT * FROM t")), SqlErrorKind::Syntax);
+    assert_eq!(kind(&sql_err(&engine, "SELECT 1; SELECT 2")), SqlErrorKind::Syntax);
+    assert_eq!(kind(&sql_err(&engine, "")), SqlErrorKind::Syntax);
+    // Unknown table: the engine's own error.
+    assert!(matches!(sql_err(&engine, "SELECT * FROM nope"), Error::TableNotFound { name } if name == "nope"));
+    assert!(matches!(sql_err(&engine, "SELECT * FROM t JOIN missing ON true"), Error::TableNotFound { name } if name == "missing"));
+    // Unknown column, in the select list and in a filter.
+    let e = sql_err(&engine, "SELECT nope FROM t");
+    assert_eq!(kind(&e), SqlErrorKind::UnknownColumn);
+    assert!(e.to_string().contains("nope"), "{e}");
+    assert_eq!(kind(&sql_err(&engine, "SELECT id FROM t WHERE zzz > 1")), SqlErrorKind::UnknownColumn);
+    // Type errors and unknown functions are planning errors.
+    assert_eq!(kind(&sql_err(&engine, "SELECT no_such_function(id) FROM t")), SqlErrorKind::Plan);
+    // Writes and settings: not through SQL.
+    for q in [
+        "INSERT INTO t VALUES (100, 1, 'x')",
+        "DELETE FROM t WHERE id = 1",
+        "UPDATE t SET v = 0",
+        "CREATE TABLE x (a INT)",
+        "CREATE TABLE x AS SELECT * FROM t",
+        "DROP TABLE t",
+        "SET datafusion.execution.batch_size = 10",
+        "COPY t TO '/tmp/x.parquet'",
+        "EXPLAIN DELETE FROM t",
+    ] {
+        let e = sql_err(&engine, q);
+        assert_eq!(kind(&e), SqlErrorKind::NotSupported, "{q}: {e}");
+    }
+    // A runtime failure.
+    assert_eq!(kind(&sql_err(&engine, "SELECT id / (v - id) FROM t")), SqlErrorKind::Execution);
+    // The source is kept.
+    let e = sql_err(&engine, "SELECT nope FROM t");
+    assert!(std::error::Error::source(&e).is_some());
+    // Nothing changed, and the engine still answers.
+    assert_eq!(scalar(&engine.sql("SELECT count(*) FROM t").unwrap()), 10);
+    assert_eq!(engine.table_names(), ["t"]);
+    // After the table is dropped, and after the engine is closed.
+    engine.drop_table("t").unwrap();
+    assert!(matches!(sql_err(&engine, "SELECT * FROM t"), Error::TableNotFound { .. }));
+    engine.close().unwrap();
+}
+
+#[test]
+fn sql_after_close_is_closed() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path(), 64 << 20);
+    engine.create_table("t", schema(), &["id"]).unwrap().insert(&rows(0..3, 1, "a")).unwrap();
+    let ctx = engine.session_context().unwrap();
+    engine.close().unwrap();
+    // The session outlives the engine: its tables are gone with it, as a typed error.
+    let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let r = rt.block_on(async { ctx.sql("SELECT * FROM t").await.map(|_| ()) });
+    let e = r.unwrap_err();
+    assert!(e.to_string().contains("closed"), "{e}");
+}
+
+#[test]
+fn table_names_resolve_like_engine_table() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path(), 64 << 20);
+    engine.create_table("Orders", schema(), &["id"]).unwrap().insert(&rows(0..3, 1, "a")).unwrap();
+    engine.create_table("my-table.v2", schema(), &["id"]).unwrap().insert(&rows(0..4, 1, "a")).unwrap();
+    // Unquoted names are lowercased by SQL; the one table matching ignoring case is found.
+    assert_eq!(scalar(&engine.sql("SELECT count(*) FROM Orders").unwrap()), 3);
+    assert_eq!(scalar(&engine.sql("SELECT count(*) FROM orders").unwrap()), 3);
+    assert_eq!(scalar(&engine.sql(r#"SELECT count(*) FROM "Orders""#).unwrap()), 3);
+    assert_eq!(scalar(&engine.sql(r#"SELECT count(*) FROM "my-table.v2""#).unwrap()), 4);
+    assert_eq!(scalar(&engine.sql("SELECT count(*) FROM gritdb.public.orders").unwrap()), 3);
+    let b = engine.sql("SHOW TABLES").unwrap();
+    let names: Vec<String> = b
+        .iter()
+        .flat_map(|b| {
+            let c = b.column_by_name("table_name").unwrap().clone();
+            (0..b.num_rows()).map(move |i| gritdb_soak::data::str_at(c.as_ref(), i).unwrap().to_owned())
+        })
+        .collect();
+    for n in ["Orders", "my-table.v2", "gritdb_memory", "gritdb_tables"] {
+        assert!(names.iter().any(|x| x == n), "{n} not in {names:?}");
+    }
+}
+
+#[test]
+fn system_tables_show_tables_and_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path(), 64 << 20);
+    let t = layered_table(&engine);
+    let empty = engine.create_table("empty", schema(), &["id"]).unwrap();
+    let b = engine
+        .sql("SELECT name, primary_key, rows, files, file_rows, delta_bytes, sealed_deltas, index_bytes, accounted_bytes, manifest_version, last_flush_error FROM gritdb_tables ORDER BY name")
+        .unwrap();
+    let b = arrow::compute::concat_batches(&b[0].schema(), &b).unwrap();
+    assert_eq!(b.num_rows(), 2);
+    let name = b.column(0).as_string::<i32>();
+    assert_eq!((name.value(0), name.value(1)), ("empty", "t"));
+    assert_eq!(b.column(1).as_string::<i32>().value(1), "id");
+    let u = |c: usize, r: usize| b.column(c).as_primitive::<UInt64Type>().value(r);
+    let st = t.stats().unwrap();
+    assert_eq!(u(2, 1), 940);
+    assert_eq!(u(3, 1), st.files as u64);
+    assert_eq!(u(3, 1), 2);
+    assert_eq!(u(4, 1), st.file_rows);
+    assert_eq!(u(4, 1), 900);
+    assert_eq!(u(5, 1), (st.active_delta_bytes + st.sealed_delta_bytes) as u64);
+    assert!(u(5, 1) > 0);
+    assert_eq!(u(6, 1), st.sealed_deltas as u64);
+    assert_eq!(u(7, 1), st.key_index_bytes as u64);
+    assert_eq!(u(8, 1), st.accounted_bytes as u64);
+    assert_eq!(u(9, 1), st.manifest_version);
+    assert!(b.column(10).is_null(1));
+    let es = empty.stats().unwrap();
+    assert_eq!((u(2, 0), u(3, 0), u(5, 0), u(8, 0)), (0, 0, 0, es.accounted_bytes as u64));
+
+    // gritdb_memory: one engine row per category, summing to `used`; the table's rows.
+    engine.release_cached_memory();
+    let b = engine.sql("SELECT scope, name, category, bytes, peak_bytes, allocs, frees, failures FROM gritdb_memory").unwrap();
+    let b = arrow::compute::concat_batches(&b[0].schema(), &b).unwrap();
+    let scope = b.column(0).as_string::<i32>();
+    let cat = b.column(2).as_string::<i32>();
+    let bytes = b.column(3).as_primitive::<UInt64Type>();
+    let engine_rows: Vec<usize> = (0..b.num_rows()).filter(|&i| scope.value(i) == "engine").collect();
+    assert_eq!(engine_rows.len(), Category::ALL.len());
+    let cats: Vec<&str> = engine_rows.iter().map(|&i| cat.value(i)).collect();
+    assert_eq!(cats, Category::ALL.iter().map(|c| c.name()).collect::<Vec<_>>());
+    assert!(cats.contains(&"query"));
+    let sum: u64 = engine_rows.iter().map(|&i| bytes.value(i)).sum();
+    assert_eq!(sum as usize, engine.memory().used());
+    let query_row = engine_rows.iter().find(|&&i| cat.value(i) == "query").unwrap();
+    assert_eq!(bytes.value(*query_row), 0, "no query holds memory while the system table is computed");
+    // Per table and category: the table's rows sum to all bytes accounted to it.
+    let t_rows: Vec<usize> =
+        (0..b.num_rows()).filter(|&i| scope.value(i) == "table" && b.column(1).as_string::<i32>().value(i) == "t").collect();
+    let t_total: u64 = t_rows.iter().map(|&i| bytes.value(i)).sum();
+    assert_eq!(t_total as usize, t.stats().unwrap().accounted_bytes);
+    let row_blocks = t_rows.iter().find(|&&i| cat.value(i) == "row_blocks").map(|&i| bytes.value(i)).unwrap();
+    assert!(row_blocks >= 64 << 10, "the active delta holds row blocks: {row_blocks}");
+    // Aggregates over the system table work like over any table.
+    let n = scalar(&engine.sql("SELECT count(*) FROM gritdb_memory WHERE scope = 'engine'").unwrap());
+    assert_eq!(n as usize, Category::ALL.len());
+}
+
+#[test]
+fn sql_from_async_code() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path(), 64 << 20);
+    let _t = layered_table(&engine);
+    // Blocking `sql` called on a runtime's worker thread (current-thread and multi-thread).
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let n = rt.block_on(async { scalar(&engine.sql("SELECT count(*) FROM t").unwrap()) });
+    assert_eq!(n, 940);
+    let rt2 = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let n = rt2.block_on(async { scalar(&engine.sql_async("SELECT sum(v) FROM t").await.unwrap()) });
+    assert_eq!(n, layered_sum());
+    let n = rt.block_on(async { scalar(&engine.sql_async("SELECT count(*) FROM t WHERE id >= 1000").await.unwrap()) });
+    assert_eq!(n, 40);
+    // A session context for DataFrame users, on their runtime.
+    let ctx = engine.session_context().unwrap();
+    let b = rt2.block_on(async { ctx.sql("SELECT max(id) FROM t").await.unwrap().collect().await.unwrap() });
+    assert_eq!(scalar(&b), 1039);
+    // Polled outside any tokio runtime: a typed error, not a panic.
+    let mut fut = std::pin::pin!(engine.sql_async("SELECT 1"));
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match fut.as_mut().poll(&mut cx) {
+        std::task::Poll::Ready(Err(Error::Config(msg))) => assert!(msg.contains("tokio runtime"), "{msg}"),
+        other => panic!("expected Config error, got {other:?}"),
+    }
+}
+
+/// Accounted bytes per category with no query running and no cached chunks. After a failed
+/// query, `DataFusion`'s aborted tasks and the scan's blocking thread drop what they hold a
+/// moment after the error was returned: wait (bounded) for `query` and `scan_buffers` to
+/// reach 0.
+fn settled(engine: &Engine) -> Vec<(Category, usize)> {
+    let start = std::time::Instant::now();
+    let ctl = engine.memory();
+    while ctl.category_bytes(Category::Query) != 0 || ctl.category_bytes(Category::ScanBuffers) != 0 {
+        assert!(start.elapsed() < std::time::Duration::from_secs(10), "query or scan memory not released: {}", engine.memory_report());
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    engine.release_cached_memory();
+    Category::ALL.iter().map(|&c| (c, ctl.category_bytes(c))).collect()
+}
+
+#[test]
+fn query_memory_spills_or_fails_typed_and_returns_to_the_baseline() {
+    // 64 MiB: queries may use what the write soft limit leaves (limit − 16 MiB flush headroom).
+    const LIMIT: usize = 64 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path(), LIMIT);
+    let t = engine.create_table("big", schema(), &["id"]).unwrap();
+    let n = 500_000i64; // ~50 MiB of rows (ids, values, ~80-byte strings)
+    let tag = "a-fairly-long-string-value-that-makes-every-row-weigh-about-eighty-bytes-";
+    for start in (0..n).step_by(50_000) {
+        t.insert(&rows(start..start + 50_000, 3, tag)).unwrap();
+    }
+    t.flush().unwrap();
+    let base = settled(&engine);
+    assert_eq!(engine.memory().category_bytes(Category::Query), 0);
+
+    // One aggregate holding every string of the table (~40 MiB) cannot spill: typed error.
+    let e = sql_err(&engine, "SELECT array_agg(s) FROM big");
+    match &e {
+        Error::MemoryLimit { category, requested, limit, used, .. } => {
+            assert_eq!(*category, Category::Query);
+            assert!(*requested > 0 && *used + *requested > *limit, "{e}");
+            assert!(*limit <= LIMIT);
+        }
+        other => panic!("expected MemoryLimit, got {other:?}"),
+    }
+    assert!(e.to_string().contains("query"), "{e}");
+    assert_eq!(settled(&engine), base);
+    assert_eq!(engine.memory().category_bytes(Category::Query), 0);
+    assert!(engine.memory().peak() <= LIMIT);
+
+    // A sort of every row by a string spills to disk and answers correctly.
+    let failures_before = query_failures(&engine);
+    let b = engine.sql("SELECT id, s FROM big ORDER BY s DESC, id").unwrap();
+    assert_eq!(total_rows(&b), n as usize);
+    let first = b.iter().find(|b| b.num_rows() > 0).unwrap();
+    assert_eq!(first.column(1).as_string::<i32>().value(0), format!("{tag}99999"));
+    let ids: Vec<i64> = b.iter().flat_map(|b| b.column(0).as_primitive::<Int64Type>().values().to_vec()).collect();
+    let mut sorted = ids.clone();
+    sorted.sort_unstable();
+    assert_eq!(sorted, (0..n).collect::<Vec<_>>());
+    assert!(query_failures(&engine) > failures_before, "the sort was refused memory at least once (it spilled)");
+    drop(b);
+    assert_eq!(engine.memory().category_bytes(Category::Query), 0, "a query that succeeded released everything");
+    assert_eq!(settled(&engine), base);
+    assert!(engine.memory().peak() <= LIMIT, "never above the limit");
+    // Writes still work after the queries.
+    t.insert(&rows(n..n + 10, 1, "z")).unwrap();
+    assert_eq!(scalar(&engine.sql("SELECT count(*) FROM big").unwrap()), n + 10);
+}
+
+fn query_failures(engine: &Engine) -> u64 {
+    engine.memory_report().categories.iter().find(|c| c.category == Category::Query).map_or(0, |c| c.failures)
+}
+
+/// Loads SF 0.01 lineitem (100 parts) through the soak's generator, flushes, updates and
+/// deletes some parts (into files, deletion vectors and the active delta) and returns the
+/// model of what the table must hold.
+fn tpch_lineitem(engine: &Engine) -> LineitemAgg {
+    const SF: f64 = 0.01;
+    let t = engine.create_table("lineitem", data::lineitem_schema(), &LINEITEM_KEY).unwrap();
+    let mut versions = vec![0u32; 100];
+    for seq in 0..100 {
+        for b in data::lineitems(SF, seq, 0).unwrap() {
+            t.insert(&b).unwrap();
+        }
+    }
+    t.flush().unwrap();
+    for seq in 0..30 {
+        for b in data::lineitems(SF, seq, 1).unwrap() {
+            t.update(&b).unwrap();
+        }
+        versions[seq as usize] = 1;
+    }
+    let mut deleted = Vec::new();
+    for seq in 90..100 {
+        for b in data::lineitems(SF, seq, 0).unwrap() {
+            t.delete(&data::key_columns(&b, &LINEITEM_KEY).unwrap()).unwrap();
+        }
+        deleted.push(seq);
+    }
+    t.flush().unwrap();
+    for seq in 10..20 {
+        for b in data::lineitems(SF, seq, 2).unwrap() {
+            t.upsert(&b).unwrap(); // stays in the active delta
+        }
+        versions[seq as usize] = 2;
+    }
+    for seq in 85..90 {
+        for b in data::lineitems(SF, seq, 0).unwrap() {
+            t.delete(&data::key_columns(&b, &LINEITEM_KEY).unwrap()).unwrap(); // delete tombstones in the delta
+        }
+        deleted.push(seq);
+    }
+    let mut model = Vec::new();
+    for seq in 0..100u64 {
+        if !deleted.contains(&seq) {
+            model.extend(data::lineitems(SF, seq, versions[seq as usize]).unwrap());
+        }
+    }
+    assert!(t.stats().unwrap().active_delta_bytes > 0 && t.stats().unwrap().files >= 2);
+    LineitemAgg::from_batches(&model).unwrap()
+}
+
+#[test]
+fn tpch_q1_and_q6_through_sql_match_the_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path(), 256 << 20);
+    let model = tpch_lineitem(&engine);
+    assert!(model.rows > 50_000, "{}", model.rows);
+    let (rows, _) = tpch::run_q1(&engine).unwrap();
+    assert_eq!(rows.len(), 4, "{rows:?}");
+    assert_eq!(tpch::q1_diff(&model, &rows), None);
+    assert_eq!(rows.iter().map(|r| r.count).sum::<u64>(), model.q1.values().map(|g| g.count).sum::<u64>());
+    let revenue = tpch::q6_revenue(&engine.sql(tpch::Q6).unwrap()).unwrap();
+    assert_eq!(revenue, model.q6_revenue);
+    assert!(revenue > 0);
+    assert_eq!(scalar(&engine.sql("SELECT count(*) FROM lineitem").unwrap()), model.rows as i64);
+    // And the answers survive a reopen (deltas replayed from the WAL, files reread).
+    drop(engine);
+    let engine = open(dir.path(), 256 << 20);
+    let (rows, _) = tpch::run_q1(&engine).unwrap();
+    assert_eq!(tpch::q1_diff(&model, &rows), None);
+    assert_eq!(tpch::q6_revenue(&engine.sql(tpch::Q6).unwrap()).unwrap(), model.q6_revenue);
+    assert_eq!(engine.memory().category_bytes(Category::Query), 0);
+}

@@ -134,14 +134,9 @@ impl EngineInner {
 
     /// The table named exactly `name`, else the one whose name equals it ignoring case
     /// (names are unique ignoring case, so there is at most one).
-    #[cfg_attr(not(feature = "sql"), allow(dead_code))]
     pub(crate) fn lookup(&self, name: &str) -> Option<Arc<TableInner>> {
         let tables = self.tables_read();
-        if let Some(t) = tables.get(name) {
-            return Some(Arc::clone(t));
-        }
-        let lower = name.to_lowercase();
-        tables.iter().find(|(k, _)| k.to_lowercase() == lower).map(|(_, t)| Arc::clone(t))
+        resolve_name(&tables, name).and_then(|k| tables.get(&k)).cloned()
     }
 
     /// Seals the largest active deltas across all tables and queues their flush. With
@@ -567,10 +562,7 @@ impl Engine {
     /// [`Error::TableNotFound`].
     pub fn table(&self, name: &str) -> Result<Table> {
         self.inner.check_open()?;
-        let tables = self.inner.tables_read();
-        let t = resolve_name(&tables, name).and_then(|k| tables.get(&k)).cloned();
-        drop(tables);
-        let t = t.ok_or_else(|| Error::TableNotFound { name: name.to_owned() })?;
+        let t = self.inner.lookup(name).ok_or_else(|| Error::TableNotFound { name: name.to_owned() })?;
         Ok(Table { inner: t, engine: Arc::clone(&self.inner) })
     }
 

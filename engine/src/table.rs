@@ -7,7 +7,6 @@ use gritdb_storage::{TableStore, WalOp, WalRecord};
 use gritdb_unify::{DeltaStore, Lookup, RowCodec};
 use hashbrown::HashTable;
 use std::collections::VecDeque;
-use std::hash::BuildHasher;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -41,16 +40,17 @@ pub(crate) struct TableState {
 
 impl TableState {
     /// Newest version of `key` across the layers: active, sealed (newest first), files.
-    pub(crate) fn exists(&self, key: &[u8]) -> bool {
-        match self.active.get(key) {
+    /// `hash` is the key's [`gritdb_unify::key_hash`], computed once for all the deltas.
+    pub(crate) fn exists(&self, key: &[u8], hash: u64) -> bool {
+        match self.active.get_hashed(key, hash) {
             Some(l) => l == Lookup::Put,
-            None => self.exists_below_active(key),
+            None => self.exists_below_active(key, hash),
         }
     }
 
-    pub(crate) fn exists_below_active(&self, key: &[u8]) -> bool {
+    pub(crate) fn exists_below_active(&self, key: &[u8], hash: u64) -> bool {
         for s in self.sealed.iter().rev() {
-            if let Some(l) = s.get(key) {
+            if let Some(l) = s.get_hashed(key, hash) {
                 return l == Lookup::Put;
             }
         }
@@ -163,14 +163,15 @@ impl TableInner {
                     WalOp::Delete => {
                         self.codec.validate_keys(&rec.batch)?;
                         let keys = self.codec.keys().encode_key_columns(rec.batch.columns())?;
-                        let items: Vec<(usize, bool)> = unique_rows(&keys)
+                        let hashes = gritdb_unify::hash_keys(&keys);
+                        let items: Vec<(usize, bool)> = unique_rows(&keys, &hashes)
                             .into_iter()
                             .filter_map(|i| {
-                                let k = keys.row(i);
-                                match st.active.get(k.as_ref()) {
-                                    Some(Lookup::Put) => Some((i, st.exists_below_active(k.as_ref()))),
+                                let (k, h) = (keys.row(i), hashes[i]);
+                                match st.active.get_hashed(k.as_ref(), h) {
+                                    Some(Lookup::Put) => Some((i, st.exists_below_active(k.as_ref(), h))),
                                     Some(Lookup::Deleted) => None,
-                                    None => st.exists_below_active(k.as_ref()).then_some((i, true)),
+                                    None => st.exists_below_active(k.as_ref(), h).then_some((i, true)),
                                 }
                             })
                             .collect();
@@ -391,17 +392,18 @@ impl Table {
         let codec = &self.inner.codec;
         codec.validate_keys(keys)?;
         let rows = codec.keys().encode_key_columns(keys.columns())?;
-        let unique = unique_rows(&rows);
+        let hashes = gritdb_unify::hash_keys(&rows);
+        let unique = unique_rows(&rows, &hashes);
         self.with_backpressure(keys.get_array_memory_size(), |st| {
             let mut items = Vec::new();
             for &i in &unique {
                 let key = rows.row(i);
                 let key = key.as_ref();
-                match st.active.get(key) {
-                    Some(Lookup::Put) => items.push((i, st.exists_below_active(key))),
+                match st.active.get_hashed(key, hashes[i]) {
+                    Some(Lookup::Put) => items.push((i, st.exists_below_active(key, hashes[i]))),
                     Some(Lookup::Deleted) => {}
                     None => {
-                        if st.exists_below_active(key) {
+                        if st.exists_below_active(key, hashes[i]) {
                             items.push((i, true));
                         }
                     }
@@ -429,7 +431,8 @@ impl Table {
             return Ok(0);
         }
         let keys = codec.keys().encode_batch(batch)?;
-        if let Some((first, row)) = first_duplicate(&keys) {
+        let hashes = gritdb_unify::hash_keys(&keys);
+        if let Some((first, row)) = first_duplicate(&keys, &hashes) {
             return Err(Error::DuplicateKey { table: self.inner.name.clone(), first, row });
         }
         let wal = self.inner.shared.wal()?;
@@ -437,9 +440,13 @@ impl Table {
         let id = self.inner.id;
         self.with_backpressure(batch.get_array_memory_size(), |st| {
             if !overlap {
-                self.check_keys(st, &keys, mode)?;
+                self.check_keys(st, &keys, &hashes, mode)?;
                 let seq = self.inner.seq.fetch_add(n as u64, Ordering::AcqRel);
-                st.active.apply_puts(batch, &keys, seq, || wal.append(WalOp::Put, id, seq, seq + n as u64 - 1, batch).map_err(Error::from))?;
+                st.active.apply_puts_with(batch, &keys, &hashes, seq, |encode| {
+                    wal.append(WalOp::Put, id, seq, seq + n as u64 - 1, batch)?;
+                    encode();
+                    Ok::<(), Error>(())
+                })?;
                 return Ok(n);
             }
             // A big batch with an fsync per write: a scoped thread encodes the WAL record
@@ -456,9 +463,9 @@ impl Table {
                     wal.append_record(rec, id, seq, seq + n as u64 - 1)?;
                     Ok(())
                 });
-                self.check_keys(st, &keys, mode)?;
+                self.check_keys(st, &keys, &hashes, mode)?;
                 let seq = self.inner.seq.fetch_add(n as u64, Ordering::AcqRel);
-                st.active.apply_puts_with(batch, &keys, seq, |encode| {
+                st.active.apply_puts_with(batch, &keys, &hashes, seq, |encode| {
                     // A send fails only when the appender already stopped with an encoding
                     // error, which the join returns.
                     let _ = go.send(seq);
@@ -471,16 +478,16 @@ impl Table {
     }
 
     /// Insert: no key may exist in any layer; update: every key must exist.
-    fn check_keys(&self, st: &TableState, keys: &arrow_row::Rows, mode: WriteMode) -> Result<()> {
+    fn check_keys(&self, st: &TableState, keys: &arrow_row::Rows, hashes: &[u64], mode: WriteMode) -> Result<()> {
         let n = keys.num_rows();
         match mode {
             WriteMode::Insert => {
-                if let Some(row) = (0..n).find(|&i| st.exists(keys.row(i).as_ref())) {
+                if let Some(row) = (0..n).find(|&i| st.exists(keys.row(i).as_ref(), hashes[i])) {
                     return Err(Error::KeyExists { table: self.inner.name.clone(), row });
                 }
             }
             WriteMode::Update => {
-                if let Some(row) = (0..n).find(|&i| !st.exists(keys.row(i).as_ref())) {
+                if let Some(row) = (0..n).find(|&i| !st.exists(keys.row(i).as_ref(), hashes[i])) {
                     return Err(Error::KeyNotFound { table: self.inner.name.clone(), row });
                 }
             }
@@ -647,19 +654,18 @@ pub struct TableStats {
 /// Walks the keys in order and calls `seen_before(first, row)` for every row whose key an
 /// earlier row already had; stops early when it returns `true`. Returns the rows whose key
 /// appears for the first time (complete only when the walk was not stopped).
-fn walk_keys(rows: &arrow_row::Rows, mut seen_before: impl FnMut(usize, usize) -> bool) -> Vec<usize> {
-    let hasher = hashbrown::DefaultHashBuilder::default();
+fn walk_keys(rows: &arrow_row::Rows, hashes: &[u64], mut seen_before: impl FnMut(usize, usize) -> bool) -> Vec<usize> {
     let mut seen: HashTable<usize> = HashTable::with_capacity(rows.num_rows());
     let mut firsts = Vec::with_capacity(rows.num_rows());
     for i in 0..rows.num_rows() {
         let k = rows.row(i);
-        let h = hasher.hash_one(k.as_ref());
-        if let Some(&j) = seen.find(h, |&j| rows.row(j).as_ref() == k.as_ref()) {
+        let h = hashes[i];
+        if let Some(&j) = seen.find(h, |&j| hashes[j] == h && rows.row(j).as_ref() == k.as_ref()) {
             if seen_before(j, i) {
                 break;
             }
         } else {
-            seen.insert_unique(h, i, |&j| hasher.hash_one(rows.row(j).as_ref()));
+            seen.insert_unique(h, i, |&j| hashes[j]);
             firsts.push(i);
         }
     }
@@ -667,14 +673,14 @@ fn walk_keys(rows: &arrow_row::Rows, mut seen_before: impl FnMut(usize, usize) -
 }
 
 /// Indices of the first occurrence of each distinct key.
-fn unique_rows(rows: &arrow_row::Rows) -> Vec<usize> {
-    walk_keys(rows, |_, _| false)
+fn unique_rows(rows: &arrow_row::Rows, hashes: &[u64]) -> Vec<usize> {
+    walk_keys(rows, hashes, |_, _| false)
 }
 
 /// The first pair `(first, row)` of rows with equal keys.
-fn first_duplicate(rows: &arrow_row::Rows) -> Option<(usize, usize)> {
+fn first_duplicate(rows: &arrow_row::Rows, hashes: &[u64]) -> Option<(usize, usize)> {
     let mut dup = None;
-    walk_keys(rows, |first, row| {
+    walk_keys(rows, hashes, |first, row| {
         dup = Some((first, row));
         true
     });

@@ -9,7 +9,7 @@ use gritdb_memctl::{BatchBlock, Category, MemoryController, Reservation, RowAren
 use hashbrown::{DefaultHashBuilder, HashTable};
 use std::hash::BuildHasher;
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 /// What a delta holds for a key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,7 +39,41 @@ fn op_of(row: &[u8]) -> u8 {
     row[0]
 }
 
-/// Bytes held by a `HashTable<RowRef>` of `capacity`: buckets × (entry + control byte) + one
+/// One key-map slot: the row and 32 bits of its key's hash, so growing the map rehashes from
+/// the slot alone instead of reading every row's key back from the row blocks (that re-read,
+/// a cache miss per row, was a quarter of the insert's CPU time in `perf`; issue 7).
+#[derive(Clone, Copy)]
+struct Entry {
+    row: RowRef,
+    tag: u32,
+}
+
+/// The one key hasher of the process: every delta hashes a key the same way, so a write
+/// hashes each key once ([`key_hash`]) and probes the active and every sealed delta with it.
+/// Randomly seeded per process (hashbrown's default, foldhash); hashes are never stored on disk.
+static KEY_HASHER: LazyLock<DefaultHashBuilder> = LazyLock::new(DefaultHashBuilder::default);
+
+/// Spreads a 32-bit tag to the 64-bit hash hashbrown wants: the tag in the low 32 bits (the
+/// bucket index comes from the low bits) and a multiplicative mix of it (Knuth's golden-ratio
+/// constant) in the high 32 (hashbrown's 7-bit control byte comes from the top bits).
+/// `spread(h as u32) == h` for every hash [`key_hash`] returns.
+fn spread(tag: u32) -> u64 {
+    let t = u64::from(tag);
+    (t.wrapping_mul(0x9E37_79B9_7F4A_7C15) & !0xFFFF_FFFF) | t
+}
+
+/// Hash of a key (its arrow-row bytes) as every [`DeltaStore`] of this process computes it.
+/// Compute it once per key and pass it to the `*_hashed` methods.
+pub fn key_hash(key: &[u8]) -> u64 {
+    spread((KEY_HASHER.hash_one(key) >> 32) as u32)
+}
+
+/// [`key_hash`] of every row of `keys`, in row order.
+pub fn hash_keys(keys: &Rows) -> Vec<u64> {
+    keys.iter().map(|k| key_hash(k.as_ref())).collect()
+}
+
+/// Bytes held by a `HashTable<Entry>` of `capacity`: buckets × (entry + control byte) + one
 /// group of trailing control bytes. hashbrown: capacity = buckets − 1 below 8 buckets, else
 /// buckets × 7/8.
 fn table_bytes(capacity: usize) -> usize {
@@ -47,7 +81,7 @@ fn table_bytes(capacity: usize) -> usize {
         return 0;
     }
     let buckets = if capacity < 8 { capacity + 1 } else { capacity / 7 * 8 };
-    buckets * (std::mem::size_of::<RowRef>() + 1) + 16
+    buckets * (std::mem::size_of::<Entry>() + 1) + 16
 }
 
 /// Smallest hashbrown capacity that holds `n` entries (for budgeting before growth).
@@ -75,9 +109,8 @@ pub struct DeltaStore {
     ctl: Arc<MemoryController>,
     table: Option<TableAccount>,
     arena: RowArena,
-    map: HashTable<RowRef>,
+    map: HashTable<Entry>,
     map_res: Reservation,
-    hasher: DefaultHashBuilder,
     puts: usize,
     tombstones: usize,
     max_seq: u64,
@@ -99,7 +132,6 @@ impl DeltaStore {
             arena: RowArena::new(ctl, table),
             map: HashTable::new(),
             map_res: Reservation::new(ctl, Category::KeyIndex, table),
-            hasher: DefaultHashBuilder::default(),
             puts: 0,
             tombstones: 0,
             max_seq: 0,
@@ -141,23 +173,24 @@ impl DeltaStore {
         self.max_seq
     }
 
-    fn hash(&self, key: &[u8]) -> u64 {
-        self.hasher.hash_one(key)
-    }
-
     /// The newest entry for `key` (arrow-row bytes), if this delta holds one.
     pub fn get(&self, key: &[u8]) -> Option<Lookup> {
-        let h = self.hash(key);
+        self.get_hashed(key, key_hash(key))
+    }
+
+    /// [`Self::get`] with the key's [`key_hash`] computed by the caller.
+    pub fn get_hashed(&self, key: &[u8], hash: u64) -> Option<Lookup> {
         let arena = &self.arena;
-        self.map.find(h, |r| key_of(arena.get(*r)) == key).map(|r| {
-            if op_of(arena.get(*r)) == OP_PUT { Lookup::Put } else { Lookup::Deleted }
+        let tag = hash as u32;
+        self.map.find(hash, |e| e.tag == tag && key_of(arena.get(e.row)) == key).map(|e| {
+            if op_of(arena.get(e.row)) == OP_PUT { Lookup::Put } else { Lookup::Deleted }
         })
     }
 
     /// Every key with its entry kind.
     pub fn entries(&self) -> impl Iterator<Item = (&[u8], Lookup)> {
-        self.map.iter().map(|r| {
-            let row = self.arena.get(*r);
+        self.map.iter().map(|e| {
+            let row = self.arena.get(e.row);
             (key_of(row), if op_of(row) == OP_PUT { Lookup::Put } else { Lookup::Deleted })
         })
     }
@@ -172,9 +205,7 @@ impl DeltaStore {
         let old_bytes = table_bytes(self.map.capacity());
         // While hashbrown rehashes, old and new tables exist together: budget both.
         self.map_res.try_resize(old_bytes + table_bytes(new_cap))?;
-        let arena = &self.arena;
-        let hasher = &self.hasher;
-        self.map.reserve(need - self.map.len(), |r| hasher.hash_one(key_of(arena.get(*r))));
+        self.map.reserve(need - self.map.len(), |e| spread(e.tag));
         let actual = table_bytes(self.map.capacity());
         self.map_res.try_resize(actual).ok();
         Ok(())
@@ -195,7 +226,8 @@ impl DeltaStore {
         seq: u64,
         commit: impl FnOnce() -> Result<(), E>,
     ) -> Result<(), E> {
-        self.apply_puts_with(batch, keys, seq, |encode| {
+        let hashes = hash_keys(keys);
+        self.apply_puts_with(batch, keys, &hashes, seq, |encode| {
             commit()?;
             encode();
             Ok(())
@@ -208,18 +240,25 @@ impl DeltaStore {
     /// Once the memory is budgeted, `run` is called with `encode`, which writes every row into
     /// the row blocks without making any of them visible; `run` returns the commit's result.
     /// On `Ok` the rows are installed (encoding them first if `run` did not call `encode`);
-    /// on `Err` the encoded rows are freed and nothing is applied.
+    /// on `Err` the encoded rows are freed and nothing is applied. `hashes` holds the
+    /// [`key_hash`] of every row of `keys` (from [`hash_keys`]; the caller already has them
+    /// from its key checks).
     ///
     /// # Errors
     /// [`UnifyError::RowTooLarge`], [`UnifyError::Memory`], or `run`'s error.
+    ///
+    /// # Panics
+    /// When `hashes` and `keys` differ in length.
     pub fn apply_puts_with<E: From<UnifyError>>(
         &mut self,
         batch: &RecordBatch,
         keys: &Rows,
+        hashes: &[u64],
         seq: u64,
         run: impl FnOnce(&mut dyn FnMut()) -> Result<(), E>,
     ) -> Result<(), E> {
         let n = batch.num_rows();
+        assert_eq!(hashes.len(), keys.num_rows(), "one hash per key");
         if n == 0 {
             return Ok(());
         }
@@ -255,20 +294,21 @@ impl DeltaStore {
             return Err(e);
         }
         self.arena.release_spare();
-        for (key, r) in keys.iter().zip(refs) {
-            self.install(key.as_ref(), r, true);
+        for ((key, &h), r) in keys.iter().zip(hashes).zip(refs) {
+            self.install(key.as_ref(), h, r, true);
         }
         self.max_seq = self.max_seq.max(seq + n as u64 - 1);
         Ok(())
     }
 
     /// Makes `r` the newest entry of `key`, freeing the one it replaces.
-    fn install(&mut self, key: &[u8], r: RowRef, put: bool) {
-        let h = self.hash(key);
+    fn install(&mut self, key: &[u8], hash: u64, r: RowRef, put: bool) {
         let arena = &self.arena;
-        let hasher = &self.hasher;
-        let old = if let Some(slot) = self.map.find_mut(h, |x| key_of(arena.get(*x)) == key) { Some(std::mem::replace(slot, r)) } else {
-            self.map.insert_unique(h, r, |x| hasher.hash_one(key_of(arena.get(*x))));
+        let tag = hash as u32;
+        let old = if let Some(slot) = self.map.find_mut(hash, |e| e.tag == tag && key_of(arena.get(e.row)) == key) {
+            Some(std::mem::replace(&mut slot.row, r))
+        } else {
+            self.map.insert_unique(hash, Entry { row: r, tag }, |e| spread(e.tag));
             None
         };
         if let Some(old) = old {
@@ -312,14 +352,15 @@ impl DeltaStore {
                 buf[1..9].copy_from_slice(&(seq + k as u64).to_le_bytes());
                 buf[9..13].copy_from_slice(&(key.len() as u32).to_le_bytes());
                 buf[HEADER..].copy_from_slice(key);
-                self.install(key, r, false);
+                self.install(key, key_hash(key), r, false);
             } else {
-                let h = self.hash(key);
+                let h = key_hash(key);
+                let tag = h as u32;
                 let arena = &self.arena;
-                if let Ok(entry) = self.map.find_entry(h, |x| key_of(arena.get(*x)) == key) {
+                if let Ok(entry) = self.map.find_entry(h, |e| e.tag == tag && key_of(arena.get(e.row)) == key) {
                     let (old, _) = entry.remove();
-                    self.count_removed(old);
-                    self.arena.free(old);
+                    self.count_removed(old.row);
+                    self.arena.free(old.row);
                 }
             }
         }
@@ -349,12 +390,12 @@ impl DeltaStore {
     ) -> Result<DeltaBatches, UnifyError> {
         let mut puts = Vec::with_capacity(self.puts);
         let mut dels = Vec::with_capacity(self.tombstones);
-        for r in &self.map {
-            let row = self.arena.get(*r);
+        for e in &self.map {
+            let row = self.arena.get(e.row);
             if !keep(key_of(row)) {
                 continue;
             }
-            if op_of(row) == OP_PUT { puts.push(*r) } else { dels.push(*r) }
+            if op_of(row) == OP_PUT { puts.push(e.row) } else { dels.push(e.row) }
         }
         if sorted {
             self.sort_by_key(&mut puts, category)?;
@@ -665,7 +706,8 @@ mod tests {
         let mut d = delta();
         let b = batch();
         let keys = d.codec().keys().encode_batch(&b).unwrap();
-        let res = d.apply_puts_with(&b, &keys, 1, |encode| {
+        let hashes = hash_keys(&keys);
+        let res = d.apply_puts_with(&b, &keys, &hashes, 1, |encode| {
             encode();
             Err(UnifyError::SchemaMismatch { detail: "commit failed".into() })
         });
@@ -675,9 +717,50 @@ mod tests {
         assert_eq!(d.arena.live_rows(), 0);
         // The delta still works afterwards, and a `run` that never calls `encode` still
         // installs encoded rows.
-        d.apply_puts_with(&b, &keys, 5, |_| Ok::<(), UnifyError>(())).unwrap();
+        d.apply_puts_with(&b, &keys, &hashes, 5, |_| Ok::<(), UnifyError>(())).unwrap();
         assert_eq!((d.len(), d.max_seq()), (3, 7));
         assert_eq!(d.arena.live_rows(), 3);
         assert_eq!(d.to_batches(Category::ScanBuffers, false, 100, 1 << 20, |_| true).unwrap().puts[0].column(4).null_count(), 1);
+    }
+}
+
+#[cfg(test)]
+mod hash_tests {
+    use super::*;
+    use arrow_array::Int64Array;
+    use arrow_schema::Field;
+    use gritdb_memctl::ControllerConfig;
+
+    /// The map rehashes from the 32-bit tag alone, so every hash must be recoverable from it.
+    #[test]
+    fn every_key_hash_is_its_spread_tag() {
+        for i in 0..10_000u64 {
+            let h = key_hash(&i.to_be_bytes());
+            assert_eq!(spread(h as u32), h, "key {i}");
+        }
+    }
+
+    /// 100,000 keys over many map growths (each a rehash from the stored tags), then every key
+    /// found, every absent key not found, and replacing a key keeps one entry.
+    #[test]
+    fn keys_survive_map_growth_and_replacement() {
+        let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(256 << 20), ..ControllerConfig::default() }).unwrap();
+        let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false)]));
+        let codec = Arc::new(RowCodec::new(Arc::clone(&schema), &[0], 1 << 20).unwrap());
+        let mut d = DeltaStore::new(Arc::clone(&codec), &ctl, None);
+        for start in (0..100_000i64).step_by(1_000) {
+            let b = RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int64Array::from_iter_values(start..start + 1_000))]).unwrap();
+            let keys = codec.keys().encode_batch(&b).unwrap();
+            d.apply_puts(&b, &keys, start as u64 + 1, || Ok::<(), UnifyError>(())).unwrap();
+        }
+        assert_eq!((d.len(), d.puts()), (100_000, 100_000));
+        let probe = RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int64Array::from_iter_values(-50_000..150_000))]).unwrap();
+        let keys = codec.keys().encode_batch(&probe).unwrap();
+        let found = keys.iter().filter(|k| d.get(k.as_ref()) == Some(Lookup::Put)).count();
+        assert_eq!(found, 100_000);
+        let again = RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int64Array::from_iter_values(99_990..100_000))]).unwrap();
+        let keys = codec.keys().encode_batch(&again).unwrap();
+        d.apply_puts(&again, &keys, 200_000, || Ok::<(), UnifyError>(())).unwrap();
+        assert_eq!((d.len(), d.puts(), d.max_seq()), (100_000, 100_000, 200_009));
     }
 }

@@ -26,5 +26,5 @@ mod delta;
 mod error;
 
 pub use codec::{KeyEncoder, RowCodec};
-pub use delta::{DeltaBatches, DeltaStore, Lookup};
+pub use delta::{DeltaBatches, DeltaStore, Lookup, hash_keys, key_hash};
 pub use error::UnifyError;

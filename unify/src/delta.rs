@@ -305,11 +305,13 @@ impl DeltaStore {
     fn install(&mut self, key: &[u8], hash: u64, r: RowRef, put: bool) {
         let arena = &self.arena;
         let tag = hash as u32;
-        let old = if let Some(slot) = self.map.find_mut(hash, |e| e.tag == tag && key_of(arena.get(e.row)) == key) {
-            Some(std::mem::replace(&mut slot.row, r))
-        } else {
-            self.map.insert_unique(hash, Entry { row: r, tag }, |e| spread(e.tag));
-            None
+        // One probe finds the key or the free slot for it (find, then insert, probed twice).
+        let old = match self.map.entry(hash, |e| e.tag == tag && key_of(arena.get(e.row)) == key, |e| spread(e.tag)) {
+            hashbrown::hash_table::Entry::Occupied(mut o) => Some(std::mem::replace(&mut o.get_mut().row, r)),
+            hashbrown::hash_table::Entry::Vacant(v) => {
+                v.insert(Entry { row: r, tag });
+                None
+            }
         };
         if let Some(old) = old {
             self.count_removed(old);

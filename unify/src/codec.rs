@@ -412,6 +412,10 @@ impl<'a> ColReader<'a> {
                     *s += (w[1] - w[0]) as usize;
                 }
             }
+            // A view's low 32 bits are its length (Arrow columnar format, "Variable-size
+            // Binary View Layout"): no need to resolve where its bytes live.
+            (Values::StrView(a), None) => add_view_lens(sizes, a.views()),
+            (Values::BinView(a), None) => add_view_lens(sizes, a.views()),
             _ => {
                 for (i, s) in sizes.iter_mut().enumerate() {
                     if !self.is_null(i) {
@@ -420,5 +424,11 @@ impl<'a> ColReader<'a> {
                 }
             }
         }
+    }
+}
+
+fn add_view_lens(sizes: &mut [usize], views: &[u128]) {
+    for (s, &v) in sizes.iter_mut().zip(views) {
+        *s += (v as u32) as usize;
     }
 }

@@ -156,13 +156,16 @@ impl TableInner {
                 let Some(st) = g.as_mut() else { return Ok(()) };
                 let res = match rec.op {
                     WalOp::Put => {
-                        self.codec.validate(&rec.batch)?;
-                        let keys = self.codec.keys().encode_batch(&rec.batch)?;
-                        st.active.apply_puts(&rec.batch, &keys, rec.first_seq, || Ok::<(), Error>(()))
+                        // Records log view columns as offset columns: back to the table's types.
+                        let batch = rec.batch_as(self.codec.schema())?;
+                        self.codec.validate(&batch)?;
+                        let keys = self.codec.keys().encode_batch(&batch)?;
+                        st.active.apply_puts(&batch, &keys, rec.first_seq, || Ok::<(), Error>(()))
                     }
                     WalOp::Delete => {
-                        self.codec.validate_keys(&rec.batch)?;
-                        let keys = self.codec.keys().encode_key_columns(rec.batch.columns())?;
+                        let batch = rec.batch_as(&st.active.key_schema())?;
+                        self.codec.validate_keys(&batch)?;
+                        let keys = self.codec.keys().encode_key_columns(batch.columns())?;
                         let hashes = gritdb_unify::hash_keys(&keys);
                         let items: Vec<(usize, bool)> = unique_rows(&keys, &hashes)
                             .into_iter()

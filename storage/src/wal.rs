@@ -393,8 +393,8 @@ impl Wal {
 
 fn view_bytes(c: &dyn arrow_array::Array) -> Option<usize> {
     match c.data_type() {
-        arrow_schema::DataType::Utf8View => c.as_any().downcast_ref::<arrow_array::StringViewArray>().map(|a| a.total_bytes_len()),
-        arrow_schema::DataType::BinaryView => c.as_any().downcast_ref::<arrow_array::BinaryViewArray>().map(|a| a.total_bytes_len()),
+        arrow_schema::DataType::Utf8View => c.as_any().downcast_ref::<arrow_array::StringViewArray>().map(arrow_array::GenericByteViewArray::total_bytes_len),
+        arrow_schema::DataType::BinaryView => c.as_any().downcast_ref::<arrow_array::BinaryViewArray>().map(arrow_array::GenericByteViewArray::total_bytes_len),
         _ => None,
     }
 }

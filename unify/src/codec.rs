@@ -240,10 +240,40 @@ impl RowCodec {
         Ok(sizes)
     }
 
-    /// Writes row `i` of the batch read by `readers` into `buf` (exactly its encoded size, as
-    /// [`Self::row_sizes`] computed it): header, key, null bitmap, fixed slots, var-len bytes.
+    /// Groups a batch's columns by how [`Self::encode_row`] writes them (see [`EncodePlan`]).
+    pub(crate) fn plan<'r, 'a>(&self, readers: &'r [ColReader<'a>]) -> EncodePlan<'r, 'a> {
+        let mut plan = EncodePlan { readers, f4: Vec::new(), f8: Vec::new(), f16: Vec::new(), other: Vec::new(), vars: Vec::new() };
+        for (j, (r, &slot)) in readers.iter().zip(&self.slot_offsets).enumerate() {
+            match &r.values {
+                Values::Fixed { values, start, width } if r.nulls.is_none() => {
+                    let v = &values.as_slice()[*start..];
+                    match width {
+                        4 => plan.f4.push((slot, v)),
+                        8 => plan.f8.push((slot, v)),
+                        16 => plan.f16.push((slot, v)),
+                        _ => plan.other.push(j),
+                    }
+                }
+                Values::Bool(_) | Values::Fixed { .. } => plan.other.push(j),
+                _ => plan.vars.push(j),
+            }
+        }
+        plan
+    }
+
+    /// Writes row `i` of the batch read by `plan`'s readers (from [`Self::plan`]) into `buf` (exactly its encoded size, as [`Self::row_sizes`]
+    /// computed it): header, key, null bitmap, fixed slots, var-len bytes.
     #[inline]
-    pub(crate) fn encode_row(&self, buf: &mut [u8], op: u8, seq: u64, key: &[u8], readers: &[ColReader<'_>], i: usize) {
+    pub(crate) fn encode_row(
+        &self,
+        buf: &mut [u8],
+        op: u8,
+        seq: u64,
+        key: &[u8],
+        plan: &EncodePlan<'_, '_>,
+        i: usize,
+    ) {
+        let readers = plan.readers;
         let (head, body) = buf.split_at_mut(HEADER + key.len());
         head[0] = op;
         head[1..9].copy_from_slice(&seq.to_le_bytes());
@@ -252,9 +282,20 @@ impl RowCodec {
         let (bitmap, rest) = body.split_at_mut(self.bitmap_len);
         bitmap.fill(0);
         let (fixed, var) = rest.split_at_mut(self.fixed_len);
+        for &(slot, v) in &plan.f8 {
+            fixed[slot..slot + 8].copy_from_slice(&v[i * 8..i * 8 + 8]);
+        }
+        for &(slot, v) in &plan.f4 {
+            fixed[slot..slot + 4].copy_from_slice(&v[i * 4..i * 4 + 4]);
+        }
+        for &(slot, v) in &plan.f16 {
+            fixed[slot..slot + 16].copy_from_slice(&v[i * 16..i * 16 + 16]);
+        }
+        // Var-len bytes are laid out in column order: `vars` is in schema order.
         let mut var_pos = 0usize;
-        for (j, (r, &slot)) in readers.iter().zip(&self.slot_offsets).enumerate() {
-            let slot = &mut fixed[slot..];
+        for &j in plan.other.iter().chain(&plan.vars) {
+            let r = &readers[j];
+            let slot = &mut fixed[self.slot_offsets[j]..];
             if r.is_null(i) {
                 bitmap[j / 8] |= 1 << (j % 8);
                 match &r.values {
@@ -317,6 +358,23 @@ fn check_columns<'a>(
 
 fn first_null(a: &dyn Array) -> usize {
     (0..a.len()).find(|&i| a.is_null(i)).unwrap_or(0)
+}
+
+/// A batch's columns grouped by how rows are encoded, built once per batch so the per-row loop
+/// copies fixed-width values without a per-value type dispatch or null test: fixed-width
+/// columns of 4, 8 and 16 bytes without nulls each get a list of (slot offset, values);
+/// everything else (booleans, other widths, columns with nulls, variable-length columns in
+/// schema order) goes through the per-value path. (callgrind: the dispatch was most of
+/// `encode_row`'s ~1,370 instructions per lineitem row.)
+pub(crate) struct EncodePlan<'r, 'a> {
+    readers: &'r [ColReader<'a>],
+    f4: Vec<(usize, &'r [u8])>,
+    f8: Vec<(usize, &'r [u8])>,
+    f16: Vec<(usize, &'r [u8])>,
+    /// Column indices: booleans, other widths, fixed-width columns with nulls.
+    other: Vec<usize>,
+    /// Column indices of variable-length columns, in schema order.
+    vars: Vec<usize>,
 }
 
 /// Reads values of one Arrow column for encoding.

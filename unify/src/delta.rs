@@ -266,6 +266,7 @@ impl DeltaStore {
         let readers: Vec<ColReader<'_>> =
             batch.columns().iter().zip(codec.kinds()).map(|(a, k)| ColReader::new(a, *k)).collect();
         let sizes = codec.row_sizes(keys, &readers)?;
+        let plan = codec.plan(&readers);
         self.reserve_map(n)?;
         self.arena.prepare(sizes.iter().copied()).map_err(UnifyError::from)?;
         let mut refs: Vec<RowRef> = Vec::new();
@@ -278,7 +279,7 @@ impl DeltaStore {
             for (i, (&size, key)) in sizes.iter().zip(keys.iter()).enumerate() {
                 // Cannot fail: `prepare` acquired every chunk these sizes need.
                 let Ok((r, buf)) = arena.alloc(size) else { unreachable!("row memory was prepared") };
-                codec.encode_row(buf, OP_PUT, seq + i as u64, key.as_ref(), &readers, i);
+                codec.encode_row(buf, OP_PUT, seq + i as u64, key.as_ref(), &plan, i);
                 refs.push(r);
             }
         };
@@ -816,5 +817,61 @@ mod view_tests {
         assert_eq!(bytes, (5..35).map(|i| 2 * i).sum::<usize>());
         let encoded: usize = d.map.iter().map(|e| e.row.len()).sum();
         assert_eq!(encoded, want);
+    }
+}
+
+#[cfg(test)]
+mod plan_tests {
+    use super::*;
+    use arrow_array::{Array, Date32Array, Decimal128Array, Int16Array, Int32Array, Int64Array};
+    use arrow_schema::Field;
+    use gritdb_memctl::ControllerConfig;
+
+    /// Every fixed width the encode plan groups (4, 8, 16 bytes, without nulls) and the ones
+    /// it leaves to the per-value path (2 bytes, a 4-byte column with nulls), on a sliced
+    /// batch: values come back exactly, in key order.
+    #[test]
+    fn grouped_fixed_columns_round_trip_from_a_slice() {
+        let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(64 << 20), ..ControllerConfig::default() }).unwrap();
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("d", DataType::Date32, false),
+            Field::new("k", DataType::Int64, false),
+            Field::new("m", DataType::Decimal128(15, 2), false),
+            Field::new("h", DataType::Int16, false),
+            Field::new("n", DataType::Int32, true),
+        ]));
+        let n = 100i64;
+        let full = RecordBatch::try_new(
+            Arc::clone(&schema),
+            vec![
+                Arc::new(Date32Array::from_iter_values((0..n).map(|i| 19_000 + i as i32))),
+                Arc::new(Int64Array::from_iter_values((0..n).rev())),
+                Arc::new(Decimal128Array::from_iter_values((0..n).map(|i| i128::from(i) * 1_000_003 - 7)).with_precision_and_scale(15, 2).unwrap()),
+                Arc::new(Int16Array::from_iter_values((0..n).map(|i| i as i16 - 50))),
+                Arc::new(Int32Array::from_iter((0..n).map(|i| (i % 4 != 0).then_some(i as i32 * -3)))),
+            ],
+        )
+        .unwrap();
+        let batch = full.slice(10, 80);
+        let codec = Arc::new(RowCodec::new(Arc::clone(&schema), &[1], 1 << 20).unwrap());
+        let mut d = DeltaStore::new(Arc::clone(&codec), &ctl, None);
+        let keys = codec.keys().encode_batch(&batch).unwrap();
+        d.apply_puts(&batch, &keys, 1, || Ok::<(), UnifyError>(())).unwrap();
+        let out = d.to_batches(Category::ScanBuffers, true, 1000, 1 << 20, |_| true).unwrap();
+        let got = &out.puts[0];
+        assert_eq!(got.num_rows(), 80);
+        // Keys ascending: input rows 89, 88, ..., 10 of the full batch (keys 10..=89).
+        for (r, i) in (10..90).rev().enumerate() {
+            let k = got.column(1).as_any().downcast_ref::<Int64Array>().unwrap().value(r);
+            assert_eq!(k, n - 1 - i);
+            assert_eq!(got.column(0).as_any().downcast_ref::<Date32Array>().unwrap().value(r), 19_000 + i as i32);
+            assert_eq!(got.column(2).as_any().downcast_ref::<Decimal128Array>().unwrap().value(r), i128::from(i) * 1_000_003 - 7);
+            assert_eq!(got.column(3).as_any().downcast_ref::<Int16Array>().unwrap().value(r), i as i16 - 50);
+            let c = got.column(4).as_any().downcast_ref::<Int32Array>().unwrap();
+            assert_eq!(c.is_null(r), i % 4 == 0);
+            if i % 4 != 0 {
+                assert_eq!(c.value(r), i as i32 * -3);
+            }
+        }
     }
 }

@@ -10,10 +10,33 @@ pub struct RowRef {
     len: u32,
 }
 
+/// Where a row starts, without its length (8 bytes): for callers that keep many references and
+/// can read a row's length back from the row's own bytes (the delta store's key map). Turn it
+/// back into a [`RowRef`] with [`RowAt::with_len`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RowAt {
+    block: u32,
+    offset: u32,
+}
+
+impl RowAt {
+    /// The row starting here, `len` bytes long. `len` must be the length the row was
+    /// allocated with: [`RowArena::get`] of a longer one panics past its block's end, or
+    /// returns bytes of the rows after it.
+    pub fn with_len(self, len: usize) -> RowRef {
+        RowRef { block: self.block, offset: self.offset, len: len as u32 }
+    }
+}
+
 impl RowRef {
     /// Length of the row in bytes.
     pub fn len(self) -> usize {
         self.len as usize
+    }
+
+    /// Where the row starts.
+    pub fn at(self) -> RowAt {
+        RowAt { block: self.block, offset: self.offset }
     }
 
     /// True for a zero-length row.
@@ -288,6 +311,19 @@ impl RowArena {
             .as_ref()
             .expect("row of a freed block"); // infallible for a RowRef this arena handed out (see # Panics)
         &b.data[r.offset as usize..(r.offset + r.len) as usize]
+    }
+
+    /// The bytes from the start of a live row to the end of its block: the row, then
+    /// whatever follows it (other rows, unused room). For reading a row whose length is
+    /// written in its own first bytes.
+    ///
+    /// # Panics
+    /// If the row's block was freed or `at` comes from another arena (a bug in the caller).
+    pub fn get_from(&self, at: RowAt) -> &[u8] {
+        let b = self.blocks[at.block as usize]
+            .as_ref()
+            .expect("row of a freed block"); // infallible for a row this arena handed out (see # Panics)
+        &b.data[at.offset as usize..]
     }
 
     /// The bytes of a live row, for writing.

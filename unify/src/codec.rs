@@ -127,6 +127,9 @@ pub struct RowCodec {
     slot_offsets: Vec<usize>,
     bitmap_len: usize,
     fixed_len: usize,
+    /// Slot offset of the last variable-length column: its slot holds the end of the row's
+    /// var-len bytes, so the row's length (see [`Self::row_len`]).
+    last_var_slot: Option<usize>,
     keys: KeyEncoder,
     max_row_bytes: usize,
 }
@@ -152,7 +155,9 @@ impl RowCodec {
             off += kind.slot_width();
         }
         let keys = KeyEncoder::new(&schema, key_columns)?;
-        Ok(Self { schema, kinds, slot_offsets, bitmap_len, fixed_len: off, keys, max_row_bytes })
+        let last_var_slot =
+            kinds.iter().zip(&slot_offsets).rev().find(|(k, _)| matches!(k, ColKind::Off32 | ColKind::Off64 | ColKind::View)).map(|(_, &o)| o);
+        Ok(Self { schema, kinds, slot_offsets, bitmap_len, fixed_len: off, last_var_slot, keys, max_row_bytes })
     }
 
     /// The table schema.
@@ -238,6 +243,26 @@ impl RowCodec {
             return Err(UnifyError::RowTooLarge { row, bytes, max: self.max_row_bytes });
         }
         Ok(sizes)
+    }
+
+    /// Length in bytes of the encoded row that starts `row` (which may run on past the row's
+    /// end): header and key for a tombstone; plus null bitmap, fixed slots and var-len bytes
+    /// (the last var-len column's end offset) for a put.
+    #[inline]
+    pub(crate) fn row_len(&self, row: &[u8]) -> usize {
+        let key_len = u32::from_le_bytes([row[9], row[10], row[11], row[12]]) as usize;
+        let head = HEADER + key_len;
+        if row[0] != OP_PUT {
+            return head;
+        }
+        let body = head + self.bitmap_len + self.fixed_len;
+        match self.last_var_slot {
+            Some(slot) => {
+                let at = head + self.bitmap_len + slot;
+                body + u32::from_le_bytes([row[at], row[at + 1], row[at + 2], row[at + 3]]) as usize
+            }
+            None => body,
+        }
     }
 
     /// Groups a batch's columns by how [`Self::encode_row`] writes them (see [`EncodePlan`]).

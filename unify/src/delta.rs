@@ -5,7 +5,7 @@ use arrow_buffer::Buffer;
 use arrow_data::ArrayData;
 use arrow_row::Rows;
 use arrow_schema::{DataType, Schema, SchemaRef};
-use gritdb_memctl::{BatchBlock, Category, MemoryController, Reservation, RowArena, RowRef, TableAccount};
+use gritdb_memctl::{BatchBlock, Category, MemoryController, Reservation, RowArena, RowAt, RowRef, TableAccount};
 use hashbrown::{DefaultHashBuilder, HashTable};
 use std::hash::BuildHasher;
 use std::ptr::NonNull;
@@ -42,9 +42,11 @@ fn op_of(row: &[u8]) -> u8 {
 /// One key-map slot: the row and 32 bits of its key's hash, so growing the map rehashes from
 /// the slot alone instead of reading every row's key back from the row blocks (that re-read,
 /// a cache miss per row, was a quarter of the insert's CPU time in `perf`; issue 7).
+/// 12 bytes: the row's start (its length is read back from the row, [`RowCodec::row_len`])
+/// and the tag. (A full [`RowRef`] would make it 16: 7 more bytes per row at the map's load.)
 #[derive(Clone, Copy)]
 struct Entry {
-    row: RowRef,
+    at: RowAt,
     tag: u32,
 }
 
@@ -182,15 +184,15 @@ impl DeltaStore {
     pub fn get_hashed(&self, key: &[u8], hash: u64) -> Option<Lookup> {
         let arena = &self.arena;
         let tag = hash as u32;
-        self.map.find(hash, |e| e.tag == tag && key_of(arena.get(e.row)) == key).map(|e| {
-            if op_of(arena.get(e.row)) == OP_PUT { Lookup::Put } else { Lookup::Deleted }
+        self.map.find(hash, |e| e.tag == tag && key_of(arena.get_from(e.at)) == key).map(|e| {
+            if op_of(arena.get_from(e.at)) == OP_PUT { Lookup::Put } else { Lookup::Deleted }
         })
     }
 
     /// Every key with its entry kind.
     pub fn entries(&self) -> impl Iterator<Item = (&[u8], Lookup)> {
         self.map.iter().map(|e| {
-            let row = self.arena.get(e.row);
+            let row = self.arena.get_from(e.at);
             (key_of(row), if op_of(row) == OP_PUT { Lookup::Put } else { Lookup::Deleted })
         })
     }
@@ -307,18 +309,24 @@ impl DeltaStore {
         let arena = &self.arena;
         let tag = hash as u32;
         // One probe finds the key or the free slot for it (find, then insert, probed twice).
-        let old = match self.map.entry(hash, |e| e.tag == tag && key_of(arena.get(e.row)) == key, |e| spread(e.tag)) {
-            hashbrown::hash_table::Entry::Occupied(mut o) => Some(std::mem::replace(&mut o.get_mut().row, r)),
+        let old = match self.map.entry(hash, |e| e.tag == tag && key_of(arena.get_from(e.at)) == key, |e| spread(e.tag)) {
+            hashbrown::hash_table::Entry::Occupied(mut o) => Some(std::mem::replace(&mut o.get_mut().at, r.at())),
             hashbrown::hash_table::Entry::Vacant(v) => {
-                v.insert(Entry { row: r, tag });
+                v.insert(Entry { at: r.at(), tag });
                 None
             }
         };
+        let old = old.map(|at| self.row_ref(at));
         if let Some(old) = old {
             self.count_removed(old);
             self.arena.free(old);
         }
         if put { self.puts += 1 } else { self.tombstones += 1 }
+    }
+
+    /// The row starting at `at`, with its length read from its bytes.
+    fn row_ref(&self, at: RowAt) -> RowRef {
+        at.with_len(self.codec.row_len(self.arena.get_from(at)))
     }
 
     fn count_removed(&mut self, r: RowRef) {
@@ -360,10 +368,11 @@ impl DeltaStore {
                 let h = key_hash(key);
                 let tag = h as u32;
                 let arena = &self.arena;
-                if let Ok(entry) = self.map.find_entry(h, |e| e.tag == tag && key_of(arena.get(e.row)) == key) {
+                if let Ok(entry) = self.map.find_entry(h, |e| e.tag == tag && key_of(arena.get_from(e.at)) == key) {
                     let (old, _) = entry.remove();
-                    self.count_removed(old.row);
-                    self.arena.free(old.row);
+                    let old = self.row_ref(old.at);
+                    self.count_removed(old);
+                    self.arena.free(old);
                 }
             }
         }
@@ -394,11 +403,12 @@ impl DeltaStore {
         let mut puts = Vec::with_capacity(self.puts);
         let mut dels = Vec::with_capacity(self.tombstones);
         for e in &self.map {
-            let row = self.arena.get(e.row);
+            let row = self.arena.get_from(e.at);
             if !keep(key_of(row)) {
                 continue;
             }
-            if op_of(row) == OP_PUT { puts.push(e.row) } else { dels.push(e.row) }
+            let r = e.at.with_len(self.codec.row_len(row));
+            if op_of(row) == OP_PUT { puts.push(r) } else { dels.push(r) }
         }
         if sorted {
             self.sort_by_key(&mut puts, category)?;
@@ -685,6 +695,28 @@ mod tests {
         }
     }
 
+    /// The map keeps no row length: the length read back from each row equals the size it
+    /// was allocated with, for rows whose last var-len value is null, empty or present, and
+    /// for tombstones.
+    #[test]
+    fn row_lengths_read_back_from_rows_match_their_allocation() {
+        let mut d = delta();
+        let b = batch();
+        let keys = d.codec().keys().encode_batch(&b).unwrap();
+        let readers: Vec<ColReader<'_>> = b.columns().iter().zip(d.codec.kinds()).map(|(a, k)| ColReader::new(a, *k)).collect();
+        let sizes = d.codec.row_sizes(&keys, &readers).unwrap();
+        d.apply_puts(&b, &keys, 1, || Ok::<(), UnifyError>(())).unwrap();
+        for (i, key) in keys.iter().enumerate() {
+            let e = *d.map.find(key_hash(key.as_ref()), |e| key_of(d.arena.get_from(e.at)) == key.as_ref()).unwrap();
+            assert_eq!(d.row_ref(e.at).len(), sizes[i], "row {i}");
+        }
+        d.apply_deletes(&keys, &[(0, true)], 9, || Ok::<(), UnifyError>(())).unwrap();
+        let k0 = keys.row(0);
+        let e = *d.map.find(key_hash(k0.as_ref()), |e| key_of(d.arena.get_from(e.at)) == k0.as_ref()).unwrap();
+        assert_eq!(d.row_ref(e.at).len(), HEADER + k0.as_ref().len());
+        assert_eq!((d.puts(), d.tombstones()), (2, 1));
+    }
+
     /// Rows of `b` in the order `idx` (a tiny `take`, the crate does not depend on arrow-select).
     fn arrow_select_take(b: &RecordBatch, idx: &[usize]) -> RecordBatch {
         let cols = b
@@ -815,7 +847,7 @@ mod view_tests {
             bytes += gs.value(r).len() + gb.value(r).len();
         }
         assert_eq!(bytes, (5..35).map(|i| 2 * i).sum::<usize>());
-        let encoded: usize = d.map.iter().map(|e| e.row.len()).sum();
+        let encoded: usize = d.map.iter().map(|e| d.row_ref(e.at).len()).sum();
         assert_eq!(encoded, want);
     }
 }

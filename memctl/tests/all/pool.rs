@@ -308,7 +308,10 @@ fn cached_chunks_stay_within_the_share_of_the_limit() {
                             .map(|_| ctl.acquire_chunk(None).expect("limit"))
                             .collect::<Vec<_>>(),
                     );
-                    assert!(ctl.category_bytes(Category::FreeChunks) <= limit / 8 + 3 * CHUNK);
+                    // While running, each thread may hold one chunk in hand and, between a
+                    // cache flush and its accounting, a flushed batch (16) that is freed but
+                    // still counted (the count lags on the safe side).
+                    assert!(ctl.category_bytes(Category::FreeChunks) <= limit / 8 + 3 * (16 + 1) * CHUNK);
                 }
             });
         }

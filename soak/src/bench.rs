@@ -143,6 +143,12 @@ pub struct BenchResult {
     pub flush_rows_per_s: f64,
     /// Plain `ParquetRecordBatchReader` over the raw file.
     pub raw_read_rows_per_s: f64,
+    /// WAL bytes per inserted row (phase 2: every record is still in the log).
+    pub wal_bytes_per_row: f64,
+    /// The disk's ceiling for a per-batch-durable insert: plain `write` + `fsync` of one
+    /// record of the WAL's average record size per batch, as many as there are batches, in the
+    /// data directory (`soak/scripts/wal_disk_ceiling.py` measures the same outside).
+    pub raw_wal_rows_per_s: f64,
     /// Full engine scan, all columns, after the workload.
     pub scan_rows_per_s: f64,
     /// Allocation calls per inserted row (phase 2, process-wide); `None` without the counter.
@@ -410,6 +416,8 @@ fn run(args: &BenchArgs, dir: &Path) -> Result<(BenchResult, Vec<Q1Group>, bool)
     ensure!(stats.files == 0, "phase 2 flushed during the inserts ({} files)", stats.files);
     r.accounted_bytes_per_row = (stats.accounted_bytes - acc0) as f64 / rows as f64;
     r.outside_engine_bytes = engine.memory_report().outside_engine as i64 - out0;
+    let wal_bytes = engine.wal_usage().1;
+    r.wal_bytes_per_row = wal_bytes as f64 / rows as f64;
     let t = Instant::now();
     let flushed = table.flush()?;
     r.flush_rows_per_s = rate(flushed, t.elapsed().as_secs_f64());
@@ -456,6 +464,18 @@ fn run(args: &BenchArgs, dir: &Path) -> Result<(BenchResult, Vec<Q1Group>, bool)
         read += b?.num_rows() as u64;
     }
     r.raw_read_rows_per_s = rate(read, t.elapsed().as_secs_f64());
+    let record = vec![0x5au8; usize::try_from(wal_bytes).unwrap_or(usize::MAX) / batches.len().max(1)];
+    let raw_wal = dir.join("raw.wal");
+    let t = Instant::now();
+    {
+        let mut f = std::fs::File::create(&raw_wal)?;
+        for _ in &batches {
+            std::io::Write::write_all(&mut f, &record)?;
+            f.sync_all()?;
+        }
+    }
+    r.raw_wal_rows_per_s = rate(rows, t.elapsed().as_secs_f64());
+    std::fs::remove_file(&raw_wal)?;
 
     // Phase 4: the naive store.
     let mut naive = NaiveStore::new(&[0, 3]);
@@ -549,6 +569,14 @@ fn print_table(r: &BenchResult, groups: &[Q1Group]) {
     println!("{:<26} {:>20} {:>20} {:>9}", "physical limit", "raw", "gritdb", "ratio");
     println!("{:<26} {:>20} {:>20} {:>9.2}", "write (SNAPPY) vs flush", mrows(r.raw_write_rows_per_s), mrows(r.flush_rows_per_s), r.flush_rows_per_s / r.raw_write_rows_per_s);
     println!("{:<26} {:>20} {:>20} {:>9.2}", "read vs full scan", mrows(r.raw_read_rows_per_s), mrows(r.scan_rows_per_s), r.scan_rows_per_s / r.raw_read_rows_per_s);
+    println!(
+        "{:<26} {:>20} {:>20} {:>9.2}   ({:.1} WAL bytes/row)",
+        "write+fsync vs insert",
+        mrows(r.raw_wal_rows_per_s),
+        mrows(r.insert_rows_per_s),
+        r.insert_rows_per_s / r.raw_wal_rows_per_s,
+        r.wal_bytes_per_row
+    );
     let opt = |v: Option<f64>| v.map_or_else(|| "n/a".to_owned(), |v| format!("{v:.2}"));
     println!("{:<26} {:>20} {:>20}", "memory per row", "gritdb", "naive store");
     println!("{:<26} {:>20} {:>20}", "allocations / row", opt(r.allocations_per_row), opt(r.naive_allocations_per_row));
@@ -597,6 +625,8 @@ mod tests {
             "allocations_per_row",
             "accounted_bytes_per_row",
             "sql_q1_ms",
+            "wal_bytes_per_row",
+            "raw_wal_rows_per_s",
         ] {
             assert!(o.contains_key(k), "missing {k}");
         }

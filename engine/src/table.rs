@@ -220,13 +220,10 @@ impl TableInner {
                 }
             };
             // Rows -> Arrow arrays in batch blocks (no lock: the sealed delta is immutable),
-            // sorted and decoded on up to `flush_threads` threads. The rows are cut into
-            // batches of equal size (at most FLUSH_BATCH_ROWS), so the threads that decode
-            // them finish together (600,572 rows: ten of 60,058, not nine of 65,536 and one
-            // of 10,748); the cut does not depend on the thread count.
+            // sorted and decoded on up to `flush_threads` threads.
             let cfg = &self.shared.config;
-            let max_rows = sealed.puts().div_ceil(sealed.puts().div_ceil(FLUSH_BATCH_ROWS).max(1)).max(1);
-            let batches = sealed.to_batches_parallel(Category::BatchBlocks, true, max_rows, cfg.flush_batch_bytes, cfg.flush_threads, |_| true)?;
+            let batches =
+                sealed.to_batches_parallel(Category::BatchBlocks, true, FLUSH_BATCH_ROWS, cfg.flush_batch_bytes, cfg.flush_threads, |_| true)?;
             rows += batches.puts.iter().map(|b| b.num_rows() as u64).sum::<u64>();
             {
                 let mut g = self.state()?;

@@ -329,7 +329,8 @@ impl ParallelWriter {
         };
         let helpers = threads.min(order.len()).saturating_sub(1);
         let res = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..helpers).map(|_| s.spawn(work)).collect();
+            // Threads the OS cannot start are simply fewer helpers.
+            let handles: Vec<_> = (0..helpers).filter_map(|_| std::thread::Builder::new().spawn_scoped(s, work).ok()).collect();
             let mut res = work();
             for h in handles {
                 let r = h.join().unwrap_or_else(|p| std::panic::resume_unwind(p));

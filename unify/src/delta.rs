@@ -523,9 +523,15 @@ impl DeltaStore {
         let sorted: Vec<(Keyed, Keyed)> = std::thread::scope(|s| {
             let mut chunks = rows.chunks(part_len);
             let first = chunks.next().unwrap_or(&[]);
-            let helpers: Vec<_> = chunks.map(|c| s.spawn(move || part(c))).collect();
+            // A part whose thread cannot be started (the OS is out of threads) runs here.
+            let helpers: Vec<_> = chunks.map(|c| std::thread::Builder::new().spawn_scoped(s, move || part(c)).map_err(|_| c)).collect();
             let mut out = vec![part(first)];
-            out.extend(helpers.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))));
+            for h in helpers {
+                out.push(match h {
+                    Ok(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+                    Err(c) => part(c),
+                });
+            }
             out
         });
         drop(rows);
@@ -559,7 +565,9 @@ impl DeltaStore {
             }
         };
         std::thread::scope(|s| {
-            let helpers: Vec<_> = (1..threads.min(cuts.len())).map(|_| s.spawn(work)).collect();
+            // Threads the OS cannot start are simply fewer helpers.
+            let helpers: Vec<_> =
+                (1..threads.min(cuts.len())).filter_map(|_| std::thread::Builder::new().spawn_scoped(s, work).ok()).collect();
             let mut res = work();
             for h in helpers {
                 let r = h.join().unwrap_or_else(|p| std::panic::resume_unwind(p));

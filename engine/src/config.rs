@@ -20,6 +20,11 @@ pub struct EngineConfig {
     pub backpressure_timeout: Duration,
     /// Background flush threads. Default 2.
     pub writer_threads: usize,
+    /// Threads one flush or compaction of a table uses, its own included: the sort and
+    /// rows → Arrow conversion of a sealed delta, then the Parquet encoding of the file's
+    /// columns (scoped threads that end with each step). 1 = all on the flushing thread.
+    /// Default [`gritdb_storage::default_encode_threads`]: min(2, available parallelism).
+    pub flush_threads: usize,
     /// A table's active delta is flushed once its first row is this old, however small.
     /// Default 30 s.
     pub flush_age: Duration,
@@ -46,6 +51,7 @@ impl Default for EngineConfig {
             table_flush_bytes: None,
             backpressure_timeout: Duration::from_secs(30),
             writer_threads: 2,
+            flush_threads: gritdb_storage::default_encode_threads(),
             flush_age: Duration::from_secs(30),
             flush_batch_bytes: 256 << 20,
             vfs: Arc::new(StdFs),
@@ -123,6 +129,13 @@ impl EngineConfig {
     #[must_use]
     pub fn flush_age(mut self, age: Duration) -> Self {
         self.flush_age = age.max(Duration::from_millis(10));
+        self
+    }
+
+    /// Sets the threads one flush or compaction uses (at least 1; see [`Self::flush_threads`]).
+    #[must_use]
+    pub fn flush_threads(mut self, n: usize) -> Self {
+        self.flush_threads = n.max(1);
         self
     }
 

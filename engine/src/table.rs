@@ -222,9 +222,11 @@ impl TableInner {
                     None => break,
                 }
             };
-            // Rows -> Arrow arrays in a batch block (no lock: the sealed delta is immutable).
+            // Rows -> Arrow arrays in batch blocks (no lock: the sealed delta is immutable),
+            // sorted and decoded on up to `flush_threads` threads.
+            let cfg = &self.shared.config;
             let batches =
-                sealed.to_batches(Category::BatchBlocks, true, FLUSH_BATCH_ROWS, self.shared.config.flush_batch_bytes, |_| true)?;
+                sealed.to_batches_parallel(Category::BatchBlocks, true, FLUSH_BATCH_ROWS, cfg.flush_batch_bytes, cfg.flush_threads, |_| true)?;
             rows += batches.puts.iter().map(|b| b.num_rows() as u64).sum::<u64>();
             {
                 let mut g = self.state()?;
@@ -253,7 +255,7 @@ impl TableInner {
                 let mut g = self.state()?;
                 let Some(st) = g.as_mut() else { return Ok(()) };
                 let Some(plan) = st.store.plan_compaction(&opts) else { return Ok(()) };
-                (plan, Arc::clone(st.store.controller()), st.store.account().cloned(), st.store.write_options().clone())
+                (plan, Arc::clone(st.store.controller()), st.store.account().cloned(), self.write_options(st))
             };
             if let Err(e) = plan.execute(&wopts, &ctl, account.as_ref()) {
                 plan.abandon();
@@ -288,6 +290,13 @@ impl TableInner {
         Ok(())
     }
 
+    /// The table's data-file write options, encoding on up to `flush_threads` threads.
+    fn write_options(&self, st: &TableState) -> gritdb_storage::WriteOptions {
+        let mut opts = st.store.write_options().clone();
+        opts.encode_threads = self.shared.config.flush_threads;
+        opts
+    }
+
     /// Writes and commits staged files in order. Data file, deletion vectors and manifest are
     /// written without the state lock.
     fn commit_staged(&self) -> Result<()> {
@@ -296,7 +305,7 @@ impl TableInner {
                 let g = self.state()?;
                 let Some(st) = g.as_ref() else { return Ok(()) };
                 let Some(plan) = st.store.plan_commit() else { return Ok(()) };
-                (plan, Arc::clone(st.store.controller()), st.store.account().cloned(), st.store.write_options().clone())
+                (plan, Arc::clone(st.store.controller()), st.store.account().cloned(), self.write_options(st))
             };
             let mut plan = plan;
             if let Err(e) = plan.execute(&opts, &ctl, account.as_ref()) {

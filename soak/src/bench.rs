@@ -357,7 +357,11 @@ fn run(args: &BenchArgs, dir: &Path) -> Result<(BenchResult, Vec<Q1Group>, bool)
 
     // Phase 1: the peer workload at the engine's defaults.
     let base = ProcessView::read();
-    let mut config = EngineConfig::default();
+    let defaults = match args.flush_threads {
+        Some(n) => EngineConfig::default().flush_threads(n),
+        None => EngineConfig::default(),
+    };
+    let mut config = defaults.clone();
     if let Some(limit) = args.memory_limit {
         config = config.memory_limit(limit as usize);
     }
@@ -407,7 +411,7 @@ fn run(args: &BenchArgs, dir: &Path) -> Result<(BenchResult, Vec<Q1Group>, bool)
 
     // Phase 2: nothing flushed during the inserts, then one flush of everything.
     let big = 1usize << 40;
-    let engine = Engine::open(dir.join("measured"), EngineConfig::default().memory_limit(big).table_flush_bytes(big >> 1))?;
+    let engine = Engine::open(dir.join("measured"), defaults.clone().memory_limit(big).table_flush_bytes(big >> 1))?;
     let table = engine.create_table("lineitem", schema.clone(), &KEY)?;
     let (acc0, out0) = (table.stats()?.accounted_bytes, engine.memory_report().outside_engine as i64);
     let al0 = allocated();
@@ -434,7 +438,7 @@ fn run(args: &BenchArgs, dir: &Path) -> Result<(BenchResult, Vec<Q1Group>, bool)
     // Phase 2, relaxed: the same inserts without an fsync per call.
     let engine = Engine::open(
         dir.join("relaxed"),
-        EngineConfig::default().memory_limit(big).table_flush_bytes(big >> 1).wal_sync(WalSync::Relaxed),
+        defaults.memory_limit(big).table_flush_bytes(big >> 1).wal_sync(WalSync::Relaxed),
     )?;
     let table = engine.create_table("lineitem", schema.clone(), &KEY)?;
     let t = Instant::now();

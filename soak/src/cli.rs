@@ -70,6 +70,10 @@ pub struct BenchArgs {
     /// Engine memory limit of the workload run (default: the engine's, 50% of RAM).
     #[arg(long, value_parser = parse_size)]
     pub memory_limit: Option<u64>,
+    /// Threads one flush uses (`EngineConfig::flush_threads`; default: the engine's,
+    /// min(2, available parallelism)).
+    #[arg(long)]
+    pub flush_threads: Option<usize>,
 }
 
 /// Options of the hidden `crash-child`.

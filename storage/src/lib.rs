@@ -34,4 +34,4 @@ pub use manifest::{FileMeta, Manifest, MANIFEST_FILE};
 pub use table::{CommitPlan, FileGuard, FileScan, ScanSource, Staged, TableStore};
 pub use vfs::{FaultFs, FsOp, StdFs, Vfs, VfsFile};
 pub use wal::{SEGMENT_BYTES, WAL_DIR, Wal, WalOp, WalRecord, WalSync, decode_segment};
-pub use write::{CancelToken, FileReader, ReadSpec, WriteOptions, read_file, read_file_with, write_data_file, write_data_file_from};
+pub use write::{CancelToken, FileReader, ReadSpec, WriteOptions, default_encode_threads, read_file, read_file_with, write_data_file, write_data_file_from};

@@ -5,6 +5,11 @@ use arrow_array::RecordBatch;
 use arrow_buffer::{BooleanBuffer, BooleanBufferBuilder};
 use gritdb_memctl::{Category, MemoryController, Reservation, TableAccount};
 use parquet::arrow::ArrowWriter;
+use parquet::arrow::arrow_writer::{ArrowColumnChunk, ArrowColumnWriter, ArrowRowGroupWriterFactory, compute_leaves};
+use parquet::file::writer::SerializedFileWriter;
+use parquet::errors::ParquetError;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
 use parquet::arrow::ProjectionMask;
 use parquet::arrow::arrow_reader::{ArrowReaderOptions, ParquetRecordBatchReader, ParquetRecordBatchReaderBuilder, RowSelection};
 use parquet::basic::Compression;
@@ -29,12 +34,30 @@ pub struct WriteOptions {
     /// Cancels writes made with these options (and their clones): set when the table is
     /// dropped. Every default-built `WriteOptions` has its own token.
     pub cancel: CancelToken,
+    /// Threads that encode a data file's columns, the calling thread included (scoped
+    /// threads, started per encoded batch and joined before it returns). 1 = the calling
+    /// thread alone, through `ArrowWriter`. Default [`default_encode_threads`]: min(2, the
+    /// machine's available parallelism). The file is the same whatever the count.
+    pub encode_threads: usize,
 }
 
 impl Default for WriteOptions {
     fn default() -> Self {
-        Self { write_batch_rows: 8192, row_group_bytes: 32 << 20, row_group_rows: 1 << 20, cancel: CancelToken::default() }
+        Self {
+            write_batch_rows: 8192,
+            row_group_bytes: 32 << 20,
+            row_group_rows: 1 << 20,
+            cancel: CancelToken::default(),
+            encode_threads: default_encode_threads(),
+        }
     }
+}
+
+/// Default thread count of a data-file write ([`WriteOptions::encode_threads`]) and of a
+/// flush's rows → Arrow conversion: min(2, `std::thread::available_parallelism`), 1 when
+/// that is unknown.
+pub fn default_encode_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().min(2))
 }
 
 /// A flag that cancels the data-file writes of one table (its flushes and compactions) when
@@ -122,29 +145,21 @@ pub fn write_data_file_from(
             .set_compression(Compression::SNAPPY)
             .set_max_row_group_row_count(Some(opts.row_group_rows.max(1)))
             .build();
-        let pq = |e: parquet::errors::ParquetError| parquet_io(e, &tmp, &seen);
-        let mut writer = ArrowWriter::try_new(file, Arc::clone(schema), Some(props)).map_err(pq)?;
+        let pq = |e: ParquetError| parquet_io(e, &tmp, &seen);
+        // `ArrowWriter` builds the Parquet schema and adds the Arrow schema to the footer's
+        // metadata in both paths, so their files are alike.
+        let writer = ArrowWriter::try_new(file, Arc::clone(schema), Some(props)).map_err(pq)?;
         let mut buffers = Reservation::new(ctl, Category::WriteBuffers, table);
-        let step = opts.write_batch_rows.max(1);
-        for batch in batches {
-            let batch = batch?;
-            let mut at = 0;
-            while at < batch.num_rows() {
-                // Between encoded batches (and so between row groups) a drop stops the write.
-                cancel.check().map_err(io(&tmp))?;
-                let len = step.min(batch.num_rows() - at);
-                writer.write(&batch.slice(at, len)).map_err(pq)?;
-                at += len;
-                buffers.try_resize(writer.memory_size())?;
-                // Cut by the writer's whole buffered size (encoders and dictionaries included),
-                // so its memory is bounded by about `row_group_bytes` + one step.
-                if writer.memory_size() >= opts.row_group_bytes {
-                    writer.flush().map_err(pq)?;
-                    buffers.try_resize(writer.memory_size())?;
-                }
-            }
-        }
-        let mut file = writer.into_inner().map_err(pq)?.inner;
+        let mut file = if opts.encode_threads > 1 && !schema.fields().is_empty() {
+            let (fw, factory) = writer.into_serialized_writer().map_err(pq)?;
+            let mut w = ParallelWriter::new(fw, factory, schema, opts.encode_threads);
+            write_batches(&mut w, batches, opts, &mut buffers, &tmp).map_err(|e| e.into_storage(&pq))?;
+            w.finish().map_err(pq)?.inner
+        } else {
+            let mut w = writer;
+            write_batches(&mut w, batches, opts, &mut buffers, &tmp).map_err(|e| e.into_storage(&pq))?;
+            w.into_inner().map_err(pq)?.inner
+        };
         drop(buffers);
         cancel.check().map_err(io(&tmp))?;
         file.sync_all().map_err(io(&tmp))?;
@@ -159,6 +174,251 @@ pub fn write_data_file_from(
         let _ = vfs.remove_file(&tmp);
     }
     res
+}
+
+/// What [`write_batches`] drives: `ArrowWriter` on one thread, or [`ParallelWriter`].
+trait BatchSink {
+    /// Encodes `batch` into the open row group.
+    fn write(&mut self, batch: &RecordBatch) -> Result<(), ParquetError>;
+    /// Bytes the encoders hold (`ArrowColumnWriter::memory_size` summed).
+    fn memory_size(&self) -> usize;
+    /// Closes the open row group and writes it to the file (no-op when it is empty).
+    fn flush(&mut self) -> Result<(), ParquetError>;
+}
+
+impl BatchSink for ArrowWriter<Recording> {
+    fn write(&mut self, batch: &RecordBatch) -> Result<(), ParquetError> {
+        ArrowWriter::write(self, batch)
+    }
+    fn memory_size(&self) -> usize {
+        ArrowWriter::memory_size(self)
+    }
+    fn flush(&mut self) -> Result<(), ParquetError> {
+        ArrowWriter::flush(self)
+    }
+}
+
+/// An error of [`write_batches`]: from the batch stream or the budget (already a
+/// [`StorageError`]), or from the Parquet writer (mapped by the caller, which knows the sink).
+enum WriteError {
+    Storage(StorageError),
+    Parquet(ParquetError),
+}
+
+impl WriteError {
+    fn into_storage(self, pq: &impl Fn(ParquetError) -> StorageError) -> StorageError {
+        match self {
+            Self::Storage(e) => e,
+            Self::Parquet(e) => pq(e),
+        }
+    }
+}
+
+impl From<StorageError> for WriteError {
+    fn from(e: StorageError) -> Self {
+        Self::Storage(e)
+    }
+}
+
+impl From<gritdb_memctl::MemoryError> for WriteError {
+    fn from(e: gritdb_memctl::MemoryError) -> Self {
+        Self::Storage(e.into())
+    }
+}
+
+/// Feeds `batches` to `w` in steps of `write_batch_rows`, keeping `buffers` at the writer's
+/// size and cutting row groups by `row_group_bytes` (the writer's rows limit cuts by rows).
+fn write_batches(
+    w: &mut impl BatchSink,
+    batches: impl Iterator<Item = Result<RecordBatch, StorageError>>,
+    opts: &WriteOptions,
+    buffers: &mut Reservation,
+    tmp: &Path,
+) -> Result<(), WriteError> {
+    let step = opts.write_batch_rows.max(1);
+    for batch in batches {
+        let batch = batch?;
+        let mut at = 0;
+        while at < batch.num_rows() {
+            // Between encoded batches (and so between row groups) a drop stops the write.
+            opts.cancel.check().map_err(io(tmp))?;
+            let len = step.min(batch.num_rows() - at);
+            w.write(&batch.slice(at, len)).map_err(WriteError::Parquet)?;
+            at += len;
+            buffers.try_resize(w.memory_size())?;
+            // Cut by the writer's whole buffered size (encoders and dictionaries included),
+            // so its memory is bounded by about `row_group_bytes` + one step.
+            if w.memory_size() >= opts.row_group_bytes {
+                w.flush().map_err(WriteError::Parquet)?;
+                buffers.try_resize(w.memory_size())?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A Parquet file written with its columns encoded on several threads (parquet's
+/// `ArrowColumnWriter` per leaf column, as `DataFusion`'s parallel writer does). Each batch is
+/// split into one task per top-level field; `threads` scoped threads (the caller's included)
+/// take tasks, costliest first by the encode time each field took so far, and the call returns
+/// once all are encoded. A row group is closed the same way (each column's last page and
+/// dictionary) and then appended to the file in column order on the calling thread, which
+/// makes every write to the sink. Rows per row group are capped at `max_row_group_row_count`
+/// like `ArrowWriter` does.
+struct ParallelWriter {
+    file: SerializedFileWriter<Recording>,
+    factory: ArrowRowGroupWriterFactory,
+    schema: arrow_schema::SchemaRef,
+    /// Per top-level field: the leaf column writers of the open row group (empty: no row group
+    /// open).
+    writers: Vec<Mutex<Vec<ArrowColumnWriter>>>,
+    /// Per top-level field: nanoseconds spent on it so far (orders the tasks).
+    cost: Vec<u64>,
+    /// Row groups written.
+    row_groups: usize,
+    buffered_rows: usize,
+    max_rows: usize,
+    threads: usize,
+}
+
+/// A task of [`ParallelWriter`]: one top-level field (its index) and its leaf column writers.
+type FieldTask<'a> = dyn Fn(usize, &mut Vec<ArrowColumnWriter>) -> Result<(), ParquetError> + Sync + 'a;
+
+impl ParallelWriter {
+    fn new(file: SerializedFileWriter<Recording>, factory: ArrowRowGroupWriterFactory, schema: &arrow_schema::SchemaRef, threads: usize) -> Self {
+        let max_rows = file.properties().max_row_group_row_count().unwrap_or(usize::MAX).max(1);
+        let cost = vec![0; schema.fields().len()];
+        Self { file, factory, schema: Arc::clone(schema), writers: Vec::new(), cost, row_groups: 0, buffered_rows: 0, max_rows, threads }
+    }
+
+    /// Opens the next row group's column writers, grouped by top-level field.
+    fn open_row_group(&mut self) -> Result<(), ParquetError> {
+        let descr = self.file.schema_descr();
+        let mut by_field: Vec<Vec<ArrowColumnWriter>> = (0..self.schema.fields().len()).map(|_| Vec::new()).collect();
+        for (leaf, w) in self.factory.create_column_writers(self.row_groups)?.into_iter().enumerate() {
+            by_field[descr.get_column_root_idx(leaf)].push(w);
+        }
+        self.writers = by_field.into_iter().map(Mutex::new).collect();
+        Ok(())
+    }
+
+    /// Runs `task` for every field of `writers` on up to `threads` threads (scoped; the
+    /// calling thread is one of them), costliest field first by `cost`, to which each task's
+    /// time is added. Returns the first error; the other threads then take no new task.
+    fn run(writers: &[Mutex<Vec<ArrowColumnWriter>>], cost: &mut [u64], threads: usize, task: &FieldTask<'_>) -> Result<(), ParquetError> {
+        let mut order: Vec<usize> = (0..writers.len()).collect();
+        order.sort_by_key(|&f| std::cmp::Reverse(cost[f]));
+        let next = AtomicUsize::new(0);
+        let failed = AtomicBool::new(false);
+        let spent: Vec<AtomicU64> = order.iter().map(|_| AtomicU64::new(0)).collect();
+        let work = || -> Result<(), ParquetError> {
+            loop {
+                let at = next.fetch_add(1, Ordering::Relaxed);
+                if at >= order.len() || failed.load(Ordering::Relaxed) {
+                    return Ok(());
+                }
+                let f = order[at];
+                let t = std::time::Instant::now();
+                let mut ws = writers[f].lock().unwrap_or_else(PoisonError::into_inner);
+                if let Err(e) = task(f, &mut ws) {
+                    failed.store(true, Ordering::Relaxed);
+                    return Err(e);
+                }
+                spent[f].store(u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
+            }
+        };
+        let helpers = threads.min(order.len()).saturating_sub(1);
+        let res = std::thread::scope(|s| {
+            // Threads the OS cannot start are simply fewer helpers.
+            let handles: Vec<_> = (0..helpers).filter_map(|_| std::thread::Builder::new().spawn_scoped(s, work).ok()).collect();
+            let mut res = work();
+            for h in handles {
+                let r = h.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+                if res.is_ok() {
+                    res = r;
+                }
+            }
+            res
+        });
+        for (c, s) in cost.iter_mut().zip(&spent) {
+            *c = c.saturating_add(s.load(Ordering::Relaxed));
+        }
+        res
+    }
+
+    /// Encodes `batch` (no more rows than the open row group has room for).
+    fn encode(&mut self, batch: &RecordBatch) -> Result<(), ParquetError> {
+        if self.writers.is_empty() {
+            self.open_row_group()?;
+        }
+        let schema = &self.schema;
+        Self::run(&self.writers, &mut self.cost, self.threads, &|f, ws| {
+            let leaves = compute_leaves(schema.field(f), batch.column(f))?;
+            for (w, leaf) in ws.iter_mut().zip(&leaves) {
+                w.write(leaf)?;
+            }
+            Ok(())
+        })?;
+        self.buffered_rows += batch.num_rows();
+        Ok(())
+    }
+
+    /// Closes the open row group's column writers (each its last page and dictionary, in
+    /// parallel), then appends their chunks to the file in column order.
+    fn close_row_group(&mut self) -> Result<(), ParquetError> {
+        let writers = std::mem::take(&mut self.writers);
+        let chunks: Vec<Mutex<Vec<ArrowColumnChunk>>> = writers.iter().map(|_| Mutex::new(Vec::new())).collect();
+        Self::run(&writers, &mut self.cost, self.threads, &|f, ws| {
+            let mut out = chunks[f].lock().unwrap_or_else(PoisonError::into_inner);
+            for w in ws.drain(..) {
+                out.push(w.close()?);
+            }
+            Ok(())
+        })?;
+        let mut rg = self.file.next_row_group()?;
+        for c in chunks {
+            for chunk in c.into_inner().unwrap_or_else(PoisonError::into_inner) {
+                chunk.append_to_row_group(&mut rg)?;
+            }
+        }
+        rg.close()?;
+        self.row_groups += 1;
+        self.buffered_rows = 0;
+        Ok(())
+    }
+
+    /// Closes the last row group and writes the footer; returns the sink.
+    fn finish(mut self) -> Result<Recording, ParquetError> {
+        BatchSink::flush(&mut self)?;
+        self.file.into_inner()
+    }
+}
+
+impl BatchSink for ParallelWriter {
+    fn write(&mut self, batch: &RecordBatch) -> Result<(), ParquetError> {
+        let mut at = 0;
+        while at < batch.num_rows() {
+            let len = (self.max_rows - self.buffered_rows).min(batch.num_rows() - at);
+            self.encode(&batch.slice(at, len))?;
+            at += len;
+            if self.buffered_rows >= self.max_rows {
+                self.close_row_group()?;
+            }
+        }
+        Ok(())
+    }
+    fn memory_size(&self) -> usize {
+        self.writers
+            .iter()
+            .map(|m| m.lock().unwrap_or_else(PoisonError::into_inner).iter().map(ArrowColumnWriter::memory_size).sum::<usize>())
+            .sum()
+    }
+    fn flush(&mut self) -> Result<(), ParquetError> {
+        if self.buffered_rows == 0 {
+            return Ok(());
+        }
+        self.close_row_group()
+    }
 }
 
 /// Reads a data file, keeping only columns `projection` (indices into the table schema;
@@ -415,11 +675,11 @@ type Seen = std::sync::Mutex<Option<(std::io::ErrorKind, Option<i32>, String)>>;
 
 /// Turns a Parquet error caused by the sink back into [`StorageError::Io`] (with the path),
 /// so ENOSPC and EIO read as what they are.
-fn parquet_io(e: parquet::errors::ParquetError, path: &Path, seen: &Seen) -> StorageError {
-    if let parquet::errors::ParquetError::External(inner) = e {
+fn parquet_io(e: ParquetError, path: &Path, seen: &Seen) -> StorageError {
+    if let ParquetError::External(inner) = e {
         return match inner.downcast::<std::io::Error>() {
             Ok(io_err) => StorageError::Io { path: path.to_path_buf(), source: *io_err },
-            Err(other) => StorageError::Parquet(parquet::errors::ParquetError::External(other)),
+            Err(other) => StorageError::Parquet(ParquetError::External(other)),
         };
     }
     if let Ok(mut s) = seen.lock()
@@ -433,3 +693,7 @@ fn parquet_io(e: parquet::errors::ParquetError, path: &Path, seen: &Seen) -> Sto
     }
     StorageError::Parquet(e)
 }
+
+#[cfg(test)]
+#[path = "write_tests.rs"]
+mod tests;

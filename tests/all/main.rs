@@ -13,6 +13,7 @@ mod create_drop;
 mod drop_flush;
 mod faults;
 mod filter;
+mod flush_threads;
 mod interop;
 mod model;
 mod regressions;

@@ -12,7 +12,9 @@
 //! - `key_lookup/{hit,miss}`: [`DeltaStore::get`] of every key of the batch against a delta
 //!   holding it (hit) or holding other keys (miss).
 //! - `to_batches/{unsorted,sorted}`: rows → Arrow arrays in a batch block for a delta of
-//!   [`DELTA_BATCHES`] × [`ROWS`] rows (the flush path sorts by key; the scan path does not).
+//!   [`DELTA_BATCHES`] × [`ROWS`] rows (the flush path sorts by key; the scan path does not);
+//!   `to_batches/sorted_16k/{1,2}`: sorted, in 16,384-row batches, on 1 and 2 threads
+//!   (`to_batches_parallel`, the flush's path).
 
 use arrow_array::{ArrayRef, Date32Array, Decimal128Array, Int32Array, Int64Array, RecordBatch, StringArray};
 use arrow_schema::{DataType, Field, Schema};
@@ -155,6 +157,19 @@ fn to_batches(c: &mut Criterion) {
         g.bench_with_input(BenchmarkId::from_parameter(name), &sorted, |bench, &sorted| {
             bench.iter(|| {
                 let out = d.to_batches(Category::BatchBlocks, sorted, 64 << 10, 256 << 20, |_| true).expect("within the limit");
+                let n: usize = out.puts.iter().map(RecordBatch::num_rows).sum();
+                assert_eq!(n, rows);
+                out
+            });
+        });
+    }
+    // The flush's parallel path: sorted, cut into 16,384-row batches, on 1 and 2 threads.
+    for threads in [1usize, 2] {
+        g.bench_with_input(BenchmarkId::new("sorted_16k", threads), &threads, |bench, &threads| {
+            bench.iter(|| {
+                let out = d
+                    .to_batches_parallel(Category::BatchBlocks, true, 16 << 10, 256 << 20, threads, |_| true)
+                    .expect("within the limit");
                 let n: usize = out.puts.iter().map(RecordBatch::num_rows).sum();
                 assert_eq!(n, rows);
                 out

@@ -9,6 +9,7 @@ use gritdb_memctl::{BatchBlock, Category, MemoryController, Reservation, RowAren
 use hashbrown::{DefaultHashBuilder, HashTable};
 use std::hash::BuildHasher;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock};
 
 /// What a delta holds for a key.
@@ -37,6 +38,39 @@ fn key_of(row: &[u8]) -> &[u8] {
 
 fn op_of(row: &[u8]) -> u8 {
     row[0]
+}
+
+/// Rows below which a part of a parallel sort is not worth a thread.
+const MIN_SORT_PART: usize = 1 << 14;
+
+/// Copies `N` bytes from `src[at..]` to `dst[to..]`.
+#[inline]
+fn copy_n<const N: usize>(dst: &mut [u8], to: usize, src: &[u8], at: usize) {
+    dst[to..to + N].copy_from_slice(&src[at..at + N]);
+}
+
+/// The rows of `parts`, each sorted by `cmp`, merged into one sorted list (ties: the earlier
+/// part first).
+fn merge_sorted(parts: &[Vec<(u128, RowRef)>], cmp: impl Fn(&(u128, RowRef), &(u128, RowRef)) -> std::cmp::Ordering) -> Vec<RowRef> {
+    let mut heads: Vec<&[(u128, RowRef)]> = parts.iter().map(Vec::as_slice).filter(|p| !p.is_empty()).collect();
+    let mut out = Vec::with_capacity(heads.iter().map(|h| h.len()).sum());
+    while heads.len() > 1 {
+        let mut best = 0;
+        for i in 1..heads.len() {
+            if cmp(&heads[i][0], &heads[best][0]) == std::cmp::Ordering::Less {
+                best = i;
+            }
+        }
+        out.push(heads[best][0].1);
+        heads[best] = &heads[best][1..];
+        if heads[best].is_empty() {
+            heads.remove(best);
+        }
+    }
+    if let Some(rest) = heads.first() {
+        out.extend(rest.iter().map(|&(_, r)| r));
+    }
+    out
 }
 
 /// One key-map slot: the row and 32 bits of its key's hash, so growing the map rehashes from
@@ -398,23 +432,33 @@ impl DeltaStore {
         sorted: bool,
         max_rows: usize,
         max_bytes: usize,
-        keep: impl Fn(&[u8]) -> bool,
+        keep: impl Fn(&[u8]) -> bool + Sync,
     ) -> Result<DeltaBatches, UnifyError> {
-        let mut puts = Vec::with_capacity(self.puts);
-        let mut dels = Vec::with_capacity(self.tombstones);
-        for e in &self.map {
-            let row = self.arena.get_from(e.at);
-            if !keep(key_of(row)) {
-                continue;
-            }
-            let r = e.at.with_len(self.codec.row_len(row));
-            if op_of(row) == OP_PUT { puts.push(r) } else { dels.push(r) }
-        }
-        if sorted {
-            self.sort_by_key(&mut puts, category)?;
-            self.sort_by_key(&mut dels, category)?;
-        }
-        let mut out = Vec::new();
+        self.to_batches_parallel(category, sorted, max_rows, max_bytes, 1, keep)
+    }
+
+    /// [`Self::to_batches`] on up to `threads` threads, the calling thread included (scoped
+    /// threads, all joined before it returns; 1 = the calling thread alone). The sort runs on
+    /// `threads` parts merged at the end; the batches, independent once the rows are ordered,
+    /// are decoded by whichever thread is free, each into its own batch block. The result is
+    /// the same for every `threads`, and so are the bytes: each batch block is the size it
+    /// has on one thread, and a failed call (say, a block over the limit) drops every block
+    /// it built before returning the first error.
+    ///
+    /// # Errors
+    /// As [`Self::to_batches`].
+    pub fn to_batches_parallel(
+        &self,
+        category: Category,
+        sorted: bool,
+        max_rows: usize,
+        max_bytes: usize,
+        threads: usize,
+        keep: impl Fn(&[u8]) -> bool + Sync,
+    ) -> Result<DeltaBatches, UnifyError> {
+        let threads = threads.max(1);
+        let (puts, dels) = if sorted { self.select_sorted(category, threads, &keep)? } else { self.select(&keep) };
+        let mut cuts = Vec::new();
         let mut start = 0;
         while start < puts.len() {
             let mut end = start;
@@ -423,10 +467,10 @@ impl DeltaStore {
                 bytes += puts[end].len();
                 end += 1;
             }
-            out.push(self.decode(&puts[start..end], category)?);
+            cuts.push(start..end);
             start = end;
         }
-        let puts = out;
+        let puts = self.decode_all(&puts, &cuts, category, threads)?;
         let key_schema = self.key_schema();
         let delete_keys = if dels.is_empty() {
             RecordBatch::new_empty(key_schema)
@@ -437,33 +481,119 @@ impl DeltaStore {
         Ok(DeltaBatches { puts, delete_keys })
     }
 
-    /// Sorts rows by key bytes. Each row's key is read once into a 16-byte big-endian prefix
-    /// (a whole `(Int64, Int32)` key fits); comparisons use the prefix and read the rows only
-    /// when two prefixes are equal (keys longer than 16 bytes). Before, every comparison read
-    /// both rows from the row blocks: two cache misses, `n log n` times. The prefixes are
-    /// budgeted under `category` while they exist.
-    fn sort_by_key(&self, rows: &mut [RowRef], category: Category) -> Result<(), UnifyError> {
-        if rows.len() < 2 {
-            return Ok(());
+    /// The puts and deletes kept by `keep`, in map order.
+    fn select(&self, keep: &impl Fn(&[u8]) -> bool) -> (Vec<RowRef>, Vec<RowRef>) {
+        let mut puts = Vec::with_capacity(self.puts);
+        let mut dels = Vec::with_capacity(self.tombstones);
+        for e in &self.map {
+            let row = self.arena.get_from(e.at);
+            if !keep(key_of(row)) {
+                continue;
+            }
+            let r = e.at.with_len(self.codec.row_len(row));
+            if op_of(row) == OP_PUT { puts.push(r) } else { dels.push(r) }
         }
+        (puts, dels)
+    }
+
+    /// The puts and deletes kept by `keep`, each sorted by key bytes.
+    ///
+    /// The map's rows are split into `threads` parts (scoped threads, the caller's included).
+    /// Each part reads its rows once (in map order: a cache and TLB miss each, which is why
+    /// the parts run in parallel) for the op, the `keep` test and a 16-byte big-endian key
+    /// prefix (a whole `(Int64, Int32)` key fits), and sorts its puts and deletes; comparisons
+    /// use the prefix and read the rows only when two prefixes are equal (keys longer than 16
+    /// bytes). The sorted parts are then merged. The `(prefix, row)` pairs are budgeted under
+    /// `category` while they exist.
+    fn select_sorted(&self, category: Category, threads: usize, keep: &(impl Fn(&[u8]) -> bool + Sync)) -> Result<(Vec<RowRef>, Vec<RowRef>), UnifyError> {
+        type Keyed = Vec<(u128, RowRef)>;
         let mut res = Reservation::new(&self.ctl, category, self.table.as_ref());
-        res.try_grow(rows.len() * std::mem::size_of::<(u128, RowRef)>())?;
+        res.try_grow(self.map.len() * std::mem::size_of::<(u128, RowRef)>())?;
+        let rows: Vec<RowAt> = self.map.iter().map(|e| e.at).collect();
         let arena = &self.arena;
-        let mut keyed: Vec<(u128, RowRef)> = rows
-            .iter()
-            .map(|&r| {
-                let key = key_of(arena.get(r));
+        let codec = &self.codec;
+        let cmp = |a: &(u128, RowRef), b: &(u128, RowRef)| a.0.cmp(&b.0).then_with(|| key_of(arena.get(a.1)).cmp(key_of(arena.get(b.1))));
+        let part = |rows: &[RowAt]| -> (Keyed, Keyed) {
+            let mut puts = Vec::with_capacity(rows.len());
+            let mut dels = Vec::new();
+            for &at in rows {
+                let row = arena.get_from(at);
+                let r = at.with_len(codec.row_len(row));
+                let key = key_of(row);
+                if !keep(key) {
+                    continue;
+                }
                 let mut p = [0u8; 16];
                 let n = key.len().min(16);
                 p[..n].copy_from_slice(&key[..n]);
-                (u128::from_be_bytes(p), r)
-            })
-            .collect();
-        keyed.sort_unstable_by(|a, b| a.0.cmp(&b.0).then_with(|| key_of(arena.get(a.1)).cmp(key_of(arena.get(b.1)))));
-        for (dst, (_, r)) in rows.iter_mut().zip(keyed) {
-            *dst = r;
+                let item = (u128::from_be_bytes(p), r);
+                if op_of(row) == OP_PUT { puts.push(item) } else { dels.push(item) }
+            }
+            puts.sort_unstable_by(cmp);
+            dels.sort_unstable_by(cmp);
+            (puts, dels)
+        };
+        let parts = threads.min(rows.len() / MIN_SORT_PART).max(1);
+        let part_len = rows.len().div_ceil(parts).max(1);
+        let sorted: Vec<(Keyed, Keyed)> = std::thread::scope(|s| {
+            let mut chunks = rows.chunks(part_len);
+            let first = chunks.next().unwrap_or(&[]);
+            // A part whose thread cannot be started (the OS is out of threads) runs here.
+            let helpers: Vec<_> = chunks.map(|c| std::thread::Builder::new().spawn_scoped(s, move || part(c)).map_err(|_| c)).collect();
+            let mut out = vec![part(first)];
+            for h in helpers {
+                out.push(match h {
+                    Ok(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+                    Err(c) => part(c),
+                });
+            }
+            out
+        });
+        drop(rows);
+        let (puts, dels): (Vec<Keyed>, Vec<Keyed>) = sorted.into_iter().unzip();
+        Ok((merge_sorted(&puts, cmp), merge_sorted(&dels, cmp)))
+    }
+
+    /// Decodes `puts[cut]` for every cut, on up to `threads` threads, in order.
+    fn decode_all(&self, puts: &[RowRef], cuts: &[std::ops::Range<usize>], category: Category, threads: usize) -> Result<Vec<RecordBatch>, UnifyError> {
+        if threads <= 1 || cuts.len() <= 1 {
+            return cuts.iter().map(|c| self.decode(&puts[c.clone()], category)).collect();
         }
-        Ok(())
+        let slots: Vec<std::sync::OnceLock<RecordBatch>> = cuts.iter().map(|_| std::sync::OnceLock::new()).collect();
+        let next = AtomicUsize::new(0);
+        let failed = AtomicBool::new(false);
+        let work = || -> Result<(), UnifyError> {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= cuts.len() || failed.load(Ordering::Relaxed) {
+                    return Ok(());
+                }
+                match self.decode(&puts[cuts[i].clone()], category) {
+                    Ok(b) => {
+                        let _ = slots[i].set(b);
+                    }
+                    Err(e) => {
+                        failed.store(true, Ordering::Relaxed);
+                        return Err(e);
+                    }
+                }
+            }
+        };
+        std::thread::scope(|s| {
+            // Threads the OS cannot start are simply fewer helpers.
+            let helpers: Vec<_> =
+                (1..threads.min(cuts.len())).filter_map(|_| std::thread::Builder::new().spawn_scoped(s, work).ok()).collect();
+            let mut res = work();
+            for h in helpers {
+                let r = h.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+                if res.is_ok() {
+                    res = r;
+                }
+            }
+            res
+        })?;
+        // No error: every slot was filled.
+        Ok(slots.into_iter().filter_map(std::sync::OnceLock::into_inner).collect())
     }
 
     /// Schema of the key columns.
@@ -568,7 +698,14 @@ impl DeltaStore {
                         }
                         ColKind::Fixed(w) => {
                             let dst = reg[1].0 + i * w;
-                            out[dst..dst + w].copy_from_slice(&fixed[at..at + w]);
+                            // The common widths as fixed-size copies (a move each, where a
+                            // copy of run-time length is a `memcpy` call per value).
+                            match w {
+                                4 => copy_n::<4>(out, dst, fixed, at),
+                                8 => copy_n::<8>(out, dst, fixed, at),
+                                16 => copy_n::<16>(out, dst, fixed, at),
+                                _ => out[dst..dst + w].copy_from_slice(&fixed[at..at + w]),
+                            }
                         }
                         ColKind::Off32 | ColKind::Off64 | ColKind::View => {
                             let end = u32::from_le_bytes([fixed[at], fixed[at + 1], fixed[at + 2], fixed[at + 3]]) as usize;
@@ -756,6 +893,125 @@ mod tests {
         assert_eq!((d.len(), d.max_seq()), (3, 7));
         assert_eq!(d.arena.live_rows(), 3);
         assert_eq!(d.to_batches(Category::ScanBuffers, false, 100, 1 << 20, |_| true).unwrap().puts[0].column(4).null_count(), 1);
+    }
+}
+
+#[cfg(test)]
+mod parallel_tests {
+    use super::*;
+    use arrow_array::{Array, Int64Array, StringArray};
+    use arrow_schema::Field;
+    use gritdb_memctl::ControllerConfig;
+
+    const N: usize = 50_000;
+
+    /// A delta of `N` keys put in scrambled order — 27-byte string keys sharing their first 16
+    /// bytes in runs, so the sort's 16-byte prefixes tie and the rows are compared — then every
+    /// 10th key deleted with a tombstone.
+    fn delta(ctl: &Arc<MemoryController>) -> DeltaStore {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("k", DataType::Utf8, false),
+            Field::new("v", DataType::Int64, true),
+            Field::new("p", DataType::Utf8, true),
+        ]));
+        let codec = Arc::new(RowCodec::new(Arc::clone(&schema), &[0], 1 << 20).unwrap());
+        let mut d = DeltaStore::new(Arc::clone(&codec), ctl, None);
+        let key = |i: usize| format!("shared-prefix-{:05}-{:07}", i / 1000, i);
+        let order: Vec<usize> = (0..N).map(|i| i * 7_919 % N).collect();
+        for (at, part) in order.chunks(5_000).enumerate() {
+            let b = RecordBatch::try_new(
+                Arc::clone(&schema),
+                vec![
+                    Arc::new(part.iter().map(|&i| Some(key(i))).collect::<StringArray>()),
+                    Arc::new(part.iter().map(|&i| (i % 3 != 0).then_some(i as i64)).collect::<Int64Array>()),
+                    Arc::new(part.iter().map(|&i| Some(format!("{i:064}"))).collect::<StringArray>()),
+                ],
+            )
+            .unwrap();
+            let keys = codec.keys().encode_batch(&b).unwrap();
+            d.apply_puts(&b, &keys, (at * 5_000) as u64 + 1, || Ok::<(), UnifyError>(())).unwrap();
+        }
+        let gone = RecordBatch::try_new(
+            Arc::clone(&schema),
+            vec![
+                Arc::new((0..N).step_by(10).map(|i| Some(key(i))).collect::<StringArray>()),
+                Arc::new(Int64Array::from(vec![0; N.div_ceil(10)])),
+                Arc::new(StringArray::from(vec![""; N.div_ceil(10)])),
+            ],
+        )
+        .unwrap();
+        let keys = codec.keys().encode_batch(&gone).unwrap();
+        let items: Vec<(usize, bool)> = (0..gone.num_rows()).map(|i| (i, true)).collect();
+        d.apply_deletes(&keys, &items, 1_000_000, || Ok::<(), UnifyError>(())).unwrap();
+        d
+    }
+
+    fn ctl(limit: usize) -> Arc<MemoryController> {
+        MemoryController::new(ControllerConfig { memory_limit: Some(limit), ..ControllerConfig::default() }).unwrap()
+    }
+
+    #[test]
+    fn every_thread_count_gives_the_same_batches() {
+        let ctl = ctl(256 << 20);
+        let d = delta(&ctl);
+        let one = d.to_batches(Category::BatchBlocks, true, 4_096, 1 << 20, |_| true).unwrap();
+        let keys: Vec<String> = one
+            .puts
+            .iter()
+            .flat_map(|b| b.column(0).as_any().downcast_ref::<StringArray>().unwrap().iter().map(|k| k.unwrap().to_owned()).collect::<Vec<_>>())
+            .collect();
+        assert_eq!(keys.len(), N - N.div_ceil(10));
+        assert!(keys.windows(2).all(|w| w[0] < w[1]), "puts sorted by key");
+        assert_eq!(one.delete_keys.num_rows(), N.div_ceil(10));
+        let used = ctl.category_bytes(Category::BatchBlocks);
+        for threads in [2, 3, 8] {
+            let many = d.to_batches_parallel(Category::BatchBlocks, true, 4_096, 1 << 20, threads, |_| true).unwrap();
+            assert_eq!(many.puts.len(), one.puts.len(), "{threads} threads");
+            for (a, b) in many.puts.iter().zip(&one.puts) {
+                assert_eq!(a, b, "{threads} threads");
+            }
+            assert_eq!(many.delete_keys, one.delete_keys, "{threads} threads");
+            // Same blocks, same bytes.
+            assert_eq!(ctl.category_bytes(Category::BatchBlocks), 2 * used, "{threads} threads");
+            drop(many);
+            assert_eq!(ctl.category_bytes(Category::BatchBlocks), used, "{threads} threads");
+        }
+        // Keys kept by `keep`, on threads too.
+        let odd = |k: &[u8]| k.iter().map(|&b| u32::from(b)).sum::<u32>() % 2 == 1;
+        let a = d.to_batches(Category::BatchBlocks, true, 4_096, 1 << 20, odd).unwrap();
+        let b = d.to_batches_parallel(Category::BatchBlocks, true, 4_096, 1 << 20, 2, odd).unwrap();
+        assert_eq!(a.puts, b.puts);
+        assert_eq!(a.delete_keys, b.delete_keys);
+        let kept = a.puts.iter().map(RecordBatch::num_rows).sum::<usize>();
+        assert!(kept > 0 && kept < N - N.div_ceil(10), "{kept}");
+        drop((one, a, b));
+        assert_eq!(ctl.category_bytes(Category::BatchBlocks), 0);
+    }
+
+    /// A conversion that runs out of memory part-way (some batch blocks built, on several
+    /// threads) returns the memory error and holds nothing afterwards.
+    #[test]
+    fn a_failed_parallel_conversion_releases_every_block() {
+        let ctl = ctl(256 << 20);
+        let d = delta(&ctl);
+        let base = ctl.used();
+        let whole = d.to_batches(Category::BatchBlocks, true, 2_048, 1 << 20, |_| true).unwrap();
+        let blocks = ctl.category_bytes(Category::BatchBlocks);
+        drop(whole);
+        assert_eq!(ctl.used(), base);
+        // The sort's (prefix, row) pairs fit; the batch blocks do not, all of them.
+        let sort = d.len() * std::mem::size_of::<(u128, RowRef)>();
+        assert!(blocks > 2 * sort, "{blocks} {sort}");
+        ctl.set_limit(base + usize::midpoint(sort, blocks)).unwrap();
+        for threads in [1, 2, 3] {
+            ctl.reset_peaks();
+            let err = d.to_batches_parallel(Category::BatchBlocks, true, 2_048, 1 << 20, threads, |_| true).unwrap_err();
+            assert!(matches!(err, UnifyError::Memory(_)), "{threads} threads: {err}");
+            assert!(ctl.category_peak(Category::BatchBlocks) > sort, "{threads} threads: failed in the conversion, after some blocks");
+            assert_eq!(ctl.category_bytes(Category::BatchBlocks), 0, "{threads} threads");
+            assert_eq!(ctl.used(), base, "{threads} threads");
+        }
+        assert_eq!(d.len(), N, "the delta itself is untouched");
     }
 }
 

@@ -1,0 +1,193 @@
+//! Data-file writes on one thread (`ArrowWriter`) and on several (`ParallelWriter`): the same
+//! bytes on disk, row groups cut the same way, and on a failed sink, a cancellation or a
+//! failing batch stream no file left and no writer buffer still counted.
+
+use super::*;
+use crate::vfs::{FaultFs, StdFs};
+use arrow_array::builder::{Int32Builder, ListBuilder};
+use arrow_array::{ArrayRef, Decimal128Array, Int32Array, Int64Array, StringArray, StructArray};
+use arrow_schema::{DataType, Field, Schema};
+use gritdb_memctl::ControllerConfig;
+
+fn ctl() -> Arc<MemoryController> {
+    MemoryController::new(ControllerConfig { memory_limit: Some(256 << 20), ..ControllerConfig::default() }).unwrap()
+}
+
+/// Flat and nested columns (a struct and a list give fields with several or nested leaves),
+/// nulls in some.
+fn schema() -> arrow_schema::SchemaRef {
+    let inner = vec![Field::new("a", DataType::Int32, true), Field::new("b", DataType::Utf8, true)];
+    Arc::new(Schema::new(vec![
+        Field::new("k", DataType::Int64, false),
+        Field::new("s", DataType::Utf8, true),
+        Field::new("d", DataType::Decimal128(15, 2), false),
+        Field::new("st", DataType::Struct(inner.into()), true),
+        Field::new("l", DataType::List(Arc::new(Field::new("item", DataType::Int32, true))), true),
+    ]))
+}
+
+fn batch(from: i64, rows: i64) -> RecordBatch {
+    let keys: Vec<i64> = (from..from + rows).collect();
+    let text: StringArray = keys.iter().map(|k| (k % 7 != 0).then(|| format!("comment {k} {}", "x".repeat((k % 40) as usize)))).collect();
+    let dec = Decimal128Array::from_iter_values(keys.iter().map(|k| i128::from(*k) * 3)).with_precision_and_scale(15, 2).unwrap();
+    let ints: Int32Array = keys.iter().map(|k| (k % 3 != 0).then_some(*k as i32)).collect();
+    let strs: StringArray = keys.iter().map(|k| Some(format!("{}", k % 11))).collect();
+    let nested = StructArray::from(vec![
+        (Arc::new(Field::new("a", DataType::Int32, true)), Arc::new(ints) as ArrayRef),
+        (Arc::new(Field::new("b", DataType::Utf8, true)), Arc::new(strs) as ArrayRef),
+    ]);
+    let mut list = ListBuilder::new(Int32Builder::new());
+    for k in &keys {
+        if k % 5 == 0 {
+            list.append_null();
+        } else {
+            for v in 0..(k % 4) {
+                list.values().append_value(v as i32);
+            }
+            list.append(true);
+        }
+    }
+    RecordBatch::try_new(
+        schema(),
+        vec![Arc::new(Int64Array::from(keys)), Arc::new(text), Arc::new(dec), Arc::new(nested), Arc::new(list.finish())],
+    )
+    .unwrap()
+}
+
+fn batches() -> Vec<RecordBatch> {
+    vec![batch(0, 5_000), batch(5_000, 3_333), batch(8_333, 6_667)]
+}
+
+fn opts(threads: usize) -> WriteOptions {
+    WriteOptions { write_batch_rows: 700, row_group_rows: 4_000, encode_threads: threads, ..WriteOptions::default() }
+}
+
+/// Rows per row group of a data file.
+fn row_groups(path: &Path) -> Vec<i64> {
+    let r = ParquetRecordBatchReaderBuilder::try_new(fs::File::open(path).unwrap()).unwrap();
+    r.metadata().row_groups().iter().map(parquet::file::metadata::RowGroupMetaData::num_rows).collect()
+}
+
+fn read_all(path: &Path) -> Vec<RecordBatch> {
+    read_file(path, None, Arc::new(RoaringBitmap::new()), 1 << 20).unwrap().collect::<Result<_, _>>().unwrap()
+}
+
+#[test]
+fn every_thread_count_writes_the_same_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let ctl = ctl();
+    let input = batches();
+    let mut files = Vec::new();
+    for threads in [1, 2, 3, 8] {
+        let name = format!("t{threads}.parquet");
+        let size = write_data_file(&StdFs, dir.path(), &name, &input, &opts(threads), &ctl, None).unwrap();
+        assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0, "{threads} threads: writer buffers released");
+        let path = dir.path().join(&name);
+        assert_eq!(fs::metadata(&path).unwrap().len(), size);
+        files.push((threads, fs::read(&path).unwrap(), path));
+    }
+    // Cut by rows (4,000 per group) across input batches of 5,000, 3,333 and 6,667 rows.
+    assert_eq!(row_groups(&files[0].2), vec![4_000, 4_000, 4_000, 3_000]);
+    let want = arrow_select::concat::concat_batches(&schema(), &input).unwrap();
+    for (threads, bytes, path) in &files {
+        assert_eq!(bytes, &files[0].1, "{threads} threads: the file is byte for byte the one-thread file");
+        let got = arrow_select::concat::concat_batches(&schema(), &read_all(path)).unwrap();
+        assert_eq!(got, want, "{threads} threads: rows read back");
+    }
+}
+
+#[test]
+fn row_groups_are_cut_by_bytes_on_every_thread_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let ctl = ctl();
+    let input = batches();
+    let mut cuts = Vec::new();
+    for threads in [1, 2] {
+        let o = WriteOptions { row_group_bytes: 96 << 10, row_group_rows: 1 << 20, ..opts(threads) };
+        let name = format!("b{threads}.parquet");
+        write_data_file(&StdFs, dir.path(), &name, &input, &o, &ctl, None).unwrap();
+        let groups = row_groups(&dir.path().join(&name));
+        assert!(groups.len() > 2, "{threads} threads: {groups:?}");
+        assert_eq!(groups.iter().sum::<i64>(), 15_000);
+        // The writer's buffered bytes stay near the cut: the peak is under cut + a few steps.
+        assert!(ctl.category_peak(Category::WriteBuffers) < 1 << 20, "{}", ctl.category_peak(Category::WriteBuffers));
+        cuts.push(groups);
+    }
+    assert_eq!(cuts[0], cuts[1]);
+}
+
+/// Files left in `dir` (a failed write leaves none, not even its temp file).
+fn listing(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn a_failing_sink_at_any_step_leaves_nothing_on_every_thread_count() {
+    let input = batches();
+    for threads in [1, 2] {
+        let dir = tempfile::tempdir().unwrap();
+        let ctl = ctl();
+        let fs = FaultFs::new();
+        let o = opts(threads);
+        // How many file-layer steps a whole write takes.
+        let before = fs.steps();
+        write_data_file(&fs, dir.path(), "ok.parquet", &input, &o, &ctl, None).unwrap();
+        let steps = fs.steps() - before;
+        assert!(steps > 3, "{steps}");
+        fs::remove_file(dir.path().join("ok.parquet")).unwrap();
+        for n in 0..steps {
+            let errno = if n % 2 == 0 { 28 } else { 5 }; // ENOSPC, EIO
+            fs.fail_step(n, errno);
+            let err = write_data_file(&fs, dir.path(), "f.parquet", &input, &o, &ctl, None).unwrap_err();
+            fs.heal();
+            match &err {
+                StorageError::Io { source, .. } => assert_eq!(source.raw_os_error(), Some(errno), "{threads} threads, step {n}: {err}"),
+                other => panic!("{threads} threads, step {n}: not an I/O error: {other}"),
+            }
+            // No temp file is left; the only file that may remain is a complete one, renamed
+            // before the failing directory fsync (a table ignores files its manifest does not
+            // name, and removes them at open).
+            let left = listing(dir.path());
+            if !left.is_empty() {
+                assert_eq!(left, vec!["f.parquet".to_owned()], "{threads} threads, step {n}");
+                assert_eq!(row_groups(&dir.path().join("f.parquet")), vec![4_000, 4_000, 4_000, 3_000]);
+                fs::remove_file(dir.path().join("f.parquet")).unwrap();
+            }
+            assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0, "{threads} threads, step {n}");
+        }
+        write_data_file(&fs, dir.path(), "f.parquet", &input, &o, &ctl, None).unwrap();
+        assert_eq!(row_groups(&dir.path().join("f.parquet")), vec![4_000, 4_000, 4_000, 3_000]);
+    }
+}
+
+#[test]
+fn cancel_and_stream_errors_stop_the_parallel_writer() {
+    let dir = tempfile::tempdir().unwrap();
+    let ctl = ctl();
+    let input = batches();
+    let schema = schema();
+    // Cancelled after the first batch (mid row group: 5,000 rows into the second group).
+    let o = opts(2);
+    let cancel = o.cancel.clone();
+    let stream = input.iter().cloned().enumerate().map(|(i, b)| {
+        if i == 1 {
+            cancel.cancel();
+        }
+        Ok(b)
+    });
+    let err = write_data_file_from(&StdFs, dir.path(), "c.parquet", &schema, stream, &o, &ctl, None).unwrap_err();
+    assert!(err.to_string().contains("cancelled"), "{err}");
+    assert!(listing(dir.path()).is_empty());
+    assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0);
+    // A stream that fails part-way (a compaction input that cannot be read).
+    let stream = input.iter().cloned().map(Ok).take(2).chain(std::iter::once(Err(StorageError::CorruptFile {
+        path: dir.path().join("input"),
+        detail: "unreadable".into(),
+    })));
+    let err = write_data_file_from(&StdFs, dir.path(), "e.parquet", &schema, stream, &opts(2), &ctl, None).unwrap_err();
+    assert!(matches!(err, StorageError::CorruptFile { .. }), "{err}");
+    assert!(listing(dir.path()).is_empty());
+    assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0);
+}

@@ -194,7 +194,7 @@ impl TableInner {
                     if let Some(st) = lock(&self.state).as_mut() {
                         self.seal(st);
                     }
-                    self.flush_sealed()?;
+                    self.flush_sealed(self.shared.config.flush_threads)?;
                 }
                 other => return other,
             }
@@ -209,11 +209,13 @@ impl TableInner {
 
     /// Writes every sealed delta and staged file of this table; returns rows written.
     /// Holds the table state lock only for in-memory steps, never across encode/write/fsync.
-    pub(crate) fn flush_sealed(&self) -> Result<u64> {
+    /// `threads`: the threads this flush and its compactions use (`flush_threads` when a caller
+    /// waits for it, `background_flush_threads` on the background writer).
+    pub(crate) fn flush_sealed(&self, threads: usize) -> Result<u64> {
         let _flush = lock(&self.flush_lock);
         let mut rows = 0u64;
         loop {
-            self.commit_staged()?;
+            self.commit_staged(threads)?;
             let sealed = {
                 let g = self.state()?;
                 let Some(st) = g.as_ref() else { break };
@@ -226,7 +228,7 @@ impl TableInner {
             // sorted and decoded on up to `flush_threads` threads.
             let cfg = &self.shared.config;
             let batches =
-                sealed.to_batches_parallel(Category::BatchBlocks, true, FLUSH_BATCH_ROWS, cfg.flush_batch_bytes, cfg.flush_threads, |_| true)?;
+                sealed.to_batches_parallel(Category::BatchBlocks, true, FLUSH_BATCH_ROWS, cfg.flush_batch_bytes, threads, |_| true)?;
             rows += batches.puts.iter().map(|b| b.num_rows() as u64).sum::<u64>();
             {
                 let mut g = self.state()?;
@@ -240,22 +242,22 @@ impl TableInner {
             // (unless a running scan still holds the delta).
             drop(sealed);
             drop(batches);
-            self.commit_staged()?;
+            self.commit_staged(threads)?;
         }
-        self.compact(4)?;
+        self.compact(4, threads)?;
         Ok(rows)
     }
 
     /// Runs up to `max` compactions of this table (caller holds the flush lock). The state
     /// lock is held only for planning and the in-memory swaps, never while reading or writing.
-    fn compact(&self, max: usize) -> Result<()> {
+    fn compact(&self, max: usize, threads: usize) -> Result<()> {
         let opts = gritdb_storage::CompactionOptions::default();
         for _ in 0..max {
             let (mut plan, ctl, account, wopts) = {
                 let mut g = self.state()?;
                 let Some(st) = g.as_mut() else { return Ok(()) };
                 let Some(plan) = st.store.plan_compaction(&opts) else { return Ok(()) };
-                (plan, Arc::clone(st.store.controller()), st.store.account().cloned(), self.write_options(st))
+                (plan, Arc::clone(st.store.controller()), st.store.account().cloned(), self.write_options(st, threads))
             };
             if let Err(e) = plan.execute(&wopts, &ctl, account.as_ref()) {
                 plan.abandon();
@@ -290,22 +292,22 @@ impl TableInner {
         Ok(())
     }
 
-    /// The table's data-file write options, encoding on up to `flush_threads` threads.
-    fn write_options(&self, st: &TableState) -> gritdb_storage::WriteOptions {
+    /// The table's data-file write options, encoding on up to `threads` threads.
+    fn write_options(&self, st: &TableState, threads: usize) -> gritdb_storage::WriteOptions {
         let mut opts = st.store.write_options().clone();
-        opts.encode_threads = self.shared.config.flush_threads;
+        opts.encode_threads = threads.max(1);
         opts
     }
 
     /// Writes and commits staged files in order. Data file, deletion vectors and manifest are
     /// written without the state lock.
-    fn commit_staged(&self) -> Result<()> {
+    fn commit_staged(&self, threads: usize) -> Result<()> {
         loop {
             let (plan, ctl, account, opts) = {
                 let g = self.state()?;
                 let Some(st) = g.as_ref() else { return Ok(()) };
                 let Some(plan) = st.store.plan_commit() else { return Ok(()) };
-                (plan, Arc::clone(st.store.controller()), st.store.account().cloned(), self.write_options(st))
+                (plan, Arc::clone(st.store.controller()), st.store.account().cloned(), self.write_options(st, threads))
             };
             let mut plan = plan;
             if let Err(e) = plan.execute(&opts, &ctl, account.as_ref()) {
@@ -580,7 +582,7 @@ impl Table {
                 self.inner.seal(st);
             }
         }
-        self.inner.flush_sealed()
+        self.inner.flush_sealed(self.inner.shared.config.flush_threads)
     }
 
     /// Reads a consistent snapshot of the table: committed files minus deletion vectors,

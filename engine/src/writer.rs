@@ -91,7 +91,7 @@ impl Writer {
 }
 
 fn run_flush(table: &TableInner) {
-    let res = std::panic::catch_unwind(AssertUnwindSafe(|| table.flush_sealed()));
+    let res = std::panic::catch_unwind(AssertUnwindSafe(|| table.flush_sealed(table.shared.config.background_flush_threads)));
     match res {
         Ok(Ok(rows)) => tracing::debug!(table = %table.name, rows, "background flush done"),
         Ok(Err(Error::TableNotFound { .. } | Error::Closed(_))) => {} // dropped or engine closed meanwhile

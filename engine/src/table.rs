@@ -257,7 +257,7 @@ impl TableInner {
                 let mut g = self.state()?;
                 let Some(st) = g.as_mut() else { return Ok(()) };
                 let Some(plan) = st.store.plan_compaction(&opts) else { return Ok(()) };
-                (plan, Arc::clone(st.store.controller()), st.store.account().cloned(), self.write_options(st, threads))
+                (plan, Arc::clone(st.store.controller()), st.store.account().cloned(), Self::write_options(st, threads))
             };
             if let Err(e) = plan.execute(&wopts, &ctl, account.as_ref()) {
                 plan.abandon();
@@ -293,7 +293,7 @@ impl TableInner {
     }
 
     /// The table's data-file write options, encoding on up to `threads` threads.
-    fn write_options(&self, st: &TableState, threads: usize) -> gritdb_storage::WriteOptions {
+    fn write_options(st: &TableState, threads: usize) -> gritdb_storage::WriteOptions {
         let mut opts = st.store.write_options().clone();
         opts.encode_threads = threads.max(1);
         opts
@@ -307,7 +307,7 @@ impl TableInner {
                 let g = self.state()?;
                 let Some(st) = g.as_ref() else { return Ok(()) };
                 let Some(plan) = st.store.plan_commit() else { return Ok(()) };
-                (plan, Arc::clone(st.store.controller()), st.store.account().cloned(), self.write_options(st, threads))
+                (plan, Arc::clone(st.store.controller()), st.store.account().cloned(), Self::write_options(st, threads))
             };
             let mut plan = plan;
             if let Err(e) = plan.execute(&opts, &ctl, account.as_ref()) {

@@ -567,7 +567,7 @@ mod tests {
         let vals: Vec<Option<String>> = (0..2000).map(|i| (i % 9 != 0).then(|| "v".repeat(i % 30))).collect();
         let batch = RecordBatch::try_new(
             Arc::clone(&schema),
-            vec![Arc::new(Int32Array::from_iter_values(0..2000)), Arc::new(StringViewArray::from_iter(vals.iter().cloned()))],
+            vec![Arc::new(Int32Array::from_iter_values(0..2000)), Arc::new(vals.iter().cloned().collect::<StringViewArray>())],
         )
         .unwrap();
         let wal = Wal::open(dir.path(), Arc::new(StdFs), WalSync::PerBatch, &ctl, |_| Ok::<(), StorageError>(())).unwrap();

@@ -139,6 +139,7 @@ fn view_columns_survive_replay_as_views() {
     use arrow::array::{Array, BinaryViewArray, Int64Array, RecordBatch, StringViewArray};
     use arrow::datatypes::{DataType, Field, Schema};
     use std::sync::Arc;
+    type Model = BTreeMap<String, (i64, Option<String>, Option<Vec<u8>>)>;
     let schema = Arc::new(Schema::new(vec![
         Field::new("id", DataType::Utf8View, false),
         Field::new("n", DataType::Int64, false),
@@ -152,15 +153,15 @@ fn view_columns_survive_replay_as_views() {
             vec![
                 Arc::new(StringViewArray::from_iter_values(keys.iter().map(|k| format!("key-{k:06}")))),
                 Arc::new(Int64Array::from_iter_values(keys.iter().copied())),
-                Arc::new(StringViewArray::from_iter(keys.iter().map(|&k| (k % 7 != 0).then(|| value(k, tag))))),
-                Arc::new(BinaryViewArray::from_iter(keys.iter().map(|&k| (k % 5 != 0).then(|| value(k, tag).into_bytes())))),
+                Arc::new(keys.iter().map(|&k| (k % 7 != 0).then(|| value(k, tag))).collect::<StringViewArray>()),
+                Arc::new(keys.iter().map(|&k| (k % 5 != 0).then(|| value(k, tag).into_bytes())).collect::<BinaryViewArray>()),
             ],
         )
         .unwrap()
     };
     let dir = tempfile::tempdir().unwrap();
-    let mut model: BTreeMap<String, (i64, Option<String>, Option<Vec<u8>>)> = BTreeMap::new();
-    let mut apply = |keys: &[i64], tag: &str, model: &mut BTreeMap<_, _>| {
+    let mut model = Model::new();
+    let apply = |keys: &[i64], tag: &str, model: &mut BTreeMap<_, _>| {
         for &k in keys {
             model.insert(format!("key-{k:06}"), (k, (k % 7 != 0).then(|| value(k, tag)), (k % 5 != 0).then(|| value(k, tag).into_bytes())));
         }
@@ -191,19 +192,19 @@ fn view_columns_survive_replay_as_views() {
         drop(engine); // no close: everything is only in the WAL
     }
     let engine = Engine::open(dir.path(), config()).unwrap();
-    let t = engine.table("v").unwrap();
+    let table = engine.table("v").unwrap();
     let mut got = BTreeMap::new();
-    for b in t.scan(ScanOptions::default()).unwrap() {
+    for b in table.scan(ScanOptions::default()).unwrap() {
         let b = b.unwrap();
         assert_eq!(b.schema().fields().iter().map(|f| f.data_type().clone()).collect::<Vec<_>>(), vec![DataType::Utf8View, DataType::Int64, DataType::Utf8View, DataType::BinaryView]);
-        let id = b.column(0).as_any().downcast_ref::<StringViewArray>().unwrap();
-        let n = b.column(1).as_any().downcast_ref::<Int64Array>().unwrap();
-        let s = b.column(2).as_any().downcast_ref::<StringViewArray>().unwrap();
-        let x = b.column(3).as_any().downcast_ref::<BinaryViewArray>().unwrap();
+        let ids = b.column(0).as_any().downcast_ref::<StringViewArray>().unwrap();
+        let nums = b.column(1).as_any().downcast_ref::<Int64Array>().unwrap();
+        let strs = b.column(2).as_any().downcast_ref::<StringViewArray>().unwrap();
+        let bins = b.column(3).as_any().downcast_ref::<BinaryViewArray>().unwrap();
         for r in 0..b.num_rows() {
-            let s = (!s.is_null(r)).then(|| s.value(r).to_string());
-            let x = (!x.is_null(r)).then(|| x.value(r).to_vec());
-            got.insert(id.value(r).to_string(), (n.value(r), s, x));
+            let s = (!strs.is_null(r)).then(|| strs.value(r).to_string());
+            let x = (!bins.is_null(r)).then(|| bins.value(r).to_vec());
+            got.insert(ids.value(r).to_string(), (nums.value(r), s, x));
         }
     }
     assert_eq!(got.len(), 3400);

@@ -1136,7 +1136,7 @@ mod plan_tests {
                 Arc::new(Int64Array::from_iter_values((0..n).rev())),
                 Arc::new(Decimal128Array::from_iter_values((0..n).map(|i| i128::from(i) * 1_000_003 - 7)).with_precision_and_scale(15, 2).unwrap()),
                 Arc::new(Int16Array::from_iter_values((0..n).map(|i| i as i16 - 50))),
-                Arc::new(Int32Array::from_iter((0..n).map(|i| (i % 4 != 0).then_some(i as i32 * -3)))),
+                Arc::new((0..n).map(|i| (i % 4 != 0).then_some(i as i32 * -3)).collect::<Int32Array>()),
             ],
         )
         .unwrap();

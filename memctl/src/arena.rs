@@ -149,6 +149,7 @@ impl RowArena {
             }
         }
         // Room in the block table first, so the allocations below cannot fail on it.
+        let table_before = (self.blocks.capacity(), self.meta.size());
         self.reserve_blocks(chunks + oversize_rows)?;
         let have = self.spare.len();
         let need = chunks.saturating_sub(have);
@@ -160,6 +161,7 @@ impl RowArena {
                     for c in got {
                         self.ctl.put_chunk(c, self.table.as_ref());
                     }
+                    self.unreserve_blocks(table_before);
                     return Err(e);
                 }
             }
@@ -173,6 +175,7 @@ impl RowArena {
                 for c in got {
                     self.ctl.put_chunk(c, self.table.as_ref());
                 }
+                self.unreserve_blocks(table_before);
                 return Err(e);
             }
             self.prepaid_oversize += extra_oversize;
@@ -211,6 +214,17 @@ impl RowArena {
         // free_ids never holds more ids than there are blocks.
         self.free_ids.reserve_exact(new_cap - self.free_ids.len());
         Ok(())
+    }
+
+    /// Undoes [`Self::reserve_blocks`] of a failed [`Self::prepare`]: the block table goes back
+    /// to its capacity and `metadata` reservation from before, so a refused batch holds
+    /// nothing.
+    fn unreserve_blocks(&mut self, (capacity, meta): (usize, usize)) {
+        if self.blocks.capacity() > capacity {
+            self.blocks.shrink_to(capacity.max(self.blocks.len()));
+            self.free_ids.shrink_to(capacity.max(self.free_ids.len()));
+            self.meta.try_resize(meta).ok();
+        }
     }
 
     /// Puts a block in the table; room was made by [`Self::reserve_blocks`].

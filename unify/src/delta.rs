@@ -231,6 +231,15 @@ impl DeltaStore {
         })
     }
 
+    /// Gives back map capacity grown for a batch that was then refused (its rows were never
+    /// installed), so a write that applies nothing holds nothing.
+    fn unreserve_map(&mut self, capacity_before: usize) {
+        if self.map.capacity() > capacity_before {
+            self.map.shrink_to(self.map.len(), |e| spread(e.tag));
+            self.map_res.try_resize(table_bytes(self.map.capacity())).ok();
+        }
+    }
+
     /// Budgets and grows the map so `additional` more keys fit without reallocation.
     fn reserve_map(&mut self, additional: usize) -> Result<(), UnifyError> {
         let need = self.map.len() + additional;
@@ -303,8 +312,12 @@ impl DeltaStore {
             batch.columns().iter().zip(codec.kinds()).map(|(a, k)| ColReader::new(a, *k)).collect();
         let sizes = codec.row_sizes(keys, &readers)?;
         let plan = codec.plan(&readers);
+        let capacity_before = self.map.capacity();
         self.reserve_map(n)?;
-        self.arena.prepare(sizes.iter().copied()).map_err(UnifyError::from)?;
+        if let Err(e) = self.arena.prepare(sizes.iter().copied()) {
+            self.unreserve_map(capacity_before);
+            return Err(UnifyError::from(e).into());
+        }
         let mut refs: Vec<RowRef> = Vec::new();
         let arena = &mut self.arena;
         let mut encode = || {
@@ -328,6 +341,7 @@ impl DeltaStore {
                 self.arena.free(r);
             }
             self.arena.release_spare();
+            self.unreserve_map(capacity_before);
             return Err(e);
         }
         self.arena.release_spare();
@@ -382,10 +396,15 @@ impl DeltaStore {
         commit: impl FnOnce() -> Result<(), E>,
     ) -> Result<(), E> {
         let tomb: Vec<usize> = items.iter().filter(|(_, t)| *t).map(|(i, _)| *i).collect();
+        let capacity_before = self.map.capacity();
         self.reserve_map(tomb.len())?;
-        self.arena.prepare(tomb.iter().map(|&i| HEADER + keys.row(i).as_ref().len())).map_err(UnifyError::from)?;
+        if let Err(e) = self.arena.prepare(tomb.iter().map(|&i| HEADER + keys.row(i).as_ref().len())) {
+            self.unreserve_map(capacity_before);
+            return Err(UnifyError::from(e).into());
+        }
         if let Err(e) = commit() {
             self.arena.release_spare();
+            self.unreserve_map(capacity_before);
             return Err(e);
         }
         for (k, &(i, t)) in items.iter().enumerate() {
@@ -1161,5 +1180,36 @@ mod plan_tests {
                 assert_eq!(c.value(r), i as i32 * -3);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod refused_tests {
+    use super::*;
+    use arrow_array::Int64Array;
+    use arrow_schema::Field;
+    use gritdb_memctl::ControllerConfig;
+
+    /// Puts and tombstones whose commit fails give back the map growth they budgeted: the
+    /// key map's bytes and capacity return to their values before.
+    #[test]
+    fn refused_batches_give_back_map_growth() {
+        let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(64 << 20), ..ControllerConfig::default() }).unwrap();
+        let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false)]));
+        let codec = Arc::new(RowCodec::new(Arc::clone(&schema), &[0], 1 << 20).unwrap());
+        let mut d = DeltaStore::new(Arc::clone(&codec), &ctl, None);
+        let small = RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int64Array::from_iter_values(0..10))]).unwrap();
+        let keys = codec.keys().encode_batch(&small).unwrap();
+        d.apply_puts(&small, &keys, 1, || Ok::<(), UnifyError>(())).unwrap();
+        let (bytes, capacity) = (d.map_res.size(), d.map.capacity());
+        let big = RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int64Array::from_iter_values(100..10_100))]).unwrap();
+        let keys = codec.keys().encode_batch(&big).unwrap();
+        let refused = || Err::<(), UnifyError>(UnifyError::SchemaMismatch { detail: "refused".into() });
+        assert!(d.apply_puts(&big, &keys, 11, refused).is_err());
+        assert_eq!((d.map_res.size(), d.map.capacity(), d.len()), (bytes, capacity, 10));
+        let items: Vec<(usize, bool)> = (0..10_000).map(|i| (i, true)).collect();
+        assert!(d.apply_deletes(&keys, &items, 11, refused).is_err());
+        assert_eq!((d.map_res.size(), d.map.capacity(), d.len()), (bytes, capacity, 10));
+        assert_eq!(d.tombstones(), 0);
     }
 }

@@ -225,7 +225,7 @@ impl TableInner {
                 }
             };
             // Rows -> Arrow arrays in batch blocks (no lock: the sealed delta is immutable),
-            // sorted and decoded on up to `flush_threads` threads.
+            // sorted and decoded on up to `threads` threads.
             let cfg = &self.shared.config;
             let batches =
                 sealed.to_batches_parallel(Category::BatchBlocks, true, FLUSH_BATCH_ROWS, cfg.flush_batch_bytes, threads, |_| true)?;

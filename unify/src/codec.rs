@@ -250,8 +250,7 @@ impl RowCodec {
     /// (the last var-len column's end offset) for a put.
     #[inline]
     pub(crate) fn row_len(&self, row: &[u8]) -> usize {
-        let key_len = u32::from_le_bytes([row[9], row[10], row[11], row[12]]) as usize;
-        let head = HEADER + key_len;
+        let head = HEADER + key_len(row);
         if row[0] != OP_PUT {
             return head;
         }
@@ -350,6 +349,12 @@ impl RowCodec {
             }
         }
     }
+}
+
+/// Key length in bytes from an encoded row's header (`op u8 | seq u64 | key_len u32`).
+#[inline]
+pub(crate) fn key_len(row: &[u8]) -> usize {
+    u32::from_le_bytes([row[9], row[10], row[11], row[12]]) as usize
 }
 
 fn check_columns<'a>(

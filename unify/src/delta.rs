@@ -32,8 +32,7 @@ pub struct DeltaBatches {
 }
 
 fn key_of(row: &[u8]) -> &[u8] {
-    let len = u32::from_le_bytes([row[9], row[10], row[11], row[12]]) as usize;
-    &row[HEADER..HEADER + len]
+    &row[HEADER..HEADER + crate::codec::key_len(row)]
 }
 
 fn op_of(row: &[u8]) -> u8 {

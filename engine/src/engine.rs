@@ -441,6 +441,23 @@ impl Engine {
                 return Ok(());
             }
             replayed += rec.batch.num_rows() as u64;
+            // Replay keeps the flush headroom free, as writes do (backpressure): when the
+            // record (its Arrow size, an overestimate of its rows) would take memory past the
+            // write soft limit, the largest tables' deltas are flushed inline first. Else a log
+            // written under a larger limit fills memory to the hard limit, and the table can
+            // then be neither scanned nor flushed at this one.
+            let need = rec.batch.get_array_memory_size();
+            let over = || shared.pressure_bytes() + need > shared.write_soft_limit();
+            if over() {
+                let mut by_size: Vec<(usize, &Arc<TableInner>)> = by_id.values().map(|t| (t.delta_bytes(), t)).collect();
+                by_size.sort_by_key(|b| std::cmp::Reverse(b.0));
+                for (bytes, t) in by_size {
+                    if bytes == 0 || !over() {
+                        break;
+                    }
+                    t.seal_and_flush()?;
+                }
+            }
             t.replay(&rec)
         })?;
         if shared.wal.set(wal).is_err() {

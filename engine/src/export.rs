@@ -70,7 +70,8 @@ impl ExportOptions {
 
     /// Close a row group once the Parquet writer buffers this many bytes
     /// (`ArrowWriter::memory_size`: encoded pages, encoders, dictionaries). Bounds the export's
-    /// writer memory to about this plus one batch. Default 32 MiB; at least 1 KiB.
+    /// writer memory to about this plus one batch. Default 32 MiB; at least 1 KiB. A row group
+    /// is also closed earlier when the memory limit refuses the buffers' growth.
     #[must_use]
     pub fn row_group_bytes(mut self, bytes: usize) -> Self {
         self.row_group_bytes = bytes.max(1 << 10);
@@ -272,10 +273,10 @@ impl Table {
             rows += batch.num_rows() as u64;
             drop(batch);
             peak = peak.max(writer.memory_size());
-            buffers.try_resize(writer.memory_size()).map_err(Error::from)?;
             // Cut by the writer's whole buffered size (encoders and dictionaries included), as
-            // the engine's flush does (storage/src/write.rs).
-            if writer.memory_size() >= options.row_group_bytes {
+            // the engine's flush does (storage/src/write.rs), and early when the budget refuses
+            // the buffers' growth: a smaller row group rather than a failed export.
+            if writer.memory_size() >= options.row_group_bytes || buffers.try_resize(writer.memory_size()).is_err() {
                 writer.flush().map_err(pq)?;
                 buffers.try_resize(writer.memory_size()).map_err(Error::from)?;
             }

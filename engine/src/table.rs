@@ -148,7 +148,9 @@ impl TableInner {
     }
 
     /// Re-applies one write-ahead-log record at open (puts as upsert, deletes as delete),
-    /// flushing inline when memory runs short.
+    /// flushing inline when memory runs short. The caller keeps replay under the write soft
+    /// limit (see `Engine::open`), so a table replayed under a smaller limit than it was
+    /// written with can still be scanned and flushed.
     pub(crate) fn replay(&self, rec: &WalRecord) -> Result<()> {
         for attempt in 0..2 {
             let res = {
@@ -191,15 +193,27 @@ impl TableInner {
             };
             match res {
                 Err(e) if e.is_memory_limit() && attempt == 0 => {
-                    if let Some(st) = lock(&self.state).as_mut() {
-                        self.seal(st);
-                    }
-                    self.flush_sealed(self.shared.config.flush_threads)?;
+                    self.seal_and_flush()?;
                 }
                 other => return other,
             }
         }
         Ok(())
+    }
+
+    /// Seals the active delta and flushes every sealed delta, on the caller's thread
+    /// (`flush_threads`): replay's way to make room, as it runs before the background
+    /// writer starts. Returns rows written.
+    pub(crate) fn seal_and_flush(&self) -> Result<u64> {
+        if let Some(st) = lock(&self.state).as_mut() {
+            self.seal(st);
+        }
+        self.flush_sealed(self.shared.config.flush_threads)
+    }
+
+    /// Bytes of this table's active and sealed deltas (what [`Self::seal_and_flush`] frees).
+    pub(crate) fn delta_bytes(&self) -> usize {
+        lock(&self.state).as_ref().map_or(0, |st| st.active.bytes() + st.sealed.iter().map(|d| d.bytes()).sum::<usize>())
     }
 
     /// Active delta bytes (for choosing what to flush under pressure).
@@ -257,7 +271,7 @@ impl TableInner {
                 let mut g = self.state()?;
                 let Some(st) = g.as_mut() else { return Ok(()) };
                 let Some(plan) = st.store.plan_compaction(&opts) else { return Ok(()) };
-                (plan, Arc::clone(st.store.controller()), st.store.account().cloned(), Self::write_options(st, threads))
+                (plan, Arc::clone(st.store.controller()), st.store.account().cloned(), self.write_options(st, threads))
             };
             if let Err(e) = plan.execute(&wopts, &ctl, account.as_ref()) {
                 plan.abandon();
@@ -292,10 +306,14 @@ impl TableInner {
         Ok(())
     }
 
-    /// The table's data-file write options, encoding on up to `threads` threads.
-    fn write_options(st: &TableState, threads: usize) -> gritdb_storage::WriteOptions {
+    /// The table's data-file write options, encoding on up to `threads` threads, with row
+    /// groups cut at half the flush threshold (at most storage's 32 MiB default), so a flush's
+    /// writer buffers fit in the flush headroom beside its batches at any limit (headroom
+    /// ≥ 2 × threshold: [`crate::engine::Shared::flush_headroom`]).
+    fn write_options(&self, st: &TableState, threads: usize) -> gritdb_storage::WriteOptions {
         let mut opts = st.store.write_options().clone();
         opts.encode_threads = threads.max(1);
+        opts.row_group_bytes = opts.row_group_bytes.min((self.shared.table_flush_bytes() / 2).max(64 << 10));
         opts
     }
 
@@ -307,7 +325,7 @@ impl TableInner {
                 let g = self.state()?;
                 let Some(st) = g.as_ref() else { return Ok(()) };
                 let Some(plan) = st.store.plan_commit() else { return Ok(()) };
-                (plan, Arc::clone(st.store.controller()), st.store.account().cloned(), Self::write_options(st, threads))
+                (plan, Arc::clone(st.store.controller()), st.store.account().cloned(), self.write_options(st, threads))
             };
             let mut plan = plan;
             if let Err(e) = plan.execute(&opts, &ctl, account.as_ref()) {

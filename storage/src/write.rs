@@ -176,6 +176,17 @@ pub fn write_data_file_from(
     res
 }
 
+/// Rows per step of [`write_batches`] for `batch`, and the batch's average Arrow bytes per
+/// row (`RecordBatch::get_array_memory_size` / rows, at least 1). The step is
+/// `write_batch_rows`, fewer when that many rows would hold more than a quarter of
+/// `row_group_bytes`, so one step of a wide table cannot overshoot the row-group cut by much.
+/// At least 1.
+fn step_rows(batch: &RecordBatch, opts: &WriteOptions) -> (usize, usize) {
+    let rows = batch.num_rows().max(1);
+    let per_row = batch.get_array_memory_size().div_ceil(rows).max(1);
+    (opts.write_batch_rows.min((opts.row_group_bytes / 4 / per_row).max(1)).max(1), per_row)
+}
+
 /// What [`write_batches`] drives: `ArrowWriter` on one thread, or [`ParallelWriter`].
 trait BatchSink {
     /// Encodes `batch` into the open row group.
@@ -235,20 +246,29 @@ fn write_batches(
     buffers: &mut Reservation,
     tmp: &Path,
 ) -> Result<(), WriteError> {
-    let step = opts.write_batch_rows.max(1);
     for batch in batches {
         let batch = batch?;
+        let (step, per_row) = step_rows(&batch, opts);
         let mut at = 0;
         while at < batch.num_rows() {
             // Between encoded batches (and so between row groups) a drop stops the write.
             opts.cancel.check().map_err(io(tmp))?;
             let len = step.min(batch.num_rows() - at);
+            // The step's buffers are budgeted before they are made (its Arrow bytes, about
+            // what encoding it adds). When the budget refuses, the open row group is closed
+            // first (its pages go to the file): under a tight limit the file gets smaller row
+            // groups rather than the flush failing. A refusal with no row group open is the
+            // error.
+            let ahead = len.saturating_mul(per_row);
+            if buffers.try_resize(w.memory_size().saturating_add(ahead)).is_err() {
+                w.flush().map_err(WriteError::Parquet)?;
+                buffers.try_resize(w.memory_size().saturating_add(ahead))?;
+            }
             w.write(&batch.slice(at, len)).map_err(WriteError::Parquet)?;
             at += len;
-            buffers.try_resize(w.memory_size())?;
             // Cut by the writer's whole buffered size (encoders and dictionaries included),
             // so its memory is bounded by about `row_group_bytes` + one step.
-            if w.memory_size() >= opts.row_group_bytes {
+            if w.memory_size() >= opts.row_group_bytes || buffers.try_resize(w.memory_size()).is_err() {
                 w.flush().map_err(WriteError::Parquet)?;
                 buffers.try_resize(w.memory_size())?;
             }

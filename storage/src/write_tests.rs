@@ -191,3 +191,46 @@ fn cancel_and_stream_errors_stop_the_parallel_writer() {
     assert!(listing(dir.path()).is_empty());
     assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0);
 }
+
+/// When the budget refuses the writer buffers' growth, the row group is cut early instead of
+/// the write failing: the file holds every row in more, smaller row groups, on one thread and
+/// several, and the buffers are given back. With no room even for one step's buffers the write
+/// fails with a memory error and leaves no file.
+#[test]
+fn refused_buffer_growth_cuts_row_groups_early() {
+    let input = batches();
+    // Room for about 128 KiB of writer buffers: far less than the file's one-group size.
+    let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(4 << 20), chunk_size: 64 << 10, ..ControllerConfig::default() }).unwrap();
+    let mut held = Reservation::new(&ctl, Category::Metadata, None);
+    held.try_resize((4 << 20) - (128 << 10)).unwrap();
+    let want = arrow_select::concat::concat_batches(&schema(), &input).unwrap();
+    for threads in [1, 2] {
+        let dir = tempfile::tempdir().unwrap();
+        let o = WriteOptions { row_group_rows: 1 << 20, ..opts(threads) };
+        write_data_file(&StdFs, dir.path(), "f.parquet", &input, &o, &ctl, None).unwrap();
+        let groups = row_groups(&dir.path().join("f.parquet"));
+        assert!(groups.len() > 2, "{threads} threads: {groups:?}");
+        assert_eq!(groups.iter().sum::<i64>(), 15_000);
+        let got = arrow_select::concat::concat_batches(&schema(), &read_all(&dir.path().join("f.parquet"))).unwrap();
+        assert_eq!(got, want, "{threads} threads");
+        assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0);
+        assert!(ctl.category_peak(Category::WriteBuffers) <= 128 << 10, "{}", ctl.category_peak(Category::WriteBuffers));
+    }
+    // No room at all: a typed memory error, nothing left behind.
+    held.try_resize((4 << 20) - 1024).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let err = write_data_file(&StdFs, dir.path(), "g.parquet", &input, &opts(2), &ctl, None).unwrap_err();
+    assert!(matches!(err, StorageError::Memory(_)), "{err}");
+    assert!(listing(dir.path()).is_empty());
+    assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0);
+}
+
+#[test]
+fn wide_batches_are_fed_in_steps_under_a_quarter_of_the_row_group_cut() {
+    let b = batch(0, 5_000);
+    let per_row = b.get_array_memory_size().div_ceil(5_000);
+    let o = WriteOptions { row_group_bytes: 64 << 10, write_batch_rows: 8192, ..WriteOptions::default() };
+    assert_eq!(step_rows(&b, &o), ((16 << 10) / per_row, per_row));
+    assert_eq!(step_rows(&b, &WriteOptions::default()).0, 8192, "lineitem-sized rows keep the 8,192-row step");
+    assert_eq!(step_rows(&b, &WriteOptions { row_group_bytes: 1, ..WriteOptions::default() }).0, 1);
+}

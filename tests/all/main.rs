@@ -18,6 +18,7 @@ mod flush_threads;
 mod interop;
 mod model;
 mod regressions;
+mod reopen_smaller;
 mod refused_writes;
 mod retention;
 mod scan_memory;

@@ -258,7 +258,17 @@ impl TableInner {
             drop(batches);
             self.commit_staged(threads)?;
         }
-        self.compact(4, threads)?;
+        // A compaction's I/O error fails the flush like a commit's does (the disk is in
+        // trouble: the table shows as degraded), though the flushed rows are committed; a
+        // later flush retries it. A flush that gets this far with no error ends the degraded
+        // state.
+        let compacted = self.compact(4, threads);
+        if let Ok(mut g) = self.state()
+            && let Some(st) = g.as_mut()
+        {
+            st.last_flush_error = compacted.as_ref().err().map(ToString::to_string);
+        }
+        compacted?;
         Ok(rows)
     }
 
@@ -679,7 +689,8 @@ pub struct TableStats {
     pub accounted_bytes: usize,
     /// Manifest version of the last commit.
     pub manifest_version: u64,
-    /// The last background flush error, if the last flush failed.
+    /// The error of the last flush (background or called) if it failed: a data file, deletion
+    /// vector, manifest or compaction write. Cleared by the next flush that succeeds.
     pub last_flush_error: Option<String>,
 }
 

@@ -1,5 +1,6 @@
 //! The background writer: a tokio runtime owned by the engine whose blocking tasks flush
-//! sealed deltas. It is the one place gritdb spawns tasks (see `clippy.toml`).
+//! sealed deltas (and remove covered write-ahead-log segment files, [`spawn_blocking_on`]). It
+//! is the one place gritdb spawns tasks (see `clippy.toml`).
 
 use crate::error::{Error, Result};
 use crate::table::{TableInner, lock};
@@ -77,6 +78,12 @@ impl Writer {
         }
     }
 
+    /// A handle to the writer's runtime (`None` once shut down), for the one other blocking
+    /// task the engine runs there: removing covered WAL segment files.
+    pub(crate) fn handle(&self) -> Option<tokio::runtime::Handle> {
+        lock(&self.rt).as_ref().map(|rt| rt.handle().clone())
+    }
+
     /// Flushes queued or running.
     pub(crate) fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::Acquire)
@@ -102,4 +109,10 @@ fn run_flush(table: &TableInner) {
         }
         Err(_) => tracing::error!(table = %table.name, "background flush panicked; rows stay in memory"),
     }
+}
+
+/// Runs `task` as a blocking task on the writer's runtime (`handle` from [`Writer::handle`]).
+/// A runtime already shut down drops the task unrun.
+pub(crate) fn spawn_blocking_on(handle: &tokio::runtime::Handle, task: impl FnOnce() + Send + 'static) {
+    drop(handle.spawn_blocking(task));
 }

@@ -353,6 +353,18 @@ impl Wal {
     /// table `table` has committed files containing its records up to `seq` (or was dropped).
     /// The active segment is closed first when it is fully covered. Returns segments removed.
     pub fn truncate(&self, covered: impl Fn(u64, u64) -> bool) -> usize {
+        let gone = self.forget_covered(covered);
+        self.remove_segments(&gone);
+        gone.len()
+    }
+
+    /// The bookkeeping half of [`Self::truncate`]: forgets every fully covered segment (it no
+    /// longer counts in [`Self::segment_count`] or [`Self::bytes`], and no record is appended
+    /// to it) and returns their files, for [`Self::remove_segments`] now or later — on another
+    /// thread, so a flush does not wait for the unlinks (~5 ms per 16 MiB segment on ext4
+    /// here). A file not yet removed when the process dies holds only covered records: the
+    /// next open skips them and removes it at its first truncation.
+    pub fn forget_covered(&self, covered: impl Fn(u64, u64) -> bool) -> Vec<PathBuf> {
         let mut g = self.lock();
         let done = |s: &Segment| s.max_seq.iter().all(|(t, q)| covered(*t, *q));
         if g.active.as_ref().is_some_and(|a| a.seg.bytes > 0 && done(&a.seg)) && !g.unsynced {
@@ -362,13 +374,19 @@ impl Wal {
         let (gone, keep): (Vec<Segment>, Vec<Segment>) = std::mem::take(&mut g.closed).into_iter().partition(|s| done(s));
         g.closed = keep;
         drop(g);
-        for s in &gone {
-            let _ = self.vfs.remove_file(&self.dir.join(seg_name(s.id)));
+        gone.iter().map(|s| self.dir.join(seg_name(s.id))).collect()
+    }
+
+    /// Removes segment files returned by [`Self::forget_covered`], then fsyncs the log
+    /// directory. Errors are ignored (a file left behind is removed by a later truncation
+    /// after the next open).
+    pub fn remove_segments(&self, files: &[PathBuf]) {
+        for f in files {
+            let _ = self.vfs.remove_file(f);
         }
-        if !gone.is_empty() {
+        if !files.is_empty() {
             let _ = self.vfs.sync_dir(&self.dir);
         }
-        gone.len()
     }
 
     /// Segment files currently kept (closed + active).

@@ -91,6 +91,17 @@ fn stalled_writer_blocks_nothing() {
     assert!(engine.table("c").is_err());
 }
 
+/// Waits (at most 10 s) until the WAL directory holds only the segments the log keeps: the
+/// covered ones are removed by a background task after a flush.
+fn wait_for_wal_removal(engine: &Engine, dir: &std::path::Path) {
+    let on_disk = || std::fs::read_dir(dir.join("wal")).unwrap().count();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while on_disk() != engine.wal_usage().0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    assert_eq!(on_disk(), engine.wal_usage().0, "covered WAL segments removed");
+}
+
 fn tmp_files(dir: &std::path::Path) -> Vec<String> {
     let mut out = Vec::new();
     for t in std::fs::read_dir(dir.join("tables")).unwrap().flatten() {
@@ -123,13 +134,16 @@ fn enospc_and_eio_at_every_flush_step() {
             t.delete(&composite_keys(&[(10, 0), (11, 1)])).unwrap();
             model.remove(&(10, 0));
             model.remove(&(11, 1));
+            // The first flush's covered WAL segment is removed off the flushing thread; wait
+            // for it, so the step count starts at this flush's own steps.
+            wait_for_wal_removal(&engine, dir.path());
             fs.fail_step(step, errno);
             let res = t.flush();
             let failed = res.is_err();
             if let Err(e) = &res {
                 assert!(matches!(e, Error::Storage(_)), "step {step}: {e:?}");
                 assert!(e.to_string().contains("I/O error"), "step {step}: {e}");
-                assert!(t.stats().unwrap().last_flush_error.is_some());
+                assert!(t.stats().unwrap().last_flush_error.is_some(), "step {step}: {e}");
                 assert_eq!(engine.degraded_tables().len(), 1);
             }
             assert!(tmp_files(dir.path()).is_empty(), "step {step}: temp files left: {:?}", tmp_files(dir.path()));

@@ -78,6 +78,11 @@ fn wal_is_truncated_once_rows_are_committed() {
     assert!(bytes > 5000 * 8, "the WAL holds the rows ({bytes} bytes)");
     t.flush().unwrap();
     assert_eq!(engine.wal_usage(), (0, 0), "flushed rows need no WAL");
+    // The files go on the writer's runtime, off the flushing thread: soon, not at once.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !wal_files(dir.path()).is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
     assert!(wal_files(dir.path()).is_empty());
     // A dropped table's records are not needed either.
     let u = engine.create_table("u", composite_schema(), &["k1", "k2"]).unwrap();
@@ -209,4 +214,42 @@ fn view_columns_survive_replay_as_views() {
     }
     assert_eq!(got.len(), 3400);
     assert_eq!(got, model);
+}
+
+/// Covered segment files are removed off the flushing thread; closing or dropping the engine
+/// finishes their removal, so an engine reopened at once (same process) never lists a file
+/// that then vanishes, and a closed engine leaves no WAL file.
+#[test]
+fn covered_segments_are_gone_when_the_engine_closes_and_reopen_at_once_works() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut model: BTreeMap<(i64, i32), Row> = BTreeMap::new();
+    for round in 0..12_i64 {
+        let engine = Engine::open(dir.path(), config()).unwrap();
+        let t = engine.table("t").or_else(|_| engine.create_table("t", composite_schema(), &["k1", "k2"])).unwrap();
+        assert_eq!(collect_composite(t.scan(ScanOptions::default()).unwrap()), model, "round {round}");
+        // Several flushes, each covering segments, then more rows left only in the WAL.
+        for part in 0..3 {
+            let r = rows(round * 10_000 + part * 2_000, 2_000, "r");
+            t.upsert(&composite_batch(&r)).unwrap();
+            model.extend(r);
+            t.flush().unwrap();
+        }
+        let tail = rows(round * 10_000 + 9_000, 50, "tail");
+        t.insert(&composite_batch(&tail)).unwrap();
+        model.extend(tail);
+        drop(t);
+        if round % 2 == 0 {
+            drop(engine); // no close: the tail is replayed
+        } else {
+            engine.close().unwrap();
+            assert!(wal_files(dir.path()).is_empty(), "round {round}: {:?}", wal_files(dir.path()));
+        }
+    }
+    let engine = Engine::open(dir.path(), config()).unwrap();
+    let t = engine.table("t").unwrap();
+    assert_eq!(collect_composite(t.scan(ScanOptions::default()).unwrap()), model);
+    t.flush().unwrap();
+    drop(t);
+    engine.close().unwrap();
+    assert!(wal_files(dir.path()).is_empty(), "{:?}", wal_files(dir.path()));
 }

@@ -62,6 +62,8 @@ pub struct CompactionPlan {
     vfs: Arc<dyn Vfs>,
     manifest: Manifest,
     output: Option<(Rows, u64, u64)>,
+    /// The commit renamed its manifest into place (and then failed, or succeeded).
+    manifest_renamed: bool,
 }
 
 impl CompactionPlan {
@@ -152,11 +154,19 @@ impl CompactionPlan {
         self.manifest.files.retain(|f| !inputs.contains(&f.id));
         self.manifest.files.push(FileMeta { id: self.new_id, name: file_name(self.new_id), rows: *rows, bytes: *bytes, dv: None, deleted: 0 });
         self.manifest.files.sort_by_key(|f| f.id);
-        self.manifest.write(self.vfs.as_ref(), &self.dir)
+        self.manifest.write_tracked(self.vfs.as_ref(), &self.dir, &mut self.manifest_renamed)
     }
 
-    /// Removes the new data file after a failed commit.
+    /// Removes the new data file after a failed execute or commit — unless the commit renamed
+    /// its manifest into place before failing (the directory fsync): that manifest may be the
+    /// one on disk and names the file, so it stays. The table's in-memory state goes back to
+    /// the inputs, which stay too; the next manifest written no longer names the new file, and
+    /// the next open removes it as unnamed.
     pub fn abandon(&self) {
+        if self.manifest_renamed {
+            tracing::warn!(dir = %self.dir.display(), file = %file_name(self.new_id), "compaction commit failed after its manifest was renamed into place; its file is kept");
+            return;
+        }
         let _ = self.vfs.remove_file(&self.dir.join(file_name(self.new_id)));
     }
 }
@@ -253,6 +263,7 @@ impl TableStore {
             vfs: Arc::clone(&self.vfs),
             manifest,
             output: None,
+            manifest_renamed: false,
         })
     }
 

@@ -97,16 +97,32 @@ impl Manifest {
     /// # Errors
     /// [`StorageError::Io`]; the previous manifest stays in place and the tmp file is removed.
     pub fn write(&self, vfs: &dyn Vfs, dir: &Path) -> Result<(), StorageError> {
+        self.write_tracked(vfs, dir, &mut false)
+    }
+
+    /// [`Self::write`], setting `renamed` once the new manifest is renamed into place: after
+    /// that, an error (the directory fsync failed) leaves it unknown whether the old or the new
+    /// manifest is the one on disk, so every file either names must be kept.
+    ///
+    /// # Errors
+    /// As [`Self::write`].
+    pub fn write_tracked(&self, vfs: &dyn Vfs, dir: &Path, renamed: &mut bool) -> Result<(), StorageError> {
         let bytes = serde_json::to_vec_pretty(self).map_err(|e| StorageError::CorruptManifest {
             path: dir.join(MANIFEST_FILE),
             detail: e.to_string(),
         })?;
-        write_atomic(vfs, dir, MANIFEST_FILE, &bytes)
+        write_atomic_tracked(vfs, dir, MANIFEST_FILE, &bytes, renamed)
     }
 }
 
 /// Writes `name` in `dir` atomically (tmp + fsync + rename + fsync dir).
 pub(crate) fn write_atomic(vfs: &dyn Vfs, dir: &Path, name: &str, bytes: &[u8]) -> Result<(), StorageError> {
+    write_atomic_tracked(vfs, dir, name, bytes, &mut false)
+}
+
+/// [`write_atomic`], setting `renamed` once the rename is done (see
+/// [`Manifest::write_tracked`]).
+fn write_atomic_tracked(vfs: &dyn Vfs, dir: &Path, name: &str, bytes: &[u8], renamed: &mut bool) -> Result<(), StorageError> {
     let tmp = dir.join(format!("{name}.tmp"));
     let dst = dir.join(name);
     let res = (|| {
@@ -115,6 +131,7 @@ pub(crate) fn write_atomic(vfs: &dyn Vfs, dir: &Path, name: &str, bytes: &[u8]) 
         f.sync_all().map_err(io(&tmp))?;
         drop(f);
         vfs.rename(&tmp, &dst).map_err(io(&dst))?;
+        *renamed = true;
         vfs.sync_dir(dir).map_err(io(dir))
     })();
     if res.is_err() {

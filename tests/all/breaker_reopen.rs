@@ -521,7 +521,6 @@ fn check_all(engine: &Engine, models: &[Model], what: &str) {
 /// write-side step (every step of the replay's inline flushes is tried, sampled), then
 /// reopened normally: nothing lost, nothing resurrected.
 #[test]
-#[ignore = "breaker: a fault at the dir fsync of an inline-flush compaction's manifest leaves a manifest naming a deleted file; the next open fails (see a_fault_in_any_step_of_a_compacting_flush_leaves_the_dir_openable)"]
 fn a_fault_in_any_step_of_the_replay_flush_loses_nothing() {
     let src = tempfile::tempdir().unwrap();
     let models = fault_source(src.path());
@@ -587,7 +586,6 @@ fn repeated_faulty_replays_then_a_clean_one() {
 /// flush's write-side steps (flush commit, then compaction write and manifest commit), then a
 /// clean reopen. The replay test above reached this through the inline flush's compaction.
 #[test]
-#[ignore = "breaker: compaction abandon() deletes its new file after the manifest naming it was renamed into place (dir fsync failed): open fails with No such file or directory"]
 fn a_fault_in_any_step_of_a_compacting_flush_leaves_the_dir_openable() {
     let spec = Spec { cols: 2, min: 8, max: 40 };
     let run = |fault: Option<u64>| -> u64 {

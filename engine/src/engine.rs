@@ -4,7 +4,7 @@ use crate::table::{Table, TableInner, lock};
 use crate::writer::Writer;
 use arrow_schema::SchemaRef;
 use gritdb_memctl::{Category, ControllerConfig, MemoryController, MemoryReport};
-use gritdb_storage::{TableStore, WAL_DIR, Wal, WalSync};
+use gritdb_storage::{TableStore, WAL_DIR, Wal, WalOp, WalRecord, WalSync};
 use gritdb_unify::RowCodec;
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
@@ -500,28 +500,54 @@ impl Engine {
             max_id = max_id.max(rec.table);
             let Some(t) = by_id.get(&rec.table) else { return Ok(()) };
             t.seq.fetch_max(rec.last_seq + 1, Ordering::AcqRel);
-            if rec.first_seq <= t.flushed_seq() {
+            let flushed = t.flushed_seq();
+            if rec.last_seq <= flushed {
                 return Ok(());
             }
-            replayed += rec.batch.num_rows() as u64;
-            // Replay keeps the flush headroom free, as writes do (backpressure): when the
-            // record (its Arrow size, an overestimate of its rows) would take memory past the
-            // write soft limit, the largest tables' deltas are flushed inline first. Else a log
-            // written under a larger limit fills memory to the hard limit, and the table can
-            // then be neither scanned nor flushed at this one.
-            let need = rec.batch.get_array_memory_size();
-            let over = || shared.pressure_bytes() + need > shared.write_soft_limit();
-            if over() {
-                let mut by_size: Vec<(usize, &Arc<TableInner>)> = by_id.values().map(|t| (t.delta_bytes(), t)).collect();
-                by_size.sort_by_key(|b| std::cmp::Reverse(b.0));
-                for (bytes, t) in by_size {
-                    if bytes == 0 || !over() {
-                        break;
+            // A record is replayed in slices of about one flush threshold (by the batch's
+            // sliced Arrow bytes per row), flushing between them when memory asks, so a record
+            // written under a larger limit — even one larger than this limit — can be replayed,
+            // and leaves a delta that can be scanned and flushed at this one.
+            //
+            // Sequence numbers: a put's row i has `first_seq + i`; a delete's applied keys
+            // (those that existed) take `first_seq, first_seq + 1, ...` in order. A flush
+            // between slices commits `flushed_seq` inside a record, so the next open resumes
+            // after it: puts skip the rows it covers; deletes replay every key again (keys
+            // deleted in files no longer exist and apply nothing) numbering the rest from
+            // `flushed_seq + 1`.
+            let n = rec.batch.num_rows();
+            let covered = usize::try_from(flushed.saturating_add(1).saturating_sub(rec.first_seq)).unwrap_or(usize::MAX);
+            let (mut at, mut seq) = match rec.op {
+                WalOp::Put => (covered.min(n), rec.first_seq.max(flushed + 1)),
+                WalOp::Delete => (0, rec.first_seq.max(flushed + 1)),
+            };
+            let per_row = arrow_slice_bytes(&rec.batch).div_ceil(n.max(1)).max(1);
+            let step = (shared.table_flush_bytes() / per_row).max(1);
+            while at < n {
+                let len = step.min(n - at);
+                let part = WalRecord { op: rec.op, table: rec.table, first_seq: seq, last_seq: rec.last_seq, batch: rec.batch.slice(at, len) };
+                replayed += len as u64;
+                // Replay keeps the flush headroom free, as writes do (backpressure): when the
+                // slice would take memory past the write soft limit, the largest tables'
+                // deltas are flushed inline first. Else a log written under a larger limit
+                // fills memory to the hard limit, and the table can then be neither scanned
+                // nor flushed at this one.
+                let need = len * per_row;
+                let over = || shared.pressure_bytes() + need > shared.write_soft_limit();
+                if over() {
+                    let mut by_size: Vec<(usize, &Arc<TableInner>)> = by_id.values().map(|t| (t.delta_bytes(), t)).collect();
+                    by_size.sort_by_key(|b| std::cmp::Reverse(b.0));
+                    for (bytes, t) in by_size {
+                        if bytes == 0 || !over() {
+                            break;
+                        }
+                        t.seal_and_flush()?;
                     }
-                    t.seal_and_flush()?;
                 }
+                seq += t.replay(&part)?;
+                at += len;
             }
-            t.replay(&rec)
+            Ok(())
         })?;
         if shared.wal.set(wal).is_err() {
             return Err(Error::Closed("write-ahead log opened twice".into()));
@@ -569,6 +595,13 @@ impl Engine {
             inner.shared.ctl.trim_idle(IDLE_CHUNK_TRIM);
             true
         });
+        // Deltas replay sealed (past the flush threshold) go to the background writer, as a
+        // write's would.
+        for t in engine.inner.all_tables() {
+            if lock(&t.state).as_ref().is_some_and(|st| !st.sealed.is_empty()) {
+                engine.inner.writer.schedule(&t);
+            }
+        }
         Ok(engine)
     }
 
@@ -916,4 +949,11 @@ pub(crate) fn memory_batch(r: &MemoryReport) -> Result<arrow_array::RecordBatch>
         Arc::new(UInt64Array::from(fails)),
     ];
     Ok(arrow_array::RecordBatch::try_new(memory_batch_schema(), cols)?)
+}
+
+/// Bytes of `batch`'s columns as sliced (`ArrayData::get_slice_memory_size`), not of the
+/// buffers they point into: an IPC-decoded batch's buffers are all slices of one message
+/// body, whose whole capacity `get_array_memory_size` reports for each of them.
+fn arrow_slice_bytes(batch: &arrow_array::RecordBatch) -> usize {
+    batch.columns().iter().map(|c| c.to_data().get_slice_memory_size().unwrap_or_else(|_| c.get_array_memory_size())).sum()
 }

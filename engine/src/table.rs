@@ -151,18 +151,21 @@ impl TableInner {
     /// flushing inline when memory runs short. The caller keeps replay under the write soft
     /// limit (see `Engine::open`), so a table replayed under a smaller limit than it was
     /// written with can still be scanned and flushed.
-    pub(crate) fn replay(&self, rec: &WalRecord) -> Result<()> {
+    ///
+    /// Returns the sequence numbers the record used: its rows for a put, its applied deletes
+    /// (keys that existed) for a delete — so the caller can replay a record in slices.
+    pub(crate) fn replay(&self, rec: &WalRecord) -> Result<u64> {
         for attempt in 0..2 {
             let res = {
                 let mut g = self.state()?;
-                let Some(st) = g.as_mut() else { return Ok(()) };
+                let Some(st) = g.as_mut() else { return Ok(0) };
                 let res = match rec.op {
                     WalOp::Put => {
                         // Records log view columns as offset columns: back to the table's types.
                         let batch = rec.batch_as(self.codec.schema())?;
                         self.codec.validate(&batch)?;
                         let keys = self.codec.keys().encode_batch(&batch)?;
-                        st.active.apply_puts(&batch, &keys, rec.first_seq, || Ok::<(), Error>(()))
+                        st.active.apply_puts(&batch, &keys, rec.first_seq, || Ok::<(), Error>(())).map(|()| batch.num_rows() as u64)
                     }
                     WalOp::Delete => {
                         let batch = rec.batch_as(&st.active.key_schema())?;
@@ -180,7 +183,7 @@ impl TableInner {
                                 }
                             })
                             .collect();
-                        st.active.apply_deletes(&keys, &items, rec.first_seq, || Ok::<(), Error>(()))
+                        st.active.apply_deletes(&keys, &items, rec.first_seq, || Ok::<(), Error>(())).map(|()| items.len() as u64)
                     }
                 };
                 if res.is_ok() && st.active_since.is_none() && !st.active.is_empty() {
@@ -198,7 +201,7 @@ impl TableInner {
                 other => return other,
             }
         }
-        Ok(())
+        Ok(0)
     }
 
     /// Seals the active delta and flushes every sealed delta, on the caller's thread

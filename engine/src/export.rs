@@ -70,8 +70,10 @@ impl ExportOptions {
 
     /// Close a row group once the Parquet writer buffers this many bytes
     /// (`ArrowWriter::memory_size`: encoded pages, encoders, dictionaries). Bounds the export's
-    /// writer memory to about this plus one batch. Default 32 MiB; at least 1 KiB. A row group
-    /// is also closed earlier when the memory limit refuses the buffers' growth.
+    /// writer memory to about this plus one batch. Default 32 MiB; at least 1 KiB. Under a
+    /// small memory limit the cut is at most a quarter of the write soft limit (the limit
+    /// less the flush headroom, docs/memory.md), and a row group is also closed earlier when
+    /// the limit refuses the buffers' growth, so the export's scan keeps room for its batches.
     #[must_use]
     pub fn row_group_bytes(mut self, bytes: usize) -> Self {
         self.row_group_bytes = bytes.max(1 << 10);
@@ -267,16 +269,27 @@ impl Table {
         let mut buffers = Reservation::new(&self.inner.shared.ctl, Category::WriteBuffers, Some(&self.inner.account));
         let mut rows = 0u64;
         let mut peak = 0usize;
+        // The row-group cut, at most a quarter of the write soft limit: the writer's buffers
+        // must leave the scan room for its next batches under a small limit.
+        let cut = options.row_group_bytes.min((self.inner.shared.write_soft_limit() / 4).max(64 << 10));
         for batch in scan {
             let batch = batch?;
+            // The batch's encoding is budgeted before it is made (its Arrow bytes, about what
+            // it adds); when refused, the open row group is closed first, as the flush does
+            // (storage/src/write.rs).
+            let ahead: usize = batch.columns().iter().map(|c| c.to_data().get_slice_memory_size().unwrap_or_else(|_| c.get_array_memory_size())).sum();
+            if buffers.try_resize(writer.memory_size() + ahead).is_err() {
+                writer.flush().map_err(pq)?;
+                buffers.try_resize(writer.memory_size() + ahead).map_err(Error::from)?;
+            }
             writer.write(&batch).map_err(pq)?;
             rows += batch.num_rows() as u64;
             drop(batch);
             peak = peak.max(writer.memory_size());
             // Cut by the writer's whole buffered size (encoders and dictionaries included), as
-            // the engine's flush does (storage/src/write.rs), and early when the budget refuses
-            // the buffers' growth: a smaller row group rather than a failed export.
-            if writer.memory_size() >= options.row_group_bytes || buffers.try_resize(writer.memory_size()).is_err() {
+            // the engine's flush does, and early when the budget refuses the buffers' growth:
+            // a smaller row group rather than a failed export.
+            if writer.memory_size() >= cut || buffers.try_resize(writer.memory_size()).is_err() {
                 writer.flush().map_err(pq)?;
                 buffers.try_resize(writer.memory_size()).map_err(Error::from)?;
             }

@@ -182,6 +182,7 @@ impl Scan {
                     filter: self.filter.clone(),
                     deleted: f.deleted,
                     batch_rows: self.batch_rows,
+                    batch_bytes: scan_batch_bytes(&self.table.shared),
                     counters: Some(Arc::clone(&self.counters)),
                 })?;
                 self.current = Some(Box::new(it));
@@ -189,6 +190,15 @@ impl Scan {
         }
         Ok(true)
     }
+}
+
+/// Cap on a file batch's decoded bytes (`ReadSpec::batch_bytes`): an eighth of the write soft
+/// limit (the limit less the flush headroom, docs/memory.md), at least 64 KiB. Files written
+/// under a larger limit — wide rows in big row groups — then decode in batches a small limit
+/// holds (2.7 KB rows at 4 MiB: ~140 rows a batch instead of 8,192); at the default limit it
+/// caps nothing of usual width.
+fn scan_batch_bytes(shared: &crate::engine::Shared) -> usize {
+    (shared.write_soft_limit() / 8).max(64 << 10)
 }
 
 /// Keeps a decoded (or copied) buffer alive and its bytes counted under `scan_buffers`: the

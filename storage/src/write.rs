@@ -453,7 +453,7 @@ pub fn read_file(
     deleted: Arc<RoaringBitmap>,
     batch_rows: usize,
 ) -> Result<FileReader, StorageError> {
-    read_file_with(path, ReadSpec { projection: projection.map(<[usize]>::to_vec), filter: None, deleted, batch_rows, counters: None })
+    read_file_with(path, ReadSpec { projection: projection.map(<[usize]>::to_vec), filter: None, deleted, batch_rows, batch_bytes: 0, counters: None })
 }
 
 /// What [`read_file_with`] reads from a data file.
@@ -468,6 +468,12 @@ pub struct ReadSpec {
     pub deleted: Arc<RoaringBitmap>,
     /// Largest batch decoded at a time, in rows (returned batches are at most this).
     pub batch_rows: usize,
+    /// Largest batch decoded at a time, in bytes (0: no cap): fewer rows than `batch_rows` are
+    /// decoded at once when the read columns' uncompressed bytes per row in the file's row
+    /// groups (Parquet column-chunk metadata, the largest row group's average) say a batch
+    /// would be bigger. An estimate: decoded Arrow arrays of dictionary-encoded columns can be
+    /// larger.
+    pub batch_bytes: usize,
     /// Where row groups read and pruned and rows decoded are counted.
     pub counters: Option<Arc<ScanCounters>>,
 }
@@ -545,7 +551,8 @@ pub fn read_file_with(path: &Path, spec: ReadSpec) -> Result<FileReader, Storage
         selected_rows += n;
     }
     let kept: u64 = plan.ranges.iter().map(|r| r.end - r.start).sum();
-    let mut builder = builder.with_projection(ProjectionMask::roots(md.file_metadata().schema_descr(), read.iter().copied()));
+    let rows = batch_rows_for(&md, &plan.row_groups, &read, reader.spec.batch_rows, reader.spec.batch_bytes);
+    let mut builder = builder.with_batch_size(rows).with_projection(ProjectionMask::roots(md.file_metadata().schema_descr(), read.iter().copied()));
     if plan.row_groups.len() < md.num_row_groups() {
         builder = builder.with_row_groups(plan.row_groups.clone());
     }
@@ -554,6 +561,30 @@ pub fn read_file_with(path: &Path, spec: ReadSpec) -> Result<FileReader, Storage
     }
     reader.inner = Some(builder.build()?);
     Ok(reader)
+}
+
+/// Rows decoded per batch: `batch_rows`, fewer when `batch_bytes` (non-zero) over the read
+/// columns' uncompressed bytes per row — the largest among `row_groups` — is fewer. At least 1.
+fn batch_rows_for(md: &parquet::file::metadata::ParquetMetaData, row_groups: &[usize], read: &[usize], batch_rows: usize, batch_bytes: usize) -> usize {
+    let batch_rows = batch_rows.max(1);
+    if batch_bytes == 0 {
+        return batch_rows;
+    }
+    let descr = md.file_metadata().schema_descr();
+    let per_row = row_groups
+        .iter()
+        .map(|&g| {
+            let rg = md.row_group(g);
+            let bytes: i64 = (0..rg.num_columns())
+                .filter(|&leaf| read.binary_search(&descr.get_column_root_idx(leaf)).is_ok())
+                .map(|leaf| rg.column(leaf).uncompressed_size())
+                .sum();
+            usize::try_from(bytes).unwrap_or(0).div_ceil(usize::try_from(rg.num_rows()).unwrap_or(1).max(1))
+        })
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    batch_rows.min((batch_bytes / per_row).max(1))
 }
 
 /// File row numbers of the rows a reader yields, in order.

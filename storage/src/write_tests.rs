@@ -234,3 +234,32 @@ fn wide_batches_are_fed_in_steps_under_a_quarter_of_the_row_group_cut() {
     assert_eq!(step_rows(&b, &WriteOptions::default()).0, 8192, "lineitem-sized rows keep the 8,192-row step");
     assert_eq!(step_rows(&b, &WriteOptions { row_group_bytes: 1, ..WriteOptions::default() }).0, 1);
 }
+
+/// A byte cap on read batches: the file's uncompressed bytes per row (the largest row
+/// group's) bound the rows decoded at once; every row still comes back, in order.
+#[test]
+fn read_batches_are_capped_by_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let ctl = ctl();
+    let input = batches();
+    write_data_file(&StdFs, dir.path(), "r.parquet", &input, &opts(1), &ctl, None).unwrap();
+    let path = dir.path().join("r.parquet");
+    let md = ParquetRecordBatchReaderBuilder::try_new(fs::File::open(&path).unwrap()).unwrap().metadata().clone();
+    let all: Vec<usize> = (0..5).collect();
+    let groups: Vec<usize> = (0..md.num_row_groups()).collect();
+    let per_row = md
+        .row_groups()
+        .iter()
+        .map(|g| usize::try_from(g.columns().iter().map(parquet::file::metadata::ColumnChunkMetaData::uncompressed_size).sum::<i64>()).unwrap().div_ceil(g.num_rows() as usize))
+        .max()
+        .unwrap();
+    assert_eq!(batch_rows_for(&md, &groups, &all, 8192, 0), 8192, "no cap");
+    assert_eq!(batch_rows_for(&md, &groups, &all, 8192, 100 * per_row), 100);
+    assert_eq!(batch_rows_for(&md, &groups, &all, 8192, 1), 1);
+    let spec = ReadSpec { projection: None, filter: None, deleted: Arc::new(RoaringBitmap::new()), batch_rows: 8192, batch_bytes: 100 * per_row, counters: None };
+    let got: Vec<RecordBatch> = read_file_with(&path, spec).unwrap().collect::<Result<_, _>>().unwrap();
+    assert!(got.iter().all(|b| b.num_rows() <= 100), "{:?}", got.iter().map(RecordBatch::num_rows).max());
+    assert_eq!(got.iter().map(RecordBatch::num_rows).sum::<usize>(), 15_000);
+    let want = arrow_select::concat::concat_batches(&schema(), &input).unwrap();
+    assert_eq!(arrow_select::concat::concat_batches(&schema(), &got).unwrap(), want);
+}

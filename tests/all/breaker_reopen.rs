@@ -937,14 +937,12 @@ fn files_scanned_small(spec: Spec, rows: i64, limit: usize) {
 
 /// 20,000 rows of about 2.7 KB (54 MB) in 256 MiB-limit files, scanned at 4 MiB.
 #[test]
-#[ignore = "breaker: files written at 256 MiB decode 8,192-row batches of wide rows, more than a 4 MiB limit holds: the default scan fails"]
 fn wide_files_from_a_large_limit_scanned_at_4_mib() {
     files_scanned_small(Spec { cols: 10, min: 30, max: 500 }, 20_000, 4 * MIB);
 }
 
 /// 20,000 rows of about 1.3 KB in 256 MiB-limit files, scanned at 8 MiB.
 #[test]
-#[ignore = "breaker: files written at 256 MiB decode 8,192-row batches of wide rows, more than an 8 MiB limit holds: the default scan fails"]
 fn wide_files_from_a_large_limit_scanned_at_8_mib() {
     files_scanned_small(Spec { cols: 8, min: 16, max: 300 }, 20_000, 8 * MIB);
 }

@@ -130,20 +130,22 @@ impl FileKeys {
         let mut buf = Vec::new();
         let bits = (len * BLOOM_BITS_PER_KEY).div_ceil(64).max(1);
         let mut bloom = vec![0u64; bits];
-        let mut prev: Option<Vec<u8>> = None;
+        // Where the previous key starts in `data` (None before the first): compared in place,
+        // not copied out per key.
+        let mut prev: Option<usize> = None;
         for r in rows {
             if !layout.compact_into(r.as_ref(), &mut buf) {
                 return Err("key does not match the key layout".into());
             }
-            if prev.as_deref().is_some_and(|p| p >= buf.as_slice()) {
+            if prev.is_some_and(|p| data[p..] >= *buf.as_slice()) {
                 return Err("keys are not strictly ascending (data files are written sorted by key)".into());
             }
+            prev = Some(data.len());
             data.extend_from_slice(&buf);
             if width == 0 {
                 ends.push(data.len() as u32);
             }
             bloom_set(&mut bloom, key_hash(&buf));
-            prev = Some(buf.clone());
         }
         let (first, last) = if width > 0 && width <= 16 && len > 0 {
             (key_u128(&data[..width]), key_u128(&data[(len - 1) * width..]))
@@ -518,6 +520,30 @@ mod tests {
         for r in &rows {
             assert_eq!(idx.find(r.as_ref(), |_| false), None);
         }
+    }
+
+    /// Keys out of order or repeated are refused (nothing is indexed, nothing stays budgeted
+    /// beyond the index's own bytes); a key that is a prefix of the next is in order.
+    #[test]
+    fn unsorted_or_repeated_keys_are_refused() {
+        let types = [DataType::Int64, DataType::Int32];
+        let conv = RowConverter::new(types.iter().map(|t| SortField::new(t.clone())).collect()).expect("conv");
+        let ctl = ctl();
+        let mut idx = KeyIndex::new(&ctl, None, &types);
+        for bad in [vec![1, 2, 2, 3], vec![1, 3, 2], vec![5, 4]] {
+            let err = idx.add_file(1, &int_keys(&conv, bad.clone(), 1)).expect("budget").expect_err("unsorted");
+            assert!(err.contains("strictly ascending"), "{bad:?}: {err}");
+        }
+        assert_eq!(idx.bytes(), 0);
+        idx.add_file(1, &int_keys(&conv, [1, 2, 3], 1)).expect("budget").expect("sorted");
+        let conv = RowConverter::new(vec![SortField::new(DataType::Utf8)]).expect("conv");
+        let mut idx = KeyIndex::new(&ctl, None, &[DataType::Utf8]);
+        let words = |w: &[&str]| conv.convert_columns(&[Arc::new(StringArray::from(w.to_vec())) as ArrayRef]).expect("enc");
+        for bad in [&["a", "ab", "ab"][..], &["ab", "a"], &["b", "a"]] {
+            assert!(idx.add_file(2, &words(bad)).expect("budget").is_err(), "{bad:?}");
+        }
+        idx.add_file(2, &words(&["", "a", "ab", "b"])).expect("budget").expect("a prefix sorts first");
+        assert_eq!(idx.find(words(&["ab"]).row(0).as_ref(), |_| false), Some(Loc { file: 2, row: 2 }));
     }
 
     /// `key_u128` orders and compares keys of one width as memcmp does, for every width 1..=16.

@@ -8,6 +8,7 @@ mod backpressure;
 mod bad_input;
 mod big_strings;
 mod breaker_reopen;
+mod breaker_slices;
 mod breaker_views;
 mod compaction;
 mod crash;

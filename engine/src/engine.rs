@@ -54,10 +54,10 @@ impl Shared {
         self.wal.get().ok_or_else(|| Error::Closed("the write-ahead log (engine still opening)".into()))
     }
 
-    /// Records that `table`'s committed files cover writes up to `seq`, then drops the WAL
-    /// segments no table needs any more: forgotten by the log at once
-    /// ([`Engine::wal_usage`] no longer counts them), their files removed by a background task
-    /// so a flush does not wait for the unlinks (45–55 ms per 600k-row flush here).
+    /// Records that `table`'s committed files cover writes up to `seq` (`None`: the table was
+    /// dropped), then drops the WAL segments no table needs any more, their files removed by a
+    /// background task so a flush does not wait for the unlinks (45–55 ms per 600k-row flush
+    /// here); see [`Self::truncate_wal`].
     pub(crate) fn note_flushed(self: &Arc<Self>, table: u64, seq: Option<u64>) {
         {
             let mut f = lock(&self.flushed);
@@ -70,16 +70,32 @@ impl Shared {
                 }
             }
         }
+        self.truncate_wal(true);
+    }
+
+    /// Forgets every WAL segment whose records all tables have committed (or whose tables
+    /// were dropped) — [`Engine::wal_usage`] no longer counts it — and removes its file: on the
+    /// writer's runtime when `defer`, else on this thread before returning (after any removal
+    /// already running). Called after each commit (deferred), and in place by `drop_table`,
+    /// at the end of `Engine::open` (segments a commit before a crash covered) and by
+    /// `Engine::close` after its last sync (the active segment is kept while unsynced).
+    pub(crate) fn truncate_wal(self: &Arc<Self>, defer: bool) {
         let Some(wal) = self.wal.get() else { return };
         let gone = {
             let f = lock(&self.flushed);
             wal.forget_covered(|t, q| f.get(&t).is_none_or(|done| *done >= q))
         };
-        if gone.is_empty() {
+        if !gone.is_empty() {
+            tracing::debug!(segments = gone.len(), "write-ahead log segments covered; removing");
+            lock(&self.wal_cleanup.pending).extend(gone);
+        }
+        if !defer {
+            self.remove_covered_segments();
             return;
         }
-        tracing::debug!(segments = gone.len(), "write-ahead log segments covered; removing");
-        lock(&self.wal_cleanup.pending).extend(gone);
+        if lock(&self.wal_cleanup.pending).is_empty() {
+            return;
+        }
         let spawned = self.wal_cleanup.runtime.as_ref().is_some_and(|rt| {
             if self.wal_cleanup.queued.swap(true, Ordering::AcqRel) {
                 return true; // the queued task will take these too
@@ -555,6 +571,9 @@ impl Engine {
         if let Ok(wal) = shared.wal() {
             max_id = max_id.max(wal.max_table_id());
         }
+        // Segments every table had committed before the last stop (a crash between a commit
+        // and its truncation, say) are removed now, not left for a later commit.
+        shared.truncate_wal(false);
         if shared.config.wal_sync == WalSync::Relaxed {
             let weak = Arc::downgrade(&shared);
             writer.start_ticker(shared.config.wal_sync_interval, move || {
@@ -739,6 +758,9 @@ impl Engine {
         // The rename is the commit point of the drop: make it durable before the WAL forgets.
         fs::File::open(self.inner.dir.join("tables")).and_then(|d| d.sync_all()).map_err(io(&t.dir))?;
         self.inner.shared.note_flushed(t.id, None);
+        // A dropped table's segments are gone when the call returns (no removal of them runs
+        // on afterwards).
+        self.inner.shared.truncate_wal(false);
         fs::remove_dir_all(&trash).map_err(io(&trash))?;
         tracing::debug!(table = name, "table dropped");
         Ok(())
@@ -893,6 +915,9 @@ impl Engine {
         {
             res = Err(e.into());
         }
+        // Now synced, the active segment can go too when everything in it is committed
+        // (`WalSync::Relaxed` left it unsynced at the flushes' truncations).
+        self.inner.shared.truncate_wal(false);
         // Drop (right after this) stops the writer and releases the directory lock.
         res
     }

@@ -537,18 +537,21 @@ impl Engine {
                 WalOp::Put => (covered.min(n), rec.first_seq.max(flushed + 1)),
                 WalOp::Delete => (0, rec.first_seq.max(flushed + 1)),
             };
-            let per_row = arrow_slice_bytes(&rec.batch).div_ceil(n.max(1)).max(1);
-            let step = (shared.table_flush_bytes() / per_row).max(1);
+            let sizes = row_bytes(&rec.batch);
+            let flush_bytes = shared.table_flush_bytes();
             while at < n {
-                let len = step.min(n - at);
+                // Rows up to about one flush threshold of Arrow bytes (at least one row).
+                let (mut len, mut need) = (1, sizes[at]);
+                while at + len < n && need + sizes[at + len] <= flush_bytes {
+                    need += sizes[at + len];
+                    len += 1;
+                }
                 let part = WalRecord { op: rec.op, table: rec.table, first_seq: seq, last_seq: rec.last_seq, batch: rec.batch.slice(at, len) };
-                replayed += len as u64;
                 // Replay keeps the flush headroom free, as writes do (backpressure): when the
                 // slice would take memory past the write soft limit, the largest tables'
                 // deltas are flushed inline first. Else a log written under a larger limit
                 // fills memory to the hard limit, and the table can then be neither scanned
                 // nor flushed at this one.
-                let need = len * per_row;
                 let over = || shared.pressure_bytes() + need > shared.write_soft_limit();
                 if over() {
                     let mut by_size: Vec<(usize, &Arc<TableInner>)> = by_id.values().map(|t| (t.delta_bytes(), t)).collect();
@@ -562,6 +565,7 @@ impl Engine {
                 }
                 seq += t.replay(&part)?;
                 at += len;
+                replayed += len as u64;
             }
             Ok(())
         })?;
@@ -976,9 +980,39 @@ pub(crate) fn memory_batch(r: &MemoryReport) -> Result<arrow_array::RecordBatch>
     Ok(arrow_array::RecordBatch::try_new(memory_batch_schema(), cols)?)
 }
 
-/// Bytes of `batch`'s columns as sliced (`ArrayData::get_slice_memory_size`), not of the
-/// buffers they point into: an IPC-decoded batch's buffers are all slices of one message
-/// body, whose whole capacity `get_array_memory_size` reports for each of them.
-fn arrow_slice_bytes(batch: &arrow_array::RecordBatch) -> usize {
-    batch.columns().iter().map(|c| c.to_data().get_slice_memory_size().unwrap_or_else(|_| c.get_array_memory_size())).sum()
+/// Arrow bytes of each row of `batch` (shape: one `usize` per row): a value's bytes plus its
+/// offset or view for variable-width columns, the type's width for the others (8 for types
+/// without one, 1 for booleans). Cuts replay slices by bytes, so rows of very unequal width
+/// cannot put many wide rows in one slice the way an average would.
+fn row_bytes(batch: &arrow_array::RecordBatch) -> Vec<usize> {
+    use arrow_array::Array;
+    use arrow_array::cast::AsArray;
+    use arrow_schema::DataType;
+    fn add_offsets<O: arrow_array::OffsetSizeTrait>(out: &mut [usize], offsets: &[O]) {
+        for (o, w) in out.iter_mut().zip(offsets.windows(2)) {
+            *o += (w[1] - w[0]).as_usize() + std::mem::size_of::<O>();
+        }
+    }
+    let mut out = vec![0usize; batch.num_rows()];
+    for c in batch.columns() {
+        match c.data_type() {
+            DataType::Utf8 => add_offsets(&mut out, c.as_string::<i32>().value_offsets()),
+            DataType::LargeUtf8 => add_offsets(&mut out, c.as_string::<i64>().value_offsets()),
+            DataType::Binary => add_offsets(&mut out, c.as_binary::<i32>().value_offsets()),
+            DataType::LargeBinary => add_offsets(&mut out, c.as_binary::<i64>().value_offsets()),
+            DataType::Utf8View | DataType::BinaryView => {
+                let views = if matches!(c.data_type(), DataType::Utf8View) { c.as_string_view().views() } else { c.as_binary_view().views() };
+                // A view's low 32 bits are the value's length.
+                for (o, v) in out.iter_mut().zip(views.iter()) {
+                    *o += 16 + (*v as u32) as usize;
+                }
+            }
+            DataType::Boolean => out.iter_mut().for_each(|o| *o += 1),
+            dt => {
+                let w = dt.primitive_width().unwrap_or(8);
+                out.iter_mut().for_each(|o| *o += w);
+            }
+        }
+    }
+    out
 }

@@ -1117,7 +1117,6 @@ fn export_after_a_sliced_replay_is_exact() {
 /// under `max_row_bytes`), written at 256 MiB: replay at 8 MiB slices the record by its
 /// *average* row (about 2.8 KB), so the last slice holds all 24 wide rows (16 MiB).
 #[test]
-#[ignore = "breaker: replay slices a record by its average row (step = flush threshold / average bytes per row); the slice holding the 24 wide rows needs 16 MiB of row_blocks and Engine::open fails with MemoryLimit at 8 MiB"]
 fn a_record_with_its_wide_rows_together_replays_at_8_mib() {
     let dir = tempfile::tempdir().unwrap();
     let shape = Shape { string_key: false, text: Text::Skewed { from: 6_000, wide: 700_000 } };

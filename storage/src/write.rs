@@ -469,10 +469,11 @@ pub struct ReadSpec {
     /// Largest batch decoded at a time, in rows (returned batches are at most this).
     pub batch_rows: usize,
     /// Largest batch decoded at a time, in bytes (0: no cap): fewer rows than `batch_rows` are
-    /// decoded at once when the read columns' uncompressed bytes per row in the file's row
-    /// groups (Parquet column-chunk metadata, the largest row group's average) say a batch
-    /// would be bigger. An estimate: decoded Arrow arrays of dictionary-encoded columns can be
-    /// larger.
+    /// decoded at once when the read columns' bytes per row in the file's row groups say a
+    /// batch would be bigger (Parquet column-chunk metadata: the uncompressed size, or for
+    /// byte arrays the size statistics' unencoded value bytes plus a view per row when
+    /// larger; the largest row group's average — an estimate, blind to rows of very unequal
+    /// width inside one row group).
     pub batch_bytes: usize,
     /// Where row groups read and pruned and rows decoded are counted.
     pub counters: Option<Arc<ScanCounters>>,
@@ -575,9 +576,17 @@ fn batch_rows_for(md: &parquet::file::metadata::ParquetMetaData, row_groups: &[u
         .iter()
         .map(|&g| {
             let rg = md.row_group(g);
+            // A byte-array column's decoded size is its values' bytes (the size statistics'
+            // unencoded bytes, when written) plus up to a 16-byte view per row, whatever its
+            // encoding: a dictionary-encoded chunk's uncompressed size counts only its indices
+            // and one dictionary page.
             let bytes: i64 = (0..rg.num_columns())
                 .filter(|&leaf| read.binary_search(&descr.get_column_root_idx(leaf)).is_ok())
-                .map(|leaf| rg.column(leaf).uncompressed_size())
+                .map(|leaf| {
+                    let c = rg.column(leaf);
+                    let values = c.unencoded_byte_array_data_bytes().map_or(0, |b| b.saturating_add(16 * rg.num_rows()));
+                    c.uncompressed_size().max(values)
+                })
                 .sum();
             usize::try_from(bytes).unwrap_or(0).div_ceil(usize::try_from(rg.num_rows()).unwrap_or(1).max(1))
         })

@@ -1037,7 +1037,6 @@ fn a_row_group_of_skewed_widths_scans_at_8_mib() {
 /// so the column chunk's uncompressed size says a few bytes per row while every decoded row
 /// holds 3 KB.
 #[test]
-#[ignore = "breaker: the byte cap reads column-chunk uncompressed_size, which for a dictionary-encoded column counts the indices and one dictionary page: 8,192 rows decode to 23.4 MiB of scan_buffers at 4 MiB (MemoryLimit)"]
 fn dictionary_encoded_wide_values_scan_at_4_mib() {
     let dir = tempfile::tempdir().unwrap();
     let shape = Shape { string_key: false, text: Text::FewValues { len: 3_000 } };

@@ -1007,10 +1007,11 @@ fn row_bytes(batch: &arrow_array::RecordBatch) -> Vec<usize> {
                     *o += 16 + (*v as u32) as usize;
                 }
             }
-            DataType::Boolean => out.iter_mut().for_each(|o| *o += 1),
             dt => {
-                let w = dt.primitive_width().unwrap_or(8);
-                out.iter_mut().for_each(|o| *o += w);
+                let w = if matches!(dt, DataType::Boolean) { 1 } else { dt.primitive_width().unwrap_or(8) };
+                for o in &mut out {
+                    *o += w;
+                }
             }
         }
     }

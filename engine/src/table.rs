@@ -358,7 +358,7 @@ impl TableInner {
             });
             drop(g);
             if let Some(seq) = flushed {
-                self.shared.note_flushed(self.id, Some(seq));
+                self.shared.note_flushed(self.id, Some(seq), true);
             }
         }
     }

@@ -483,11 +483,21 @@ fn read_segment<E: From<StorageError>>(
         let len = u32::from_le_bytes(data[at..at + 4].try_into().expect("4 bytes")) as usize; // infallible
         let crc = u32::from_le_bytes(data[at + 4..at + 8].try_into().expect("4 bytes")); // infallible
         if len == 0 {
-            // No record is empty; zeros are a preallocated or zero-filled tail.
+            // No record is empty; zeros to the end are a preallocated or zero-filled tail.
+            // Anything else after them is damage in front of records, never a torn tail.
+            if data[at..].iter().any(|&b| b != 0) {
+                return Err(corrupt(path, at as u64, "zero-length record with data after it").into());
+            }
             torn("zero-length record (zero-filled tail)")?;
             break;
         }
         if end - at - HEADER < len {
+            // A torn write leaves only this record's partial payload behind it; a whole,
+            // checksum-valid record further on means this header was damaged in the middle
+            // of the log: acknowledged writes follow, so that is corruption, not a tail.
+            if complete_record_after(&data, at + HEADER) {
+                return Err(corrupt(path, at as u64, "record length runs past the end, with whole records after it").into());
+            }
             torn("record extends past the end of the segment")?;
             break;
         }
@@ -511,6 +521,25 @@ fn read_segment<E: From<StorageError>>(
     }
     seg.bytes = at as u64;
     Ok(seg)
+}
+
+/// Whether a whole record — a header whose length fits, a payload of a known op with
+/// `first_seq <= last_seq`, and a matching checksum — starts at any offset from `from` on.
+/// Cheap checks first, so the checksum runs at few offsets; linear in the bytes scanned
+/// otherwise (only reached for a record running past the end of the last segment).
+fn complete_record_after(data: &[u8], from: usize) -> bool {
+    let end = data.len();
+    (from..end.saturating_sub(HEADER + PAYLOAD_HEADER - 1)).any(|q| {
+        let len = u32::from_le_bytes([data[q], data[q + 1], data[q + 2], data[q + 3]]) as usize;
+        if len < PAYLOAD_HEADER || end - q - HEADER < len {
+            return false;
+        }
+        let p = &data[q + HEADER..q + HEADER + len];
+        let seq = |i: usize| u64::from_le_bytes(p[i..i + 8].try_into().expect("8 bytes")); // infallible
+        matches!(p[0], 1 | 2)
+            && seq(9) <= seq(17)
+            && crc32fast::hash(p) == u32::from_le_bytes([data[q + 4], data[q + 5], data[q + 6], data[q + 7]])
+    })
 }
 
 fn decode(payload: &[u8]) -> Result<WalRecord, String> {

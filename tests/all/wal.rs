@@ -122,6 +122,34 @@ fn bad_checksum_in_the_middle_is_a_typed_error() {
     }
 }
 
+/// Damage to a record header in the middle of the last segment (records follow it) is
+/// corruption, not a torn tail: the open fails with a typed error and the file is left as it
+/// was, so no acknowledged write after the damage is dropped. Both ways a tail is recognised
+/// are tried: a zeroed header (as a zero-filled tail starts) and a length running past the end.
+#[test]
+fn damaged_header_before_records_in_the_last_segment_is_corruption() {
+    for damage in ["zeroed header", "huge length"] {
+        let dir = tempfile::tempdir().unwrap();
+        crash_after_writes(dir.path());
+        let last = wal_files(dir.path()).pop().unwrap();
+        let mut data = std::fs::read(&last).unwrap();
+        // The second record's offset (a whole record is 8 header bytes + its length).
+        let first_len = u32::from_le_bytes(data[0..4].try_into().unwrap()) as usize;
+        let at = 8 + first_len;
+        assert!(at + 8 < data.len(), "{damage}: records after the damaged one");
+        match damage {
+            "zeroed header" => data[at..at + 8].fill(0),
+            _ => data[at..at + 4].copy_from_slice(&0x7fff_ffff_u32.to_le_bytes()),
+        }
+        std::fs::write(&last, &data).unwrap();
+        match Engine::open(dir.path(), config()) {
+            Err(Error::Storage(e)) => assert!(e.to_string().contains("corrupt write-ahead log"), "{damage}: {e}"),
+            other => panic!("{damage}: expected a corrupt-WAL error, got {other:?}"),
+        }
+        assert_eq!(std::fs::read(&last).unwrap(), data, "{damage}: the segment is not truncated");
+    }
+}
+
 #[test]
 fn relaxed_sync_mode_round_trips() {
     let dir = tempfile::tempdir().unwrap();

@@ -268,3 +268,59 @@ fn truncated_data_file_is_a_typed_error() {
         other => panic!("expected a corrupt-file error, got {other:?}"),
     }
 }
+
+/// A Decimal128 value with more digits than its column's precision is refused whole — as a
+/// value and as a key, by insert, upsert, update and delete — before anything is applied:
+/// Parquet stores the column in the bytes the precision needs, so the flush would cut it (two
+/// keys could become one and the data file's keys unsorted: the engine would not reopen).
+/// Values at the precision's bounds are kept exactly through a flush and a reopen.
+#[test]
+fn decimal_values_beyond_their_precision_are_refused() {
+    use arrow::array::{Array, Decimal128Array};
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Decimal128(5, 2), false), Field::new("v", DataType::Decimal128(12, 2), true)]));
+    let t = engine.create_table("d", Arc::clone(&schema), &["k"]).unwrap();
+    let dec = |vals: Vec<Option<i128>>, p: u8| Arc::new(Decimal128Array::from(vals).with_precision_and_scale(p, 2).unwrap()) as ArrayRef;
+    let batch = |k: Vec<i128>, v: Vec<Option<i128>>| RecordBatch::try_new(Arc::clone(&schema), vec![dec(k.into_iter().map(Some).collect(), 5), dec(v, 12)]).unwrap();
+    let (kmax, vmax) = (99_999_i128, 999_999_999_999_i128);
+    t.insert(&batch(vec![-kmax, 0, kmax], vec![Some(-vmax), None, Some(vmax)])).unwrap();
+    let want = |t: &gritdb::Table| {
+        let mut rows = Vec::new();
+        for b in t.scan(ScanOptions::default()).unwrap() {
+            let b = b.unwrap();
+            let (k, v) = (b.column(0).as_any().downcast_ref::<Decimal128Array>().unwrap(), b.column(1).as_any().downcast_ref::<Decimal128Array>().unwrap());
+            rows.extend((0..b.num_rows()).map(|i| (k.value(i), v.is_valid(i).then(|| v.value(i)))));
+        }
+        rows.sort_unstable();
+        rows
+    };
+    let before = vec![(-kmax, Some(-vmax)), (0, None), (kmax, Some(vmax))];
+    assert_eq!(want(&t), before);
+    let cases: Vec<(&str, RecordBatch)> = vec![
+        ("key above", batch(vec![1, kmax + 1], vec![Some(1), Some(2)])),
+        ("key below", batch(vec![-kmax - 1], vec![Some(1)])),
+        ("key of 2^32 + 100", batch(vec![(1 << 32) + 100], vec![Some(1)])),
+        ("value above", batch(vec![5, 6], vec![Some(3), Some(vmax + 1)])),
+        ("value of 2^70", batch(vec![7], vec![Some(1 << 70)])),
+    ];
+    for (what, b) in &cases {
+        for (op, res) in [("insert", t.insert(b)), ("upsert", t.upsert(b)), ("update", t.update(b))] {
+            match res {
+                Err(Error::Input(e)) => assert!(e.to_string().contains("precision"), "{what} {op}: {e}"),
+                other => panic!("{what} {op}: expected Error::Input, got {other:?}"),
+            }
+            assert_eq!(want(&t), before, "{what} {op}: nothing applied");
+        }
+    }
+    let key_schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Decimal128(5, 2), false)]));
+    let bad_keys = RecordBatch::try_new(key_schema, vec![dec(vec![Some(0), Some(kmax * 10)], 5)]).unwrap();
+    assert!(matches!(t.delete(&bad_keys), Err(Error::Input(_))));
+    assert_eq!(want(&t), before, "a refused delete deletes nothing");
+    t.flush().unwrap();
+    assert_eq!(want(&t), before, "bounds kept through a flush");
+    drop(t);
+    drop(engine);
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    assert_eq!(want(&engine.table("d").unwrap()), before, "and a reopen");
+}

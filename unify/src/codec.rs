@@ -191,11 +191,15 @@ impl RowCodec {
     /// not compared (Arrow producers often mark every field nullable); actual nulls are.
     ///
     /// # Errors
-    /// [`UnifyError::SchemaMismatch`], [`UnifyError::NullKey`], [`UnifyError::NullInNonNullable`].
+    /// [`UnifyError::SchemaMismatch`], [`UnifyError::NullKey`], [`UnifyError::NullInNonNullable`],
+    /// [`UnifyError::ValueOutOfRange`].
     pub fn validate(&self, batch: &RecordBatch) -> Result<(), UnifyError> {
         let want = self.schema.fields();
         let got = batch.schema();
         check_columns(want.iter().map(|f| (f.name(), f.data_type())), got.fields().iter().map(|f| (f.name(), f.data_type())))?;
+        for (i, f) in want.iter().enumerate() {
+            check_decimal_precision(f, batch.column(i).as_ref())?;
+        }
         for (i, f) in want.iter().enumerate() {
             let col = batch.column(i);
             if col.null_count() == 0 {
@@ -222,6 +226,7 @@ impl RowCodec {
         check_columns(want.map(|f| (f.name(), f.data_type())), got.fields().iter().map(|f| (f.name(), f.data_type())))?;
         for (j, &i) in self.keys.columns.iter().enumerate() {
             let col = batch.column(j);
+            check_decimal_precision(self.schema.field(i), col.as_ref())?;
             if col.null_count() > 0 {
                 return Err(UnifyError::NullKey { column: self.schema.field(i).name().clone(), row: first_null(col.as_ref()) });
             }
@@ -518,5 +523,25 @@ impl<'a> ColReader<'a> {
 fn add_view_lens(sizes: &mut [usize], views: &[u128]) {
     for (s, &v) in sizes.iter_mut().zip(views) {
         *s += (v as u32) as usize;
+    }
+}
+
+/// Refuses a Decimal128 column with a value of more digits than `field`'s precision (nulls
+/// are not checked): Arrow builds such arrays without complaint, and Parquet writes the column
+/// in the bytes the precision needs, which would cut the value at the flush (as a key, two keys
+/// could become one and the file's keys unsorted).
+fn check_decimal_precision(field: &arrow_schema::Field, col: &dyn arrow_array::Array) -> Result<(), UnifyError> {
+    let arrow_schema::DataType::Decimal128(precision, _) = field.data_type() else { return Ok(()) };
+    let Some(a) = col.as_any().downcast_ref::<arrow_array::Decimal128Array>() else { return Ok(()) };
+    let max = 10i128.checked_pow(u32::from(*precision)).map_or(i128::MAX, |p| p - 1);
+    let out = |v: i128| v > max || v < -max;
+    let bad = if a.null_count() == 0 { a.values().iter().position(|&v| out(v)) } else { a.iter().position(|v| v.is_some_and(out)) };
+    match bad {
+        None => Ok(()),
+        Some(row) => Err(UnifyError::ValueOutOfRange {
+            column: field.name().clone(),
+            row,
+            detail: format!("the unscaled Decimal128 value {} has more than {precision} digits, the column's precision", a.value(row)),
+        }),
     }
 }

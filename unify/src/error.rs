@@ -36,6 +36,18 @@ pub enum UnifyError {
         /// Row index within the batch.
         row: usize,
     },
+    /// A value does not fit its column's declared type: a Decimal128 value with more digits
+    /// than the column's precision (Arrow does not check this when an array is built; Parquet
+    /// stores such a column in as few bytes as the precision needs, so the value would be cut).
+    #[error("column `{column}` row {row}: {detail}")]
+    ValueOutOfRange {
+        /// Column name.
+        column: String,
+        /// Row index within the batch.
+        row: usize,
+        /// The value and the type it does not fit.
+        detail: String,
+    },
     /// An encoded row is larger than the configured maximum row size.
     #[error("row {row} encodes to {bytes} bytes, above the maximum row size of {max} bytes (EngineConfig::max_row_bytes)")]
     RowTooLarge {

@@ -500,6 +500,15 @@ impl Engine {
             }
             let manifest = TableStore::read_manifest(&path)?;
             let name = manifest.table.clone();
+            // Two directories naming one table (also only by case, which `create_table`
+            // refuses): one would silently hide the other. A damaged or copied manifest;
+            // refuse to open rather than choose.
+            if let Some(other) = resolve_name(&tables, &name).and_then(|k| tables.get(&k)) {
+                return Err(Error::Storage(gritdb_storage::StorageError::CorruptManifest {
+                    path: path.join(gritdb_storage::MANIFEST_FILE),
+                    detail: format!("names table `{name}`, as `{}` does too ({}); table names are unique ignoring case", other.name, other.dir.display()),
+                }));
+            }
             let account = ctl.register_table(&name);
             let store = TableStore::open(Arc::clone(&shared.config.vfs), &path, &ctl, Some(&account), manifest)?;
             let next_seq = store.flushed_seq() + 1;

@@ -324,3 +324,32 @@ fn decimal_values_beyond_their_precision_are_refused() {
     let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
     assert_eq!(want(&engine.table("d").unwrap()), before, "and a reopen");
 }
+
+/// Two table directories whose manifests name the same table (exactly, or only by case — a
+/// copied or hand-edited manifest): the open is refused with a typed error naming both rather
+/// than one table silently hiding the other; with the manifest put back, both tables and their
+/// rows are there.
+#[test]
+fn two_manifests_naming_one_table_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    for (name, n) in [("alpha", 3), ("beta", 5)] {
+        let t = engine.create_table(name, composite_schema(), &["k1", "k2"]).unwrap();
+        t.insert(&composite_batch(&(0..n).map(|k| ((k, 0), (Some(k), None))).collect::<Vec<_>>())).unwrap();
+    }
+    engine.close().unwrap();
+    let manifests: Vec<std::path::PathBuf> =
+        std::fs::read_dir(dir.path().join("tables")).unwrap().flatten().map(|e| e.path().join("manifest.json")).collect();
+    let beta = manifests.iter().find(|m| std::fs::read_to_string(m).unwrap().contains("\"beta\"")).unwrap().clone();
+    let text = std::fs::read_to_string(&beta).unwrap();
+    for renamed in ["\"alpha\"", "\"ALPHA\""] {
+        std::fs::write(&beta, text.replace("\"beta\"", renamed)).unwrap();
+        match Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)) {
+            Err(Error::Storage(e)) => assert!(e.to_string().contains("unique ignoring case"), "{renamed}: {e}"),
+            other => panic!("{renamed}: expected a corrupt-manifest error, got {other:?}"),
+        }
+    }
+    std::fs::write(&beta, &text).unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    assert_eq!((engine.table("alpha").unwrap().row_count().unwrap(), engine.table("beta").unwrap().row_count().unwrap()), (3, 5));
+}

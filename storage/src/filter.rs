@@ -254,7 +254,7 @@ fn bind(f: &ScanFilter, schema: &Schema) -> Result<Expr, FilterError> {
                     )));
                 }
                 lossless_cast(value, ty).ok_or_else(|| {
-                    bad(format!("the {} literal {} is not representable as {ty}", value.data_type(), ScanFilter::compare("", *op, Arc::clone(value))))
+                    bad(format!("the {} literal {} is not representable as {ty}", value.data_type(), ScanFilter::compare(column.as_str(), *op, Arc::clone(value))))
                 })?
             };
             // The kernels decide what is comparable (nested types are not).

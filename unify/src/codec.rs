@@ -534,8 +534,16 @@ fn check_decimal_precision(field: &arrow_schema::Field, col: &dyn arrow_array::A
     let arrow_schema::DataType::Decimal128(precision, _) = field.data_type() else { return Ok(()) };
     let Some(a) = col.as_any().downcast_ref::<arrow_array::Decimal128Array>() else { return Ok(()) };
     let max = 10i128.checked_pow(u32::from(*precision)).map_or(i128::MAX, |p| p - 1);
-    let out = |v: i128| v > max || v < -max;
-    let bad = if a.null_count() == 0 { a.values().iter().position(|&v| out(v)) } else { a.iter().position(|v| v.is_some_and(out)) };
+    // `v` in `-max..=max` exactly when `v + max` (wrapping, as u128) is at most `2 * max`: one
+    // add and one compare per value, folded without a branch so the common all-valid case
+    // runs as a straight loop (the write path checks every decimal column of every batch).
+    let span = max.unsigned_abs() * 2;
+    let out = |v: i128| v.cast_unsigned().wrapping_add(max.cast_unsigned()) > span;
+    let values = a.values();
+    if a.null_count() == 0 && !values.iter().fold(false, |acc, &v| acc | out(v)) {
+        return Ok(());
+    }
+    let bad = a.iter().position(|v| v.is_some_and(out));
     match bad {
         None => Ok(()),
         Some(row) => Err(UnifyError::ValueOutOfRange {

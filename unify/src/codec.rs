@@ -553,3 +553,36 @@ fn check_decimal_precision(field: &arrow_schema::Field, col: &dyn arrow_array::A
         }),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow_array::Decimal128Array;
+    use arrow_schema::Field;
+
+    /// The precision bounds at both ends of Decimal128's range: precision 1 and 38 accept
+    /// `±(10^p − 1)` and refuse one more (and `i128::MIN`/`MAX` at 38), naming the first bad
+    /// row; nulls are not checked.
+    #[test]
+    fn decimal_precision_bounds() {
+        for p in [1_u8, 18, 38] {
+            let f = Field::new("d", DataType::Decimal128(p, 0), true);
+            let max = 10i128.pow(u32::from(p)) - 1;
+            let ok = Decimal128Array::from(vec![Some(-max), None, Some(0), Some(max)]).with_precision_and_scale(p, 0).unwrap();
+            check_decimal_precision(&f, &ok).unwrap();
+            let mut bad = vec![(max + 1, 2), (-max - 1, 2)];
+            if p == 38 {
+                bad.extend([(i128::MAX, 2), (i128::MIN, 2)]);
+            }
+            for (v, row) in bad {
+                let a = Decimal128Array::from(vec![Some(0), None, Some(v), Some(v)]).with_precision_and_scale(p, 0).unwrap();
+                match check_decimal_precision(&f, &a) {
+                    Err(UnifyError::ValueOutOfRange { row: r, .. }) => assert_eq!(r, row, "precision {p}, value {v}"),
+                    other => panic!("precision {p}, value {v}: {other:?}"),
+                }
+                let no_nulls = Decimal128Array::from(vec![0, v]).with_precision_and_scale(p, 0).unwrap();
+                assert!(check_decimal_precision(&f, &no_nulls).is_err(), "precision {p}, value {v}, no nulls");
+            }
+        }
+    }
+}

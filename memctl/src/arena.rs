@@ -13,7 +13,9 @@ pub struct RowRef {
 /// Where a row starts, without its length (8 bytes): for callers that keep many references and
 /// can read a row's length back from the row's own bytes (the delta store's key map). Turn it
 /// back into a [`RowRef`] with [`RowAt::with_len`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+///
+/// Ordered by block id, then offset: within one block, the order rows were allocated in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct RowAt {
     block: u32,
     offset: u32,
@@ -25,6 +27,54 @@ impl RowAt {
     /// returns bytes of the rows after it.
     pub fn with_len(self, len: usize) -> RowRef {
         RowRef { block: self.block, offset: self.offset, len: len as u32 }
+    }
+}
+
+impl RowAt {
+    /// Id of the block the row lies in: below [`RowArena::block_slots`].
+    pub fn block(self) -> usize {
+        self.block as usize
+    }
+
+    /// Sorts `rows` within each run of one block ([`RowAt`]'s order, applied per run; a slice
+    /// already grouped by block ends up in arena order). A run of distinct offsets below 1 MiB
+    /// is placed through a bitmap of its offsets: linear in the run and in its offset span / 64,
+    /// where a comparison sort of the ~250-row runs of 64 KiB chunks cost about 30 ns a row
+    /// (timing of a 600,000-row lineitem flush; issue 7). Other runs are sorted by comparison.
+    pub fn sort_within_blocks(rows: &mut [RowAt]) {
+        let mut bits: Vec<u64> = Vec::new();
+        for run in rows.chunk_by_mut(|a, b| a.block == b.block) {
+            let span = run.iter().map(|r| r.offset as usize + 1).max().unwrap_or(0);
+            // Small runs, or runs so sparse the bitmap scan would dominate: compare.
+            if run.len() < 16 || span > 1 << 20 || span / 64 > run.len() * 8 {
+                run.sort_unstable();
+                continue;
+            }
+            bits.clear();
+            bits.resize(span.div_ceil(64), 0);
+            for r in run.iter() {
+                bits[r.offset as usize / 64] |= 1u64 << (r.offset % 64);
+            }
+            // Equal offsets (two references to one row) would leave slots unfilled: compare.
+            if bits.iter().map(|w| w.count_ones() as usize).sum::<usize>() != run.len() {
+                run.sort_unstable();
+                continue;
+            }
+            let block = run[0].block;
+            let mut slots = run.iter_mut();
+            for (w, &word) in bits.iter().enumerate() {
+                let mut word = word;
+                while word != 0 {
+                    // `span` ≤ 1 MiB, so the offset fits a u32.
+                    #[allow(clippy::cast_possible_truncation)]
+                    let offset = (w * 64) as u32 + word.trailing_zeros();
+                    word &= word - 1;
+                    if let Some(slot) = slots.next() {
+                        *slot = RowAt { block, offset };
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -388,6 +438,12 @@ impl RowArena {
         }
     }
 
+    /// Bound on block ids: every live row's [`RowAt::block`] is below it (ids of freed blocks
+    /// are reused, so it is the most blocks held at once, not the number held now).
+    pub fn block_slots(&self) -> usize {
+        self.blocks.len()
+    }
+
     /// Number of blocks currently held (chunks and oversize rows).
     pub fn block_count(&self) -> usize {
         self.blocks.iter().filter(|b| b.is_some()).count()
@@ -401,5 +457,50 @@ impl Drop for RowArena {
         for id in 0..self.blocks.len() {
             self.release_block(id as u32);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RowAt;
+
+    /// A deterministic shuffle (xorshift) of `v`.
+    fn shuffle(v: &mut [RowAt], mut seed: u64) {
+        for i in (1..v.len()).rev() {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            v.swap(i, (seed % (i as u64 + 1)) as usize);
+        }
+    }
+
+    #[test]
+    fn sort_within_blocks_matches_a_comparison_sort() {
+        // Block 0: 300 rows 13..300 bytes apart in a 64 KiB chunk (the bitmap path); block 1:
+        // 5 rows (compared); block 2: 40 rows spread over 16 MiB (too sparse: compared);
+        // block 3: 64 rows with one offset twice (compared); block 4: offsets up to 2^20 - 1.
+        let mut rows = Vec::new();
+        let mut off = 0u32;
+        for i in 0..300u32 {
+            rows.push(RowAt { block: 0, offset: off });
+            off += 13 + (i * 37) % 288;
+        }
+        rows.extend((0..5).map(|i| RowAt { block: 1, offset: 1000 - i * 7 }));
+        rows.extend((0..40).map(|i| RowAt { block: 2, offset: i * (16 << 20) / 40 }));
+        rows.extend((0..64).map(|i| RowAt { block: 3, offset: (i % 63) * 100 }));
+        rows.extend((0..100).map(|i| RowAt { block: 4, offset: (1 << 20) - 1 - i * 10_000 }));
+        let mut expected = rows.clone();
+        expected.sort_unstable();
+        for (b, start, end) in [(0, 0, 300), (1, 300, 305), (2, 305, 345), (3, 345, 409), (4, 409, 509)] {
+            assert!(rows[start..end].iter().all(|r| r.block() == b));
+            shuffle(&mut rows[start..end], 0x9e37_79b9 + b as u64);
+        }
+        assert_ne!(rows, expected);
+        RowAt::sort_within_blocks(&mut rows);
+        assert_eq!(rows, expected);
+        assert_eq!(rows.iter().filter(|r| r.block() == 3 && r.offset == 0).count(), 2);
+        // Sorting sorted rows changes nothing.
+        RowAt::sort_within_blocks(&mut rows);
+        assert_eq!(rows, expected);
     }
 }

@@ -274,7 +274,7 @@ impl TableStore {
     /// [`StorageError::Memory`] when the index cannot grow (abandon the plan then).
     pub fn install_compaction(&mut self, plan: &CompactionPlan) -> Result<(), StorageError> {
         let Some((keys, _, _)) = &plan.output else { return Ok(()) };
-        if let Err(detail) = self.index.add_file(plan.new_id, keys)? {
+        if let Err(detail) = self.index.add_file(plan.new_id, std::slice::from_ref(keys))? {
             return Err(StorageError::CorruptFile { path: plan.dir.join(file_name(plan.new_id)), detail });
         }
         Ok(())

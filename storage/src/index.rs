@@ -47,27 +47,21 @@ impl KeyLayout {
         }
     }
 
-    /// Writes the stored form of an `arrow-row` key into `out`; false when the key does not
-    /// have this layout's shape.
-    fn compact_into(&self, key: &[u8], out: &mut Vec<u8>) -> bool {
-        out.clear();
-        match self {
-            KeyLayout::Var => out.extend_from_slice(key),
-            KeyLayout::Fixed(widths) => {
-                let mut at = 0;
-                for w in widths {
-                    if key.len() < at + 1 + w {
-                        return false;
-                    }
-                    out.extend_from_slice(&key[at + 1..at + 1 + w]);
-                    at += 1 + w;
-                }
-                if at != key.len() {
-                    return false;
-                }
+    /// Writes the stored form of a fixed-width `arrow-row` key into `out` (exactly
+    /// [`Self::width`] bytes); false when the key does not have this layout's shape (or the
+    /// layout is [`KeyLayout::Var`]).
+    fn compact_to(&self, key: &[u8], out: &mut [u8]) -> bool {
+        let KeyLayout::Fixed(widths) = self else { return false };
+        let (mut at, mut o) = (0, 0);
+        for &w in widths {
+            if key.len() < at + 1 + w || out.len() < o + w {
+                return false;
             }
+            out[o..o + w].copy_from_slice(&key[at + 1..at + 1 + w]);
+            at += 1 + w;
+            o += w;
         }
-        true
+        at == key.len() && o == out.len()
     }
 }
 
@@ -106,15 +100,15 @@ fn key_u128(key: &[u8]) -> u128 {
 }
 
 /// The primary keys of one data file in row order — which is key order, because every data
-/// file is written sorted by key — plus a bloom filter (10 bits per key, 7 probes, about 1%
-/// false positives; see [`bloom_probe`]).
+/// file is written sorted by key — plus a blocked bloom filter (10 bits per key, 7 probes in
+/// one 64-byte block, about 1% false positives; see [`bloom_bits`]).
 #[derive(Debug, Default)]
 pub struct FileKeys {
     data: Vec<u8>,
     ends: Vec<u32>,
     width: usize,
     len: usize,
-    bloom: Vec<u64>,
+    bloom: Vec<BloomBlock>,
     /// First and last key as [`key_u128`] when keys are fixed-width of at most 16 bytes (0
     /// otherwise): the range check reads these, not the key bytes on the heap.
     first: u128,
@@ -122,37 +116,54 @@ pub struct FileKeys {
 }
 
 impl FileKeys {
-    fn build(rows: &Rows, layout: &KeyLayout) -> Result<Self, String> {
-        let len = rows.num_rows();
+    /// Keys of `parts` in order (one file's keys, strictly ascending), compacted by `layout`.
+    fn build(parts: &[Rows], layout: &KeyLayout) -> Result<Self, String> {
+        let keys = || parts.iter().flat_map(Rows::iter).map(|r| r.data());
+        let len: usize = parts.iter().map(Rows::num_rows).sum();
         let width = layout.width().unwrap_or(0);
-        let mut data = Vec::with_capacity(if width > 0 { len * width } else { rows.iter().map(|r| r.as_ref().len()).sum() });
-        let mut ends = Vec::with_capacity(if width == 0 { len } else { 0 });
-        let mut buf = Vec::new();
-        let bits = (len * BLOOM_BITS_PER_KEY).div_ceil(64).max(1);
-        let mut bloom = vec![0u64; bits];
-        // Where the previous key starts in `data` (None before the first): compared in place,
-        // not copied out per key.
-        let mut prev: Option<usize> = None;
-        for r in rows {
-            if !layout.compact_into(r.as_ref(), &mut buf) {
-                return Err("key does not match the key layout".into());
+        let unsorted = || Err("keys are not strictly ascending (data files are written sorted by key)".to_string());
+        let mut ends = Vec::new();
+        // Pass 1: the stored keys, written in place (fixed-width: at `i * width`).
+        let data = if width > 0 {
+            let mut data = vec![0u8; len * width];
+            for (dst, key) in data.chunks_exact_mut(width).zip(keys()) {
+                if !layout.compact_to(key, dst) {
+                    return Err("key does not match the key layout".into());
+                }
             }
-            if prev.is_some_and(|p| data[p..] >= *buf.as_slice()) {
-                return Err("keys are not strictly ascending (data files are written sorted by key)".into());
-            }
-            prev = Some(data.len());
-            data.extend_from_slice(&buf);
-            if width == 0 {
+            data
+        } else {
+            let mut data = Vec::with_capacity(keys().map(<[u8]>::len).sum());
+            ends.reserve_exact(len);
+            for key in keys() {
+                data.extend_from_slice(key);
                 ends.push(data.len() as u32);
             }
-            bloom_set(&mut bloom, key_hash(&buf));
-        }
-        let (first, last) = if width > 0 && width <= 16 && len > 0 {
-            (key_u128(&data[..width]), key_u128(&data[(len - 1) * width..]))
-        } else {
-            (0, 0)
+            data
         };
-        Ok(Self { data, ends, width, len, bloom, first, last })
+        let mut fk = Self { data, ends, width, len, bloom: Vec::new(), first: 0, last: 0 };
+        // Pass 2: strictly ascending (compared as integers when they fit 16 bytes).
+        if width > 0 && width <= 16 {
+            let mut prev: Option<u128> = None;
+            for k in fk.data.chunks_exact(width).map(key_u128) {
+                if prev.is_some_and(|p| p >= k) {
+                    return unsorted();
+                }
+                prev = Some(k);
+            }
+        } else if (1..len).any(|i| fk.get(i - 1) >= fk.get(i)) {
+            return unsorted();
+        }
+        // Pass 3: the bloom filter.
+        let mut bloom = vec![BloomBlock::default(); bloom_blocks(len)];
+        for i in 0..len {
+            bloom_set(&mut bloom, key_hash(fk.get(i)));
+        }
+        fk.bloom = bloom;
+        if width > 0 && width <= 16 && len > 0 {
+            (fk.first, fk.last) = (key_u128(fk.get(0)), key_u128(fk.get(len - 1)));
+        }
+        Ok(fk)
     }
 
     /// Stored key of row `i`.
@@ -233,54 +244,63 @@ impl FileKeys {
 
     /// Heap bytes held (capacities: key bytes, offsets, bloom filter).
     pub fn bytes(&self) -> usize {
-        self.data.capacity() + self.ends.capacity() * 4 + self.bloom.capacity() * 8
+        self.data.capacity() + self.ends.capacity() * 4 + self.bloom.capacity() * std::mem::size_of::<BloomBlock>()
     }
 }
 
-/// Bit `i` of the bloom filter probe sequence of `hash` over `bits` bits: Kirsch–Mitzenmacher
-/// double hashing `g_i = h1 + i * h2 (mod 2^64)` with `h1` the hash and `h2` its halves swapped
-/// (forced odd), mapped to `[0, bits)` by Lemire's multiply-shift range reduction
-/// `(g_i * bits) >> 64` — one multiplication, no division, any `bits`, no rounding of the
-/// filter's size. Each probe is uniform over the filter, so the false-positive rate is the
-/// textbook one, `(1 - e^(-7/10))^7` ≈ 0.82% at 10 bits and 7 probes per key (measured:
-/// `bloom_false_positive_rate` below).
+/// One 512-bit block of a bloom filter: a cache line (64-byte aligned), so a key's probes all
+/// touch one line.
+#[derive(Debug, Clone, Copy, Default)]
+#[repr(C, align(64))]
+struct BloomBlock([u64; 8]);
+
+/// Blocks of a bloom filter for `keys` keys at [`BLOOM_BITS_PER_KEY`] (at least one).
+fn bloom_blocks(keys: usize) -> usize {
+    (keys * BLOOM_BITS_PER_KEY).div_ceil(512).max(1)
+}
+
+/// The block of `hash` and a second hash whose seven 9-bit fields ([`bloom_probe`]) are its
+/// [`BLOOM_PROBES`] bits within the block: a split-block ("blocked") bloom filter (Putze, Sanders, Singler, "Cache-, Hash- and Space-Efficient Bloom Filters",
+/// 2007). The block is Lemire's multiply-shift range reduction `(hash * blocks) >> 64` (any
+/// number of blocks, no division); the second hash is `hash` rotated and multiplied by the
+/// 64-bit golden ratio (Fibonacci hashing). One cache line per key where a textbook filter's probes land in seven (at 10 bits per key a
+/// 600,000-key file's filter is 750 KB, beyond L2: setting the bits was half of
+/// `KeyIndex::add_file` in a lineitem flush; issue 7). The false-positive rate is the textbook
+/// one averaged over the Poisson load of a block, `Σ_L P(L) (1 - (1 - 1/512)^(7L))^7` ≈ 0.96% at
+/// 10 bits per key (0.82% unblocked; measured: `bloom_false_positive_rate` below).
 #[allow(clippy::inline_always)] // the lookup's inner loop; `ci` builds at opt-level 1, which inlines little on its own
 #[inline(always)]
-fn bloom_probe(h1: u64, h2: u64, i: u64, bits: u64) -> (usize, u64) {
-    let g = h1.wrapping_add(i.wrapping_mul(h2));
-    let bit = ((u128::from(g) * u128::from(bits)) >> 64) as u64;
+fn bloom_bits(hash: u64, blocks: usize) -> (usize, u64) {
+    let block = ((u128::from(hash) * blocks as u128) >> 64) as usize;
+    (block, hash.rotate_left(32).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+}
+
+/// Probe `i` (< [`BLOOM_PROBES`]) of `h2` ([`bloom_bits`]): its word in the block and its mask.
+#[allow(clippy::inline_always)] // the lookup's inner loop; `ci` builds at opt-level 1, which inlines little on its own
+#[inline(always)]
+fn bloom_probe(h2: u64, i: u64) -> (usize, u64) {
+    let bit = (h2 >> (55 - 9 * i)) & 511;
     ((bit >> 6) as usize, 1u64 << (bit & 63))
 }
 
-#[allow(clippy::inline_always)] // the lookup's inner loop; `ci` builds at opt-level 1, which inlines little on its own
-#[inline(always)]
-fn bloom_hashes(hash: u64) -> (u64, u64) {
-    (hash, hash.rotate_left(32) | 1)
-}
-
-fn bloom_set(bloom: &mut [u64], hash: u64) {
-    let (h1, h2) = bloom_hashes(hash);
-    let bits = bloom.len() as u64 * 64;
+fn bloom_set(bloom: &mut [BloomBlock], hash: u64) {
+    let (block, h2) = bloom_bits(hash, bloom.len());
+    let b = &mut bloom[block].0;
     for i in 0..BLOOM_PROBES {
-        let (w, m) = bloom_probe(h1, h2, i, bits);
-        bloom[w] |= m;
+        let (w, m) = bloom_probe(h2, i);
+        b[w] |= m;
     }
 }
 
 #[inline]
-fn bloom_test(bloom: &[u64], hash: u64) -> bool {
-    let (h1, h2) = bloom_hashes(hash);
-    let bits = bloom.len() as u64 * 64;
-    let mut i = 0;
-    while i < BLOOM_PROBES {
-        let (w, m) = bloom_probe(h1, h2, i, bits);
-        // `w < bloom.len()` always (the reduction maps into `[0, bits)`).
-        if bloom[w] & m == 0 {
-            return false;
-        }
-        i += 1;
-    }
-    true
+fn bloom_test(bloom: &[BloomBlock], hash: u64) -> bool {
+    let (block, h2) = bloom_bits(hash, bloom.len());
+    // `block < bloom.len()` always (the reduction maps into `[0, blocks)`).
+    let b = &bloom[block].0;
+    (0..BLOOM_PROBES).all(|i| {
+        let (w, m) = bloom_probe(h2, i);
+        b[w] & m != 0
+    })
 }
 
 /// Key encoder for the storage side: the same `arrow-row` encoding the delta store uses
@@ -343,20 +363,21 @@ impl KeyIndex {
         self.res.size()
     }
 
-    /// Indexes file `id` whose keys, in row order, are `rows` (must be strictly ascending).
+    /// Indexes file `id` whose keys, in row order, are those of `parts` one after the other
+    /// (must be strictly ascending).
     /// The memory is budgeted before it is kept.
     ///
     /// # Errors
     /// [`StorageError::Memory`]; `Err(detail)` via [`StorageError::CorruptFile`] at the caller
     /// when the keys are not ascending.
-    pub(crate) fn add_file(&mut self, id: u32, rows: &Rows) -> Result<Result<(), String>, StorageError> {
-        let width = self.width;
-        let estimate = match width {
-            Some(w) => rows.num_rows() * w,
-            None => rows.iter().map(|r| r.as_ref().len() + 4).sum(),
-        } + (rows.num_rows() * BLOOM_BITS_PER_KEY).div_ceil(64).max(1) * 8;
+    pub(crate) fn add_file(&mut self, id: u32, parts: &[Rows]) -> Result<Result<(), String>, StorageError> {
+        let rows: usize = parts.iter().map(Rows::num_rows).sum();
+        let estimate = match self.width {
+            Some(w) => rows * w,
+            None => parts.iter().flat_map(Rows::iter).map(|r| r.data().len() + 4).sum(),
+        } + bloom_blocks(rows) * std::mem::size_of::<BloomBlock>();
         self.res.try_grow(estimate)?;
-        match FileKeys::build(rows, &self.layout) {
+        match FileKeys::build(parts, &self.layout) {
             Ok(fk) => {
                 match self.files.binary_search_by_key(&id, |(i, _)| *i) {
                     Ok(at) => self.files[at].1 = fk,
@@ -476,8 +497,8 @@ mod tests {
         // File 1: even keys 0..2000; file 2: multiples of 3 in 1000..4000 (overlaps file 1).
         let f1: Vec<i64> = (0..1000).map(|i| 2 * i).collect();
         let f2: Vec<i64> = (334..1334).map(|i| 3 * i).collect();
-        idx.add_file(1, &int_keys(&conv, f1.clone(), 1)).expect("budget").expect("sorted");
-        idx.add_file(2, &int_keys(&conv, f2.clone(), 1)).expect("budget").expect("sorted");
+        idx.add_file(1, &[int_keys(&conv, f1.clone(), 1)]).expect("budget").expect("sorted");
+        idx.add_file(2, &[int_keys(&conv, f2.clone(), 1)]).expect("budget").expect("sorted");
         let probe = int_keys(&conv, -10..4100, 1);
         for (k, r) in (-10..4100i64).zip(probe.iter()) {
             let got = idx.find(r.as_ref(), |_| false);
@@ -495,10 +516,10 @@ mod tests {
         for r in &int_keys(&conv, 0..4000, 2) {
             assert_eq!(idx.find(r.as_ref(), |_| false), None);
         }
-        // Accounting: 12 key bytes + 10 bloom bits per row.
-        assert_eq!(idx.bytes(), 2 * (1000 * 12 + (1000 * BLOOM_BITS_PER_KEY).div_ceil(64) * 8));
+        // Accounting: 12 key bytes per row + 10 bloom bits per row in 64-byte blocks (20).
+        assert_eq!(idx.bytes(), 2 * (1000 * 12 + 20 * 64));
         idx.remove_file(2);
-        assert_eq!(idx.bytes(), 1000 * 12 + (1000 * BLOOM_BITS_PER_KEY).div_ceil(64) * 8);
+        assert_eq!(idx.bytes(), 1000 * 12 + 20 * 64);
     }
 
     /// Variable-width keys: found only by their exact bytes.
@@ -511,7 +532,7 @@ mod tests {
         let mut words: Vec<String> = (0..500).map(|i| format!("k{i:05}")).collect();
         words.sort();
         let rows = conv.convert_columns(&[Arc::new(StringArray::from(words.clone())) as ArrayRef]).expect("enc");
-        idx.add_file(7, &rows).expect("budget").expect("sorted");
+        idx.add_file(7, std::slice::from_ref(&rows)).expect("budget").expect("sorted");
         for (i, r) in rows.iter().enumerate() {
             assert_eq!(idx.find(r.as_ref(), |_| false), Some(Loc { file: 7, row: i as u32 }));
         }
@@ -531,18 +552,18 @@ mod tests {
         let ctl = ctl();
         let mut idx = KeyIndex::new(&ctl, None, &types);
         for bad in [vec![1, 2, 2, 3], vec![1, 3, 2], vec![5, 4]] {
-            let err = idx.add_file(1, &int_keys(&conv, bad.clone(), 1)).expect("budget").expect_err("unsorted");
+            let err = idx.add_file(1, &[int_keys(&conv, bad.clone(), 1)]).expect("budget").expect_err("unsorted");
             assert!(err.contains("strictly ascending"), "{bad:?}: {err}");
         }
         assert_eq!(idx.bytes(), 0);
-        idx.add_file(1, &int_keys(&conv, [1, 2, 3], 1)).expect("budget").expect("sorted");
+        idx.add_file(1, &[int_keys(&conv, [1, 2, 3], 1)]).expect("budget").expect("sorted");
         let conv = RowConverter::new(vec![SortField::new(DataType::Utf8)]).expect("conv");
         let mut idx = KeyIndex::new(&ctl, None, &[DataType::Utf8]);
         let words = |w: &[&str]| conv.convert_columns(&[Arc::new(StringArray::from(w.to_vec())) as ArrayRef]).expect("enc");
         for bad in [&["a", "ab", "ab"][..], &["ab", "a"], &["b", "a"]] {
-            assert!(idx.add_file(2, &words(bad)).expect("budget").is_err(), "{bad:?}");
+            assert!(idx.add_file(2, &[words(bad)]).expect("budget").is_err(), "{bad:?}");
         }
-        idx.add_file(2, &words(&["", "a", "ab", "b"])).expect("budget").expect("a prefix sorts first");
+        idx.add_file(2, &[words(&["", "a", "ab", "b"])]).expect("budget").expect("a prefix sorts first");
         assert_eq!(idx.find(words(&["ab"]).row(0).as_ref(), |_| false), Some(Loc { file: 2, row: 2 }));
     }
 
@@ -575,7 +596,7 @@ mod tests {
     #[test]
     fn bloom_false_positive_rate() {
         let n = 100_000usize;
-        let mut bloom = vec![0u64; (n * BLOOM_BITS_PER_KEY).div_ceil(64)];
+        let mut bloom = vec![BloomBlock::default(); bloom_blocks(n)];
         for i in 0..n as u64 {
             bloom_set(&mut bloom, key_hash(&i.to_be_bytes()));
         }
@@ -586,6 +607,7 @@ mod tests {
         let fp = (n as u64..n as u64 + trials).filter(|i| bloom_test(&bloom, key_hash(&i.to_be_bytes()))).count();
         let rate = fp as f64 / trials as f64;
         eprintln!("bloom false-positive rate {rate}");
-        assert!(rate < 0.0105, "false-positive rate {rate}");
+        // Theory (see `bloom_bits`): 0.957%.
+        assert!((0.0085..0.0107).contains(&rate), "false-positive rate {rate}");
     }
 }

@@ -269,7 +269,7 @@ impl TableStore {
             };
             let path = dir.join(&f.name);
             let keys = s.read_keys(&path, f.rows)?;
-            if let Err(detail) = s.index.add_file(f.id, &keys)? {
+            if let Err(detail) = s.index.add_file(f.id, std::slice::from_ref(&keys))? {
                 return Err(StorageError::CorruptFile { path, detail });
             }
             let guard = FileGuard::new(path, &s.vfs);
@@ -407,22 +407,17 @@ impl TableStore {
             }
         }
         if let Some(id) = file_id {
-            let mut rows = self.conv.empty_rows(put_rows, 0);
-            for b in &puts {
-                for r in &encode_keys(&self.conv, b, &self.key_cols)? {
-                    rows.push(r);
-                }
-            }
+            let keys = puts.iter().map(|b| encode_keys(&self.conv, b, &self.key_cols)).collect::<Result<Vec<_>, _>>()?;
             // Older live versions of the put keys (looked up before the new file is indexed).
-            for r in &rows {
+            for r in keys.iter().flat_map(arrow_row::Rows::iter) {
                 if let Some(old) = self.find_key(r.as_ref()) {
                     additions.push(old);
                 }
             }
-            if let Err(detail) = self.index.add_file(id, &rows)? {
+            if let Err(detail) = self.index.add_file(id, &keys)? {
                 return Err(StorageError::CorruptFile { path: self.dir.join(file_name(id)), detail });
             }
-            drop(rows);
+            drop(keys);
             self.next_file_id += 1;
             let meta = FileMeta { id, name: file_name(id), rows: put_rows as u64, bytes: 0, dv: None, deleted: 0 };
             let guard = FileGuard::new(self.dir.join(&meta.name), &self.vfs);

@@ -66,6 +66,35 @@ fn arena_order(map: &HashTable<Entry>, blocks: usize) -> Vec<RowAt> {
     out
 }
 
+/// The rows starting at `rows` (`len` of them) that `keep` keeps, as `(key prefix, row)`
+/// pairs, puts and deletes apart, in the order read: the prefix is the key's first 16 bytes,
+/// big-endian, zero-padded ([`DeltaStore::select_sorted`]).
+#[allow(clippy::type_complexity)]
+fn read_keyed(
+    arena: &RowArena,
+    codec: &RowCodec,
+    keep: &impl Fn(&[u8]) -> bool,
+    rows: impl Iterator<Item = RowAt>,
+    len: usize,
+) -> (Vec<(u128, RowRef)>, Vec<(u128, RowRef)>) {
+    let mut puts = Vec::with_capacity(len);
+    let mut dels = Vec::new();
+    for at in rows {
+        let row = arena.get_from(at);
+        let r = at.with_len(codec.row_len(row));
+        let key = key_of(row);
+        if !keep(key) {
+            continue;
+        }
+        let mut p = [0u8; 16];
+        let n = key.len().min(16);
+        p[..n].copy_from_slice(&key[..n]);
+        let item = (u128::from_be_bytes(p), r);
+        if op_of(row) == OP_PUT { puts.push(item) } else { dels.push(item) }
+    }
+    (puts, dels)
+}
+
 /// Rows [`DeltaStore::decode`] reads before writing their columns: a multiple of 8 (a tile's
 /// validity and boolean bits fill whole bytes); 128 rows of a few hundred bytes stay in L1/L2.
 const TILE: usize = 128;
@@ -594,42 +623,39 @@ impl DeltaStore {
 
     /// The puts and deletes kept by `keep`, each sorted by key bytes.
     ///
-    /// The map's rows are split into `threads` parts (scoped threads, the caller's included).
-    /// Each part reads its rows once (in map order: a cache and TLB miss each, which is why
-    /// the parts run in parallel) for the op, the `keep` test and a 16-byte big-endian key
-    /// prefix (a whole `(Int64, Int32)` key fits), and sorts its puts and deletes; comparisons
-    /// use the prefix and read the rows only when two prefixes are equal (keys longer than 16
-    /// bytes). The sorted parts are then merged. The `(prefix, row)` pairs are budgeted under
-    /// `category` while they exist.
+    /// The map's row starts are put in arena order ([`arena_order`]) and split into `threads`
+    /// parts (scoped threads, the caller's included). Each part orders its rows within each
+    /// block ([`RowAt::sort_within_blocks`]), reads them once, front to back, for the op, the
+    /// `keep` test and a 16-byte big-endian key prefix (a whole `(Int64, Int32)` key fits), and
+    /// sorts its puts and deletes; comparisons use the prefix and read the rows only when two
+    /// prefixes are equal (keys longer than 16 bytes). The sorted parts are then merged.
+    ///
+    /// Budgeted under `category` while they exist: the `(prefix, row)` pairs (32 bytes a row)
+    /// and the row starts (8 bytes a row). When the limit leaves no room for the row starts,
+    /// one part reads the rows in map order instead (a cache miss per row, no parallelism).
     fn select_sorted(&self, category: Category, threads: usize, keep: &(impl Fn(&[u8]) -> bool + Sync)) -> Result<(Vec<RowRef>, Vec<RowRef>), UnifyError> {
         type Keyed = Vec<(u128, RowRef)>;
         let mut res = Reservation::new(&self.ctl, category, self.table.as_ref());
-        res.try_grow(self.map.len() * (std::mem::size_of::<(u128, RowRef)>() + std::mem::size_of::<RowAt>()))?;
-        let mut rows = arena_order(&self.map, self.arena.block_slots());
+        res.try_grow(self.map.len() * std::mem::size_of::<(u128, RowRef)>())?;
         let arena = &self.arena;
         let codec = &self.codec;
         let cmp = |a: &(u128, RowRef), b: &(u128, RowRef)| a.0.cmp(&b.0).then_with(|| key_of(arena.get(a.1)).cmp(key_of(arena.get(b.1))));
-        let part = |rows: &mut [RowAt]| -> (Keyed, Keyed) {
-            // Each block's rows by offset: this part then reads its rows front to back.
-            RowAt::sort_within_blocks(rows);
-            let mut puts = Vec::with_capacity(rows.len());
-            let mut dels = Vec::new();
-            for &at in &*rows {
-                let row = arena.get_from(at);
-                let r = at.with_len(codec.row_len(row));
-                let key = key_of(row);
-                if !keep(key) {
-                    continue;
-                }
-                let mut p = [0u8; 16];
-                let n = key.len().min(16);
-                p[..n].copy_from_slice(&key[..n]);
-                let item = (u128::from_be_bytes(p), r);
-                if op_of(row) == OP_PUT { puts.push(item) } else { dels.push(item) }
-            }
+        let sorted_part = |rows: &mut dyn FnMut() -> (Keyed, Keyed)| {
+            let (mut puts, mut dels) = rows();
             puts.sort_unstable_by(cmp);
             dels.sort_unstable_by(cmp);
             (puts, dels)
+        };
+        let mut order = Reservation::new(&self.ctl, category, self.table.as_ref());
+        if order.try_grow(self.map.len() * std::mem::size_of::<RowAt>()).is_err() {
+            let (puts, dels) = sorted_part(&mut || read_keyed(arena, codec, keep, self.map.iter().map(|e| e.at), self.map.len()));
+            return Ok((merge_sorted(&[puts], cmp), merge_sorted(&[dels], cmp)));
+        }
+        let mut rows = arena_order(&self.map, self.arena.block_slots());
+        let part = |rows: &mut [RowAt]| -> (Keyed, Keyed) {
+            // Each block's rows by offset: this part then reads its rows front to back.
+            RowAt::sort_within_blocks(rows);
+            sorted_part(&mut || read_keyed(arena, codec, keep, rows.iter().copied(), rows.len()))
         };
         let parts = threads.min(rows.len() / MIN_SORT_PART).max(1);
         let part_len = rows.len().div_ceil(parts).max(1);
@@ -652,9 +678,9 @@ impl DeltaStore {
         });
         drop(slots);
         drop(rows);
+        drop(order);
         let (puts, dels): (Vec<Keyed>, Vec<Keyed>) = sorted.into_iter().unzip();
-        let r = (merge_sorted(&puts, cmp), merge_sorted(&dels, cmp));
-        Ok(r)
+        Ok((merge_sorted(&puts, cmp), merge_sorted(&dels, cmp)))
     }
 
     /// Decodes `puts[cut]` for every cut, on up to `threads` threads, in order.
@@ -1178,6 +1204,28 @@ mod parallel_tests {
         let kept = a.puts.iter().map(RecordBatch::num_rows).sum::<usize>();
         assert!(kept > 0 && kept < N - N.div_ceil(10), "{kept}");
         drop((one, a, b));
+        assert_eq!(ctl.category_bytes(Category::BatchBlocks), 0);
+    }
+
+    /// Under a limit with room for the sort's `(prefix, row)` pairs but not for the row starts
+    /// of arena order beside them, the rows are selected in map order on one part: same rows,
+    /// same order; with less room than the pairs, a memory error and nothing held.
+    #[test]
+    fn select_under_a_tight_limit_reads_in_map_order() {
+        let ctl = ctl(256 << 20);
+        let d = delta(&ctl);
+        let (puts, dels) = d.select_sorted(Category::BatchBlocks, 2, &|_| true).unwrap();
+        assert_eq!((puts.len(), dels.len()), (N - N.div_ceil(10), N.div_ceil(10)));
+        let pairs = d.map.len() * std::mem::size_of::<(u128, RowRef)>();
+        let room = pairs + d.map.len() * std::mem::size_of::<RowAt>() / 2;
+        let mut fill = Reservation::new(&ctl, Category::Metadata, None);
+        fill.try_grow(ctl.limit() - ctl.used() - room).unwrap();
+        let (p2, d2) = d.select_sorted(Category::BatchBlocks, 2, &|_| true).unwrap();
+        assert_eq!(p2, puts);
+        assert_eq!(d2, dels);
+        assert_eq!(ctl.category_bytes(Category::BatchBlocks), 0);
+        fill.try_grow(room - pairs + 1).unwrap();
+        assert!(matches!(d.select_sorted(Category::BatchBlocks, 2, &|_| true), Err(UnifyError::Memory(_))));
         assert_eq!(ctl.category_bytes(Category::BatchBlocks), 0);
     }
 

@@ -18,7 +18,7 @@ use arrow::datatypes::{
     TimestampMillisecondType, TimestampNanosecondType, TimestampSecondType, UInt8Type, UInt16Type, UInt32Type, UInt64Type,
 };
 use arrow::util::display::array_value_to_string;
-use gritdb::{Engine, EngineConfig, Error, ScanOptions, Table, WalSync};
+use gritdb::{CompareOp, Engine, EngineConfig, Error, ScanFilter, ScanOptions, Table, WalSync};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -255,13 +255,13 @@ impl Shape {
             DataType::Float16 => p!(Float16Type, |b: u64| <Float16Type as ArrowPrimitiveType>::Native::from_bits(b as u16)),
             DataType::Float32 => p!(Float32Type, |b: u64| f32::from_bits(b as u32)),
             DataType::Float64 => p!(Float64Type, f64::from_bits),
-            DataType::Date32 => p!(Date32Type, |b: u64| (b % 2_000_000) as i32 - 1_000_000),
-            DataType::Date64 => p!(Date64Type, |b: u64| ((b % 2_000_000) as i64 - 1_000_000) * 86_400_000),
-            DataType::Time32(TimeUnit::Second) => p!(Time32SecondType, |b: u64| (b % 86_400) as i32),
+            DataType::Date32 => p!(Date32Type, |b: u64| b as i32),
+            DataType::Date64 => p!(Date64Type, |b: u64| b as i64),
+            DataType::Time32(TimeUnit::Second) => p!(Time32SecondType, |b: u64| b as i32),
             DataType::Time32(_) => p!(Time32MillisecondType, |b: u64| (b % 86_400_000) as i32),
             DataType::Time64(TimeUnit::Microsecond) => p!(Time64MicrosecondType, |b: u64| (b % 86_400_000_000) as i64),
-            DataType::Time64(_) => p!(Time64NanosecondType, |b: u64| (b % 86_400_000_000_000) as i64),
-            DataType::Timestamp(TimeUnit::Second, _) => p!(TimestampSecondType, |b: u64| (b as i64) >> 12),
+            DataType::Time64(_) => p!(Time64NanosecondType, |b: u64| b as i64),
+            DataType::Timestamp(TimeUnit::Second, _) => p!(TimestampSecondType, |b: u64| b as i64),
             DataType::Timestamp(TimeUnit::Millisecond, _) => p!(TimestampMillisecondType, |b: u64| b as i64),
             DataType::Timestamp(TimeUnit::Microsecond, _) => p!(TimestampMicrosecondType, |b: u64| b as i64),
             DataType::Timestamp(TimeUnit::Nanosecond, _) => p!(TimestampNanosecondType, |b: u64| b as i64),
@@ -433,10 +433,18 @@ impl Model {
     /// come (each against the model's rows for its keys, in its order) and dropped, so the
     /// check holds little scan memory under a small limit.
     fn check(&self, t: &Table, what: &str) {
-        let schema = self.shape.schema();
-        let kk = self.shape.key.fields().len();
+        self.check_with(t, ScanOptions::default(), None, &|_, _| true, what);
+    }
+
+    /// [`Self::check`] of a scan with `options`, projected to schema columns `proj` (which
+    /// must hold `kk`) when given, returning the model's rows for which `keep(k, version)`.
+    fn check_with(&self, t: &Table, options: ScanOptions, proj: Option<&[usize]>, keep: &dyn Fn(i64, u64) -> bool, what: &str) {
+        let full = self.shape.schema();
+        let cols: Vec<usize> = proj.map_or_else(|| (0..full.fields().len()).collect(), <[usize]>::to_vec);
+        let schema = Arc::new(full.project(&cols).unwrap());
+        let kk = cols.iter().position(|&c| c == self.shape.key.fields().len()).expect("kk projected");
         let mut seen = std::collections::BTreeSet::new();
-        for b in t.scan(ScanOptions::default()).unwrap_or_else(|e| panic!("{what}: scan: {e}")) {
+        for b in t.scan(options).unwrap_or_else(|e| panic!("{what}: scan: {e}")) {
             let got = b.unwrap_or_else(|e| panic!("{what}: {e}"));
             assert_eq!(got.schema().fields(), schema.fields(), "{what}: scan schema");
             let keys: Vec<i64> = got.column(kk).as_primitive::<Int64Type>().values().to_vec();
@@ -447,7 +455,8 @@ impl Model {
                     (k, *self.rows.get(&k).unwrap_or_else(|| panic!("{what}: key {k} is not in the model")))
                 })
                 .collect();
-            let want = self.shape.batch(&rows);
+            assert!(rows.iter().all(|&(k, v)| keep(k, v)), "{what}: a row the filter should drop");
+            let want = self.shape.batch(&rows).project(&cols).unwrap();
             for j in 0..schema.fields().len() {
                 let (g, w) = (got.column(j), want.column(j));
                 if g.to_data() == w.to_data() {
@@ -465,9 +474,30 @@ impl Model {
                 );
             }
         }
-        if seen.len() != self.rows.len() {
-            let missing: Vec<_> = self.rows.keys().filter(|k| !seen.contains(k)).take(5).collect();
-            panic!("{what}: {} rows vs {} in the model; missing {missing:?}", seen.len(), self.rows.len());
+        let want = self.rows.iter().filter(|(k, v)| keep(**k, **v)).count();
+        if seen.len() != want {
+            let missing: Vec<_> = self.rows.iter().filter(|(k, v)| keep(**k, **v) && !seen.contains(k)).take(5).collect();
+            panic!("{what}: {} rows vs {want} in the model; missing {missing:?}", seen.len());
+        }
+    }
+
+    /// Scans with a projection (kk and every third value column from `salt` on, in reverse
+    /// order), a range filter on kk, and an IS NULL filter on a value column, each checked.
+    fn check_projected(&self, t: &Table, salt: u64, n: i64, what: &str) {
+        let base = self.shape.key.fields().len();
+        let names: Vec<String> = self.shape.schema().fields().iter().map(|f| f.name().clone()).collect();
+        let mut proj: Vec<usize> = (base + 2..names.len()).filter(|c| (*c as u64 + salt) % 3 == 0).rev().collect();
+        proj.insert(proj.len() / 2, base);
+        let opts = || ScanOptions::default().projection(proj.iter().map(|&c| names[c].clone())).batch_rows(100 + salt as usize * 37);
+        self.check_with(t, opts(), Some(&proj), &|_, _| true, &format!("{what}, projected"));
+        let cut = n / 3 + salt as i64;
+        let f = ScanFilter::compare("kk", CompareOp::Lt, Arc::new(PrimitiveArray::<Int64Type>::from(vec![cut])));
+        self.check_with(t, opts().filter(f), Some(&proj), &|k, _| k < cut, &format!("{what}, kk < {cut}"));
+        let c = (salt as usize * 5) % self.shape.cols.len();
+        if let Some(nulls) = self.shape.cols[c].nulls {
+            let f = ScanFilter::is_null(format!("c{c}"));
+            let keep = |k: i64, v: u64| is_null(nulls, k, cell_hash(k, v, c), c);
+            self.check_with(t, opts().filter(f), Some(&proj), &keep, &format!("{what}, c{c} IS NULL"));
         }
     }
 
@@ -558,6 +588,7 @@ fn every_type_round_trip(key: KeyKind, n: i64, seed: u64, chunk: usize) {
                 t.flush().unwrap();
             }
             m.check(&t, &format!("round {round}"));
+            m.check_projected(&t, round, n, &format!("round {round}"));
         }
         m.probe(&t, (0..n + 20).step_by(7), "probe before reopen");
         drop(t);

@@ -1218,6 +1218,19 @@ mod parallel_tests {
         assert_eq!(ctl.category_bytes(Category::BatchBlocks), 0);
     }
 
+    /// An empty delta converts to no batches, sorted or not, on any number of threads.
+    #[test]
+    fn an_empty_delta_converts_to_nothing() {
+        let ctl = ctl(256 << 20);
+        let d = DeltaStore::new(Arc::clone(delta(&ctl).codec()), &ctl, None);
+        for sorted in [false, true] {
+            for threads in [1, 2] {
+                let b = d.to_batches_parallel(Category::BatchBlocks, sorted, 4_096, 1 << 20, threads, |_| true).unwrap();
+                assert!(b.puts.is_empty() && b.delete_keys.num_rows() == 0, "sorted {sorted}, {threads} threads");
+            }
+        }
+    }
+
     /// Under a limit with room for the sort's `(prefix, row)` pairs but not for the row starts
     /// of arena order beside them, the rows are selected in map order on one part: same rows,
     /// same order; with less room than the pairs, a memory error and nothing held. The

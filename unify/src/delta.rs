@@ -646,6 +646,10 @@ impl DeltaStore {
     /// one part reads the rows in map order instead (a cache miss per row, no parallelism).
     fn select_sorted(&self, category: Category, threads: usize, keep: &(impl Fn(&[u8]) -> bool + Sync)) -> Result<(Vec<RowRef>, Vec<RowRef>), UnifyError> {
         type Keyed = Vec<(u128, RowRef)>;
+        if self.map.is_empty() {
+            // No parts to split (the split below needs at least one row).
+            return Ok((Vec::new(), Vec::new()));
+        }
         let mut res = Reservation::new(&self.ctl, category, self.table.as_ref());
         res.try_grow(self.map.len() * std::mem::size_of::<(u128, RowRef)>())?;
         let arena = &self.arena;

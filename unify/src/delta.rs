@@ -655,22 +655,21 @@ impl DeltaStore {
         let arena = &self.arena;
         let codec = &self.codec;
         let cmp = |a: &(u128, RowRef), b: &(u128, RowRef)| a.0.cmp(&b.0).then_with(|| key_of(arena.get(a.1)).cmp(key_of(arena.get(b.1))));
-        let sorted_part = |rows: &mut dyn FnMut() -> (Keyed, Keyed)| {
-            let (mut puts, mut dels) = rows();
+        let sorted_part = |(mut puts, mut dels): (Keyed, Keyed)| {
             puts.sort_unstable_by(cmp);
             dels.sort_unstable_by(cmp);
             (puts, dels)
         };
         let mut order = Reservation::new(&self.ctl, category, self.table.as_ref());
         if order.try_grow(self.map.len() * std::mem::size_of::<RowAt>()).is_err() {
-            let (puts, dels) = sorted_part(&mut || read_keyed(arena, codec, keep, self.map.iter().map(|e| e.at), self.map.len()));
+            let (puts, dels) = sorted_part(read_keyed(arena, codec, keep, self.map.iter().map(|e| e.at), self.map.len()));
             return Ok((merge_sorted(&[puts], cmp), merge_sorted(&[dels], cmp)));
         }
         let mut rows = arena_order(&self.map, self.arena.block_slots());
         let part = |rows: &mut [RowAt]| -> (Keyed, Keyed) {
             // Each block's rows by offset: this part then reads its rows front to back.
             RowAt::sort_within_blocks(rows);
-            sorted_part(&mut || read_keyed(arena, codec, keep, rows.iter().copied(), rows.len()))
+            sorted_part(read_keyed(arena, codec, keep, rows.iter().copied(), rows.len()))
         };
         let parts = threads.min(rows.len() / MIN_SORT_PART).max(1);
         let part_len = rows.len().div_ceil(parts).max(1);

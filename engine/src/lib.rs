@@ -33,6 +33,11 @@ mod writer;
 pub use config::EngineConfig;
 pub use engine::{DEFAULT_DATA_DIR, Engine};
 pub use error::{Error, Result};
+/// The error types [`Error`] wraps ([`Error::Input`], [`Error::Storage`], [`Error::Memory`]),
+/// so a caller can match on their typed fields (e.g. `UnifyError::NullKey { column, row }`).
+pub use gritdb_memctl::MemoryError;
+pub use gritdb_storage::StorageError;
+pub use gritdb_unify::UnifyError;
 pub use export::{ExportError, ExportOptions, ExportStats};
 pub use scan::{RETAIN_RATIO, Scan, ScanOptions, compact_if_sparse, retained_bytes};
 pub use gritdb_storage::{CompareOp, FilterError, ScanFilter, ScanMetrics, WalSync};

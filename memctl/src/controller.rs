@@ -252,7 +252,7 @@ impl MemoryController {
         let min = 2 * chunk_size;
         if limit < min {
             return Err(MemoryError::Config(format!(
-                "memory limit {limit} bytes is below the minimum of two chunks ({min} bytes)"
+                "memory limit of {limit} B is below the minimum of two chunks ({min} B)"
             )));
         }
         Ok(())

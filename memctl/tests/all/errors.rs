@@ -72,7 +72,7 @@ fn config_errors_say_what_is_wrong() {
     .expect_err("below two chunks");
     assert_eq!(
         small.to_string(),
-        "invalid memory configuration: memory limit 65536 bytes is below the minimum of two chunks (131072 bytes)"
+        "invalid memory configuration: memory limit of 65536 B is below the minimum of two chunks (131072 B)"
     );
     let odd = MemoryController::new(ControllerConfig {
         chunk_size: 3000,

@@ -685,8 +685,8 @@ impl Engine {
         let codec = Arc::new(RowCodec::new(Arc::clone(&schema), &key_cols, shared.config.max_row_bytes)?);
         let mut tables = self.inner.tables_write();
         let lower = name.to_lowercase();
-        if tables.keys().any(|k| k.to_lowercase() == lower) {
-            return Err(Error::TableExists { name: name.to_owned() });
+        if let Some(existing) = tables.keys().find(|k| k.to_lowercase() == lower) {
+            return Err(Error::TableExists { name: name.to_owned(), existing: existing.clone() });
         }
         let id = self.inner.next_table_id.fetch_add(1, Ordering::AcqRel);
         let dir = self.inner.dir.join("tables").join(format!("t{id}"));

@@ -42,10 +42,12 @@ pub enum Error {
         reason: &'static str,
     },
     /// A table of that name (compared case-insensitively) exists.
-    #[error("table `{name}` already exists")]
+    #[error("table `{name}` already exists{}", existing_as(.name, .existing))]
     TableExists {
         /// The name given.
         name: String,
+        /// The existing table's name (differs from `name` only in case, if at all).
+        existing: String,
     },
     /// No table of that name.
     #[error("table `{name}` does not exist")]
@@ -191,4 +193,9 @@ impl Error {
 pub(crate) fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Error {
     let path = path.into();
     move |source| Error::Io { path, source }
+}
+
+/// " as `existing` (...)" when the existing table's name differs from the one given.
+fn existing_as(name: &str, existing: &str) -> String {
+    if name == existing { String::new() } else { format!(" as `{existing}` (table names compare case-insensitively)") }
 }

@@ -150,7 +150,12 @@ fn table_names_and_definitions() {
         );
     }
     engine.create_table("Orders", composite_schema(), &["k1", "k2"]).unwrap();
-    assert!(matches!(engine.create_table("orders", composite_schema(), &["k1"]), Err(Error::TableExists { .. })));
+    // The error names the table that exists when only the case differs.
+    let err = engine.create_table("orders", composite_schema(), &["k1"]).unwrap_err();
+    assert!(matches!(&err, Error::TableExists { name, existing } if name == "orders" && existing == "Orders"), "{err:?}");
+    assert_eq!(err.to_string(), "table `orders` already exists as `Orders` (table names compare case-insensitively)");
+    let err = engine.create_table("Orders", composite_schema(), &["k1"]).unwrap_err();
+    assert_eq!(err.to_string(), "table `Orders` already exists");
     assert!(matches!(engine.create_table("x", composite_schema(), &[]), Err(Error::InvalidPrimaryKey(_))));
     assert!(matches!(engine.create_table("x", composite_schema(), &["nope"]), Err(Error::InvalidPrimaryKey(_))));
     assert!(matches!(engine.create_table("x", composite_schema(), &["k1", "k1"]), Err(Error::InvalidPrimaryKey(_))));

@@ -21,19 +21,13 @@ use arrow::datatypes::{
 use arrow::util::display::array_value_to_string;
 use gritdb::memory::Category;
 use gritdb::{CompareOp, Engine, EngineConfig, Error, ScanFilter, ScanOptions, Table, WalSync};
+use gritdb_tests::mix;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 const MIB: usize = 1 << 20;
-
-fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
 
 fn shuffle<T>(v: &mut [T], seed: u64) {
     for i in (1..v.len()).rev() {

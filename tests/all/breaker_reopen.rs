@@ -11,6 +11,7 @@ use arrow::datatypes::{DataType, Field, Int64Type, Schema, SchemaRef};
 use gritdb::memory::Category;
 use gritdb::vfs::FaultFs;
 use gritdb::{Engine, EngineConfig, ExportOptions, ScanOptions, Table};
+use gritdb_tests::mix;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -27,13 +28,6 @@ struct Spec {
     cols: usize,
     min: usize,
     max: usize,
-}
-
-fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
 }
 
 impl Spec {

@@ -11,6 +11,7 @@ use arrow::datatypes::{DataType, Field, Int64Type, Schema, SchemaRef};
 use gritdb::memory::Category;
 use gritdb::vfs::{FaultFs, StdFs, Vfs, VfsFile};
 use gritdb::{CompareOp, Engine, EngineConfig, ExportOptions, ScanFilter, ScanOptions, Table};
+use gritdb_tests::mix;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::path::{Path, PathBuf};
@@ -21,13 +22,6 @@ use std::time::{Duration, Instant};
 const MIB: usize = 1 << 20;
 
 // ---------------------------------------------------------------- the model
-
-fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
 
 /// How the text column `s` is filled.
 #[derive(Clone, Copy, Debug)]

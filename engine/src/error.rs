@@ -78,20 +78,24 @@ pub enum Error {
         source: gritdb_storage::FilterError,
     },
     /// `insert` of a key that already exists.
-    #[error("table `{table}`: primary key at row {row} already exists; use upsert to replace rows")]
+    #[error("table `{table}`: primary key ({key}) at row {row} already exists; use upsert to replace rows")]
     KeyExists {
         /// Table name.
         table: String,
         /// Row index within the batch.
         row: usize,
+        /// The key's values, `column=value` for each key column (Arrow's display).
+        key: String,
     },
     /// `update` of a key that does not exist.
-    #[error("table `{table}`: primary key at row {row} does not exist; update only replaces existing rows (use upsert)")]
+    #[error("table `{table}`: primary key ({key}) at row {row} does not exist; update only replaces existing rows (use upsert)")]
     KeyNotFound {
         /// Table name.
         table: String,
         /// Row index within the batch.
         row: usize,
+        /// The key's values, `column=value` for each key column (Arrow's display).
+        key: String,
     },
     /// Two rows of one batch have the same primary key.
     #[error("table `{table}`: rows {first} and {row} of the batch have the same primary key")]

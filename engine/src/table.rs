@@ -485,7 +485,7 @@ impl Table {
         let id = self.inner.id;
         self.with_backpressure(batch.get_array_memory_size(), |st| {
             if !overlap {
-                self.check_keys(st, &keys, &hashes, mode)?;
+                self.check_keys(st, batch, &keys, &hashes, mode)?;
                 let seq = self.inner.seq.fetch_add(n as u64, Ordering::AcqRel);
                 st.active.apply_puts_with(batch, &keys, &hashes, seq, |encode| {
                     wal.append(WalOp::Put, id, seq, seq + n as u64 - 1, batch)?;
@@ -508,7 +508,7 @@ impl Table {
                     wal.append_record(rec, id, seq, seq + n as u64 - 1)?;
                     Ok(())
                 });
-                self.check_keys(st, &keys, &hashes, mode)?;
+                self.check_keys(st, batch, &keys, &hashes, mode)?;
                 let seq = self.inner.seq.fetch_add(n as u64, Ordering::AcqRel);
                 st.active.apply_puts_with(batch, &keys, &hashes, seq, |encode| {
                     // A send fails only when the appender already stopped with an encoding
@@ -523,22 +523,41 @@ impl Table {
     }
 
     /// Insert: no key may exist in any layer; update: every key must exist.
-    fn check_keys(&self, st: &TableState, keys: &arrow_row::Rows, hashes: &[u64], mode: WriteMode) -> Result<()> {
+    fn check_keys(&self, st: &TableState, batch: &RecordBatch, keys: &arrow_row::Rows, hashes: &[u64], mode: WriteMode) -> Result<()> {
         let n = keys.num_rows();
         match mode {
             WriteMode::Insert => {
                 if let Some(row) = (0..n).find(|&i| st.exists(keys.row(i).as_ref(), hashes[i])) {
-                    return Err(Error::KeyExists { table: self.inner.name.clone(), row });
+                    return Err(Error::KeyExists { table: self.inner.name.clone(), row, key: self.key_text(batch, row) });
                 }
             }
             WriteMode::Update => {
                 if let Some(row) = (0..n).find(|&i| !st.exists(keys.row(i).as_ref(), hashes[i])) {
-                    return Err(Error::KeyNotFound { table: self.inner.name.clone(), row });
+                    return Err(Error::KeyNotFound { table: self.inner.name.clone(), row, key: self.key_text(batch, row) });
                 }
             }
             WriteMode::Upsert => {}
         }
         Ok(())
+    }
+
+    /// Row `row`'s primary key as `name=value` pairs (Arrow's display of each value), for
+    /// error messages.
+    fn key_text(&self, batch: &RecordBatch, row: usize) -> String {
+        let schema = batch.schema();
+        let opts = arrow_cast::display::FormatOptions::default().with_null("null");
+        self.inner
+            .codec
+            .keys()
+            .columns()
+            .iter()
+            .map(|&c| {
+                let value = arrow_cast::display::ArrayFormatter::try_new(batch.column(c).as_ref(), &opts)
+                    .map_or_else(|_| "?".to_owned(), |f| f.value(row).to_string());
+                format!("{}={value}", schema.field(c).name())
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
     /// Runs `apply` under the table lock; when it fails for memory, asks the writer to flush

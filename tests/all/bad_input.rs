@@ -122,12 +122,15 @@ fn duplicate_keys_and_existence_rules() {
     }
     // Existing key in a file (1,1) and in the delta (3,3).
     let clash_file = composite_batch(&[((8, 8), (None, None)), ((1, 1), (None, None))]);
-    assert!(matches!(t.insert(&clash_file), Err(Error::KeyExists { row: 1, .. })));
+    let err = t.insert(&clash_file).unwrap_err();
+    assert!(matches!(&err, Error::KeyExists { row: 1, key, .. } if key == "k1=1, k2=1"), "{err:?}");
+    assert_eq!(err.to_string(), "table `t`: primary key (k1=1, k2=1) at row 1 already exists; use upsert to replace rows");
     let clash_delta = composite_batch(&[((3, 3), (None, None))]);
     assert!(matches!(t.insert(&clash_delta), Err(Error::KeyExists { row: 0, .. })));
     // Update of a missing key rejects the whole batch.
     let upd = composite_batch(&[((1, 1), (Some(0), None)), ((77, 7), (None, None))]);
-    assert!(matches!(t.update(&upd), Err(Error::KeyNotFound { row: 1, .. })));
+    let err = t.update(&upd).unwrap_err();
+    assert!(matches!(&err, Error::KeyNotFound { row: 1, key, .. } if key == "k1=77, k2=7"), "{err:?}");
     assert_eq!(snapshot(&t), before);
     // Delete of absent keys counts zero and changes nothing.
     assert_eq!(t.delete(&composite_keys(&[(100, 1), (101, 1)])).unwrap(), 0);

@@ -51,7 +51,7 @@ impl ScanOptions {
         self
     }
 
-    /// Largest batch returned, in rows (default 8,192).
+    /// Largest batch returned, in rows (default 8,192; at least 1: `0` is taken as 1).
     #[must_use]
     pub fn batch_rows(mut self, rows: usize) -> Self {
         self.batch_rows = rows.max(1);

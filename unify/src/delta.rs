@@ -606,6 +606,15 @@ impl DeltaStore {
         Ok(DeltaBatches { puts, delete_keys })
     }
 
+    /// The map's row starts grouped by block ([`arena_order`]), with the reservation that
+    /// budgets them under `category` (8 bytes a row; keep it while the starts live); `None`
+    /// when the limit has no room for them.
+    fn arena_rows(&self, category: Category) -> Option<(Reservation, Vec<RowAt>)> {
+        let mut order = Reservation::new(&self.ctl, category, self.table.as_ref());
+        order.try_grow(self.map.len() * std::mem::size_of::<RowAt>()).ok()?;
+        Some((order, arena_order(&self.map, self.arena.block_slots())))
+    }
+
     /// The puts and deletes kept by `keep`, in arena order ([`arena_order`] then
     /// [`RowAt::sort_within_blocks`]: reading them, and decoding them after, goes front to back
     /// through each row block instead of a cache and TLB miss per row in hash-map order). The
@@ -621,9 +630,7 @@ impl DeltaStore {
                 if op_of(row) == OP_PUT { puts.push(r) } else { dels.push(r) }
             }
         };
-        let mut order = Reservation::new(&self.ctl, category, self.table.as_ref());
-        if order.try_grow(self.map.len() * std::mem::size_of::<RowAt>()).is_ok() {
-            let mut rows = arena_order(&self.map, self.arena.block_slots());
+        if let Some((_order, mut rows)) = self.arena_rows(category) {
             RowAt::sort_within_blocks(&mut rows);
             rows.into_iter().for_each(&mut take);
         } else {
@@ -660,12 +667,10 @@ impl DeltaStore {
             dels.sort_unstable_by(cmp);
             (puts, dels)
         };
-        let mut order = Reservation::new(&self.ctl, category, self.table.as_ref());
-        if order.try_grow(self.map.len() * std::mem::size_of::<RowAt>()).is_err() {
+        let Some((order, mut rows)) = self.arena_rows(category) else {
             let (puts, dels) = sorted_part(read_keyed(arena, codec, keep, self.map.iter().map(|e| e.at), self.map.len()));
             return Ok((merge_sorted(&[puts], cmp), merge_sorted(&[dels], cmp)));
-        }
-        let mut rows = arena_order(&self.map, self.arena.block_slots());
+        };
         let part = |rows: &mut [RowAt]| -> (Keyed, Keyed) {
             // Each block's rows by offset: this part then reads its rows front to back.
             RowAt::sort_within_blocks(rows);

@@ -362,6 +362,7 @@ impl RowCodec {
 /// implementations copy short lengths. Most keys and string values of a row are this short,
 /// and the call was a fifth of [`RowCodec::encode_row`] (callgrind, lineitem).
 #[inline(always)]
+#[expect(clippy::inline_always, reason = "measured: with #[inline] the call stays and all inserts cost 630 M instead of 603 M instructions (callgrind, SF 0.02)")]
 fn copy_short(dst: &mut [u8], src: &[u8]) {
     let n = src.len();
     debug_assert_eq!(dst.len(), n);
@@ -389,6 +390,7 @@ fn copy_short(dst: &mut [u8], src: &[u8]) {
 }
 
 #[inline(always)]
+#[expect(clippy::inline_always, reason = "measured: with #[inline] the call stays and all inserts cost 630 M instead of 603 M instructions (callgrind, SF 0.02)")]
 fn u128_at(s: &[u8], at: usize) -> [u8; 16] {
     let mut b = [0u8; 16];
     b.copy_from_slice(&s[at..at + 16]);
@@ -396,6 +398,7 @@ fn u128_at(s: &[u8], at: usize) -> [u8; 16] {
 }
 
 #[inline(always)]
+#[expect(clippy::inline_always, reason = "measured: with #[inline] the call stays and all inserts cost 630 M instead of 603 M instructions (callgrind, SF 0.02)")]
 fn u64_at(s: &[u8], at: usize) -> [u8; 8] {
     let mut b = [0u8; 8];
     b.copy_from_slice(&s[at..at + 8]);
@@ -403,6 +406,7 @@ fn u64_at(s: &[u8], at: usize) -> [u8; 8] {
 }
 
 #[inline(always)]
+#[expect(clippy::inline_always, reason = "measured: with #[inline] the call stays and all inserts cost 630 M instead of 603 M instructions (callgrind, SF 0.02)")]
 fn u32_at(s: &[u8], at: usize) -> [u8; 4] {
     let mut b = [0u8; 4];
     b.copy_from_slice(&s[at..at + 4]);
@@ -484,6 +488,7 @@ pub(crate) enum VarSrc<'a> {
 impl VarSrc<'_> {
     /// Writes value `i` (not null) at the start of `dst` and returns its length in bytes.
     #[inline(always)]
+    #[expect(clippy::inline_always, reason = "measured: with #[inline] the call stays and all inserts cost 630 M instead of 603 M instructions (callgrind, SF 0.02)")]
     fn write(&self, i: usize, dst: &mut [u8]) -> usize {
         match self {
             VarSrc::Off32 { offsets, values } => {
@@ -669,7 +674,7 @@ mod tests {
         for n in 0..=70 {
             for from in 0..3 {
                 for to in 0..3 {
-                    let mut dst = vec![0xEEu8; 80];
+                    let mut dst = [0xEEu8; 80];
                     copy_short(&mut dst[to..to + n], &src[from..from + n]);
                     assert_eq!(&dst[to..to + n], &src[from..from + n], "len {n}, from {from}, to {to}");
                     assert!(dst[..to].iter().chain(&dst[to + n..]).all(|&b| b == 0xEE), "len {n}: wrote outside");

@@ -983,6 +983,18 @@ impl DeltaStore {
 }
 
 #[cfg(test)]
+/// Test setup shared by the delta's test modules: a controller with `limit` bytes, a table of
+/// one `Int64` key column `k`, its codec, and an empty delta of it.
+fn int64_delta(limit: usize) -> (Arc<MemoryController>, SchemaRef, Arc<RowCodec>, DeltaStore) {
+    let ctl = MemoryController::new(gritdb_memctl::ControllerConfig { memory_limit: Some(limit), ..Default::default() })
+        .expect("valid controller config");
+    let schema = Arc::new(arrow_schema::Schema::new(vec![arrow_schema::Field::new("k", DataType::Int64, false)]));
+    let codec = Arc::new(RowCodec::new(Arc::clone(&schema), &[0], 1 << 20).expect("supported schema"));
+    let d = DeltaStore::new(Arc::clone(&codec), &ctl, None);
+    (ctl, schema, codec, d)
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use arrow_array::{Array, BinaryArray, BooleanArray, Decimal128Array, Int32Array, Int64Array, LargeStringArray, StringArray, StringViewArray};
@@ -1324,8 +1336,6 @@ mod parallel_tests {
 mod hash_tests {
     use super::*;
     use arrow_array::Int64Array;
-    use arrow_schema::Field;
-    use gritdb_memctl::ControllerConfig;
 
     /// The map rehashes from the 32-bit tag alone, so every hash must be recoverable from it.
     #[test]
@@ -1340,10 +1350,7 @@ mod hash_tests {
     /// found, every absent key not found, and replacing a key keeps one entry.
     #[test]
     fn keys_survive_map_growth_and_replacement() {
-        let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(256 << 20), ..ControllerConfig::default() }).unwrap();
-        let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false)]));
-        let codec = Arc::new(RowCodec::new(Arc::clone(&schema), &[0], 1 << 20).unwrap());
-        let mut d = DeltaStore::new(Arc::clone(&codec), &ctl, None);
+        let (_ctl, schema, codec, mut d) = int64_delta(256 << 20);
         for start in (0..100_000i64).step_by(1_000) {
             let b = RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int64Array::from_iter_values(start..start + 1_000))]).unwrap();
             let keys = codec.keys().encode_batch(&b).unwrap();
@@ -1521,20 +1528,14 @@ mod plan_tests {
 mod refused_tests {
     use super::*;
     use arrow_array::Int64Array;
-    use arrow_schema::Field;
     use gritdb_memctl::ControllerConfig;
 
-    /// Puts and tombstones whose commit fails give back the map growth they budgeted: the
-    /// key map's bytes and capacity return to their values before.
     /// A presized map holds `keys` keys without growing, counted under `key_index` to the
     /// byte; under a limit where it would take more than an eighth of the free memory it is
     /// not presized and holds nothing.
     #[test]
     fn presize_budgets_the_map_or_holds_nothing() {
-        let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(64 << 20), ..ControllerConfig::default() }).unwrap();
-        let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false)]));
-        let codec = Arc::new(RowCodec::new(Arc::clone(&schema), &[0], 1 << 20).unwrap());
-        let mut d = DeltaStore::new(Arc::clone(&codec), &ctl, None);
+        let (ctl, schema, codec, mut d) = int64_delta(64 << 20);
         let used0 = ctl.used();
         assert!(d.presize(10_000));
         let cap = d.map.capacity();
@@ -1564,12 +1565,11 @@ mod refused_tests {
         assert_eq!((d.map.capacity(), d.bytes(), small.used()), (0, 0, used0));
     }
 
+    /// Puts and tombstones whose commit fails give back the map growth they budgeted: the
+    /// key map's bytes and capacity return to their values before.
     #[test]
     fn refused_batches_give_back_map_growth() {
-        let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(64 << 20), ..ControllerConfig::default() }).unwrap();
-        let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false)]));
-        let codec = Arc::new(RowCodec::new(Arc::clone(&schema), &[0], 1 << 20).unwrap());
-        let mut d = DeltaStore::new(Arc::clone(&codec), &ctl, None);
+        let (_ctl, schema, codec, mut d) = int64_delta(64 << 20);
         let small = RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int64Array::from_iter_values(0..10))]).unwrap();
         let keys = codec.keys().encode_batch(&small).unwrap();
         d.apply_puts(&small, &keys, 1, || Ok::<(), UnifyError>(())).unwrap();

@@ -9,7 +9,7 @@ pub mod crash {
     pub use gritdb_soak::crash::*;
 }
 
-/// SplitMix64's output function (Steele, Lea and Flood, "Fast splittable pseudorandom number
+/// `SplitMix64`'s output function (Steele, Lea and Flood, "Fast splittable pseudorandom number
 /// generators", 2014): a deterministic, well-mixed `u64` from any `u64`, for tests that need
 /// reproducible pseudo-random keys, values and orders without a seeded RNG.
 pub fn mix(mut x: u64) -> u64 {

@@ -142,18 +142,6 @@ impl TableInner {
         true
     }
 
-    /// [`Self::seal`] of a delta that reached `table_flush_bytes`: the next one will likely
-    /// fill the same way, so its key map is sized for as many keys up front (when the budget
-    /// allows; see [`DeltaStore::presize`]).
-    pub(crate) fn seal_full(&self, st: &mut TableState) -> bool {
-        let keys = st.active.len();
-        let sealed = self.seal(st);
-        if sealed {
-            st.active.presize(keys);
-        }
-        sealed
-    }
-
     /// Highest write sequence number in committed files.
     pub(crate) fn flushed_seq(&self) -> u64 {
         lock(&self.state).as_ref().map_or(0, |s| s.store.flushed_seq())
@@ -602,7 +590,7 @@ impl Table {
                 if res.is_ok() && st.active_since.is_none() && !st.active.is_empty() {
                     st.active_since = Some(Instant::now());
                 }
-                if res.is_ok() && st.active.bytes() >= self.inner.shared.table_flush_bytes() && self.inner.seal_full(st) {
+                if res.is_ok() && st.active.bytes() >= self.inner.shared.table_flush_bytes() && self.inner.seal(st) {
                     self.engine.writer.schedule(&self.inner);
                 }
                 res

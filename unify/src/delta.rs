@@ -362,21 +362,6 @@ impl DeltaStore {
         Ok(())
     }
 
-    /// Sizes the key map for `keys` keys up front, budgeted under `key_index` like any growth.
-    /// Returns false and changes nothing when the map would take more than an eighth of the
-    /// memory still free under the limit (a tight limit keeps its room for rows; the map then
-    /// grows with them as usual) or when the budget refuses. For a delta that replaces one
-    /// sealed full: it will likely fill the same way, and a map grown by doubling rehashes
-    /// every key it holds at each step (`reserve_rehash` was 9% of the samples of a cold
-    /// lineitem insert, `perf record --call-graph dwarf`).
-    pub fn presize(&mut self, keys: usize) -> bool {
-        if keys <= self.map.capacity() {
-            return true;
-        }
-        let free = self.ctl.limit().saturating_sub(self.ctl.used());
-        table_bytes(capacity_for(keys)) <= free / 8 && self.reserve_map(keys - self.map.len()).is_ok()
-    }
-
     /// Encodes and stores every row of `batch` (already validated by [`RowCodec::validate`];
     /// `keys` from [`crate::KeyEncoder::encode_batch`]) with sequence numbers `seq, seq+1, ...`.
     /// All memory is budgeted before the first row is written, so on error nothing changed.
@@ -1528,42 +1513,6 @@ mod plan_tests {
 mod refused_tests {
     use super::*;
     use arrow_array::Int64Array;
-    use gritdb_memctl::ControllerConfig;
-
-    /// A presized map holds `keys` keys without growing, counted under `key_index` to the
-    /// byte; under a limit where it would take more than an eighth of the free memory it is
-    /// not presized and holds nothing.
-    #[test]
-    fn presize_budgets_the_map_or_holds_nothing() {
-        let (ctl, schema, codec, mut d) = int64_delta(64 << 20);
-        let used0 = ctl.used();
-        assert!(d.presize(10_000));
-        let cap = d.map.capacity();
-        assert!(cap >= 10_000, "capacity {cap}");
-        assert_eq!(d.bytes(), table_bytes(cap));
-        assert_eq!(ctl.used() - used0, table_bytes(cap));
-        assert_eq!(ctl.category_bytes(Category::KeyIndex), table_bytes(cap));
-        // 10,000 keys in batches of 1,000: the map never grows.
-        for b in 0..10i64 {
-            let batch = RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int64Array::from_iter_values(b * 1000..(b + 1) * 1000))]).unwrap();
-            let keys = codec.keys().encode_batch(&batch).unwrap();
-            d.apply_puts(&batch, &keys, 1 + b as u64 * 1000, || Ok::<(), UnifyError>(())).unwrap();
-            assert_eq!(d.map.capacity(), cap, "grew at batch {b}");
-        }
-        assert_eq!(d.len(), 10_000);
-        drop(d);
-        ctl.trim_free_chunks(0);
-        assert_eq!((ctl.used(), ctl.category_bytes(Category::KeyIndex)), (used0, 0));
-
-        // 1 MiB limit: a map for 14,000 keys (213,008 B) fits the budget but is more than an
-        // eighth of the free memory.
-        let small = MemoryController::new(ControllerConfig { memory_limit: Some(1 << 20), ..ControllerConfig::default() }).unwrap();
-        let mut d = DeltaStore::new(codec, &small, None);
-        let used0 = small.used();
-        assert_eq!(table_bytes(capacity_for(14_000)), 213_008);
-        assert!(!d.presize(14_000));
-        assert_eq!((d.map.capacity(), d.bytes(), small.used()), (0, 0, used0));
-    }
 
     /// Puts and tombstones whose commit fails give back the map growth they budgeted: the
     /// key map's bytes and capacity return to their values before.

@@ -8,6 +8,7 @@ mod backpressure;
 mod bad_input;
 mod big_strings;
 mod breaker_flush5;
+mod breaker_encode6;
 mod breaker_reopen;
 mod breaker_slices;
 mod breaker_views;

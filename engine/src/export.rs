@@ -277,7 +277,7 @@ impl Table {
             // The batch's encoding is budgeted before it is made (its Arrow bytes, about what
             // it adds); when refused, the open row group is closed first, as the flush does
             // (storage/src/write.rs).
-            let ahead: usize = batch.columns().iter().map(|c| c.to_data().get_slice_memory_size().unwrap_or_else(|_| c.get_array_memory_size())).sum();
+            let ahead = gritdb_storage::batch_bytes(&batch);
             if buffers.try_resize(writer.memory_size() + ahead).is_err() {
                 writer.flush().map_err(pq)?;
                 buffers.try_resize(writer.memory_size() + ahead).map_err(Error::from)?;

@@ -439,7 +439,7 @@ impl Table {
         let rows = codec.keys().encode_key_columns(keys.columns())?;
         let hashes = gritdb_unify::hash_keys(&rows);
         let unique = unique_rows(&rows, &hashes);
-        self.with_backpressure(keys.get_array_memory_size(), |st| {
+        self.with_backpressure(gritdb_storage::batch_bytes(keys), |st| {
             let mut items = Vec::new();
             for &i in &unique {
                 let key = rows.row(i);
@@ -483,7 +483,7 @@ impl Table {
         let wal = self.inner.shared.wal()?;
         let overlap = n >= OVERLAP_WAL_ROWS && wal.syncs_each_append();
         let id = self.inner.id;
-        self.with_backpressure(batch.get_array_memory_size(), |st| {
+        self.with_backpressure(gritdb_storage::batch_bytes(batch), |st| {
             if !overlap {
                 self.check_keys(st, batch, &keys, &hashes, mode)?;
                 let seq = self.inner.seq.fetch_add(n as u64, Ordering::AcqRel);

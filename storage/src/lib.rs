@@ -16,6 +16,7 @@
 //!
 //! Nothing here knows about row blocks: it takes Arrow batches and key bytes.
 
+mod bytes;
 mod compact;
 mod error;
 mod filter;
@@ -26,6 +27,7 @@ mod vfs;
 mod wal;
 mod write;
 
+pub use bytes::batch_bytes;
 pub use compact::{CompactionOptions, CompactionPlan};
 pub use error::StorageError;
 pub use filter::{BoundFilter, CompareOp, FilePlan, FilterError, ScanCounters, ScanFilter, ScanMetrics, filter_batch, keep_rows};

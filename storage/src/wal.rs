@@ -228,7 +228,8 @@ impl Wal {
         res.try_grow(compact_bytes(batch))?;
         let compact = compact_views(batch)?;
         let batch = compact.as_ref().unwrap_or(batch);
-        let estimate = HEADER + PAYLOAD_HEADER + batch.get_array_memory_size() + 1024;
+        // A slice's own rows, not its parent's buffers (the IPC writer writes only the slice).
+        let estimate = HEADER + PAYLOAD_HEADER + crate::batch_bytes(batch) + 1024;
         res.try_grow(estimate)?;
         let mut buf = Vec::with_capacity(estimate);
         buf.extend_from_slice(&[0; HEADER]);

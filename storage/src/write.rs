@@ -177,13 +177,13 @@ pub fn write_data_file_from(
 }
 
 /// Rows per step of [`write_batches`] for `batch`, and the batch's average Arrow bytes per
-/// row (`RecordBatch::get_array_memory_size` / rows, at least 1). The step is
+/// row ([`crate::batch_bytes`] / rows, at least 1). The step is
 /// `write_batch_rows`, fewer when that many rows would hold more than a quarter of
 /// `row_group_bytes`, so one step of a wide table cannot overshoot the row-group cut by much.
 /// At least 1.
 fn step_rows(batch: &RecordBatch, opts: &WriteOptions) -> (usize, usize) {
     let rows = batch.num_rows().max(1);
-    let per_row = batch.get_array_memory_size().div_ceil(rows).max(1);
+    let per_row = crate::batch_bytes(batch).div_ceil(rows).max(1);
     (opts.write_batch_rows.min((opts.row_group_bytes / 4 / per_row).max(1)).max(1), per_row)
 }
 

@@ -228,7 +228,7 @@ fn refused_buffer_growth_cuts_row_groups_early() {
 #[test]
 fn wide_batches_are_fed_in_steps_under_a_quarter_of_the_row_group_cut() {
     let b = batch(0, 5_000);
-    let per_row = b.get_array_memory_size().div_ceil(5_000);
+    let per_row = crate::batch_bytes(&b).div_ceil(5_000);
     let o = WriteOptions { row_group_bytes: 64 << 10, write_batch_rows: 8192, ..WriteOptions::default() };
     assert_eq!(step_rows(&b, &o), ((16 << 10) / per_row, per_row));
     assert_eq!(step_rows(&b, &WriteOptions::default()).0, 8192, "lineitem-sized rows keep the 8,192-row step");

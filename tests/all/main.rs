@@ -26,6 +26,7 @@ mod reopen_smaller;
 mod refused_writes;
 mod retention;
 mod scan_memory;
+mod sliced_writes;
 mod runtime;
 mod smoke;
 #[cfg(feature = "sql")]

@@ -2,8 +2,8 @@
 //!
 //! Run: `cargo run --release -p gritdb --example embed`
 
-use arrow_array::{Array, Int64Array, RecordBatch, StringArray};
-use arrow_schema::{DataType, Field, Schema};
+use gritdb::arrow_array::{Array, Int64Array, RecordBatch, StringArray};
+use gritdb::arrow_schema::{DataType, Field, Schema};
 use gritdb::{Engine, EngineConfig, ScanOptions};
 use std::sync::Arc;
 

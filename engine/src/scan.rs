@@ -333,10 +333,6 @@ pub fn retained_bytes(batch: &RecordBatch) -> usize {
     total
 }
 
-fn used_bytes(batch: &RecordBatch) -> usize {
-    batch.columns().iter().map(|c| c.to_data().get_slice_memory_size().unwrap_or(0)).sum()
-}
-
 /// Returns `batch` itself, or a compact copy when it keeps alive at least [`RETAIN_RATIO`]
 /// times the bytes it uses (a small slice of a big decoded or snapshot buffer).
 ///
@@ -348,7 +344,7 @@ pub fn compact_if_sparse(batch: RecordBatch) -> Result<RecordBatch> {
 
 /// [`compact_if_sparse`], saying whether it copied.
 fn compact_if_sparse_flag(batch: RecordBatch) -> Result<(RecordBatch, bool)> {
-    let used = used_bytes(&batch).max(1);
+    let used = gritdb_storage::batch_bytes(&batch).max(1);
     if retained_bytes(&batch) < RETAIN_RATIO * used {
         return Ok((batch, false));
     }

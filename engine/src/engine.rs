@@ -54,6 +54,12 @@ impl Shared {
         self.wal.get().ok_or_else(|| Error::Closed("the write-ahead log (engine still opening)".into()))
     }
 
+    /// The writer's runtime (`None` when the engine was opened without one), for blocking
+    /// tasks run beside a write: WAL records of big batches (`Table::write`).
+    pub(crate) fn runtime(&self) -> Option<&tokio::runtime::Handle> {
+        self.wal_cleanup.runtime.as_ref()
+    }
+
     /// Records that `table`'s committed files cover writes up to `seq` (`None`: the table was
     /// dropped), then drops the WAL segments no table needs any more ([`Self::truncate_wal`]),
     /// their files removed by a background task when `defer` — a flush does not wait for the

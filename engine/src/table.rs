@@ -16,8 +16,9 @@ use std::time::Instant;
 const FLUSH_BATCH_ROWS: usize = 64 << 10;
 
 /// Put batches of at least this many rows append to the write-ahead log (encode, write,
-/// fsync) on a scoped thread while the rows are encoded into the delta; smaller ones do the two
-/// in turn (a thread start, ~20 µs, is not worth it there).
+/// fsync) on the writer runtime's blocking pool while the rows are encoded into the delta
+/// ([`PendingAppend`]); smaller ones do the two in turn (the hand-over, two thread wake-ups of
+/// ~10–50 µs, is not worth it there).
 const OVERLAP_WAL_ROWS: usize = 1024;
 
 /// How a batch of rows is applied.
@@ -494,31 +495,20 @@ impl Table {
                 })?;
                 return Ok(n);
             }
-            // A big batch with an fsync per write: a scoped thread encodes the WAL record
-            // while this one checks the keys and budgets the rows, then writes and fsyncs it
-            // while this one encodes the rows. The call returns after the fsync, and nothing
-            // becomes visible unless the append succeeded (apply_puts_with frees the rows).
-            std::thread::scope(|s| {
-                let (go, numbered) = std::sync::mpsc::channel::<u64>();
-                let appending = s.spawn(move || -> Result<()> {
-                    let rec = wal.encode_record(WalOp::Put, batch)?;
-                    // No sequence number: the write was rejected before its append (the
-                    // sender is dropped), and the record is dropped unwritten.
-                    let Ok(seq) = numbered.recv() else { return Ok(()) };
-                    wal.append_record(rec, id, seq, seq + n as u64 - 1)?;
-                    Ok(())
-                });
-                self.check_keys(st, batch, &keys, &hashes, mode)?;
-                let seq = self.inner.seq.fetch_add(n as u64, Ordering::AcqRel);
-                st.active.apply_puts_with(batch, &keys, &hashes, seq, |encode| {
-                    // A send fails only when the appender already stopped with an encoding
-                    // error, which the join returns.
-                    let _ = go.send(seq);
-                    encode();
-                    appending.join().unwrap_or_else(|p| std::panic::resume_unwind(p))
-                })?;
-                Ok(n)
-            })
+            // A big batch with an fsync per write: a pool thread encodes the WAL record while
+            // this one checks the keys and budgets the rows, then writes and fsyncs it while
+            // this one encodes the rows. The call returns after the fsync, and nothing
+            // becomes visible unless the append succeeded (apply_puts_with frees the rows);
+            // a rejected write waits for its record to be dropped unwritten.
+            let pending = PendingAppend::start(&self.inner.shared, batch, id)?;
+            self.check_keys(st, batch, &keys, &hashes, mode)?;
+            let seq = self.inner.seq.fetch_add(n as u64, Ordering::AcqRel);
+            st.active.apply_puts_with(batch, &keys, &hashes, seq, |encode| {
+                pending.number(seq);
+                encode();
+                pending.finish()
+            })?;
+            Ok(n)
         })
     }
 
@@ -757,6 +747,81 @@ fn first_duplicate(rows: &arrow_row::Rows, hashes: &[u64]) -> Option<(usize, usi
         true
     });
     dup
+}
+
+/// The WAL record of one big put, encoded and appended on the writer runtime's blocking pool
+/// beside the write that owns it ([`Table::write`]): [`Self::start`] hands the batch over,
+/// [`Self::number`] gives the record its sequence numbers once the keys passed their checks,
+/// [`Self::finish`] waits for the write and fsync. Dropped without a number (a rejected
+/// write), it waits for the record to be dropped unwritten, so its `write_buffers`
+/// reservation is back before the write returns.
+///
+/// Why a pool and not a thread per write: pool threads live between writes, so the record's
+/// buffers (the Arrow IPC stream and the view columns' offset copy, ~1.4 MB per 8,192-row
+/// TPC-H lineitem batch) come from warm allocator memory; a thread spawned per write got a
+/// cold jemalloc arena and spent ~0.9 ms more per such batch in page faults
+/// (docs/performance.md, seventh pass).
+struct PendingAppend {
+    numbered: std::cell::Cell<Option<std::sync::mpsc::Sender<u64>>>,
+    done: std::sync::mpsc::Receiver<std::thread::Result<Result<()>>>,
+}
+
+impl PendingAppend {
+    /// Starts encoding `batch`'s record for table `table`.
+    ///
+    /// # Errors
+    /// [`Error::Closed`] when the engine has no writer runtime (closed).
+    fn start(shared: &Arc<Shared>, batch: &RecordBatch, table: u64) -> Result<Self> {
+        let rt = shared.runtime().ok_or_else(|| Error::Closed("the writer runtime".into()))?;
+        let (go, numbered) = std::sync::mpsc::channel::<u64>();
+        let (finished, done) = std::sync::mpsc::sync_channel(1);
+        let (shared, batch) = (Arc::clone(shared), batch.clone());
+        let n = batch.num_rows() as u64;
+        crate::writer::spawn_blocking_on(rt, move || {
+            let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<()> {
+                let wal = shared.wal()?;
+                let rec = wal.encode_record(WalOp::Put, &batch)?;
+                // No sequence number: the write was rejected before its append (the sender
+                // is dropped), and the record is dropped unwritten.
+                let Ok(seq) = numbered.recv() else { return Ok(()) };
+                wal.append_record(rec, table, seq, seq + n - 1)?;
+                Ok(())
+            }));
+            let _ = finished.send(res);
+        });
+        Ok(Self { numbered: std::cell::Cell::new(Some(go)), done })
+    }
+
+    /// Gives the record the write's first sequence number; it is written and fsynced next.
+    fn number(&self, seq: u64) {
+        // A send fails only when the record already failed to encode: `finish` returns that.
+        if let Some(go) = self.numbered.take() {
+            let _ = go.send(seq);
+        }
+    }
+
+    /// Waits for the record: `Ok` once written and fsynced; a panic on the pool thread is
+    /// resumed here, as a scoped thread's join would.
+    ///
+    /// # Errors
+    /// The encoding's or the append's error; [`Error::Closed`] when the runtime shut down
+    /// before the task ran (nothing was written).
+    fn finish(&self) -> Result<()> {
+        match self.done.recv() {
+            Ok(Ok(res)) => res,
+            Ok(Err(panic)) => std::panic::resume_unwind(panic),
+            Err(_) => Err(Error::Closed("the writer runtime (the WAL record was not written)".into())),
+        }
+    }
+}
+
+impl Drop for PendingAppend {
+    fn drop(&mut self) {
+        // Never numbered: the write was rejected. Wait for the record to be dropped.
+        if self.numbered.take().is_some() {
+            let _ = self.done.recv();
+        }
+    }
 }
 
 #[cfg(test)]

@@ -9,6 +9,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::{Semaphore, mpsc};
 
+/// Blocking threads the writer's runtime keeps beyond its flushes, for WAL records encoded and
+/// appended beside big writes (one per concurrent writing thread; more writers than this queue
+/// for a thread, they do not deadlock: each queued record waits only for its own writer).
+const WAL_APPEND_THREADS: usize = 64;
+
 pub(crate) struct Writer {
     rt: Mutex<Option<tokio::runtime::Runtime>>,
     tx: mpsc::UnboundedSender<Arc<TableInner>>,
@@ -19,7 +24,10 @@ impl Writer {
     pub(crate) fn new(threads: usize) -> Result<Self> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
-            .max_blocking_threads(threads.max(1))
+            // Flushes are bounded by the semaphore below, not by the pool: the pool also runs
+            // the WAL records of big writes (one per writing thread, `Table::write`), which
+            // must never queue behind a flush.
+            .max_blocking_threads(threads.max(1) + WAL_APPEND_THREADS)
             .thread_name("gritdb-writer")
             .enable_time()
             .build()

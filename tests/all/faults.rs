@@ -192,3 +192,48 @@ fn wal_append_failure_rejects_the_write_whole() {
     let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
     assert_eq!(engine.table("t").unwrap().row_count().unwrap(), 150);
 }
+
+/// Batches of 1,024 rows or more have their WAL record encoded and appended on the writer's
+/// pool beside the row encoding (`PendingAppend`). A failed append of such a batch rejects it
+/// whole, like a small one's: nothing visible, nothing replayed, and its record buffer
+/// (`write_buffers`) back to the byte before the call returns. A big insert refused for an
+/// existing key drops its record unwritten (the WAL's bytes do not move).
+#[test]
+fn wal_append_failure_of_a_big_batch_rejects_it_whole() {
+    use gritdb::memory::Category;
+    let dir = tempfile::tempdir().unwrap();
+    let fs = FaultFs::new();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20).vfs(Arc::new(fs.clone()))).unwrap();
+    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
+    t.insert(&composite_batch(&rows(0, 3_000))).unwrap();
+    let before = collect_composite(t.scan(ScanOptions::default()).unwrap());
+    let buffers = engine.memory().category_bytes(Category::WriteBuffers);
+    for errno in [28, 5] {
+        fs.fail_all(errno);
+        let err = t.insert(&composite_batch(&rows(3_000, 2_000))).unwrap_err();
+        assert!(matches!(err, Error::Storage(_)), "{err:?}");
+        assert_eq!(engine.memory().category_bytes(Category::WriteBuffers), buffers, "errno {errno}: insert");
+        let err = t.upsert(&composite_batch(&rows(0, 2_000))).unwrap_err();
+        assert!(matches!(err, Error::Storage(_)), "{err:?}");
+        assert_eq!(engine.memory().category_bytes(Category::WriteBuffers), buffers, "errno {errno}: upsert");
+        fs.heal();
+        assert_eq!(collect_composite(t.scan(ScanOptions::default()).unwrap()), before);
+    }
+    // An existing key (2,999) in row 1,000 of 2,001: refused before its append.
+    let wal_before = engine.wal_usage().1;
+    let mixed: Vec<_> = rows(4_000, 1_000).into_iter().chain(rows(2_999, 1)).chain(rows(5_000, 1_000)).collect();
+    let err = t.insert(&composite_batch(&mixed)).unwrap_err();
+    assert!(matches!(err, Error::KeyExists { row: 1_000, .. }), "{err:?}");
+    assert_eq!(engine.memory().category_bytes(Category::WriteBuffers), buffers);
+    assert_eq!(engine.wal_usage().1, wal_before, "the refused insert's record was not written");
+    t.insert(&composite_batch(&rows(3_000, 2_000))).unwrap();
+    assert!(engine.wal_usage().1 > wal_before, "the next big insert is logged");
+    drop(t);
+    drop(engine);
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    let t = engine.table("t").unwrap();
+    assert_eq!(t.row_count().unwrap(), 5_000);
+    let mut got = collect_composite(t.scan(ScanOptions::default()).unwrap());
+    got.retain(|k, _| k.0 < 3_000);
+    assert_eq!(got, before, "the rows before the failed writes, unchanged after replay");
+}

@@ -482,7 +482,7 @@ impl Table {
             return Err(Error::DuplicateKey { table: self.inner.name.clone(), first, row });
         }
         let wal = self.inner.shared.wal()?;
-        let overlap = n >= OVERLAP_WAL_ROWS && wal.syncs_each_append();
+        let overlap = n >= OVERLAP_WAL_ROWS;
         let id = self.inner.id;
         self.with_backpressure(gritdb_storage::batch_bytes(batch), |st| {
             if !overlap {
@@ -495,11 +495,11 @@ impl Table {
                 })?;
                 return Ok(n);
             }
-            // A big batch with an fsync per write: a pool thread encodes the WAL record while
-            // this one checks the keys and budgets the rows, then writes and fsyncs it while
-            // this one encodes the rows. The call returns after the fsync, and nothing
-            // becomes visible unless the append succeeded (apply_puts_with frees the rows);
-            // a rejected write waits for its record to be dropped unwritten.
+            // A big batch: a pool thread encodes the WAL record while this one checks the
+            // keys and budgets the rows, then writes (and with `WalSync::PerBatch` fsyncs) it
+            // while this one encodes the rows. The call returns after the append, and nothing
+            // becomes visible unless it succeeded (apply_puts_with frees the rows); a
+            // rejected write waits for its record to be dropped unwritten.
             let pending = PendingAppend::start(&self.inner.shared, batch, id)?;
             self.check_keys(st, batch, &keys, &hashes, mode)?;
             let seq = self.inner.seq.fetch_add(n as u64, Ordering::AcqRel);
@@ -752,7 +752,7 @@ fn first_duplicate(rows: &arrow_row::Rows, hashes: &[u64]) -> Option<(usize, usi
 /// The WAL record of one big put, encoded and appended on the writer runtime's blocking pool
 /// beside the write that owns it ([`Table::write`]): [`Self::start`] hands the batch over,
 /// [`Self::number`] gives the record its sequence numbers once the keys passed their checks,
-/// [`Self::finish`] waits for the write and fsync. Dropped without a number (a rejected
+/// [`Self::finish`] waits for the write (and fsync, with `WalSync::PerBatch`). Dropped without a number (a rejected
 /// write), it waits for the record to be dropped unwritten, so its `write_buffers`
 /// reservation is back before the write returns.
 ///

@@ -212,11 +212,6 @@ impl Wal {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Whether [`Self::append`] fsyncs before it returns ([`WalSync::PerBatch`]).
-    pub fn syncs_each_append(&self) -> bool {
-        self.sync == WalSync::PerBatch
-    }
-
     /// Encodes a record of `batch` for a later [`Self::append_record`].
     ///
     /// # Errors

@@ -3,7 +3,7 @@
 //! visible, keeps the rows served from memory, and the data is exact after heal and reopen.
 
 use gritdb::vfs::FaultFs;
-use gritdb::{Engine, EngineConfig, Error, ScanOptions};
+use gritdb::{Engine, EngineConfig, Error, ScanOptions, WalSync};
 use gritdb_tests::*;
 use std::sync::Arc;
 use std::sync::mpsc;
@@ -197,13 +197,24 @@ fn wal_append_failure_rejects_the_write_whole() {
 /// pool beside the row encoding (`PendingAppend`). A failed append of such a batch rejects it
 /// whole, like a small one's: nothing visible, nothing replayed, and its record buffer
 /// (`write_buffers`) back to the byte before the call returns. A big insert refused for an
-/// existing key drops its record unwritten (the WAL's bytes do not move).
+/// existing key drops its record unwritten (the WAL's bytes do not move). Both sync modes
+/// take this path.
 #[test]
 fn wal_append_failure_of_a_big_batch_rejects_it_whole() {
+    big_batch_append_failure(WalSync::PerBatch);
+}
+
+#[test]
+fn wal_append_failure_of_a_big_batch_rejects_it_whole_relaxed() {
+    big_batch_append_failure(WalSync::Relaxed);
+}
+
+fn big_batch_append_failure(sync: WalSync) {
     use gritdb::memory::Category;
     let dir = tempfile::tempdir().unwrap();
     let fs = FaultFs::new();
-    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20).vfs(Arc::new(fs.clone()))).unwrap();
+    let config = EngineConfig::default().memory_limit(64 << 20).wal_sync(sync);
+    let engine = Engine::open(dir.path(), config.clone().vfs(Arc::new(fs.clone()))).unwrap();
     let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
     t.insert(&composite_batch(&rows(0, 3_000))).unwrap();
     let before = collect_composite(t.scan(ScanOptions::default()).unwrap());
@@ -211,8 +222,8 @@ fn wal_append_failure_of_a_big_batch_rejects_it_whole() {
     for errno in [28, 5] {
         fs.fail_all(errno);
         let err = t.insert(&composite_batch(&rows(3_000, 2_000))).unwrap_err();
-        assert!(matches!(err, Error::Storage(_)), "{err:?}");
-        assert_eq!(engine.memory().category_bytes(Category::WriteBuffers), buffers, "errno {errno}: insert");
+        assert!(matches!(err, Error::Storage(_)), "{sync:?}: {err:?}");
+        assert_eq!(engine.memory().category_bytes(Category::WriteBuffers), buffers, "{sync:?}, errno {errno}: insert");
         let err = t.upsert(&composite_batch(&rows(0, 2_000))).unwrap_err();
         assert!(matches!(err, Error::Storage(_)), "{err:?}");
         assert_eq!(engine.memory().category_bytes(Category::WriteBuffers), buffers, "errno {errno}: upsert");
@@ -230,9 +241,9 @@ fn wal_append_failure_of_a_big_batch_rejects_it_whole() {
     assert!(engine.wal_usage().1 > wal_before, "the next big insert is logged");
     drop(t);
     drop(engine);
-    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    let engine = Engine::open(dir.path(), config).unwrap();
     let t = engine.table("t").unwrap();
-    assert_eq!(t.row_count().unwrap(), 5_000);
+    assert_eq!(t.row_count().unwrap(), 5_000, "{sync:?}");
     let mut got = collect_composite(t.scan(ScanOptions::default()).unwrap());
     got.retain(|k, _| k.0 < 3_000);
     assert_eq!(got, before, "the rows before the failed writes, unchanged after replay");

@@ -32,9 +32,11 @@ pub enum Command {
     /// Crash test: run a random keyed workload in a child process, SIGKILL it at random
     /// moments, reopen and compare with a model. Exits non-zero on any lost or resurrected row.
     Crash(CrashArgs),
-    /// Keyed-DML benchmark (issue 7): the peer workload of `peers/README.md` on TPC-H
-    /// lineitem, beside raw Parquet write/read and a naive store; prints a table and one JSON
-    /// line. Exits non-zero when count or `sum(l_quantity)` is wrong.
+    /// Keyed-DML benchmark (issue 7): the DuckDB peer workload (8,192-row batches; insert all,
+    /// upsert every 10th batch, delete every 10th from the 5th, make durable, count, Q1) on
+    /// TPC-H lineitem, beside raw Parquet write/read and a naive store; prints a table and one
+    /// JSON line. Exits non-zero when count or `sum(l_quantity)` is wrong. docs/performance.md
+    /// has the figures and the peer's.
     Bench(BenchArgs),
     /// The child process of `crash` (not for direct use).
     #[command(hide = true)]

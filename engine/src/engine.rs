@@ -34,6 +34,7 @@ pub(crate) struct Shared {
     /// Write-ahead-log segment files the log has forgotten and that are still to be removed
     /// (see [`Shared::note_flushed`]).
     wal_cleanup: WalCleanup,
+    wal_pool: Option<tokio::runtime::Handle>,
 }
 
 /// Removal of covered WAL segment files off the flushing thread: queued by
@@ -54,10 +55,10 @@ impl Shared {
         self.wal.get().ok_or_else(|| Error::Closed("the write-ahead log (engine still opening)".into()))
     }
 
-    /// The writer's runtime (`None` when the engine was opened without one), for blocking
-    /// tasks run beside a write: WAL records of big batches (`Table::write`).
-    pub(crate) fn runtime(&self) -> Option<&tokio::runtime::Handle> {
-        self.wal_cleanup.runtime.as_ref()
+    /// The WAL record pool ([`crate::writer::Writer::wal_pool`]), for the records of big puts
+    /// (`Table::write`).
+    pub(crate) fn wal_pool(&self) -> Option<&tokio::runtime::Handle> {
+        self.wal_pool.as_ref()
     }
 
     /// Records that `table`'s committed files cover writes up to `seq` (`None`: the table was
@@ -176,6 +177,12 @@ pub(crate) struct EngineInner {
     pub(crate) writer: Writer,
     next_table_id: AtomicU64,
     closed: AtomicBool,
+    /// Held shared by every write (insert, upsert, update, delete) from its open check to its
+    /// return ([`Self::begin_write`]); [`Self::shutdown`] takes it exclusively after setting
+    /// `closed`, so every write this engine acknowledges has appended to its WAL before the
+    /// directory lock is released (a write still running then would append to a log the next
+    /// open had already replayed, and be lost).
+    write_gate: RwLock<()>,
     /// The exclusive lock on `<dir>/LOCK`, released by [`EngineInner::shutdown`].
     lock_file: Mutex<Option<fs::File>>,
     /// SQL sessions and their runtime, built at the first query (`sql` feature).
@@ -189,6 +196,17 @@ impl EngineInner {
             return Err(Error::Closed("the engine".into()));
         }
         Ok(())
+    }
+
+    /// Admits one write: the guard, held until the write returns, makes
+    /// [`Self::shutdown`] wait for it.
+    ///
+    /// # Errors
+    /// [`Error::Closed`] once the engine is closing.
+    pub(crate) fn begin_write(&self) -> Result<RwLockReadGuard<'_, ()>> {
+        let gate = self.write_gate.read().unwrap_or_else(PoisonError::into_inner);
+        self.check_open()?;
+        Ok(gate)
     }
 
     fn tables_read(&self) -> RwLockReadGuard<'_, BTreeMap<String, Arc<TableInner>>> {
@@ -287,12 +305,17 @@ impl EngineInner {
 }
 
 impl EngineInner {
-    /// Stops the engine: no new operation starts, background flushes stop at their next step
+    /// Stops the engine: no new operation starts, writes already admitted finish, background
+    /// flushes stop at their next step
     /// and are waited for (at most 10 s: a write stuck in the kernel cannot be interrupted),
     /// the writer runtime is shut down and the directory lock released. Idempotent.
     fn shutdown(&self) {
         self.closed.store(true, Ordering::Release);
         self.shared.closed.store(true, Ordering::Release);
+        // Writes already admitted finish (a write waiting for memory gives up at once with
+        // `Closed`; one stuck in a WAL fsync on a stalled disk holds this, by design: its
+        // caller is owed an answer that the next open agrees with).
+        drop(self.write_gate.write().unwrap_or_else(PoisonError::into_inner));
         let deadline = Instant::now() + Duration::from_secs(10);
         while self.writer.in_flight() > 0 && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(2));
@@ -478,6 +501,7 @@ impl Engine {
                 queued: AtomicBool::new(false),
                 runtime: writer.handle(),
             },
+            wal_pool: writer.wal_pool(),
         });
         let mut tables: BTreeMap<String, Arc<TableInner>> = BTreeMap::new();
         let mut max_id = 0u64;
@@ -615,6 +639,7 @@ impl Engine {
                 writer,
                 next_table_id: AtomicU64::new(max_id + 1),
                 closed: AtomicBool::new(false),
+                write_gate: RwLock::new(()),
                 lock_file: Mutex::new(Some(lock_file)),
                 #[cfg(feature = "sql")]
                 sql: crate::sql::SqlSlot::default(),

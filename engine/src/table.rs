@@ -16,7 +16,7 @@ use std::time::Instant;
 const FLUSH_BATCH_ROWS: usize = 64 << 10;
 
 /// Put batches of at least this many rows append to the write-ahead log (encode, write,
-/// fsync) on the writer runtime's blocking pool while the rows are encoded into the delta
+/// fsync) on the WAL record pool while the rows are encoded into the delta
 /// ([`PendingAppend`]); smaller ones do the two in turn (the hand-over, two thread wake-ups of
 /// ~10–50 µs, is not worth it there).
 const OVERLAP_WAL_ROWS: usize = 1024;
@@ -434,7 +434,7 @@ impl Table {
     /// # Errors
     /// [`Error::Input`] for a wrong key schema or a null key; [`Error::MemoryLimit`].
     pub fn delete(&self, keys: &RecordBatch) -> Result<usize> {
-        self.engine.check_open()?;
+        let _admitted = self.engine.begin_write()?;
         let codec = &self.inner.codec;
         codec.validate_keys(keys)?;
         let rows = codec.keys().encode_key_columns(keys.columns())?;
@@ -469,7 +469,7 @@ impl Table {
     }
 
     fn write(&self, batch: &RecordBatch, mode: WriteMode) -> Result<usize> {
-        self.engine.check_open()?;
+        let _admitted = self.engine.begin_write()?;
         let codec = &self.inner.codec;
         codec.validate(batch)?;
         let n = batch.num_rows();
@@ -482,7 +482,10 @@ impl Table {
             return Err(Error::DuplicateKey { table: self.inner.name.clone(), first, row });
         }
         let wal = self.inner.shared.wal()?;
-        let overlap = n >= OVERLAP_WAL_ROWS;
+        // Relaxed mode appends inline: without an fsync to overlap, the early record buffer
+        // let concurrent writers at a tiny limit fill memory with sealed deltas no flush could
+        // convert (a breaker test, `breaker_walpool7`).
+        let overlap = n >= OVERLAP_WAL_ROWS && wal.syncs_each_append();
         let id = self.inner.id;
         self.with_backpressure(gritdb_storage::batch_bytes(batch), |st| {
             if !overlap {
@@ -495,9 +498,9 @@ impl Table {
                 })?;
                 return Ok(n);
             }
-            // A big batch: a pool thread encodes the WAL record while this one checks the
-            // keys and budgets the rows, then writes (and with `WalSync::PerBatch` fsyncs) it
-            // while this one encodes the rows. The call returns after the append, and nothing
+            // A big batch with an fsync per write: a pool thread encodes the WAL record while
+            // this one checks the keys and budgets the rows, then writes and fsyncs it while
+            // this one encodes the rows. The call returns after the append, and nothing
             // becomes visible unless it succeeded (apply_puts_with frees the rows); a
             // rejected write waits for its record to be dropped unwritten.
             let pending = PendingAppend::start(&self.inner.shared, batch, id)?;
@@ -557,6 +560,9 @@ impl Table {
         let mut waited = false;
         let shared = &self.inner.shared;
         loop {
+            // A write waiting for memory while the engine closes gives up (the flushes that
+            // would free memory are stopping; `shutdown` waits for admitted writes).
+            self.engine.check_open()?;
             // Soft limit for writes: leave the flush headroom to the writer, else a full
             // engine could not flush (a flush needs memory to free memory).
             let soft = shared.write_soft_limit();
@@ -749,10 +755,10 @@ fn first_duplicate(rows: &arrow_row::Rows, hashes: &[u64]) -> Option<(usize, usi
     dup
 }
 
-/// The WAL record of one big put, encoded and appended on the writer runtime's blocking pool
-/// beside the write that owns it ([`Table::write`]): [`Self::start`] hands the batch over,
+/// The WAL record of one big put, encoded and appended on the WAL record pool
+/// ([`crate::writer::Writer::wal_pool`]) beside the write that owns it ([`Table::write`]): [`Self::start`] hands the batch over,
 /// [`Self::number`] gives the record its sequence numbers once the keys passed their checks,
-/// [`Self::finish`] waits for the write (and fsync, with `WalSync::PerBatch`). Dropped without a number (a rejected
+/// [`Self::finish`] waits for the write and fsync. Dropped without a number (a rejected
 /// write), it waits for the record to be dropped unwritten, so its `write_buffers`
 /// reservation is back before the write returns.
 ///
@@ -764,20 +770,32 @@ fn first_duplicate(rows: &arrow_row::Rows, hashes: &[u64]) -> Option<(usize, usi
 struct PendingAppend {
     numbered: std::cell::Cell<Option<std::sync::mpsc::Sender<u64>>>,
     done: std::sync::mpsc::Receiver<std::thread::Result<Result<()>>>,
+    /// `QUEUED` until a pool thread takes the task (`RUNNING`), or `CANCELLED` by a refused
+    /// write first: the task then returns unrun and the write does not wait for a thread.
+    state: Arc<std::sync::atomic::AtomicU8>,
 }
+
+const QUEUED: u8 = 0;
+const RUNNING: u8 = 1;
+const CANCELLED: u8 = 2;
 
 impl PendingAppend {
     /// Starts encoding `batch`'s record for table `table`.
     ///
     /// # Errors
-    /// [`Error::Closed`] when the engine has no writer runtime (closed).
+    /// [`Error::Closed`] when the engine has no WAL record pool (closed).
     fn start(shared: &Arc<Shared>, batch: &RecordBatch, table: u64) -> Result<Self> {
-        let rt = shared.runtime().ok_or_else(|| Error::Closed("the writer runtime".into()))?;
+        let rt = shared.wal_pool().ok_or_else(|| Error::Closed("the WAL record pool".into()))?;
         let (go, numbered) = std::sync::mpsc::channel::<u64>();
         let (finished, done) = std::sync::mpsc::sync_channel(1);
         let (shared, batch) = (Arc::clone(shared), batch.clone());
         let n = batch.num_rows() as u64;
+        let state = Arc::new(std::sync::atomic::AtomicU8::new(QUEUED));
+        let task_state = Arc::clone(&state);
         crate::writer::spawn_blocking_on(rt, move || {
+            if task_state.compare_exchange(QUEUED, RUNNING, Ordering::AcqRel, Ordering::Acquire).is_err() {
+                return; // cancelled: the write was refused before a thread took this
+            }
             let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<()> {
                 let wal = shared.wal()?;
                 let rec = wal.encode_record(WalOp::Put, &batch)?;
@@ -789,7 +807,7 @@ impl PendingAppend {
             }));
             let _ = finished.send(res);
         });
-        Ok(Self { numbered: std::cell::Cell::new(Some(go)), done })
+        Ok(Self { numbered: std::cell::Cell::new(Some(go)), done, state })
     }
 
     /// Gives the record the write's first sequence number; it is written and fsynced next.
@@ -810,15 +828,18 @@ impl PendingAppend {
         match self.done.recv() {
             Ok(Ok(res)) => res,
             Ok(Err(panic)) => std::panic::resume_unwind(panic),
-            Err(_) => Err(Error::Closed("the writer runtime (the WAL record was not written)".into())),
+            Err(_) => Err(Error::Closed("the WAL record pool (the record was not written)".into())),
         }
     }
 }
 
 impl Drop for PendingAppend {
     fn drop(&mut self) {
-        // Never numbered: the write was rejected. Wait for the record to be dropped.
-        if self.numbered.take().is_some() {
+        // Never numbered: the write was rejected. A task no thread took yet is cancelled;
+        // a running one drops its record at once (its channel closed here): wait for that.
+        if self.numbered.take().is_some()
+            && self.state.compare_exchange(QUEUED, CANCELLED, Ordering::AcqRel, Ordering::Acquire).is_err()
+        {
             let _ = self.done.recv();
         }
     }

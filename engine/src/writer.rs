@@ -1,6 +1,7 @@
 //! The background writer: a tokio runtime owned by the engine whose blocking tasks flush
-//! sealed deltas (and remove covered write-ahead-log segment files, [`spawn_blocking_on`]). It
-//! is the one place gritdb spawns tasks (see `clippy.toml`).
+//! sealed deltas (and remove covered write-ahead-log segment files, [`spawn_blocking_on`]),
+//! and the WAL record pool beside it. It is the one place gritdb spawns tasks (see
+//! `clippy.toml`).
 
 use crate::error::{Error, Result};
 use crate::table::{TableInner, lock};
@@ -9,13 +10,19 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::{Semaphore, mpsc};
 
-/// Blocking threads the writer's runtime keeps beyond its flushes, for WAL records encoded and
-/// appended beside big writes (one per concurrent writing thread; more writers than this queue
-/// for a thread, they do not deadlock: each queued record waits only for its own writer).
-const WAL_APPEND_THREADS: usize = 64;
+/// Most threads the WAL record pool runs at once: one per writing thread with a big put in
+/// flight (tokio's own default for a blocking pool). More writers than this queue for a thread;
+/// a queued record waits only for its own writer, and one whose write was refused meanwhile
+/// is cancelled unrun (`PendingAppend`).
+const WAL_POOL_THREADS: usize = 512;
 
 pub(crate) struct Writer {
     rt: Mutex<Option<tokio::runtime::Runtime>>,
+    /// The WAL record pool: a runtime used only for its blocking threads, which encode and
+    /// append the WAL records of big puts beside their writers (`Table::write`). Its own
+    /// runtime, so records stuck behind a stalled disk never hold a thread a flush needs, and
+    /// kept threads, so a record's buffers come from a warm allocator arena.
+    wal_rt: Mutex<Option<tokio::runtime::Runtime>>,
     tx: mpsc::UnboundedSender<Arc<TableInner>>,
     in_flight: Arc<AtomicUsize>,
 }
@@ -24,10 +31,7 @@ impl Writer {
     pub(crate) fn new(threads: usize) -> Result<Self> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
-            // Flushes are bounded by the semaphore below, not by the pool: the pool also runs
-            // the WAL records of big writes (one per writing thread, `Table::write`), which
-            // must never queue behind a flush.
-            .max_blocking_threads(threads.max(1) + WAL_APPEND_THREADS)
+            .max_blocking_threads(threads.max(1))
             .thread_name("gritdb-writer")
             .enable_time()
             .build()
@@ -53,7 +57,17 @@ impl Writer {
                 });
             }
         });
-        Ok(Self { rt: Mutex::new(Some(rt)), tx, in_flight })
+        let wal_rt = tokio::runtime::Builder::new_current_thread()
+            .max_blocking_threads(WAL_POOL_THREADS)
+            .thread_name("gritdb-wal")
+            .build()
+            .map_err(|e| Error::Io { path: "tokio runtime".into(), source: e })?;
+        Ok(Self { rt: Mutex::new(Some(rt)), wal_rt: Mutex::new(Some(wal_rt)), tx, in_flight })
+    }
+
+    /// A handle to the WAL record pool (`None` once shut down).
+    pub(crate) fn wal_pool(&self) -> Option<tokio::runtime::Handle> {
+        lock(&self.wal_rt).as_ref().map(|rt| rt.handle().clone())
     }
 
     /// Runs `tick` every `interval` on the writer's runtime until it returns `false` or the
@@ -100,6 +114,9 @@ impl Writer {
     /// Stops the runtime without blocking (safe inside another tokio runtime).
     pub(crate) fn shutdown(&self) {
         if let Some(rt) = lock(&self.rt).take() {
+            rt.shutdown_background();
+        }
+        if let Some(rt) = lock(&self.wal_rt).take() {
             rt.shutdown_background();
         }
     }

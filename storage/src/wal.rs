@@ -208,6 +208,11 @@ impl Wal {
         })
     }
 
+    /// Whether [`Self::append`] fsyncs before it returns ([`WalSync::PerBatch`]).
+    pub fn syncs_each_append(&self) -> bool {
+        self.sync == WalSync::PerBatch
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }

@@ -1,6 +1,7 @@
 //! Breaker pass 7: the WAL records of big puts (1,024 rows or more) are encoded and appended on
 //! the writer runtime's blocking pool (`PendingAppend`, commits 7145acb and 23f137c), in both
-//! sync modes. Attacked with more concurrent big writers than the pool has threads (one table
+//! sync modes. (Since e4d27a7: on their own pool runtime, and PerBatch only; the relaxed
+//! tests now check the inline path.) Attacked with more concurrent big writers than the pool has threads (one table
 //! and many tables, with flushes, deletes, refused writes and drops in between), engine drop
 //! while big writes are in flight, writes from inside tokio runtimes, refused writes
 //! (`KeyExists`, `KeyNotFound`, `DuplicateKey`, `MemoryLimit`, WAL I/O failures) and the
@@ -16,6 +17,22 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
+
+/// Two tests of one check that takes the WAL sync mode: `$per_batch` runs it with
+/// `WalSync::PerBatch`, `$relaxed` with `WalSync::Relaxed`.
+macro_rules! per_sync_mode {
+    ($check:ident: $per_batch:ident, $relaxed:ident) => {
+        #[test]
+        fn $per_batch() {
+            $check(WalSync::PerBatch);
+        }
+
+        #[test]
+        fn $relaxed() {
+            $check(WalSync::Relaxed);
+        }
+    };
+}
 
 type Model = BTreeMap<(i64, i32), Row>;
 
@@ -184,15 +201,7 @@ fn more_writers_than_pool_threads(sync: WalSync) {
     check(&engine, "after close");
 }
 
-#[test]
-fn more_big_writers_than_pool_threads_per_batch() {
-    more_writers_than_pool_threads(WalSync::PerBatch);
-}
-
-#[test]
-fn more_big_writers_than_pool_threads_relaxed() {
-    more_writers_than_pool_threads(WalSync::Relaxed);
-}
+per_sync_mode!(more_writers_than_pool_threads: more_big_writers_than_pool_threads_per_batch, more_big_writers_than_pool_threads_relaxed);
 
 // ------------------------------------------------ one table, contended
 
@@ -268,15 +277,7 @@ fn one_table_contended(sync: WalSync) {
     );
 }
 
-#[test]
-fn one_table_many_big_writers_replay_equals_live_per_batch() {
-    one_table_contended(WalSync::PerBatch);
-}
-
-#[test]
-fn one_table_many_big_writers_replay_equals_live_relaxed() {
-    one_table_contended(WalSync::Relaxed);
-}
+per_sync_mode!(one_table_contended: one_table_many_big_writers_replay_equals_live_per_batch, one_table_many_big_writers_replay_equals_live_relaxed);
 
 // ------------------------------------------------ refused writes and write_buffers
 
@@ -393,15 +394,7 @@ fn refused_big_writes(sync: WalSync) {
     );
 }
 
-#[test]
-fn refused_big_writes_leave_no_record_bytes_per_batch() {
-    refused_big_writes(WalSync::PerBatch);
-}
-
-#[test]
-fn refused_big_writes_leave_no_record_bytes_relaxed() {
-    refused_big_writes(WalSync::Relaxed);
-}
+per_sync_mode!(refused_big_writes: refused_big_writes_leave_no_record_bytes_per_batch, refused_big_writes_leave_no_record_bytes_relaxed);
 
 /// Big batches against an 8 MiB limit, from 1 MiB to 12 MiB of strings, each on a fresh
 /// engine: the write either succeeds or is refused with `MemoryLimit`; a refused one has
@@ -468,15 +461,7 @@ fn memory_refusals(sync: WalSync) {
     assert!(outcomes.last().is_some_and(|o| !o.1), "{outcomes:?}");
 }
 
-#[test]
-fn big_writes_refused_for_memory_give_their_record_back_per_batch() {
-    memory_refusals(WalSync::PerBatch);
-}
-
-#[test]
-fn big_writes_refused_for_memory_give_their_record_back_relaxed() {
-    memory_refusals(WalSync::Relaxed);
-}
+per_sync_mode!(memory_refusals: big_writes_refused_for_memory_give_their_record_back_per_batch, big_writes_refused_for_memory_give_their_record_back_relaxed);
 
 /// Eight threads write big batches to their own tables while the WAL fails with EIO for a
 /// while: each write is acknowledged or refused with a storage error, `write_buffers` is back
@@ -549,15 +534,7 @@ fn wal_failures_under_concurrency(sync: WalSync) {
     }
 }
 
-#[test]
-fn wal_failures_amid_concurrent_big_writes_per_batch() {
-    wal_failures_under_concurrency(WalSync::PerBatch);
-}
-
-#[test]
-fn wal_failures_amid_concurrent_big_writes_relaxed() {
-    wal_failures_under_concurrency(WalSync::Relaxed);
-}
+per_sync_mode!(wal_failures_under_concurrency: wal_failures_amid_concurrent_big_writes_per_batch, wal_failures_amid_concurrent_big_writes_relaxed);
 
 // ------------------------------------------------ backpressure
 
@@ -640,15 +617,7 @@ fn backpressure(sync: WalSync) {
     check(&engine, "after close");
 }
 
-#[test]
-fn backpressured_big_writes_are_exact_per_batch() {
-    backpressure(WalSync::PerBatch);
-}
-
-#[test]
-fn backpressured_big_writes_are_exact_relaxed() {
-    backpressure(WalSync::Relaxed);
-}
+per_sync_mode!(backpressure: backpressured_big_writes_are_exact_per_batch, backpressured_big_writes_are_exact_relaxed);
 
 // ------------------------------------------------ async callers
 
@@ -815,15 +784,7 @@ fn drop_under_big_writes(sync: WalSync) {
     assert!(got == shared_model, "{sync:?}: shared");
 }
 
-#[test]
-fn engine_drop_under_big_writes_keeps_exactly_the_acknowledged_per_batch() {
-    drop_under_big_writes(WalSync::PerBatch);
-}
-
-#[test]
-fn engine_drop_under_big_writes_keeps_exactly_the_acknowledged_relaxed() {
-    drop_under_big_writes(WalSync::Relaxed);
-}
+per_sync_mode!(drop_under_big_writes: engine_drop_under_big_writes_keeps_exactly_the_acknowledged_per_batch, engine_drop_under_big_writes_keeps_exactly_the_acknowledged_relaxed);
 
 // ------------------------------------------------ the runtime's threads
 

@@ -36,6 +36,20 @@ macro_rules! per_sync_mode {
 
 type Model = BTreeMap<(i64, i32), Row>;
 
+/// An engine on `dir` in `sync` mode with a new composite-key table `t`.
+fn open_with_t(dir: &std::path::Path, sync: WalSync) -> (Engine, Table) {
+    let engine = Engine::open(dir, config(sync)).unwrap();
+    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
+    (engine, t)
+}
+
+/// A composite-key table `shared` and four more, `t0`..`t3`, one per writer.
+fn shared_and_own(engine: &Engine) -> (Table, Vec<Table>) {
+    let shared = engine.create_table("shared", composite_schema(), &["k1", "k2"]).unwrap();
+    let own = (0..4).map(|i| engine.create_table(&format!("t{i}"), composite_schema(), &["k1", "k2"]).unwrap()).collect();
+    (shared, own)
+}
+
 /// `OVERLAP_WAL_ROWS`: batches this big take the pool path.
 const BIG: i64 = 1024;
 
@@ -210,10 +224,7 @@ per_sync_mode!(more_writers_than_pool_threads: more_big_writers_than_pool_thread
 /// the replayed table equals the live one exactly, in both sync modes.
 fn one_table_contended(sync: WalSync) {
     let dir = tempfile::tempdir().unwrap();
-    let engine = Engine::open(dir.path(), config(sync)).unwrap();
-    let t = engine
-        .create_table("t", composite_schema(), &["k1", "k2"])
-        .unwrap();
+    let (engine, t) = open_with_t(dir.path(), sync);
     t.insert(&composite_batch(&rows(0, 4_000, 0))).unwrap();
     let stop = AtomicBool::new(false);
     std::thread::scope(|s| {
@@ -287,10 +298,7 @@ per_sync_mode!(one_table_contended: one_table_many_big_writers_replay_equals_liv
 /// from eight threads at once, in both modes; the table is unchanged after replay.
 fn refused_big_writes(sync: WalSync) {
     let dir = tempfile::tempdir().unwrap();
-    let engine = Engine::open(dir.path(), config(sync)).unwrap();
-    let t = engine
-        .create_table("t", composite_schema(), &["k1", "k2"])
-        .unwrap();
+    let (engine, t) = open_with_t(dir.path(), sync);
     t.insert(&composite_batch(&rows(0, 4_096, 1))).unwrap();
     let live = contents(&t);
     let base = write_buffers(&engine);
@@ -549,16 +557,7 @@ fn backpressure(sync: WalSync) {
         .wal_sync(sync)
         .backpressure_timeout(Duration::from_secs(20));
     let engine = Engine::open(dir.path(), cfg.clone()).unwrap();
-    let shared = engine
-        .create_table("shared", composite_schema(), &["k1", "k2"])
-        .unwrap();
-    let own: Vec<Table> = (0..4)
-        .map(|i| {
-            engine
-                .create_table(&format!("t{i}"), composite_schema(), &["k1", "k2"])
-                .unwrap()
-        })
-        .collect();
+    let (shared, own) = shared_and_own(&engine);
     let wide = |from: i64, n: i64, tag: i64| -> Vec<((i64, i32), Row)> {
         (from..from + n)
             .map(|k| ((k, 1), (Some(tag), Some(format!("{tag}:{k:0>150}")))))
@@ -709,16 +708,7 @@ fn big_writes_from_inside_tokio_runtimes() {
 fn drop_under_big_writes(sync: WalSync) {
     let dir = tempfile::tempdir().unwrap();
     let engine = Engine::open(dir.path(), config(sync)).unwrap();
-    let shared = engine
-        .create_table("shared", composite_schema(), &["k1", "k2"])
-        .unwrap();
-    let own: Vec<Table> = (0..4)
-        .map(|i| {
-            engine
-                .create_table(&format!("t{i}"), composite_schema(), &["k1", "k2"])
-                .unwrap()
-        })
-        .collect();
+    let (shared, own) = shared_and_own(&engine);
     let mut hs = Vec::new();
     let started = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     for th in 0..8i64 {

@@ -756,11 +756,12 @@ fn first_duplicate(rows: &arrow_row::Rows, hashes: &[u64]) -> Option<(usize, usi
 }
 
 /// The WAL record of one big put, encoded and appended on the WAL record pool
-/// ([`crate::writer::Writer::wal_pool`]) beside the write that owns it ([`Table::write`]): [`Self::start`] hands the batch over,
-/// [`Self::number`] gives the record its sequence numbers once the keys passed their checks,
-/// [`Self::finish`] waits for the write and fsync. Dropped without a number (a rejected
-/// write), it waits for the record to be dropped unwritten, so its `write_buffers`
-/// reservation is back before the write returns.
+/// ([`crate::writer::Writer::wal_pool`]) beside the write that owns it ([`Table::write`]):
+/// [`Self::start`] hands the batch over, [`Self::number`] gives the record its sequence
+/// numbers once the keys passed their checks, [`Self::finish`] waits for the write and fsync.
+/// Dropped without a number (a rejected write), it cancels a record no pool thread took yet,
+/// or waits for a running one to be dropped unwritten, so its `write_buffers` reservation is
+/// back before the write returns.
 ///
 /// Why a pool and not a thread per write: pool threads live between writes, so the record's
 /// buffers (the Arrow IPC stream and the view columns' offset copy, ~1.4 MB per 8,192-row

@@ -12,6 +12,7 @@ mod breaker_encode6;
 mod breaker_reopen;
 mod breaker_slices;
 mod breaker_views;
+mod breaker_gate8;
 mod breaker_walpool7;
 mod compaction;
 mod crash;

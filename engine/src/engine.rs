@@ -204,7 +204,14 @@ impl EngineInner {
     /// # Errors
     /// [`Error::Closed`] once the engine is closing.
     pub(crate) fn begin_write(&self) -> Result<RwLockReadGuard<'_, ()>> {
-        let gate = self.write_gate.read().unwrap_or_else(PoisonError::into_inner);
+        // Only `shutdown` takes the gate exclusively, after setting `closed`: a gate that is
+        // not free for a reader means the engine is closing. (A blocking `read` would queue
+        // behind shutdown, which may wait on a write stuck on a stalled disk: a breaker test.)
+        let gate = match self.write_gate.try_read() {
+            Ok(gate) => gate,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return Err(Error::Closed("the engine (closing)".into())),
+        };
         self.check_open()?;
         Ok(gate)
     }

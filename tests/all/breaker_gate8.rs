@@ -123,7 +123,6 @@ fn drop_waits_for_writes_in_a_stalled_wal_and_returns_after_heal() {
 /// writer (`shutdown`'s `write_gate.write()`). A refused write (existing key) and a delete hang
 /// the same way.
 #[test]
-#[ignore = "begin_write blocks on write_gate.read() behind shutdown's queued write(); a write after close hangs until the stalled WAL heals instead of returning Closed (engine.rs:207)"]
 fn write_after_close_returns_closed_while_drop_waits_on_stalled_wal() {
     let dir = tempfile::tempdir().unwrap();
     let fs = FaultFs::new();

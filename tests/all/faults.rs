@@ -92,14 +92,23 @@ fn stalled_writer_blocks_nothing() {
 }
 
 /// Waits (at most 10 s) until the WAL directory holds only the segments the log keeps: the
-/// covered ones are removed by a background task after a flush.
-fn wait_for_wal_removal(engine: &Engine, dir: &std::path::Path) {
+/// covered ones are removed by a background task after a flush. That task fsyncs the
+/// directory after the unlinks, one more step of `fs` once the files are already gone: wait
+/// until `fs` has seen no step for 100 ms too, or a step counted from here could land on it.
+fn wait_for_wal_removal(engine: &Engine, dir: &std::path::Path, fs: &FaultFs) {
     let on_disk = || std::fs::read_dir(dir.join("wal")).unwrap().count();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while on_disk() != engine.wal_usage().0 && std::time::Instant::now() < deadline {
         std::thread::sleep(std::time::Duration::from_millis(2));
     }
     assert_eq!(on_disk(), engine.wal_usage().0, "covered WAL segments removed");
+    let (mut steps, mut quiet) = (fs.steps(), std::time::Instant::now());
+    while quiet.elapsed() < std::time::Duration::from_millis(100) && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        if fs.steps() != steps {
+            (steps, quiet) = (fs.steps(), std::time::Instant::now());
+        }
+    }
 }
 
 fn tmp_files(dir: &std::path::Path) -> Vec<String> {
@@ -136,7 +145,7 @@ fn enospc_and_eio_at_every_flush_step() {
             model.remove(&(11, 1));
             // The first flush's covered WAL segment is removed off the flushing thread; wait
             // for it, so the step count starts at this flush's own steps.
-            wait_for_wal_removal(&engine, dir.path());
+            wait_for_wal_removal(&engine, dir.path(), &fs);
             fs.fail_step(step, errno);
             let res = t.flush();
             let failed = res.is_err();

@@ -4,44 +4,20 @@
 //! spanning drop + reopen, scans held across writes and drop, and refused big writes racing
 //! their record task. Every potential hang runs on a thread bounded by `recv_timeout`.
 
-use gritdb::memory::Category;
 use gritdb::vfs::FaultFs;
 use gritdb::{Engine, EngineConfig, Error, ScanOptions, Table, WalSync};
+use crate::breaker_walpool7::{BIG, Model, config, contents, rows, write_buffers};
 use gritdb_tests::*;
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-type Model = BTreeMap<(i64, i32), Row>;
-
-const BIG: i64 = 1024;
-
-fn rows(from: i64, n: i64, tag: i64) -> Vec<((i64, i32), Row)> {
-    (from..from + n)
-        .map(|k| {
-            (
-                (k, (k % 7) as i32),
-                (Some(k * 1_000 + tag), Some(format!("k{k}-t{tag}"))),
-            )
-        })
-        .collect()
-}
-
-fn contents(t: &Table) -> Model {
-    collect_composite(t.scan(ScanOptions::default()).unwrap())
-}
-
-fn config(sync: WalSync) -> EngineConfig {
-    EngineConfig::default()
-        .memory_limit(256 << 20)
-        .wal_sync(sync)
-        .flush_age(Duration::from_secs(3600))
-}
-
-fn write_buffers(e: &Engine) -> usize {
-    e.memory().category_bytes(Category::WriteBuffers)
+/// An engine on `dir` over the fault layer `fs` (PerBatch) with a new composite-key table `t`.
+fn open_faulty(dir: &std::path::Path, fs: &FaultFs) -> (Engine, Table) {
+    let engine = Engine::open(dir, config(WalSync::PerBatch).vfs(Arc::new(fs.clone()))).unwrap();
+    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
+    (engine, t)
 }
 
 fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
@@ -82,14 +58,7 @@ fn is_closed<T: std::fmt::Debug>(r: &gritdb::Result<T>) -> bool {
 fn drop_waits_for_writes_in_a_stalled_wal_and_returns_after_heal() {
     let dir = tempfile::tempdir().unwrap();
     let fs = FaultFs::new();
-    let engine = Engine::open(
-        dir.path(),
-        config(WalSync::PerBatch).vfs(Arc::new(fs.clone())),
-    )
-    .unwrap();
-    let t = engine
-        .create_table("t", composite_schema(), &["k1", "k2"])
-        .unwrap();
+    let (engine, t) = open_faulty(dir.path(), &fs);
     t.insert(&composite_batch(&rows(0, 10, 0))).unwrap();
     fs.stall_paths("wal-");
     let (t1, t2) = (t.clone(), t.clone());
@@ -126,14 +95,7 @@ fn drop_waits_for_writes_in_a_stalled_wal_and_returns_after_heal() {
 fn write_after_close_returns_closed_while_drop_waits_on_stalled_wal() {
     let dir = tempfile::tempdir().unwrap();
     let fs = FaultFs::new();
-    let engine = Engine::open(
-        dir.path(),
-        config(WalSync::PerBatch).vfs(Arc::new(fs.clone())),
-    )
-    .unwrap();
-    let t = engine
-        .create_table("t", composite_schema(), &["k1", "k2"])
-        .unwrap();
+    let (engine, t) = open_faulty(dir.path(), &fs);
     let other = engine
         .create_table("o", composite_schema(), &["k1", "k2"])
         .unwrap();
@@ -413,14 +375,7 @@ fn scan_held_across_writes_and_engine_drop() {
 fn user_flush_stalled_across_drop_and_reopen_loses_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let fs = FaultFs::new();
-    let engine = Engine::open(
-        dir.path(),
-        config(WalSync::PerBatch).vfs(Arc::new(fs.clone())),
-    )
-    .unwrap();
-    let t = engine
-        .create_table("t", composite_schema(), &["k1", "k2"])
-        .unwrap();
+    let (engine, t) = open_faulty(dir.path(), &fs);
     let mut m = Model::new();
     let a = rows(0, 5_000, 1);
     t.insert(&composite_batch(&a)).unwrap();

@@ -34,7 +34,7 @@ macro_rules! per_sync_mode {
     };
 }
 
-type Model = BTreeMap<(i64, i32), Row>;
+pub(crate) type Model = BTreeMap<(i64, i32), Row>;
 
 /// An engine on `dir` in `sync` mode with a new composite-key table `t`.
 fn open_with_t(dir: &std::path::Path, sync: WalSync) -> (Engine, Table) {
@@ -51,9 +51,9 @@ fn shared_and_own(engine: &Engine) -> (Table, Vec<Table>) {
 }
 
 /// `OVERLAP_WAL_ROWS`: batches this big take the pool path.
-const BIG: i64 = 1024;
+pub(crate) const BIG: i64 = 1024;
 
-fn rows(from: i64, n: i64, tag: i64) -> Vec<((i64, i32), Row)> {
+pub(crate) fn rows(from: i64, n: i64, tag: i64) -> Vec<((i64, i32), Row)> {
     (from..from + n)
         .map(|k| {
             (
@@ -74,18 +74,18 @@ fn apply(m: &mut Model, rows: &[((i64, i32), Row)]) {
     }
 }
 
-fn contents(t: &Table) -> Model {
+pub(crate) fn contents(t: &Table) -> Model {
     collect_composite(t.scan(ScanOptions::default()).unwrap())
 }
 
-fn config(sync: WalSync) -> EngineConfig {
+pub(crate) fn config(sync: WalSync) -> EngineConfig {
     EngineConfig::default()
         .memory_limit(256 << 20)
         .wal_sync(sync)
         .flush_age(Duration::from_secs(3600))
 }
 
-fn write_buffers(e: &Engine) -> usize {
+pub(crate) fn write_buffers(e: &Engine) -> usize {
     e.memory().category_bytes(Category::WriteBuffers)
 }
 

@@ -6,9 +6,11 @@
 //! record = | len u32 | crc32 u32 (of payload) | payload |
 //! payload = | op u8 (1 put, 2 delete) | table id u64 | first seq u64 | last seq u64 | Arrow IPC stream |
 //! ```
-//! View columns (`Utf8View`, `BinaryView`) are logged as offset columns (`Utf8`, `Binary`):
-//! 4 bytes per value instead of 16 in IPC, and a per-batch fsync costs about its bytes (TPC-H
-//! lineitem: 218 → 169 bytes per row). Replay casts them back ([`WalRecord::batch_as`]).
+//! View columns (`Utf8View`, `BinaryView`) are logged as `Binary` offset columns: 4 bytes per
+//! value instead of 16 in IPC, and a per-batch fsync costs about its bytes (TPC-H lineitem:
+//! 218 → 169 bytes per row). Replay casts them back ([`WalRecord::batch_as`]), checking a
+//! `Utf8View` column's bytes are UTF-8 again; records of older builds logged `Utf8View` as
+//! `Utf8`, and replay as well.
 //! A segment is deleted once every table with records in it has committed files covering
 //! those records (`flushed_seq` in its manifest), or was dropped.
 //!
@@ -127,17 +129,20 @@ impl std::fmt::Debug for Wal {
 impl WalRecord {
     /// The record's batch with each column cast to the type `schema` gives it where the two
     /// differ only as view and offset layouts of the same data (`Utf8View` ↔ `Utf8`,
-    /// `BinaryView` ↔ `Binary`): records log view columns as offset columns. Columns are
-    /// matched by position; any other difference is left for the caller's schema check.
+    /// `BinaryView` ↔ `Binary`, and `Binary` → `Utf8View`, which checks the bytes are UTF-8):
+    /// records log view columns as `Binary` offset columns. Columns are matched by position;
+    /// any other difference is left for the caller's schema check.
     ///
     /// # Errors
-    /// [`StorageError::Arrow`] when a cast fails.
+    /// [`StorageError::Arrow`] when a cast fails (a `Binary` value that is not UTF-8 for a
+    /// `Utf8View` column is an error, never a null).
     pub fn batch_as(&self, schema: &arrow_schema::Schema) -> Result<RecordBatch, StorageError> {
         use arrow_schema::DataType::{Binary, BinaryView, Utf8, Utf8View};
         let got = self.batch.schema();
         let relayout = |from: &arrow_schema::DataType, to: &arrow_schema::DataType| {
-            matches!((from, to), (Utf8, Utf8View) | (Utf8View, Utf8) | (Binary, BinaryView) | (BinaryView, Binary))
+            matches!((from, to), (Utf8, Utf8View) | (Utf8View, Utf8) | (BinaryView, Binary) | (Binary, BinaryView | Utf8View))
         };
+        let strict = arrow_cast::CastOptions { safe: false, ..arrow_cast::CastOptions::default() };
         if got.fields().len() != schema.fields().len()
             || !got.fields().iter().zip(schema.fields()).any(|(g, w)| relayout(g.data_type(), w.data_type()))
         {
@@ -148,7 +153,7 @@ impl WalRecord {
         for ((g, w), c) in got.fields().iter().zip(schema.fields()).zip(self.batch.columns()) {
             if relayout(g.data_type(), w.data_type()) {
                 fields.push(Arc::new(g.as_ref().clone().with_data_type(w.data_type().clone())));
-                cols.push(arrow_cast::cast(c, w.data_type())?);
+                cols.push(arrow_cast::cast_with_options(c, w.data_type(), &strict)?);
             } else {
                 fields.push(Arc::clone(g));
                 cols.push(Arc::clone(c));
@@ -418,44 +423,103 @@ fn view_bytes(c: &dyn arrow_array::Array) -> Option<usize> {
     }
 }
 
-/// Bytes [`compact_views`] allocates for `batch`: per view column its value bytes, `i32`
-/// offsets and a validity bitmap.
+/// Bytes [`compact_views`] allocates for `batch`: per view column its value bytes (plus 16 of
+/// slack), `i32` offsets and a validity bitmap.
 fn compact_bytes(batch: &RecordBatch) -> usize {
     let n = batch.num_rows();
-    batch.columns().iter().filter_map(|c| view_bytes(c.as_ref())).map(|b| b + 4 * (n + 1) + n.div_ceil(8) + 128).sum()
+    batch.columns().iter().filter_map(|c| view_bytes(c.as_ref())).map(|b| b + 16 + 4 * (n + 1) + n.div_ceil(8) + 128).sum()
 }
 
-/// `batch` with its top-level view columns (`Utf8View`, `BinaryView`) as offset columns
-/// (`Utf8`, `Binary`), or `None` when it has none or its strings exceed `i32` offsets. A view
-/// costs 16 bytes per value in Arrow IPC (plus the bytes of values over 12 bytes); an offset
-/// costs 4 plus the value's bytes: TPC-H lineitem records shrink from 218 to ~170 bytes per
-/// row, and a per-batch fsync costs about its bytes. Replay casts back to the table's types
+/// `batch` with its top-level view columns (`Utf8View`, `BinaryView`) as `Binary` offset
+/// columns, or `None` when it has none or its strings exceed `i32` offsets. A view costs 16
+/// bytes per value in Arrow IPC (plus the bytes of values over 12 bytes); an offset costs 4
+/// plus the value's bytes: TPC-H lineitem records shrink from 218 to ~170 bytes per row, and a
+/// per-batch fsync costs about its bytes. Replay casts back to the table's types
 /// ([`WalRecord::batch_as`]).
+///
+/// # Errors
+/// [`StorageError::Arrow`] when a view points outside its array's data buffers.
 fn compact_views(batch: &RecordBatch) -> Result<Option<RecordBatch>, StorageError> {
+    use arrow_array::cast::AsArray as _;
     use arrow_schema::{DataType, Field, Schema};
     let schema = batch.schema();
     if !schema.fields().iter().any(|f| matches!(f.data_type(), DataType::Utf8View | DataType::BinaryView)) {
         return Ok(None);
     }
     let mut fields = Vec::with_capacity(schema.fields().len());
-    let mut cols = Vec::with_capacity(schema.fields().len());
+    let mut cols: Vec<arrow_array::ArrayRef> = Vec::with_capacity(schema.fields().len());
     for (f, c) in schema.fields().iter().zip(batch.columns()) {
-        let to = match f.data_type() {
-            DataType::Utf8View => DataType::Utf8,
-            DataType::BinaryView => DataType::Binary,
+        let binary = match f.data_type() {
+            DataType::Utf8View => views_to_binary(c.as_string_view())?,
+            DataType::BinaryView => views_to_binary(c.as_binary_view())?,
             _ => {
                 fields.push(Arc::clone(f));
                 cols.push(Arc::clone(c));
                 continue;
             }
         };
-        if view_bytes(c.as_ref()).unwrap_or(0) > i32::MAX as usize {
-            return Ok(None);
-        }
-        fields.push(Arc::new(Field::new(f.name(), to.clone(), f.is_nullable()).with_metadata(f.metadata().clone())));
-        cols.push(arrow_cast::cast(c, &to)?);
+        let Some(binary) = binary else { return Ok(None) };
+        fields.push(Arc::new(Field::new(f.name(), DataType::Binary, f.is_nullable()).with_metadata(f.metadata().clone())));
+        cols.push(Arc::new(binary));
     }
     Ok(Some(RecordBatch::try_new(Arc::new(Schema::new_with_metadata(fields, schema.metadata().clone())), cols)?))
+}
+
+/// The values of a view column as one `Binary` column with the same validity, or `None` when
+/// they exceed `i32` offsets. Offsets are summed from the views' lengths and the bytes copied
+/// from the views (values up to 12 bytes are inline) or the data buffers (Arrow columnar
+/// format, "Variable-size Binary View Layout"). This replaces `arrow_cast`'s view → offset
+/// cast, which appends value by value through a builder (`cast_view_to_byte`): that cast was
+/// 31% of the WAL record thread's CPU in `gritdb-soak bench` (docs/performance.md, eighth
+/// pass). No UTF-8 check: a `Utf8View` column's bytes are UTF-8 already, and replay checks
+/// them again ([`WalRecord::batch_as`]).
+///
+/// # Errors
+/// [`StorageError::Arrow`] when a view names a data buffer or a range its array does not have
+/// (an array built without validation).
+fn views_to_binary<T: arrow_array::types::ByteViewType + ?Sized>(
+    a: &arrow_array::GenericByteViewArray<T>,
+) -> Result<Option<arrow_array::BinaryArray>, StorageError> {
+    let views = a.views();
+    let nulls = arrow_array::Array::nulls(a).filter(|n| n.null_count() > 0);
+    let live = |i: usize| nulls.is_none_or(|n| n.is_valid(i));
+    let mut offsets = Vec::with_capacity(views.len() + 1);
+    offsets.push(0i32);
+    let mut end = 0usize;
+    for (i, &v) in views.iter().enumerate() {
+        if live(i) {
+            end += v as u32 as usize;
+        }
+        let Ok(at) = i32::try_from(end) else { return Ok(None) };
+        offsets.push(at);
+    }
+    // 16 bytes of slack: an inline value is copied as all 12 inline bytes and the next value
+    // overwrites the rest, so short values cost two fixed-size moves, not a `memcpy` call.
+    let mut values = vec![0u8; end + 16];
+    let buffers = a.data_buffers();
+    let mut pos = 0usize;
+    for (i, &v) in views.iter().enumerate() {
+        let len = v as u32 as usize;
+        if len == 0 || !live(i) {
+            continue;
+        }
+        if len <= 12 {
+            values[pos..pos + 12].copy_from_slice(&v.to_le_bytes()[4..]);
+        } else {
+            let (buffer, offset) = ((v >> 64) as u32 as usize, (v >> 96) as u32 as usize);
+            let src = buffers.get(buffer).and_then(|b| b.get(offset..offset + len)).ok_or_else(|| {
+                arrow_schema::ArrowError::InvalidArgumentError(format!(
+                    "view {i} names bytes {offset}..{} of data buffer {buffer}, which its array does not have",
+                    offset + len
+                ))
+            })?;
+            values[pos..pos + len].copy_from_slice(src);
+        }
+        pos += len;
+    }
+    values.truncate(end);
+    let offsets = arrow_buffer::OffsetBuffer::new(arrow_buffer::ScalarBuffer::from(offsets));
+    Ok(Some(arrow_array::BinaryArray::try_new(offsets, arrow_buffer::Buffer::from_vec(values), nulls.cloned())?))
 }
 
 fn read_segment<E: From<StorageError>>(
@@ -639,11 +703,50 @@ mod tests {
         })
         .unwrap();
         assert_eq!(recs.len(), 1);
-        assert_eq!(recs[0].batch.schema().field(1).data_type(), &DataType::Utf8);
+        assert_eq!(recs[0].batch.schema().field(1).data_type(), &DataType::Binary);
         let back = recs[0].batch_as(&schema).unwrap();
         assert_eq!(back.schema().field(1).data_type(), &DataType::Utf8View);
         let s = back.column(1).as_any().downcast_ref::<StringViewArray>().unwrap();
         let got: Vec<Option<String>> = (0..s.len()).map(|i| (!s.is_null(i)).then(|| s.value(i).to_string())).collect();
         assert_eq!(got, vals);
+    }
+
+    /// `views_to_binary` gives the values, nulls and lengths `arrow_cast`'s view → offset cast
+    /// gives: inline (≤ 12 bytes) and buffer values, empty values, nulls, a sliced array
+    /// (views from the middle of the parent), and a `BinaryView` column with non-UTF-8 bytes.
+    #[test]
+    fn views_to_binary_matches_the_arrow_cast() {
+        use arrow_array::{BinaryArray, BinaryViewArray, StringViewArray};
+        let vals: Vec<Option<String>> = (0..3000)
+            .map(|i| (i % 7 != 3).then(|| format!("{i:x}").repeat(i % 11)))
+            .collect();
+        let full: StringViewArray = vals.iter().cloned().collect();
+        for (start, len) in [(0, 3000), (1, 2998), (1013, 977), (2999, 1), (5, 0)] {
+            let a = full.slice(start, len);
+            let got = views_to_binary(&a).unwrap().unwrap();
+            let want = arrow_cast::cast(&a, &DataType::Binary).unwrap();
+            let want = want.as_any().downcast_ref::<BinaryArray>().unwrap();
+            assert_eq!(&got, want, "slice {start}+{len}");
+            assert_eq!(got.null_count(), vals[start..start + len].iter().filter(|v| v.is_none()).count());
+            let bytes: usize = vals[start..start + len].iter().flatten().map(String::len).sum();
+            assert_eq!(got.value_data().len(), bytes, "slice {start}+{len}");
+        }
+        let raw: Vec<Option<Vec<u8>>> = (0..500u32).map(|i| (i % 5 != 0).then(|| (0..i % 40).map(|b| (b as u8) ^ 0xff).collect())).collect();
+        let bv: BinaryViewArray = raw.iter().map(|v| v.as_deref()).collect();
+        let got = views_to_binary(&bv).unwrap().unwrap();
+        let back: Vec<Option<Vec<u8>>> = got.iter().map(|v| v.map(<[u8]>::to_vec)).collect();
+        assert_eq!(back, raw);
+    }
+
+    /// A record whose `Binary` column holds bytes that are not UTF-8 does not replay into a
+    /// `Utf8View` column: `batch_as` returns an error, never the value as a null.
+    #[test]
+    fn batch_as_refuses_non_utf8_bytes_for_a_string_column() {
+        use arrow_array::BinaryArray;
+        let got = Arc::new(Schema::new(vec![Field::new("s", DataType::Binary, true)]));
+        let want = Schema::new(vec![Field::new("s", DataType::Utf8View, true)]);
+        let bad = BinaryArray::from_iter_values([&b"ok"[..], &[0xff, 0xfe][..]]);
+        let rec = WalRecord { op: WalOp::Put, table: 1, first_seq: 1, last_seq: 2, batch: RecordBatch::try_new(got, vec![Arc::new(bad)]).unwrap() };
+        assert!(matches!(rec.batch_as(&want), Err(StorageError::Arrow(_))));
     }
 }

@@ -34,6 +34,10 @@ pub struct EngineConfig {
     /// pinned). A flush a caller waits for ([`crate::Table::flush`], close, replay) uses
     /// [`Self::flush_threads`].
     pub background_flush_threads: usize,
+    /// CPU scheduling of background flushes (their threads' policy and nice value). Default
+    /// [`BackgroundPriority::Inherit`]; [`BackgroundPriority::Batch`]`(0)` makes a background
+    /// flush yield to the writes it runs beside (see there for what that costs).
+    pub background_priority: BackgroundPriority,
     /// A table's active delta is flushed once its first row is this old, however small.
     /// Default 30 s.
     pub flush_age: Duration,
@@ -62,6 +66,7 @@ impl Default for EngineConfig {
             writer_threads: 2,
             flush_threads: gritdb_storage::default_encode_threads(),
             background_flush_threads: 1,
+            background_priority: BackgroundPriority::Inherit,
             flush_age: Duration::from_secs(30),
             flush_batch_bytes: 256 << 20,
             vfs: Arc::new(StdFs),
@@ -150,6 +155,13 @@ impl EngineConfig {
         self
     }
 
+    /// Sets the CPU scheduling of background flushes (see [`BackgroundPriority`]).
+    #[must_use]
+    pub fn background_priority(mut self, priority: BackgroundPriority) -> Self {
+        self.background_priority = priority;
+        self
+    }
+
     /// Sets the threads one flush or compaction uses (at least 1; see [`Self::flush_threads`]).
     #[must_use]
     pub fn flush_threads(mut self, n: usize) -> Self {
@@ -163,4 +175,36 @@ impl EngineConfig {
         self.writer_threads = n.max(1);
         self
     }
+}
+
+/// CPU scheduling of the background writer's flush threads (and the encoding threads a
+/// background flush starts, which inherit it). A flush a caller waits for
+/// ([`crate::Table::flush`], close, replay) runs on the caller's thread as the caller runs.
+///
+/// A background flush competes for the same cores as the writes that fill the next delta and
+/// as their write-ahead-log records; when it wins, the write waits
+/// (`gritdb-soak bench` at SF 0.1, `perf sched timehist`: the insert's thread was blocked 112
+/// of 316 ms waiting for WAL records that waited for a core the flush held;
+/// docs/performance.md, eighth pass). `RocksDB` lowers its background threads too, further and
+/// when asked (`Env::LowerThreadPoolCPUPriority`, `port::SetCpuPriority`: `SCHED_OTHER` at nice 19).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BackgroundPriority {
+    /// Flush threads keep the scheduling policy and nice value they inherit from the thread
+    /// that opened the engine (a real-time caller's flushes are real-time too).
+    Inherit,
+    /// Linux `SCHED_BATCH` at this nice value (0..=19), or at the inherited nice value when that
+    /// is higher. A flush thread keeps its fair share of CPU (at nice 0, the same weight as any
+    /// other thread), but the scheduler treats it as CPU-bound and mildly disfavors it at
+    /// wakeups: it never preempts a running thread when it wakes (`sched(7)`, `SCHED_BATCH`).
+    /// Real-time threads (a caller under `SCHED_FIFO` / `SCHED_RR`) always run before it. A
+    /// thread already under `SCHED_IDLE` is left there. The OS may refuse (the thread then
+    /// keeps its scheduling; logged at debug level). Ignored on other systems.
+    ///
+    /// The cost: a flush that yields finishes later, so under a small limit its memory is held
+    /// longer. It is not the default because it changed which of two memory users wins at a
+    /// 6 MiB limit: an export started right after a reopen took the room the slower flush of
+    /// the replayed deltas needed, and failed where it had passed (`tests/all/breaker_reopen.rs`
+    /// export tests, 7 of 8 runs with `Batch(0)`, 0 of 6 without).
+    Batch(i8),
 }

@@ -482,6 +482,13 @@ impl Engine {
         if config.max_row_bytes == 0 {
             return Err(Error::Config("max_row_bytes must be positive".into()));
         }
+        if let crate::BackgroundPriority::Batch(nice) = config.background_priority
+            && !(0..=19).contains(&nice)
+        {
+            return Err(Error::Config(format!(
+                "background_priority Batch({nice}): the nice value must be 0..=19 (a background flush can only run below its caller)"
+            )));
+        }
         let ctl = MemoryController::new(ControllerConfig {
             memory_limit: config.memory_limit.map(clamp_to_ram),
             chunk_size: config.chunk_size,

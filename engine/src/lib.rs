@@ -30,7 +30,7 @@ pub mod sql;
 mod table;
 mod writer;
 
-pub use config::EngineConfig;
+pub use config::{BackgroundPriority, EngineConfig};
 pub use engine::{DEFAULT_DATA_DIR, Engine};
 pub use error::{Error, Result};
 /// The error types [`Error`] wraps ([`Error::Input`], [`Error::Storage`], [`Error::Memory`]),

@@ -3,6 +3,7 @@
 //! and the WAL record pool beside it. It is the one place gritdb spawns tasks (see
 //! `clippy.toml`).
 
+use crate::config::BackgroundPriority;
 use crate::error::{Error, Result};
 use crate::table::{TableInner, lock};
 use std::panic::AssertUnwindSafe;
@@ -123,6 +124,7 @@ impl Writer {
 }
 
 fn run_flush(table: &TableInner) {
+    set_background_priority(table.shared.config.background_priority);
     let res = std::panic::catch_unwind(AssertUnwindSafe(|| table.flush_sealed(table.shared.config.background_flush_threads)));
     match res {
         Ok(Ok(rows)) => tracing::debug!(table = %table.name, rows, "background flush done"),
@@ -140,4 +142,82 @@ fn run_flush(table: &TableInner) {
 /// A runtime already shut down drops the task unrun.
 pub(crate) fn spawn_blocking_on(handle: &tokio::runtime::Handle, task: impl FnOnce() + Send + 'static) {
     drop(handle.spawn_blocking(task));
+}
+
+/// Puts the calling thread under `priority` (see [`BackgroundPriority`]): `SCHED_BATCH`, then
+/// nice max(`nice`, the thread's nice value). Linux keeps both per thread (`sched(7)`,
+/// `setpriority(2)` NOTES), and threads the caller starts inherit them. Best effort: a refusal
+/// leaves the thread as it was.
+#[cfg(target_os = "linux")]
+pub(crate) fn set_background_priority(priority: BackgroundPriority) {
+    let BackgroundPriority::Batch(nice) = priority else { return };
+    // SAFETY: `sched_getscheduler(0)` reads the calling thread's policy; no pointers.
+    let policy = unsafe { libc::sched_getscheduler(0) };
+    if policy == libc::SCHED_IDLE || policy < 0 {
+        return;
+    }
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: `param` is a valid `sched_param` that outlives the call; pid 0 = the calling
+    // thread. Leaving a real-time policy, or going from SCHED_OTHER to SCHED_BATCH, needs no
+    // privilege (`sched(7)`).
+    if unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &raw const param) } != 0 {
+        tracing::debug!(error = %std::io::Error::last_os_error(), "background flush: SCHED_BATCH refused");
+        return;
+    }
+    // `getpriority` may return -1 as a value: errno tells an error apart (`getpriority(2)`).
+    // SAFETY: `__errno_location` returns the calling thread's errno slot, valid for the
+    // thread's life; `getpriority` takes no pointers.
+    let current = unsafe {
+        *libc::__errno_location() = 0;
+        let v = libc::getpriority(libc::PRIO_PROCESS, 0);
+        if v == -1 && *libc::__errno_location() != 0 {
+            return;
+        }
+        v
+    };
+    let target = i32::from(nice).max(current);
+    // SAFETY: no pointers; who 0 = the calling thread (per-thread nice on Linux).
+    if target != current && unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, target) } != 0 {
+        tracing::debug!(error = %std::io::Error::last_os_error(), nice = target, "background flush: nice refused");
+    }
+}
+
+/// Elsewhere [`BackgroundPriority`] is ignored.
+#[cfg(not(target_os = "linux"))]
+pub(crate) fn set_background_priority(_priority: BackgroundPriority) {}
+
+#[cfg(all(test, target_os = "linux", not(miri)))]
+mod tests {
+    use super::*;
+
+    /// The calling thread's (policy, nice value).
+    fn scheduling() -> (i32, i32) {
+        // SAFETY: neither call takes pointers; 0 = the calling thread.
+        unsafe { (libc::sched_getscheduler(0), libc::getpriority(libc::PRIO_PROCESS, 0)) }
+    }
+
+    /// `Batch(n)` puts a thread under `SCHED_BATCH` at nice max(n, its nice value) and never
+    /// raises it; `Inherit` changes nothing; threads it starts inherit the setting.
+    #[test]
+    fn batch_lowers_the_calling_thread_only() {
+        let (policy0, nice0) = std::thread::spawn(scheduling).join().unwrap();
+        let got = std::thread::spawn(|| {
+            set_background_priority(BackgroundPriority::Inherit);
+            let inherit = scheduling();
+            set_background_priority(BackgroundPriority::Batch(7));
+            let batch = scheduling();
+            // Asking for a lower nice value later does not raise the thread again.
+            set_background_priority(BackgroundPriority::Batch(2));
+            let again = scheduling();
+            let child = std::thread::spawn(scheduling).join().unwrap();
+            (inherit, batch, again, child)
+        })
+        .join()
+        .unwrap();
+        assert_eq!(got.0, (policy0, nice0), "Inherit leaves the thread as it was");
+        assert_eq!(got.1, (libc::SCHED_BATCH, nice0.max(7)));
+        assert_eq!(got.2, (libc::SCHED_BATCH, nice0.max(7)));
+        assert_eq!(got.3, (libc::SCHED_BATCH, nice0.max(7)), "a thread it starts inherits the setting");
+        assert_eq!(scheduling(), (policy0, nice0), "other threads are untouched");
+    }
 }

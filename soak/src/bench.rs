@@ -191,6 +191,8 @@ pub struct BenchResult {
     pub durable_rows: u64,
     /// `memory_limit` of phase 1 (the engine's default when not given).
     pub memory_limit_bytes: u64,
+    /// Background flushes ran under `BackgroundPriority::Batch(0)` (`--background-batch`).
+    pub background_batch: bool,
     /// TPC-H Q1 through SQL (`Engine::sql`, `DataFusion`) after phase 1's workload, ms, warm
     /// (the second run); `None` when built without the `sql` feature.
     pub sql_q1_ms: Option<f64>,
@@ -357,16 +359,20 @@ fn run(args: &BenchArgs, dir: &Path) -> Result<(BenchResult, Vec<Q1Group>, bool)
 
     // Phase 1: the peer workload at the engine's defaults.
     let base = ProcessView::read();
-    let defaults = match args.flush_threads {
+    let mut defaults = match args.flush_threads {
         Some(n) => EngineConfig::default().flush_threads(n),
         None => EngineConfig::default(),
     };
+    if args.background_batch {
+        defaults = defaults.background_priority(gritdb::BackgroundPriority::Batch(0));
+    }
     let mut config = defaults.clone();
     if let Some(limit) = args.memory_limit {
         config = config.memory_limit(limit as usize);
     }
     let engine = Engine::open(dir.join("engine"), config)?;
     r.memory_limit_bytes = engine.memory_report().limit as u64;
+    r.background_batch = args.background_batch;
     let table = engine.create_table("lineitem", schema.clone(), &KEY)?;
     let used0 = engine.memory_report().used;
     let a0 = allocation_count();

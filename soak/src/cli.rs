@@ -37,6 +37,7 @@ pub enum Command {
     /// TPC-H lineitem, beside raw Parquet write/read and a naive store; prints a table and one
     /// JSON line. Exits non-zero when count or `sum(l_quantity)` is wrong. docs/performance.md
     /// has the figures and the peer's.
+    #[allow(clippy::doc_markdown, reason = "this text is the command's --help, where backticks would print")]
     Bench(BenchArgs),
     /// The child process of `crash` (not for direct use).
     #[command(hide = true)]
@@ -76,6 +77,10 @@ pub struct BenchArgs {
     /// min(2, available parallelism)).
     #[arg(long)]
     pub flush_threads: Option<usize>,
+    /// Run background flushes under `SCHED_BATCH` (`EngineConfig::background_priority`,
+    /// `BackgroundPriority::Batch(0)`) instead of the engine's default (`Inherit`).
+    #[arg(long)]
+    pub background_batch: bool,
 }
 
 /// Options of the hidden `crash-child`.

@@ -202,9 +202,9 @@ pub enum BackgroundPriority {
     /// keeps its scheduling; logged at debug level). Ignored on other systems.
     ///
     /// The cost: a flush that yields finishes later, so under a small limit its memory is held
-    /// longer. It is not the default because it changed which of two memory users wins at a
-    /// 6 MiB limit: an export started right after a reopen took the room the slower flush of
-    /// the replayed deltas needed, and failed where it had passed (`tests/all/breaker_reopen.rs`
-    /// export tests, 7 of 8 runs with `Batch(0)`, 0 of 6 without).
+    /// longer, and a reader started beside it is likelier to take the room it still needs
+    /// (scans may use the flush headroom; exports flush first under pressure since an export
+    /// at a 6 MiB limit failed that way in 7 of 8 runs with `Batch(0)`). It is not the default:
+    /// unpinned, its gain is inside the run-to-run spread (docs/performance.md, eighth pass).
     Batch(i8),
 }

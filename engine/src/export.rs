@@ -202,7 +202,10 @@ impl Table {
     /// [`Table::export_parquet_with`] for options.
     ///
     /// Streaming: one scanned batch and the writer's buffers (cut into row groups by bytes,
-    /// reserved under `write_buffers`) are in memory at a time. The file is written to a temp
+    /// reserved under `write_buffers`) are in memory at a time. When copying the in-memory
+    /// deltas would pass the write soft limit (the limit less the flush headroom,
+    /// docs/memory.md), the table is flushed first ([`Table::flush`]) and the export reads
+    /// files only. The file is written to a temp
     /// file in the same directory, fsynced, renamed to `path`, and the directory fsynced.
     ///
     /// # Errors
@@ -223,6 +226,16 @@ impl Table {
         let (dir, file_name) = split_target(path)?;
         check_target(path, options.overwrite)?;
         let vfs: Arc<dyn Vfs> = Arc::clone(&self.inner.shared.config.vfs);
+        // Under memory pressure the deltas are flushed first, so the snapshot reads files and
+        // copies no delta: a copy beside the flush converting those deltas can take the room
+        // that flush needs above the write soft limit, and then neither finishes (at a 6 MiB
+        // limit right after a reopen, under load: `tests/all/breaker_reopen.rs` export tests).
+        let shared = &self.inner.shared;
+        let deltas = self.inner.delta_bytes();
+        if deltas > 0 && shared.pressure_bytes() + deltas > shared.write_soft_limit() {
+            tracing::debug!(table = %self.name(), deltas, "export under memory pressure: flushing the deltas first");
+            self.flush()?;
+        }
         // The snapshot is taken before the temp file exists: an engine or table error leaves
         // nothing behind.
         let scan = self.scan(ScanOptions::default().batch_rows(options.batch_rows))?;

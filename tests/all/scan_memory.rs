@@ -104,3 +104,64 @@ fn held_batches_at_the_limit_are_a_typed_error() {
     assert_eq!(engine.memory().category_bytes(Category::ScanBuffers), 0);
     assert_eq!(t.row_count().unwrap(), 100_000);
 }
+
+/// An export whose delta copy would pass the write soft limit flushes the table first and
+/// reads files only (its snapshot copies no delta into the room the flush needs); without
+/// pressure it copies the deltas and flushes nothing. Both files are exact. The background
+/// writer (one thread) is held on another table's stalled data file, so the exported table's
+/// sealed deltas stay in memory until the export flushes them on the caller's thread.
+#[test]
+fn export_under_memory_pressure_flushes_the_deltas_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let fs = gritdb::vfs::FaultFs::new();
+    // 8 MiB: flush threshold 1 MiB (limit / 8), flush headroom 2 MiB, so the write soft limit
+    // is 6 MiB.
+    let config = EngineConfig::default()
+        .memory_limit(8 << 20)
+        .writer_threads(1)
+        .flush_age(std::time::Duration::from_hours(1))
+        .backpressure_timeout(std::time::Duration::from_secs(20))
+        .vfs(Arc::new(fs.clone()));
+    let engine = Engine::open(dir.path(), config).unwrap();
+    let stalled = engine.create_table("a", composite_schema(), &["k1", "k2"]).unwrap();
+    let e = engine.create_table("e", composite_schema(), &["k1", "k2"]).unwrap();
+    let want_small = rows(0, 2_000);
+    e.insert(&composite_batch(&want_small)).unwrap();
+    // Little in memory: the export copies the delta, nothing is flushed.
+    let small = out.path().join("small.parquet");
+    assert_eq!(e.export_parquet(&small).unwrap().rows, 2_000);
+    assert_eq!(e.stats().unwrap().files, 0, "an export without pressure flushed");
+    assert_eq!(collect_composite(read_parquet_batches(&small).into_iter().map(Ok)), want_small.into_iter().collect());
+    // Table `a` (directory tables/t1) seals a delta; its background flush stalls on its data
+    // file and holds the writer's only thread.
+    fs.stall_paths("t1/f");
+    let mut stalled_rows = 0i64;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !fs.is_stalled() {
+        stalled.insert(&composite_batch(&rows(stalled_rows, 2_000))).unwrap();
+        stalled_rows += 2_000;
+        assert!(std::time::Instant::now() < deadline, "table a's flush never reached its data file");
+    }
+    // Table `e` fills until its deltas' copy would pass the soft limit.
+    let mut n = 2_000i64;
+    while engine.memory().used() + e.stats().unwrap().active_delta_bytes + e.stats().unwrap().sealed_delta_bytes <= 6 << 20 {
+        e.insert(&composite_batch(&rows(n, 2_000))).unwrap();
+        n += 2_000;
+    }
+    assert!(e.stats().unwrap().sealed_deltas > 0, "e's sealed deltas are queued behind a's flush");
+    let big = out.path().join("big.parquet");
+    let stats = e.export_parquet(&big).unwrap();
+    assert_eq!(stats.rows, n as u64);
+    let s = e.stats().unwrap();
+    assert!(s.files >= 1 && s.active_delta_bytes == 0 && s.sealed_deltas == 0, "the export did not flush first: {s:?}");
+    assert_eq!(collect_composite(read_parquet_batches(&big).into_iter().map(Ok)), rows(0, n).into_iter().collect());
+    fs.heal();
+    assert_eq!(stalled.row_count().unwrap(), stalled_rows as u64);
+    assert_eq!(e.row_count().unwrap(), n as u64);
+}
+
+fn read_parquet_batches(path: &std::path::Path) -> Vec<RecordBatch> {
+    let file = std::fs::File::open(path).unwrap();
+    gritdb::parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(file).unwrap().build().unwrap().map(Result::unwrap).collect()
+}

@@ -14,6 +14,7 @@ mod breaker_slices;
 mod breaker_views;
 mod breaker_gate8;
 mod breaker_walpool7;
+mod breaker_wal9;
 mod compaction;
 mod crash;
 mod create_drop;

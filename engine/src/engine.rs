@@ -454,6 +454,17 @@ impl Engine {
         if dir.as_os_str().is_empty() {
             return Err(Error::Config("the data directory path is empty".into()));
         }
+        // A bad configuration is refused before anything is created on disk.
+        if config.max_row_bytes == 0 {
+            return Err(Error::Config("max_row_bytes must be positive".into()));
+        }
+        if let crate::BackgroundPriority::Batch(nice) = config.background_priority
+            && !(0..=19).contains(&nice)
+        {
+            return Err(Error::Config(format!(
+                "background_priority Batch({nice}): the nice value must be 0..=19 (a background flush can only run below its caller)"
+            )));
+        }
         if dir.exists() && !dir.is_dir() {
             return Err(Error::Io {
                 path: dir.clone(),
@@ -479,16 +490,6 @@ impl Engine {
         }
         lock_file.set_len(0).and_then(|()| write!(lock_file, "{}", std::process::id())).map_err(io(&lock_path))?;
 
-        if config.max_row_bytes == 0 {
-            return Err(Error::Config("max_row_bytes must be positive".into()));
-        }
-        if let crate::BackgroundPriority::Batch(nice) = config.background_priority
-            && !(0..=19).contains(&nice)
-        {
-            return Err(Error::Config(format!(
-                "background_priority Batch({nice}): the nice value must be 0..=19 (a background flush can only run below its caller)"
-            )));
-        }
         let ctl = MemoryController::new(ControllerConfig {
             memory_limit: config.memory_limit.map(clamp_to_ram),
             chunk_size: config.chunk_size,

@@ -558,7 +558,12 @@ fn mrows(v: f64) -> String {
 fn print_table(r: &BenchResult, groups: &[Q1Group]) {
     let d = DUCKDB;
     let mib = |b: f64| b / f64::from(1u32 << 20);
-    println!("gritdb-soak bench: {} rows, memory limit {:.0} MiB", r.rows, mib(r.memory_limit_bytes as f64));
+    println!(
+        "gritdb-soak bench: {} rows, memory limit {:.0} MiB, background flushes {}",
+        r.rows,
+        mib(r.memory_limit_bytes as f64),
+        if r.background_batch { "SCHED_BATCH (--background-batch)" } else { "as the engine's default" }
+    );
     println!("{:<26} {:>20} {:>16} {:>10}", "phase", "gritdb", "DuckDB 2.0.1", "ratio");
     for (name, ours, theirs) in [("insert", r.insert_rows_per_s, d.insert), ("upsert 10%", r.upsert_rows_per_s, d.upsert), ("delete 10%", r.delete_rows_per_s, d.delete)] {
         println!("{name:<26} {:>20} {:>16} {:>9.2}x", mrows(ours), mrows(theirs), ours / theirs);

@@ -37,7 +37,7 @@ pub enum Command {
     /// TPC-H lineitem, beside raw Parquet write/read and a naive store; prints a table and one
     /// JSON line. Exits non-zero when count or `sum(l_quantity)` is wrong. docs/performance.md
     /// has the figures and the peer's.
-    #[allow(clippy::doc_markdown, reason = "this text is the command's --help, where backticks would print")]
+    #[allow(clippy::doc_markdown, reason = "a product name in the command's --help text, not code")]
     Bench(BenchArgs),
     /// The child process of `crash` (not for direct use).
     #[command(hide = true)]

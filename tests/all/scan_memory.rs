@@ -143,9 +143,15 @@ fn export_under_memory_pressure_flushes_the_deltas_first() {
         stalled_rows += 2_000;
         assert!(std::time::Instant::now() < deadline, "table a's flush never reached its data file");
     }
-    // Table `e` fills until its deltas' copy would pass the soft limit.
+    // Table `e` fills until its deltas hold 2 MiB and their copy would pass the soft limit
+    // (pressure as the engine reckons it: used bytes less cached free chunks).
+    let pressure = || engine.memory().used() - engine.memory().category_bytes(Category::FreeChunks);
+    let deltas = || {
+        let s = e.stats().unwrap();
+        s.active_delta_bytes + s.sealed_delta_bytes
+    };
     let mut n = 2_000i64;
-    while engine.memory().used() + e.stats().unwrap().active_delta_bytes + e.stats().unwrap().sealed_delta_bytes <= 6 << 20 {
+    while deltas() < 2 << 20 || pressure() + deltas() <= 6 << 20 {
         e.insert(&composite_batch(&rows(n, 2_000))).unwrap();
         n += 2_000;
     }

@@ -241,14 +241,20 @@ fn background_flushes_run_under_sched_batch_unless_inherit() {
 }
 
 /// A nice value outside 0..=19 is refused at open with `Error::Config` (a background flush can
-/// only be lowered), and nothing is created besides the directory lock.
+/// only be lowered), before anything is created on disk: no data directory, no lock file.
 #[test]
 fn background_priority_out_of_range_is_a_config_error() {
     use gritdb::BackgroundPriority;
     for nice in [-1i8, 20, i8::MIN] {
-        let dir = tempfile::tempdir().unwrap();
-        let err = Engine::open(dir.path(), EngineConfig::default().background_priority(BackgroundPriority::Batch(nice))).unwrap_err();
+        let parent = tempfile::tempdir().unwrap();
+        let dir = parent.path().join("data");
+        let err = Engine::open(&dir, EngineConfig::default().background_priority(BackgroundPriority::Batch(nice))).unwrap_err();
         assert!(matches!(&err, gritdb::Error::Config(m) if m.contains("0..=19")), "Batch({nice}): {err}");
-        assert!(!dir.path().join("tables").exists(), "Batch({nice}): tables dir created");
+        assert!(!dir.exists(), "Batch({nice}): the data directory was created");
     }
+    let parent = tempfile::tempdir().unwrap();
+    let dir = parent.path().join("data");
+    let err = Engine::open(&dir, EngineConfig::default().max_row_bytes(0)).unwrap_err();
+    assert!(matches!(&err, gritdb::Error::Config(m) if m.contains("max_row_bytes")), "{err}");
+    assert!(!dir.exists(), "max_row_bytes 0: the data directory was created");
 }

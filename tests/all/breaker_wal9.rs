@@ -21,6 +21,7 @@ use arrow::array::{
 };
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use gritdb::{BackgroundPriority, Engine, EngineConfig, Error, ScanOptions, Table, WalSync};
+use gritdb_tests::{current_thread_sched, process_threads};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -483,26 +484,15 @@ fn replay_in_slices_at_a_smaller_limit() {
 
 // ------------------------------------------------------------------------ priorities
 
-/// (policy, nice) of the calling thread from `/proc/thread-self/stat` (`proc(5)`: field 19 is
-/// nice, field 41 policy).
+/// (policy, nice) of the calling thread.
 fn my_sched() -> (u32, i32) {
-    parse_sched(&std::fs::read_to_string("/proc/thread-self/stat").unwrap()).1
-}
-
-fn parse_sched(stat: &str) -> (String, (u32, i32)) {
-    let (open, close) = (stat.find('(').unwrap(), stat.rfind(')').unwrap());
-    let f: Vec<&str> = stat[close + 1..].split_whitespace().collect();
-    (stat[open + 1..close].to_owned(), (f[41 - 3].parse().unwrap(), f[19 - 3].parse().unwrap()))
+    let s = current_thread_sched();
+    (s.policy, s.nice)
 }
 
 /// (name, (policy, nice)) of every thread of the process.
 fn threads() -> Vec<(String, (u32, i32))> {
-    std::fs::read_dir("/proc/self/task")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
-        .map(|s| parse_sched(&s))
-        .collect()
+    process_threads().into_iter().map(|t| (t.name, (t.policy, t.nice))).collect()
 }
 
 const SCHED_OTHER: u32 = 0;

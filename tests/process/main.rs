@@ -172,40 +172,20 @@ fn ten_single_row_group_files_scan_within_scan_buffers_share() {
     assert_eq!(engine.memory().category_bytes(Category::ScanBuffers), 0, "every counted batch released");
 }
 
-/// (thread id, name, scheduling policy) of this process's threads, from Linux
-/// `/proc/self/task/<tid>/stat` (`proc(5)`: field 2 is the name in parentheses, field 41 the
-/// policy: 0 `SCHED_OTHER`, 3 `SCHED_BATCH`, 5 `SCHED_IDLE`).
-#[cfg(target_os = "linux")]
-fn threads() -> Vec<(u32, String, u32)> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
-        let Ok(tid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
-        // A thread may end between the listing and the read.
-        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { continue };
-        let (open, close) = (stat.find('(').unwrap(), stat.rfind(')').unwrap());
-        let name = stat[open + 1..close].to_owned();
-        // Fields after the name start at field 3 (state).
-        let policy: u32 = stat[close + 1..].split_whitespace().nth(41 - 3).unwrap().parse().unwrap();
-        out.push((tid, name, policy));
-    }
-    out
-}
-
-/// The default `BackgroundPriority::Batch(0)` runs background flushes under `SCHED_BATCH`;
-/// the WAL record threads and the caller keep the caller's policy. With
-/// `BackgroundPriority::Inherit` the flush threads keep it too. Only threads started after
+/// `BackgroundPriority::Batch(0)` runs background flushes under `SCHED_BATCH`; the WAL record
+/// threads and the caller keep the caller's policy. With `BackgroundPriority::Inherit` (the
+/// default) the flush threads keep it too. Only threads started after
 /// each engine opened are looked at (this binary runs one test at a time).
 #[cfg(target_os = "linux")]
 #[test]
 fn background_flushes_run_under_sched_batch_unless_inherit() {
     use gritdb::BackgroundPriority;
     let _g = SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    let me = std::fs::read_to_string("/proc/thread-self/stat").unwrap();
-    let caller: u32 = me[me.rfind(')').unwrap() + 1..].split_whitespace().nth(41 - 3).unwrap().parse().unwrap();
+    let caller = gritdb_tests::current_thread_sched().policy;
     assert!(caller != 3 && caller != 5, "run the tests under SCHED_OTHER or a real-time policy (caller policy {caller})");
     let batches: Vec<_> = LineItemArrow::new(LineItemGenerator::new(0.01, 1, 1)).with_batch_size(8192).map(Result::unwrap).collect();
     for (priority, want) in [(BackgroundPriority::Batch(0), 3), (BackgroundPriority::Inherit, caller)] {
-        let before: std::collections::HashSet<u32> = threads().into_iter().map(|t| t.0).collect();
+        let before: std::collections::HashSet<u32> = gritdb_tests::process_threads().into_iter().map(|t| t.tid).collect();
         let dir = tempfile::tempdir().unwrap();
         let engine = Engine::open(
             dir.path(),
@@ -222,16 +202,15 @@ fn background_flushes_run_under_sched_batch_unless_inherit() {
             assert!(std::time::Instant::now() < deadline, "no background flush within 60 s");
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
-        let new: Vec<_> = threads().into_iter().filter(|t| !before.contains(&t.0)).collect();
-        let writers: Vec<u32> = new.iter().filter(|t| t.1 == "gritdb-writer").map(|t| t.2).collect();
+        let new: Vec<_> = gritdb_tests::process_threads().into_iter().filter(|t| !before.contains(&t.tid)).collect();
+        let writers: Vec<u32> = new.iter().filter(|t| t.name == "gritdb-writer").map(|t| t.policy).collect();
         assert!(writers.contains(&want), "{priority:?}: no writer thread under policy {want}: {new:?}");
-        for (_, name, policy) in &new {
-            if name == "gritdb-wal" {
-                assert_eq!(*policy, caller, "{priority:?}: a WAL record thread changed policy: {new:?}");
+        for t in &new {
+            if t.name == "gritdb-wal" {
+                assert_eq!(t.policy, caller, "{priority:?}: a WAL record thread changed policy: {new:?}");
             }
         }
-        let me = std::fs::read_to_string("/proc/thread-self/stat").unwrap();
-        assert!(me[me.rfind(')').unwrap() + 1..].split_whitespace().nth(41 - 3) == Some(&caller.to_string()), "the caller's policy changed");
+        assert!(gritdb_tests::current_thread_sched().policy == caller, "the caller's policy changed");
         if priority == BackgroundPriority::Inherit {
             assert!(!writers.contains(&3), "Inherit: a writer thread is under SCHED_BATCH: {new:?}");
         }

@@ -18,3 +18,48 @@ pub fn mix(mut x: u64) -> u64 {
     x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     x ^ (x >> 31)
 }
+
+/// One thread's scheduling as Linux shows it in `/proc/<pid>/task/<tid>/stat` (`proc(5)`:
+/// field 1 the thread id, field 2 the name in parentheses, field 19 the nice value, field 41
+/// the policy: 0 `SCHED_OTHER`, 3 `SCHED_BATCH`, 5 `SCHED_IDLE`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ThreadSched {
+    /// Thread id.
+    pub tid: u32,
+    /// Thread name (`comm`).
+    pub name: String,
+    /// Scheduling policy.
+    pub policy: u32,
+    /// Nice value.
+    pub nice: i32,
+}
+
+/// Parses one `stat` file's text (see [`ThreadSched`]). The name may hold spaces and
+/// parentheses, so the fields after it are found from the last `)`.
+pub fn parse_thread_stat(stat: &str) -> ThreadSched {
+    let (open, close) = (stat.find('(').expect("stat has a name"), stat.rfind(')').expect("stat has a name"));
+    // Fields after the name start at field 3 (state).
+    let f: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+    ThreadSched {
+        tid: stat[..open].trim().parse().expect("stat field 1 is the thread id"),
+        name: stat[open + 1..close].to_owned(),
+        policy: f[41 - 3].parse().expect("stat field 41 is the policy"),
+        nice: f[19 - 3].parse().expect("stat field 19 is the nice value"),
+    }
+}
+
+/// The calling thread's scheduling (`/proc/thread-self/stat`).
+pub fn current_thread_sched() -> ThreadSched {
+    parse_thread_stat(&std::fs::read_to_string("/proc/thread-self/stat").expect("read /proc/thread-self/stat"))
+}
+
+/// Every thread of this process (`/proc/self/task/*/stat`); a thread that ends between the
+/// listing and the read is left out.
+pub fn process_threads() -> Vec<ThreadSched> {
+    std::fs::read_dir("/proc/self/task")
+        .expect("list /proc/self/task")
+        .flatten()
+        .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
+        .map(|s| parse_thread_stat(&s))
+        .collect()
+}

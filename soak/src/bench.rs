@@ -16,6 +16,10 @@
 //!  4. the naive store (baseline.rs): the same insert / upsert / delete
 //! ```
 //!
+//! Phases 1–4 run `--runs` times (default 5) on the same input, each run in a fresh directory
+//! `run<i>`; the result printed is [`summarize`]d over the runs (medians; memory figures the
+//! worst run; VmHWM run 1).
+//!
 //! One foreground thread runs every phase; the engine's background writer threads run as
 //! configured. Allocation counts come from [`CountingAlloc`], the `gritdb-soak` binary's
 //! global allocator; they are process-wide (background threads included).
@@ -31,7 +35,7 @@ use parquet::arrow::ArrowWriter;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::basic::Compression;
 use parquet::file::properties::WriterProperties;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::alloc::{GlobalAlloc, Layout};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -113,7 +117,7 @@ pub fn allocation_count() -> Option<u64> {
 
 /// Everything the bench measures; serialised as the one JSON line (the keys of
 /// `duckdb_ingest.py` first, then gritdb's own).
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct BenchResult {
     /// `"gritdb"`.
     pub engine: String,
@@ -196,6 +200,17 @@ pub struct BenchResult {
     /// TPC-H Q1 through SQL (`Engine::sql`, `DataFusion`) after phase 1's workload, ms, warm
     /// (the second run); `None` when built without the `sql` feature.
     pub sql_q1_ms: Option<f64>,
+    /// `flush_rows_per_s / raw_write_rows_per_s` of one run (target ≥ 0.85); in the
+    /// aggregate, the median of the runs' ratios.
+    pub flush_vs_raw_write: f64,
+    /// `scan_rows_per_s / raw_read_rows_per_s` of one run (target ≥ 0.85); in the aggregate,
+    /// the median of the runs' ratios.
+    pub scan_vs_raw_read: f64,
+    /// Runs aggregated into this result (`--runs`; 1 for a single run's result).
+    pub runs: usize,
+    /// Smallest and largest value over the runs of each rate (`*_per_s`) and ratio (`*_vs_*`)
+    /// key; empty for a single run's result.
+    pub spread: std::collections::BTreeMap<String, [f64; 2]>,
 }
 
 /// The Q1-style aggregate of one group (raw decimal sums, scale 2).
@@ -328,10 +343,12 @@ fn fresh_dir(args: &BenchArgs) -> Result<(PathBuf, bool)> {
     }
 }
 
-/// Runs the bench, prints the table and the JSON line; `Ok(false)` when an answer is wrong.
+/// Runs the bench `--runs` times on the same input, prints the table and the JSON line of the
+/// aggregate ([`summarize`]); `Ok(false)` when an answer is wrong in any run.
 pub fn run_cli(args: &BenchArgs) -> Result<bool> {
+    ensure!(args.runs >= 1, "--runs must be at least 1");
     let (dir, temporary) = fresh_dir(args)?;
-    let result = run(args, &dir);
+    let result = run(args, &dir, temporary);
     if temporary {
         let _ = std::fs::remove_dir_all(&dir);
     }
@@ -341,21 +358,137 @@ pub fn run_cli(args: &BenchArgs) -> Result<bool> {
     Ok(ok)
 }
 
+/// Loads the input once, then measures it `args.runs` times, each run in its own
+/// subdirectory `run<i>` of `dir` (removed after the run when `dir` is temporary).
+fn run(args: &BenchArgs, dir: &Path, temporary: bool) -> Result<(BenchResult, Vec<Q1Group>, bool)> {
+    let batches = load(args)?;
+    ensure!(!batches.is_empty(), "no input rows");
+    eprintln!(
+        "bench: {} rows in {} batches, {} run(s); data dir {}",
+        batches.iter().map(RecordBatch::num_rows).sum::<usize>(),
+        batches.len(),
+        args.runs,
+        dir.display()
+    );
+    let (mut results, mut groups, mut ok) = (Vec::with_capacity(args.runs), Vec::new(), true);
+    for i in 1..=args.runs {
+        let run_dir = dir.join(format!("run{i}"));
+        let measured = measure(args, &batches, &run_dir);
+        if temporary {
+            let _ = std::fs::remove_dir_all(&run_dir);
+        }
+        let (r, g, run_ok) = measured?;
+        eprintln!(
+            "bench: run {i}/{}: insert {:.2} upsert {:.2} delete {:.2} M rows/s, flush/raw write {:.2}, scan/raw read {:.2}, RSS above base {:.1} MiB, VmHWM {:.1} MiB",
+            args.runs,
+            r.insert_rows_per_s / 1e6,
+            r.upsert_rows_per_s / 1e6,
+            r.delete_rows_per_s / 1e6,
+            r.flush_vs_raw_write,
+            r.scan_vs_raw_read,
+            r.rss_above_base_bytes as f64 / f64::from(1u32 << 20),
+            r.vmhwm_bytes as f64 / f64::from(1u32 << 20)
+        );
+        ok &= run_ok;
+        groups = g;
+        results.push(r);
+    }
+    Ok((summarize(&results)?, groups, ok))
+}
+
+/// Figures aggregated by their maximum over the runs (memory: the worst run counts); every
+/// other number is the median over the runs, except [`FIRST_RUN`].
+const WORST_OF_RUNS: [&str; 9] = [
+    "rss_above_base_bytes",
+    "allocations_per_row",
+    "accounted_bytes_per_row",
+    "accounted_bytes_per_row_default",
+    "allocations_per_row_default",
+    "allocated_bytes_per_row",
+    "outside_engine_bytes",
+    "wal_bytes_per_row",
+    "naive_outside_engine_bytes",
+];
+
+/// Figures taken from the first run: `VmHWM` is the process's peak so far, and after run 1
+/// it holds the earlier runs' phases 2–4 (the naive store's 400 MiB), which the peer's one-run
+/// figure does not.
+const FIRST_RUN: [&str; 1] = ["vmhwm_bytes"];
+
+/// One result from several runs of the same input: each number is the median over the runs
+/// (the mean of the two middle values for an even count), except the memory figures of
+/// [`WORST_OF_RUNS`], which take the largest, and those of [`FIRST_RUN`]; `min` and `max` of
+/// the rates and ratios go to [`BenchResult::spread`]. Integer fields stay integers (a median
+/// is rounded).
+///
+/// # Errors
+/// No runs, or runs that disagree on the input (`rows`) or the answers (`count`,
+/// `sum_quantity`).
+pub fn summarize(runs: &[BenchResult]) -> Result<BenchResult> {
+    let first = runs.first().context("no bench runs")?;
+    for r in runs {
+        ensure!(
+            (r.rows, r.count, r.sum_quantity.to_bits()) == (first.rows, first.count, first.sum_quantity.to_bits()),
+            "bench runs disagree: rows/count/sum {}/{}/{} vs {}/{}/{}",
+            r.rows,
+            r.count,
+            r.sum_quantity,
+            first.rows,
+            first.count,
+            first.sum_quantity
+        );
+    }
+    let values: Vec<serde_json::Map<String, serde_json::Value>> = runs
+        .iter()
+        .map(|r| match serde_json::to_value(r) {
+            Ok(serde_json::Value::Object(m)) => Ok(m),
+            other => Err(anyhow::anyhow!("bench result is not a JSON object: {other:?}")),
+        })
+        .collect::<Result<_>>()?;
+    let mut out = values[0].clone();
+    let mut spread = std::collections::BTreeMap::new();
+    for (key, v0) in &values[0] {
+        if !v0.is_number() || key == "runs" || FIRST_RUN.contains(&key.as_str()) {
+            continue;
+        }
+        let mut xs: Vec<f64> = values.iter().filter_map(|m| m.get(key).and_then(serde_json::Value::as_f64)).collect();
+        if xs.len() != values.len() {
+            continue; // `None` in some run (no allocation counter, no SQL): keep the first run's.
+        }
+        xs.sort_by(f64::total_cmp);
+        let n = xs.len();
+        let pick = if WORST_OF_RUNS.contains(&key.as_str()) { xs[n - 1] } else { f64::midpoint(xs[(n - 1) / 2], xs[n / 2]) };
+        if key.ends_with("_per_s") || key.contains("_vs_") {
+            spread.insert(key.clone(), [xs[0], xs[n - 1]]);
+        }
+        let integer = values.iter().all(|m| m.get(key).is_some_and(|v| v.is_i64() || v.is_u64()));
+        let number = if integer {
+            if v0.is_u64() { serde_json::Value::from(pick.round() as u64) } else { serde_json::Value::from(pick.round() as i64) }
+        } else {
+            serde_json::Value::from(pick)
+        };
+        out.insert(key.clone(), number);
+    }
+    let mut r: BenchResult = serde_json::from_value(serde_json::Value::Object(out))?;
+    r.runs = runs.len();
+    r.spread = spread;
+    Ok(r)
+}
+
 fn every(batches: &[RecordBatch], start: usize) -> impl Iterator<Item = &RecordBatch> {
     batches.iter().skip(start).step_by(10)
 }
 
-fn run(args: &BenchArgs, dir: &Path) -> Result<(BenchResult, Vec<Q1Group>, bool)> {
-    let batches = load(args)?;
-    ensure!(!batches.is_empty(), "no input rows");
+/// One run of the four phases on `batches`, in `dir` (created).
+fn measure(args: &BenchArgs, batches: &[RecordBatch], dir: &Path) -> Result<(BenchResult, Vec<Q1Group>, bool)> {
+    std::fs::create_dir_all(dir)?;
     let schema = batches[0].schema();
     let rows: u64 = batches.iter().map(|b| b.num_rows() as u64).sum();
-    let ups_rows: u64 = every(&batches, 0).map(|b| b.num_rows() as u64).sum();
-    let del_rows: u64 = every(&batches, 5).map(|b| b.num_rows() as u64).sum();
-    let del_keys: Vec<RecordBatch> = every(&batches, 5).map(|b| b.project(&[0, 3])).collect::<Result<_, _>>()?;
+    let ups_rows: u64 = every(batches, 0).map(|b| b.num_rows() as u64).sum();
+    let del_rows: u64 = every(batches, 5).map(|b| b.num_rows() as u64).sum();
+    let del_keys: Vec<RecordBatch> = every(batches, 5).map(|b| b.project(&[0, 3])).collect::<Result<_, _>>()?;
     let payload: u64 = batches.iter().map(payload_bytes).sum();
-    let mut r = BenchResult { engine: "gritdb".into(), rows, payload_bytes_per_row: payload as f64 / rows as f64, ..BenchResult::default() };
-    eprintln!("bench: {rows} rows in {} batches; data dir {}", batches.len(), dir.display());
+    let mut r = BenchResult { engine: "gritdb".into(), rows, runs: 1, payload_bytes_per_row: payload as f64 / rows as f64, ..BenchResult::default() };
 
     // Phase 1: the peer workload at the engine's defaults.
     let base = ProcessView::read();
@@ -377,14 +510,14 @@ fn run(args: &BenchArgs, dir: &Path) -> Result<(BenchResult, Vec<Q1Group>, bool)
     let used0 = engine.memory_report().used;
     let a0 = allocation_count();
     let t = Instant::now();
-    for b in &batches {
+    for b in batches {
         table.insert(b)?;
     }
     r.insert_rows_per_s = rate(rows, t.elapsed().as_secs_f64());
     r.allocations_per_row_default = a0.zip(allocation_count()).map(|(a, b)| (b - a) as f64 / rows as f64);
     r.accounted_bytes_per_row_default = (engine.memory_report().used as f64 - used0 as f64) / rows as f64;
     let t = Instant::now();
-    for b in every(&batches, 0) {
+    for b in every(batches, 0) {
         table.upsert(b)?;
     }
     r.upsert_rows_per_s = rate(ups_rows, t.elapsed().as_secs_f64());
@@ -423,7 +556,7 @@ fn run(args: &BenchArgs, dir: &Path) -> Result<(BenchResult, Vec<Q1Group>, bool)
     let al0 = allocated();
     let a0 = allocation_count();
     let t = Instant::now();
-    for b in &batches {
+    for b in batches {
         table.insert(b)?;
     }
     r.insert_alone_rows_per_s = rate(rows, t.elapsed().as_secs_f64());
@@ -448,7 +581,7 @@ fn run(args: &BenchArgs, dir: &Path) -> Result<(BenchResult, Vec<Q1Group>, bool)
     )?;
     let table = engine.create_table("lineitem", schema.clone(), &KEY)?;
     let t = Instant::now();
-    for b in &batches {
+    for b in batches {
         table.insert(b)?;
     }
     r.insert_relaxed_rows_per_s = rate(rows, t.elapsed().as_secs_f64());
@@ -465,7 +598,7 @@ fn run(args: &BenchArgs, dir: &Path) -> Result<(BenchResult, Vec<Q1Group>, bool)
             .set_max_row_group_row_count(Some(1 << 20))
             .build();
         let mut w = ArrowWriter::try_new(file, schema.clone(), Some(props))?;
-        for b in &batches {
+        for b in batches {
             w.write(b)?;
             // The engine's row-group cut (storage WriteOptions::row_group_bytes = 32 MiB).
             if w.memory_size() >= 32 << 20 {
@@ -481,12 +614,14 @@ fn run(args: &BenchArgs, dir: &Path) -> Result<(BenchResult, Vec<Q1Group>, bool)
         read += b?.num_rows() as u64;
     }
     r.raw_read_rows_per_s = rate(read, t.elapsed().as_secs_f64());
+    r.flush_vs_raw_write = r.flush_rows_per_s / r.raw_write_rows_per_s.max(f64::MIN_POSITIVE);
+    r.scan_vs_raw_read = r.scan_rows_per_s / r.raw_read_rows_per_s.max(f64::MIN_POSITIVE);
     let record = vec![0x5au8; usize::try_from(wal_bytes).unwrap_or(usize::MAX) / batches.len().max(1)];
     let raw_wal = dir.join("raw.wal");
     let t = Instant::now();
     {
         let mut f = std::fs::File::create(&raw_wal)?;
-        for _ in &batches {
+        for _ in batches {
             std::io::Write::write_all(&mut f, &record)?;
             f.sync_all()?;
         }
@@ -499,7 +634,7 @@ fn run(args: &BenchArgs, dir: &Path) -> Result<(BenchResult, Vec<Q1Group>, bool)
     let al0 = allocated();
     let a0 = allocation_count();
     let t = Instant::now();
-    for b in &batches {
+    for b in batches {
         naive.insert(b)?;
     }
     r.naive_insert_rows_per_s = rate(rows, t.elapsed().as_secs_f64());
@@ -508,7 +643,7 @@ fn run(args: &BenchArgs, dir: &Path) -> Result<(BenchResult, Vec<Q1Group>, bool)
     r.naive_bytes_per_row = grown as f64 / rows as f64;
     r.naive_outside_engine_bytes = grown;
     let t = Instant::now();
-    for b in every(&batches, 0) {
+    for b in every(batches, 0) {
         naive.upsert(b)?;
     }
     r.naive_upsert_rows_per_s = rate(ups_rows, t.elapsed().as_secs_f64());
@@ -559,17 +694,23 @@ fn print_table(r: &BenchResult, groups: &[Q1Group]) {
     let d = DUCKDB;
     let mib = |b: f64| b / f64::from(1u32 << 20);
     println!(
-        "gritdb-soak bench: {} rows, memory limit {:.0} MiB, background flushes {}",
+        "gritdb-soak bench: {} rows, memory limit {:.0} MiB, background flushes {}; median of {} run(s), [min-max] beside",
         r.rows,
         mib(r.memory_limit_bytes as f64),
-        if r.background_batch { "SCHED_BATCH (--background-batch)" } else { "as the engine's default" }
+        if r.background_batch { "SCHED_BATCH (--background-batch)" } else { "as the engine's default" },
+        r.runs
     );
+    let range = |key: &str, scale: f64| r.spread.get(key).map_or_else(String::new, |[lo, hi]| format!("  [{:.2}-{:.2}]", lo / scale, hi / scale));
     println!("{:<26} {:>20} {:>16} {:>10}", "phase", "gritdb", "DuckDB 2.0.1", "ratio");
-    for (name, ours, theirs) in [("insert", r.insert_rows_per_s, d.insert), ("upsert 10%", r.upsert_rows_per_s, d.upsert), ("delete 10%", r.delete_rows_per_s, d.delete)] {
-        println!("{name:<26} {:>20} {:>16} {:>9.2}x", mrows(ours), mrows(theirs), ours / theirs);
+    for (name, key, ours, theirs) in [
+        ("insert", "insert_rows_per_s", r.insert_rows_per_s, d.insert),
+        ("upsert 10%", "upsert_rows_per_s", r.upsert_rows_per_s, d.upsert),
+        ("delete 10%", "delete_rows_per_s", r.delete_rows_per_s, d.delete),
+        ("insert, no flush beside", "insert_alone_rows_per_s", r.insert_alone_rows_per_s, d.insert),
+        ("insert, WAL relaxed", "insert_relaxed_rows_per_s", r.insert_relaxed_rows_per_s, d.insert),
+    ] {
+        println!("{name:<26} {:>20} {:>16} {:>9.2}x{}", mrows(ours), mrows(theirs), ours / theirs, range(key, 1e6));
     }
-    println!("{:<26} {:>20} {:>16} {:>9.2}x", "insert, no flush beside", mrows(r.insert_alone_rows_per_s), mrows(d.insert), r.insert_alone_rows_per_s / d.insert);
-    println!("{:<26} {:>20} {:>16} {:>9.2}x", "insert, WAL relaxed", mrows(r.insert_relaxed_rows_per_s), mrows(d.insert), r.insert_relaxed_rows_per_s / d.insert);
     println!("{:<26} {:>18.3} s {:>14.2} s {:>9.2}x", "durable (flush)", r.durable_s, d.durable_s, d.durable_s / r.durable_s);
     println!("{:<26} {:>17.1} ms {:>13.0} ms {:>9.2}x", "Q1", r.q1_ms, d.q1_ms, d.q1_ms / r.q1_ms);
     if let Some(ms) = r.sql_q1_ms {
@@ -590,8 +731,8 @@ fn print_table(r: &BenchResult, groups: &[Q1Group]) {
     }
     println!("RSS above base {:.1} MiB; VmHWM {:.1} MiB", mib(r.rss_above_base_bytes as f64), mib(r.vmhwm_bytes as f64));
     println!("{:<26} {:>20} {:>20} {:>9}", "physical limit", "raw", "gritdb", "ratio");
-    println!("{:<26} {:>20} {:>20} {:>9.2}", "write (SNAPPY) vs flush", mrows(r.raw_write_rows_per_s), mrows(r.flush_rows_per_s), r.flush_rows_per_s / r.raw_write_rows_per_s);
-    println!("{:<26} {:>20} {:>20} {:>9.2}", "read vs full scan", mrows(r.raw_read_rows_per_s), mrows(r.scan_rows_per_s), r.scan_rows_per_s / r.raw_read_rows_per_s);
+    println!("{:<26} {:>20} {:>20} {:>9.2}{}", "write (SNAPPY) vs flush", mrows(r.raw_write_rows_per_s), mrows(r.flush_rows_per_s), r.flush_vs_raw_write, range("flush_vs_raw_write", 1.0));
+    println!("{:<26} {:>20} {:>20} {:>9.2}{}", "read vs full scan", mrows(r.raw_read_rows_per_s), mrows(r.scan_rows_per_s), r.scan_vs_raw_read, range("scan_vs_raw_read", 1.0));
     println!(
         "{:<26} {:>20} {:>20} {:>9.2}   ({:.1} WAL bytes/row)",
         "write+fsync vs insert",
@@ -648,12 +789,91 @@ mod tests {
             "allocations_per_row",
             "accounted_bytes_per_row",
             "sql_q1_ms",
+            "flush_vs_raw_write",
+            "scan_vs_raw_read",
+            "runs",
+            "spread",
             "wal_bytes_per_row",
             "raw_wal_rows_per_s",
             "insert_alone_rows_per_s",
         ] {
             assert!(o.contains_key(k), "missing {k}");
         }
+    }
+
+    fn run_result(insert: f64, vmhwm: u64, rss: i64, alloc: Option<f64>) -> BenchResult {
+        BenchResult {
+            engine: "gritdb".into(),
+            rows: 600_572,
+            count: 543_228,
+            sum_quantity: 13_875_088.0,
+            insert_rows_per_s: insert,
+            scan_vs_raw_read: insert / 2e6,
+            vmhwm_bytes: vmhwm,
+            rss_above_base_bytes: rss,
+            allocations_per_row: alloc,
+            runs: 1,
+            ..BenchResult::default()
+        }
+    }
+
+    #[test]
+    #[allow(clippy::float_cmp)] // the medians picked are input values (or an exact midpoint)
+    fn summarize_takes_medians_worst_memory_and_the_first_peak() {
+        let runs = [
+            run_result(2.0e6, 700, -5, Some(0.03)),
+            run_result(1.5e6, 1_000, 90, Some(0.05)),
+            run_result(2.6e6, 1_200, 40, Some(0.04)),
+        ];
+        let r = summarize(&runs).unwrap();
+        assert_eq!(r.runs, 3);
+        assert_eq!(r.insert_rows_per_s, 2.0e6, "median of 1.5, 2.0, 2.6 M");
+        assert_eq!(r.scan_vs_raw_read, 1.0);
+        assert_eq!(r.spread["insert_rows_per_s"], [1.5e6, 2.6e6]);
+        assert_eq!(r.spread["scan_vs_raw_read"], [0.75, 1.3]);
+        assert_eq!(r.rss_above_base_bytes, 90, "memory: the worst run");
+        assert_eq!(r.allocations_per_row, Some(0.05));
+        assert_eq!(r.vmhwm_bytes, 700, "the peak after run 1, not the process's later peak");
+        assert_eq!((r.rows, r.count, r.sum_quantity), (600_572, 543_228, 13_875_088.0));
+        assert!(!r.spread.contains_key("rows") && !r.spread.contains_key("vmhwm_bytes"));
+
+        // An even count: the mean of the two middle values; integers stay integers.
+        let r = summarize(&runs[..2]).unwrap();
+        assert_eq!(r.insert_rows_per_s, 1.75e6);
+        assert_eq!(r.rss_above_base_bytes, 90);
+        // One run: itself, with a spread of one value.
+        let r = summarize(&runs[1..2]).unwrap();
+        assert_eq!((r.insert_rows_per_s, r.vmhwm_bytes, r.runs), (1.5e6, 1_000, 1));
+    }
+
+    #[test]
+    #[allow(clippy::float_cmp)] // the medians picked are input values (or an exact midpoint)
+    fn summarize_refuses_no_runs_and_runs_with_other_answers() {
+        assert!(summarize(&[]).is_err());
+        let mut other = run_result(2.0e6, 700, 0, None);
+        other.count = 543_227;
+        let err = summarize(&[run_result(2.0e6, 700, 0, None), other]).unwrap_err().to_string();
+        assert!(err.contains("disagree") && err.contains("543227"), "{err}");
+        // A figure missing in some run (no allocation counter there) keeps the first run's.
+        let r = summarize(&[run_result(2.0e6, 700, 0, None), run_result(2.2e6, 700, 0, Some(0.1))]).unwrap();
+        assert_eq!(r.allocations_per_row, None);
+    }
+
+    #[test]
+    fn zero_runs_is_refused_before_anything_is_created() {
+        let dir = std::env::temp_dir().join(format!("gritdb-bench-zero-runs-{}", std::process::id()));
+        let args = BenchArgs {
+            parquet: None,
+            scale: 0.1,
+            data_dir: Some(dir.clone()),
+            memory_limit: None,
+            flush_threads: None,
+            background_batch: false,
+            runs: 0,
+        };
+        let err = run_cli(&args).unwrap_err().to_string();
+        assert!(err.contains("--runs must be at least 1"), "{err}");
+        assert!(!dir.exists(), "the data dir was created");
     }
 
     #[test]

@@ -81,6 +81,11 @@ pub struct BenchArgs {
     /// `BackgroundPriority::Batch(0)`) instead of the engine's default (`Inherit`).
     #[arg(long)]
     pub background_batch: bool,
+    /// Times the measured phases run on the same input (each in a fresh directory); every
+    /// figure printed is the median over the runs (memory figures: the largest), with the
+    /// smallest and largest rate of each phase beside it. At least 1.
+    #[arg(long, default_value_t = 5)]
+    pub runs: usize,
 }
 
 /// Options of the hidden `crash-child`.

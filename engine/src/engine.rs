@@ -639,7 +639,10 @@ impl Engine {
                 if let Ok(wal) = shared.wal()
                     && let Err(e) = wal.sync()
                 {
-                    tracing::error!(error = %e, "write-ahead log group commit failed");
+                    // A failed fsync is final for the log (`WalSync::Relaxed`): every later
+                    // write returns the error, so one report is enough and the tick stops.
+                    tracing::error!(error = %e, "write-ahead log group commit failed; the engine takes no more writes until it is reopened");
+                    return !wal.has_failed();
                 }
                 true
             });

@@ -46,7 +46,11 @@ pub enum WalSync {
     #[default]
     PerBatch,
     /// Group commit: appends are written but fsynced by a background tick (the engine's
-    /// `wal_sync_interval`); a crash may lose writes acknowledged within that interval.
+    /// `wal_sync_interval`); a crash may lose writes acknowledged within that interval. A
+    /// segment is fsynced before it is closed at 16 MiB. When an fsync of acknowledged
+    /// records fails, the log takes no more records: every later append and sync returns
+    /// [`StorageError::Io`] naming the first failure, until the engine is reopened (which
+    /// recovers what is on disk).
     Relaxed,
 }
 
@@ -90,7 +94,45 @@ struct Inner {
     active: Option<Active>,
     closed: Vec<Segment>,
     next_id: u64,
+    /// [`WalSync::Relaxed`]: records were appended (and acknowledged) since the last fsync.
     unsynced: bool,
+    /// [`WalSync::Relaxed`]: an fsync of acknowledged records failed. Sticky: the log takes
+    /// no more records and every later sync fails, since after a failed fsync Linux may have
+    /// dropped the dirty pages and cleared the error, so a later fsync that succeeds proves
+    /// nothing about them (the `PostgreSQL` "fsyncgate" of 2018; `RocksDB` likewise stops
+    /// writes on a WAL sync error). Reopening the engine recovers what is on disk.
+    failed: Option<SyncFailure>,
+}
+
+/// The first failed fsync of acknowledged records ([`Inner::failed`]).
+#[derive(Debug, Clone)]
+struct SyncFailure {
+    path: PathBuf,
+    kind: std::io::ErrorKind,
+    message: String,
+}
+
+impl SyncFailure {
+    fn error(&self) -> StorageError {
+        let text = format!(
+            "an earlier fsync of this write-ahead log failed ({}); writes acknowledged since the last good fsync may not be durable, so the log takes no more records: reopen the engine to recover what is on disk",
+            self.message
+        );
+        StorageError::Io { path: self.path.clone(), source: std::io::Error::new(self.kind, text) }
+    }
+}
+
+impl Inner {
+    /// Records a failed fsync of acknowledged records (the first one stays) and returns the
+    /// error for the caller.
+    fn fail_sync(&mut self, path: PathBuf, e: std::io::Error) -> StorageError {
+        self.failed.get_or_insert_with(|| SyncFailure { path: path.clone(), kind: e.kind(), message: e.to_string() });
+        StorageError::Io { path, source: e }
+    }
+
+    fn refuse_if_failed(&self) -> Result<(), StorageError> {
+        self.failed.as_ref().map_or(Ok(()), |f| Err(f.error()))
+    }
 }
 
 /// One WAL record encoded ahead of its append ([`Wal::encode_record`]): the frame, the
@@ -209,7 +251,7 @@ impl Wal {
             vfs,
             sync,
             ctl: Arc::clone(ctl),
-            inner: Mutex::new(Inner { active: None, closed, next_id, unsynced: false }),
+            inner: Mutex::new(Inner { active: None, closed, next_id, unsynced: false, failed: None }),
         })
     }
 
@@ -295,7 +337,19 @@ impl Wal {
 
     fn write_record(&self, record: &[u8], table: u64, last_seq: u64) -> Result<(), StorageError> {
         let mut g = self.lock();
+        g.refuse_if_failed()?;
         if g.active.as_ref().is_some_and(|a| a.seg.bytes >= SEGMENT_BYTES) {
+            // Relaxed: the group-commit tick fsyncs the active segment only, so a full one's
+            // acknowledged tail is fsynced before it is closed.
+            if g.unsynced
+                && let Some(a) = g.active.as_mut()
+            {
+                let path = self.dir.join(seg_name(a.seg.id));
+                if let Err(e) = a.file.sync_all() {
+                    return Err(g.fail_sync(path, e));
+                }
+                g.unsynced = false;
+            }
             let a = g.active.take().map(|a| a.seg);
             g.closed.extend(a);
         }
@@ -320,12 +374,17 @@ impl Wal {
             let path = self.dir.join(seg_name(a.seg.id));
             let seg = g.active.take().map(|a| a.seg);
             g.closed.extend(seg);
-            drop(g);
+            // Relaxed: the segment's earlier records were acknowledged unsynced; the cut's
+            // fsync below is theirs too.
+            let acknowledged_unsynced = g.unsynced;
             if let Err(t) = fs::OpenOptions::new().write(true).open(&path).and_then(|f| {
                 f.set_len(good)?;
                 f.sync_all()
             }) {
                 tracing::error!(path = %path.display(), error = %t, "could not cut a failed WAL record");
+                if acknowledged_unsynced {
+                    g.fail_sync(path.clone(), t);
+                }
             }
             return Err(StorageError::Io { path, source: e });
         }
@@ -341,18 +400,29 @@ impl Wal {
     /// fsyncs the active segment if anything was appended since the last sync.
     ///
     /// # Errors
-    /// [`StorageError::Io`].
+    /// [`StorageError::Io`]: this fsync failed, or an earlier fsync of acknowledged records
+    /// did. Either is final for this log: no later append or sync succeeds (see
+    /// [`WalSync::Relaxed`]).
     pub fn sync(&self) -> Result<(), StorageError> {
         let mut g = self.lock();
+        g.refuse_if_failed()?;
         if !g.unsynced {
             return Ok(());
         }
-        g.unsynced = false;
         if let Some(a) = g.active.as_mut() {
             let path = self.dir.join(seg_name(a.seg.id));
-            a.file.sync_all().map_err(io(path))?;
+            if let Err(e) = a.file.sync_all() {
+                return Err(g.fail_sync(path, e));
+            }
         }
+        g.unsynced = false;
         Ok(())
+    }
+
+    /// True once an fsync of acknowledged records has failed ([`WalSync::Relaxed`]): the log
+    /// takes no more records until the engine is reopened.
+    pub fn has_failed(&self) -> bool {
+        self.lock().failed.is_some()
     }
 
     /// Deletes every segment whose records are all covered: `covered(table, seq)` says whether
@@ -748,5 +818,109 @@ mod tests {
         let bad = BinaryArray::from_iter_values([&b"ok"[..], &[0xff, 0xfe][..]]);
         let rec = WalRecord { op: WalOp::Put, table: 1, first_seq: 1, last_seq: 2, batch: RecordBatch::try_new(got, vec![Arc::new(bad)]).unwrap() };
         assert!(matches!(rec.batch_as(&want), Err(StorageError::Arrow(_))));
+    }
+
+    fn keyed(first: i32, rows: i32, text: &str) -> RecordBatch {
+        let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int32, false), Field::new("s", DataType::Utf8, false)]));
+        let texts: Vec<&str> = (0..rows).map(|_| text).collect();
+        RecordBatch::try_new(schema, vec![Arc::new(Int32Array::from_iter_values(first..first + rows)), Arc::new(arrow_array::StringArray::from(texts))]).unwrap()
+    }
+
+    fn replayed_rows(dir: &Path, ctl: &Arc<MemoryController>) -> usize {
+        let mut rows = 0;
+        Wal::open(dir, Arc::new(StdFs), WalSync::PerBatch, ctl, |r| {
+            rows += r.batch.num_rows();
+            Ok::<(), StorageError>(())
+        })
+        .unwrap();
+        rows
+    }
+
+    /// Relaxed mode: a failed fsync of acknowledged records is final. The sync reports the
+    /// OS error; every later append and sync is refused with a text naming the first failure,
+    /// also once the disk is healthy again (a later fsync that succeeds would prove nothing
+    /// about the pages the failed one dropped). What reached the file is replayed at reopen.
+    #[test]
+    fn relaxed_fsync_failure_refuses_every_later_append_and_sync() {
+        let dir = tempfile::tempdir().unwrap();
+        let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(64 << 20), ..ControllerConfig::default() }).unwrap();
+        let fs = crate::vfs::FaultFs::new();
+        let wal = Wal::open(dir.path(), Arc::new(fs.clone()), WalSync::Relaxed, &ctl, |_| Ok::<(), StorageError>(())).unwrap();
+        wal.append(WalOp::Put, 1, 1, 10, &keyed(0, 10, "a")).unwrap();
+        fs.fail_step(0, 5); // EIO on the tick's fsync
+        match wal.sync() {
+            Err(StorageError::Io { source, .. }) => assert_eq!(source.raw_os_error(), Some(5), "{source}"),
+            other => panic!("expected EIO, got {other:?}"),
+        }
+        assert!(wal.has_failed());
+        fs.heal();
+        for attempt in 0..2 {
+            let err = wal.append(WalOp::Put, 1, 11, 20, &keyed(10, 10, "b")).unwrap_err().to_string();
+            assert!(err.contains("earlier fsync") && err.contains("reopen"), "append {attempt}: {err}");
+            let err = wal.sync().unwrap_err().to_string();
+            assert!(err.contains("earlier fsync"), "sync {attempt}: {err}");
+        }
+        drop(wal);
+        assert_eq!(replayed_rows(dir.path(), &ctl), 10, "the refused records never reached the log");
+    }
+
+    /// Per-batch mode keeps going after a failed fsync: that write is not acknowledged (and is
+    /// cut from the log), every earlier one was fsynced by its own call.
+    #[test]
+    fn per_batch_fsync_failure_fails_that_write_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(64 << 20), ..ControllerConfig::default() }).unwrap();
+        let fs = crate::vfs::FaultFs::new();
+        let wal = Wal::open(dir.path(), Arc::new(fs.clone()), WalSync::PerBatch, &ctl, |_| Ok::<(), StorageError>(())).unwrap();
+        wal.append(WalOp::Put, 1, 1, 10, &keyed(0, 10, "a")).unwrap();
+        fs.fail_step(1, 5); // the write succeeds, its fsync fails
+        assert!(wal.append(WalOp::Put, 1, 11, 20, &keyed(10, 10, "b")).is_err());
+        assert!(!wal.has_failed());
+        wal.append(WalOp::Put, 1, 21, 30, &keyed(20, 10, "c")).unwrap();
+        drop(wal);
+        assert_eq!(replayed_rows(dir.path(), &ctl), 20, "rows 0..10 and 20..30; the failed write was cut");
+    }
+
+    /// Relaxed mode fsyncs a full segment before closing it (the tick fsyncs only the active
+    /// one): the append that rotates is one fsync, one create, one directory fsync and one
+    /// write, where a plain relaxed append is one write; and a failure of that fsync is final.
+    #[test]
+    fn relaxed_rotation_fsyncs_the_closed_segment() {
+        let dir = tempfile::tempdir().unwrap();
+        let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(256 << 20), ..ControllerConfig::default() }).unwrap();
+        let fs = crate::vfs::FaultFs::new();
+        let wal = Wal::open(dir.path(), Arc::new(fs.clone()), WalSync::Relaxed, &ctl, |_| Ok::<(), StorageError>(())).unwrap();
+        let big = "x".repeat(1 << 20); // one 1 MiB value per record
+        let seq = std::cell::Cell::new(0u64);
+        let append = |wal: &Wal| {
+            let n = seq.get() + 1;
+            seq.set(n);
+            wal.append(WalOp::Put, 1, n, n, &keyed(i32::try_from(n).unwrap(), 1, &big))
+        };
+        while wal.bytes() < SEGMENT_BYTES {
+            let before = fs.steps();
+            append(&wal).unwrap();
+            if wal.segment_count() == 1 && seq.get() > 1 {
+                assert_eq!(fs.steps() - before, 1, "a relaxed append inside a segment is one write");
+            }
+        }
+        assert_eq!(wal.segment_count(), 1);
+        let before = fs.steps();
+        append(&wal).unwrap();
+        assert_eq!(wal.segment_count(), 2);
+        assert_eq!(fs.steps() - before, 4, "fsync of the full segment, create, directory fsync, write");
+
+        // The same again, with the full segment's fsync failing.
+        while wal.bytes() < 2 * SEGMENT_BYTES {
+            append(&wal).unwrap();
+        }
+        let rows_before = usize::try_from(seq.get()).unwrap();
+        fs.fail_step(0, 5);
+        let err = append(&wal).unwrap_err().to_string();
+        assert!(wal.has_failed(), "{err}");
+        assert_eq!(wal.segment_count(), 2, "no new segment after the failed fsync");
+        assert!(append(&wal).unwrap_err().to_string().contains("earlier fsync"));
+        drop(wal);
+        assert_eq!(replayed_rows(dir.path(), &ctl), rows_before);
     }
 }

@@ -281,3 +281,54 @@ fn covered_segments_are_gone_when_the_engine_closes_and_reopen_at_once_works() {
     engine.close().unwrap();
     assert!(wal_files(dir.path()).is_empty(), "{:?}", wal_files(dir.path()));
 }
+
+/// `WalSync::Relaxed`: a failed group-commit fsync is final for the engine's log. Writes after
+/// it are refused with an error naming the failure, also once the disk is healthy again (a
+/// later fsync that succeeds proves nothing about the pages the failed one dropped: the
+/// `PostgreSQL` fsync bug of 2018), `close` reports it, and a reopen recovers every write
+/// acknowledged before it.
+#[test]
+fn relaxed_group_commit_failure_refuses_writes_until_reopen() {
+    use gritdb::vfs::FaultFs;
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().unwrap();
+    let fs = FaultFs::new();
+    let cfg = config().wal_sync(gritdb::WalSync::Relaxed).wal_sync_interval(Duration::from_millis(50)).vfs(std::sync::Arc::new(fs.clone()));
+    let engine = Engine::open(dir.path(), cfg).unwrap();
+    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
+    let mut acknowledged = 0i64;
+    // Each attempt: acknowledge a batch, then fail the disk until the tick tries to fsync it.
+    // (When the tick fsynced the batch before the disk failed, there is nothing to sync:
+    // heal and try again with a new batch.)
+    let failed_tick = (0..20).any(|_| {
+        t.insert(&composite_batch(&rows(acknowledged, 10, "r"))).unwrap();
+        acknowledged += 10;
+        let before = fs.steps();
+        fs.fail_all(5);
+        let start = Instant::now();
+        while fs.steps() == before && start.elapsed() < Duration::from_secs(2) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let tried = fs.steps() > before;
+        fs.heal();
+        tried
+    });
+    assert!(failed_tick, "no group-commit fsync ran while the disk failed");
+    for attempt in 0..3 {
+        let err = t.insert(&composite_batch(&rows(1_000 + attempt, 1, "late"))).unwrap_err().to_string();
+        assert!(err.contains("earlier fsync") && err.contains("reopen"), "insert {attempt}: {err}");
+        std::thread::sleep(Duration::from_millis(60)); // ticks pass; the refusal stays
+    }
+    let err = t.delete(&composite_keys(&[(0, 0)])).unwrap_err().to_string();
+    assert!(err.contains("earlier fsync"), "{err}");
+    assert_eq!(t.row_count().unwrap(), acknowledged as u64, "refused writes changed nothing");
+    drop(t);
+    let err = engine.close().unwrap_err().to_string();
+    assert!(err.contains("earlier fsync"), "close: {err}");
+    let engine = Engine::open(dir.path(), config()).unwrap();
+    let t = engine.table("t").unwrap();
+    assert_eq!(t.row_count().unwrap(), acknowledged as u64);
+    let got = collect_composite(t.scan(ScanOptions::default()).unwrap());
+    let want: BTreeMap<_, _> = (0..acknowledged).step_by(10).flat_map(|from| rows(from, 10, "r")).collect();
+    assert_eq!(got, want);
+}

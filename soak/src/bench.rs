@@ -18,7 +18,7 @@
 //!
 //! Phases 1–4 run `--runs` times (default 5) on the same input, each run in a fresh directory
 //! `run<i>`; the result printed is [`summarize`]d over the runs (medians; memory figures the
-//! worst run; VmHWM run 1).
+//! worst run; `VmHWM` run 1).
 //!
 //! One foreground thread runs every phase; the engine's background writer threads run as
 //! configured. Allocation counts come from [`CountingAlloc`], the `gritdb-soak` binary's

@@ -297,7 +297,7 @@ impl TableStore {
         let mut parts = Vec::new();
         for b in reader {
             let b = b.map_err(|e| corrupt(e.to_string()))?;
-            parts.push(self.conv.convert_columns(b.columns())?);
+            parts.push(self.conv.convert_columns(&crate::index::canonical_key_columns(b.columns().to_vec()))?);
         }
         let total: usize = parts.iter().map(arrow_row::Rows::num_rows).sum();
         if total as u64 != rows {
@@ -398,7 +398,7 @@ impl TableStore {
             return Ok(None);
         }
         let puts: Vec<RecordBatch> = puts.iter().filter(|b| b.num_rows() > 0).cloned().collect();
-        let del_rows = self.conv.convert_columns(delete_keys.columns())?;
+        let del_rows = self.conv.convert_columns(&crate::index::canonical_key_columns(delete_keys.columns().to_vec()))?;
         let file_id = (put_rows > 0).then_some(self.next_file_id);
         let mut additions = Vec::new();
         for r in &del_rows {

@@ -363,3 +363,85 @@ fn two_manifests_naming_one_table_are_refused() {
     let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
     assert_eq!((engine.table("alpha").unwrap().row_count().unwrap(), engine.table("beta").unwrap().row_count().unwrap()), (3, 5));
 }
+
+/// Float keys: 0.0 and −0.0 are one key, and so are NaNs of any sign or payload (IEEE 754 `==`
+/// for zeros; PostgreSQL's NaN = NaN), in the delta store and in the files' key index alike:
+/// insert refuses the other zero and another NaN, before and after a flush and a reopen;
+/// upsert replaces, delete finds, and the rows keep the values written (bits included).
+#[test]
+fn float_keys_zero_signs_and_nans_are_one_key_each() {
+    use arrow::array::{AsArray, Float16Array, Float32Array};
+    use arrow::datatypes::Float64Type;
+    let dir = tempfile::tempdir().unwrap();
+    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Float64, false), Field::new("v", DataType::Int64, false)]));
+    let batch = |keys: &[f64], v: i64| {
+        RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Float64Array::from(keys.to_vec())) as ArrayRef, Arc::new(Int64Array::from(vec![v; keys.len()]))]).unwrap()
+    };
+    let key_batch = |keys: &[f64]| {
+        RecordBatch::try_new(Arc::new(Schema::new(vec![Field::new("k", DataType::Float64, false)])), vec![Arc::new(Float64Array::from(keys.to_vec())) as ArrayRef]).unwrap()
+    };
+    let other_nan = f64::from_bits(0xfff8_0000_0000_0001); // negative, with a payload
+    let rows = |t: &gritdb::Table| -> Vec<(u64, i64)> {
+        let mut out: Vec<(u64, i64)> = t
+            .scan(ScanOptions::default())
+            .unwrap()
+            .flat_map(|b| {
+                let b = b.unwrap();
+                let k: Vec<u64> = b.column(0).as_primitive::<Float64Type>().values().iter().map(|v| v.to_bits()).collect();
+                let v: Vec<i64> = b.column(1).as_primitive::<arrow::datatypes::Int64Type>().values().to_vec();
+                k.into_iter().zip(v).collect::<Vec<_>>()
+            })
+            .collect();
+        out.sort_unstable();
+        out
+    };
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    let t = engine.create_table("f", Arc::clone(&schema), &["k"]).unwrap();
+    // In one batch: duplicates.
+    assert!(matches!(t.insert(&batch(&[0.0, -0.0], 1)), Err(Error::DuplicateKey { first: 0, row: 1, .. })));
+    assert!(matches!(t.insert(&batch(&[f64::NAN, other_nan], 1)), Err(Error::DuplicateKey { first: 0, row: 1, .. })));
+    // Across batches, against the delta store.
+    assert_eq!(t.insert(&batch(&[-0.0, f64::NAN, 1.5], 1)).unwrap(), 3);
+    assert!(matches!(t.insert(&batch(&[0.0], 2)), Err(Error::KeyExists { row: 0, .. })));
+    assert!(matches!(t.insert(&batch(&[other_nan], 2)), Err(Error::KeyExists { row: 0, .. })));
+    let kept = vec![((-0.0f64).to_bits(), 1), (1.5f64.to_bits(), 1), (f64::NAN.to_bits(), 1)];
+    let mut want = kept.clone();
+    want.sort_unstable();
+    assert_eq!(rows(&t), want, "the rows keep the values written, -0.0 included");
+    // Against the files' key index, after a flush and after a reopen.
+    t.flush().unwrap();
+    assert!(matches!(t.insert(&batch(&[0.0], 2)), Err(Error::KeyExists { .. })));
+    drop(t);
+    engine.close().unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    let t = engine.table("f").unwrap();
+    assert!(matches!(t.insert(&batch(&[0.0], 2)), Err(Error::KeyExists { .. })));
+    assert!(matches!(t.insert(&batch(&[other_nan], 2)), Err(Error::KeyExists { .. })));
+    assert_eq!(rows(&t), want);
+    // Upsert of the other zero replaces the row; delete by another NaN removes the NaN row.
+    assert_eq!(t.upsert(&batch(&[0.0], 7)).unwrap(), 1);
+    assert_eq!(t.delete(&key_batch(&[other_nan])).unwrap(), 1);
+    let mut want = vec![(0.0f64.to_bits(), 7), (1.5f64.to_bits(), 1)];
+    want.sort_unstable();
+    assert_eq!(rows(&t), want);
+    assert_eq!(t.row_count().unwrap(), 2);
+
+    // Float32 and Float16 keys follow the same rule.
+    let s32 = Arc::new(Schema::new(vec![Field::new("k", DataType::Float32, false)]));
+    let t32 = engine.create_table("f32", Arc::clone(&s32), &["k"]).unwrap();
+    let b32 = |k: &[f32]| RecordBatch::try_new(Arc::clone(&s32), vec![Arc::new(Float32Array::from(k.to_vec())) as ArrayRef]).unwrap();
+    assert!(matches!(t32.insert(&b32(&[0.0, -0.0])), Err(Error::DuplicateKey { .. })));
+    assert_eq!(t32.insert(&b32(&[f32::NAN, -0.0])).unwrap(), 2);
+    assert!(matches!(t32.insert(&b32(&[-f32::NAN])), Err(Error::KeyExists { .. })));
+    let s16 = Arc::new(Schema::new(vec![Field::new("k", DataType::Float16, false)]));
+    let t16 = engine.create_table("f16", Arc::clone(&s16), &["k"]).unwrap();
+    let b16 = |bits: &[u16]| {
+        type F16 = <arrow::datatypes::Float16Type as arrow::datatypes::ArrowPrimitiveType>::Native;
+        let a: Float16Array = bits.iter().map(|&b| Some(F16::from_bits(b))).collect();
+        RecordBatch::try_new(Arc::clone(&s16), vec![Arc::new(a) as ArrayRef]).unwrap()
+    };
+    assert!(matches!(t16.insert(&b16(&[0x0000, 0x8000])), Err(Error::DuplicateKey { .. })));
+    assert!(matches!(t16.insert(&b16(&[0x7e00, 0xfe01])), Err(Error::DuplicateKey { .. })));
+    assert_eq!(t16.insert(&b16(&[0x8000, 0x3c00])).unwrap(), 2);
+    assert_eq!(t16.row_count().unwrap(), 2);
+}

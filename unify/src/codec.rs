@@ -68,8 +68,49 @@ impl ColKind {
     }
 }
 
-/// Encodes primary keys as `arrow-row` bytes: canonical, memcmp-comparable, and identical for
-/// every encoder built from the same key types (the storage crate builds the same one).
+/// Key columns made canonical for key identity: in `Float16`/`Float32`/`Float64` columns,
+/// −0.0 becomes 0.0 and every NaN the positive quiet NaN, so 0.0 and −0.0 (equal under
+/// IEEE 754 `==`) are one key, and so are NaNs of any sign or payload (`PostgreSQL`'s rule for
+/// keys and `GROUP BY`: NaN equals NaN). `arrow-row` encodes floats in IEEE 754 totalOrder,
+/// where all of these differ, so without this a table could hold 0.0 and −0.0 as two rows of
+/// "one" key. Only the key bytes change: the rows keep the values written. Other columns,
+/// and float columns holding no such value, are returned as they are (no copy).
+///
+/// SAME-RULE: the delta store's key encoder (`unify/src/codec.rs`) and the storage key index
+/// (`storage/src/index.rs`) must apply the same rule, or a key written before a flush would
+/// not be found in the file after it (`tests/all/bad_input.rs` checks both sides).
+pub fn canonical_key_columns(cols: Vec<ArrayRef>) -> Vec<ArrayRef> {
+    use arrow_array::types::{Float16Type, Float32Type, Float64Type};
+    type F16 = <Float16Type as arrow_array::ArrowPrimitiveType>::Native;
+    fn fix<T: arrow_array::ArrowPrimitiveType>(col: ArrayRef, odd: impl Fn(T::Native) -> bool, canonical: impl Fn(T::Native) -> T::Native) -> ArrayRef {
+        let a = col.as_primitive::<T>();
+        if a.values().iter().any(|&v| odd(v)) { Arc::new(a.unary::<_, T>(canonical)) } else { col }
+    }
+    cols.into_iter()
+        .map(|col| match col.data_type() {
+            DataType::Float64 => fix::<Float64Type>(
+                col,
+                |v| v.to_bits() == (-0.0f64).to_bits() || (v.is_nan() && v.to_bits() != f64::NAN.to_bits()),
+                |v| if v == 0.0 { 0.0 } else if v.is_nan() { f64::NAN } else { v },
+            ),
+            DataType::Float32 => fix::<Float32Type>(
+                col,
+                |v| v.to_bits() == (-0.0f32).to_bits() || (v.is_nan() && v.to_bits() != f32::NAN.to_bits()),
+                |v| if v == 0.0 { 0.0 } else if v.is_nan() { f32::NAN } else { v },
+            ),
+            DataType::Float16 => fix::<Float16Type>(
+                col,
+                |v| v.to_bits() == 0x8000 || (v.is_nan() && v.to_bits() != 0x7e00),
+                |v| if v.to_bits() == 0x8000 { F16::from_bits(0) } else if v.is_nan() { F16::from_bits(0x7e00) } else { v },
+            ),
+            _ => col,
+        })
+        .collect()
+}
+
+/// Encodes primary keys as `arrow-row` bytes: canonical (floats through
+/// [`canonical_key_columns`]), memcmp-comparable, and identical for every encoder built from
+/// the same key types (the storage crate builds the same one).
 #[derive(Debug)]
 pub struct KeyEncoder {
     converter: RowConverter,
@@ -92,7 +133,7 @@ impl KeyEncoder {
     /// [`UnifyError::Arrow`] on an encoding failure.
     pub fn encode_batch(&self, batch: &RecordBatch) -> Result<Rows, UnifyError> {
         let cols: Vec<ArrayRef> = self.columns.iter().map(|&i| Arc::clone(batch.column(i))).collect();
-        Ok(self.converter.convert_columns(&cols)?)
+        Ok(self.converter.convert_columns(&canonical_key_columns(cols))?)
     }
 
     /// Key bytes of every row of a batch holding only the key columns, in key order.
@@ -100,7 +141,7 @@ impl KeyEncoder {
     /// # Errors
     /// [`UnifyError::Arrow`] on an encoding failure.
     pub fn encode_key_columns(&self, cols: &[ArrayRef]) -> Result<Rows, UnifyError> {
-        Ok(self.converter.convert_columns(cols)?)
+        Ok(self.converter.convert_columns(&canonical_key_columns(cols.to_vec()))?)
     }
 
     /// Decodes key bytes back into key columns.
@@ -656,6 +697,26 @@ mod tests {
     use super::*;
     use arrow_array::Decimal128Array;
     use arrow_schema::Field;
+
+    #[test]
+    fn canonical_key_columns_fixes_zero_signs_and_nans_only() {
+        use arrow_array::{Float64Array, Int64Array};
+        let odd_nan = f64::from_bits(0xfff8_0000_0000_0001);
+        let floats: ArrayRef = Arc::new(Float64Array::from(vec![Some(-0.0), Some(0.0), None, Some(odd_nan), Some(-2.5), Some(f64::NAN)]));
+        let ints: ArrayRef = Arc::new(Int64Array::from(vec![1, 2, 3, 4, 5, 6]));
+        let out = canonical_key_columns(vec![Arc::clone(&floats), Arc::clone(&ints)]);
+        let f = out[0].as_primitive::<arrow_array::types::Float64Type>();
+        let bits: Vec<u64> = f.values().iter().map(|v| v.to_bits()).collect();
+        assert_eq!(bits[0], 0, "-0.0 -> 0.0");
+        assert_eq!(bits[1], 0);
+        assert_eq!((bits[3], bits[5]), (f64::NAN.to_bits(), f64::NAN.to_bits()));
+        assert_eq!(bits[4], (-2.5f64).to_bits());
+        assert!(f.is_null(2) && f.null_count() == 1, "nulls stay nulls");
+        assert!(Arc::ptr_eq(&out[1], &ints), "other types are not copied");
+        // Nothing to fix: the same array back, no copy.
+        let clean: ArrayRef = Arc::new(Float64Array::from(vec![0.0, 1.0, f64::NAN, f64::INFINITY, f64::NEG_INFINITY]));
+        assert!(Arc::ptr_eq(&canonical_key_columns(vec![Arc::clone(&clean)])[0], &clean));
+    }
 
     /// Every length from 0 to 70 bytes (each branch of `copy_short` and both sides of its
     /// boundaries) copies exactly those bytes, at every alignment of source and target, and

@@ -365,7 +365,7 @@ fn two_manifests_naming_one_table_are_refused() {
 }
 
 /// Float keys: 0.0 and −0.0 are one key, and so are NaNs of any sign or payload (IEEE 754 `==`
-/// for zeros; PostgreSQL's NaN = NaN), in the delta store and in the files' key index alike:
+/// for zeros; `PostgreSQL`'s NaN = NaN), in the delta store and in the files' key index alike:
 /// insert refuses the other zero and another NaN, before and after a flush and a reopen;
 /// upsert replaces, delete finds, and the rows keep the values written (bits included).
 #[test]

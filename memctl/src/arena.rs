@@ -10,6 +10,14 @@ pub struct RowRef {
     len: u32,
 }
 
+/// The allocation point of a [`RowArena`] ([`RowArena::mark`]): the active block and its bump
+/// offset. [`RowArena::rollback`] returns the arena to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ArenaMark {
+    active: Option<u32>,
+    used: usize,
+}
+
 /// Where a row starts, without its length (8 bytes): for callers that keep many references and
 /// can read a row's length back from the row's own bytes (the delta store's key map). Turn it
 /// back into a [`RowRef`] with [`RowAt::with_len`].
@@ -399,6 +407,37 @@ impl RowArena {
             .as_mut()
             .expect("row of a freed block"); // infallible for a RowRef this arena handed out (see # Panics)
         &mut b.data[r.offset as usize..(r.offset + r.len) as usize]
+    }
+
+    /// The current allocation point, for [`Self::rollback`].
+    pub fn mark(&self) -> ArenaMark {
+        let used = self.active.and_then(|id| self.blocks.get(id as usize)).and_then(Option::as_ref).map_or(0, |b| b.used);
+        ArenaMark { active: self.active, used }
+    }
+
+    /// Undoes the allocations of `rows`, which must be every row allocated since `mark` was
+    /// taken (a write refused after its rows were encoded): frees them, gives back the blocks
+    /// started since (to the pool, or the limit for oversize rows), and moves the bump
+    /// pointer back, so the arena holds exactly the blocks and room it held at `mark`.
+    pub fn rollback(&mut self, mark: ArenaMark, rows: &[RowRef]) {
+        // The block active at `mark` is active again first, so the frees below give back
+        // every block started since as it empties, and keep that one.
+        let current = self.active;
+        self.active = mark.active.filter(|&id| self.blocks.get(id as usize).is_some_and(Option::is_some));
+        for &r in rows.iter().rev() {
+            self.free(r);
+        }
+        if let Some(id) = self.active
+            && let Some(Some(b)) = self.blocks.get_mut(id as usize)
+        {
+            // Every row after `mark.used` in this block was one of `rows`.
+            b.used = b.used.min(mark.used);
+        }
+        if let Some(id) = current
+            && current != self.active
+        {
+            self.release_if_empty(id);
+        }
     }
 
     /// Frees one row; its block goes back to the pool when it was the last live row there.

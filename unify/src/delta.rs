@@ -425,6 +425,7 @@ impl DeltaStore {
             return Err(UnifyError::from(e).into());
         }
         let mut refs: Vec<RowRef> = Vec::new();
+        let mark = self.arena.mark();
         let arena = &mut self.arena;
         let mut encode = || {
             if !refs.is_empty() {
@@ -443,9 +444,9 @@ impl DeltaStore {
             encode();
         }
         if let Err(e) = committed {
-            for r in refs {
-                self.arena.free(r);
-            }
+            // Refused after the rows were encoded (the overlapped WAL record failed): back to
+            // the arena's state before them, chunk for chunk.
+            self.arena.rollback(mark, &refs);
             self.arena.release_spare();
             self.unreserve_map(capacity_before);
             return Err(e);

@@ -92,3 +92,41 @@ fn zero_length_rows_do_not_count_their_chunk_twice() {
     ctl.trim_free_chunks(0);
     assert_all_zero(&ctl);
 }
+
+/// A refused write rolls its rows back: after `rollback(mark, rows)` the arena holds exactly
+/// the blocks, bytes and bump offset it held at `mark` (rows that spilled into new chunks and
+/// an oversize row included), the table's counters are back, and the next row lands right
+/// after the last row kept.
+#[test]
+fn rollback_returns_the_arena_to_its_mark_chunk_for_chunk() {
+    let ctl = ctl(64 << 20);
+    let t = ctl.register_table("t");
+    let mut a = RowArena::new(&ctl, Some(&t));
+    let kept: Vec<_> = (0..100u32).map(|_| a.alloc(100).expect("fits").0).collect();
+    let (blocks, bytes, table_rows) = (a.block_count(), a.bytes(), t.bytes(Category::RowBlocks));
+    assert_eq!((blocks, bytes), (1, CHUNK));
+    let mark = a.mark();
+    // Fill the rest of the active chunk, spill into three more, and one oversize row.
+    let mut refused: Vec<_> = (0..(3 * CHUNK / 100 + 500)).map(|_| a.alloc(100).expect("fits").0).collect();
+    refused.push(a.alloc(CHUNK + 10).expect("fits").0);
+    assert_eq!(a.block_count(), 4 + 1, "four chunks (655 rows of 100 bytes each) and the oversize row");
+    a.rollback(mark, &refused);
+    assert_eq!((a.block_count(), a.bytes(), a.live_rows()), (blocks, bytes, 100));
+    assert_eq!(t.bytes(Category::RowBlocks), table_rows, "the table's row blocks are back");
+    assert_eq!(a.mark(), mark);
+    // The next row goes right after the kept ones, in the same chunk.
+    let (next, buf) = a.alloc(100).expect("fits");
+    buf.fill(0xab);
+    assert_eq!((next.at().block(), a.block_count()), (kept[99].at().block(), 1));
+    assert_eq!(a.get_from(kept[99].at())[100..200], [0xab; 100]);
+    // A rollback of nothing changes nothing; one inside the active chunk rewinds it.
+    let mark = a.mark();
+    a.rollback(mark, &[]);
+    assert_eq!(a.mark(), mark);
+    let r = a.alloc(50).expect("fits").0;
+    a.rollback(mark, &[r]);
+    assert_eq!((a.mark(), a.block_count()), (mark, 1));
+    drop(a);
+    ctl.trim_free_chunks(0);
+    assert_all_zero(&ctl);
+}

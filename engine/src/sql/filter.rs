@@ -6,31 +6,48 @@
 //! translated parts. Anything else (a column inside a cast or function, `NOT`, `LIKE`, ...)
 //! stays with `DataFusion` only. A translated filter must also bind to the table schema (the
 //! literal's type comparable with the column's), else it is not pushed.
+//!
+//! Comparisons of float columns are never pushed: gritdb's [`ScanFilter`] compares floats by
+//! IEEE 754 total order (`-0.0 < 0.0`), `DataFusion`'s filter by IEEE 754 comparison
+//! (`-0.0 = 0.0`), and a pushed filter is applied by both (`DataFusion` keeps its own
+//! `FilterExec`). A row on which they disagree was dropped by both sides of a partition: a
+//! `-0.0` row matched neither `x < 0` nor `x >= 0`. Float columns are not pruned by Parquet
+//! statistics either (see `gritdb_storage::filter`), so nothing is lost by leaving them to
+//! `DataFusion`.
 
 use crate::{CompareOp, ScanFilter};
-use arrow_schema::Schema;
+use arrow_schema::{DataType, Schema};
 use datafusion::logical_expr::{BinaryExpr, Expr, Operator};
 
 /// The [`ScanFilter`] equivalent to `expr` on `schema`, if there is one.
 pub(crate) fn translate(expr: &Expr, schema: &Schema) -> Option<ScanFilter> {
-    let f = to_scan_filter(expr)?;
+    let f = to_scan_filter(expr, schema)?;
     f.bind(schema).ok()?;
     Some(f)
 }
 
-fn to_scan_filter(expr: &Expr) -> Option<ScanFilter> {
+/// True for a column whose comparisons stay with `DataFusion` (floats: see the module docs).
+fn float_column(name: &str, schema: &Schema) -> bool {
+    schema.field_with_name(name).is_ok_and(|f| matches!(f.data_type(), DataType::Float16 | DataType::Float32 | DataType::Float64))
+}
+
+fn to_scan_filter(expr: &Expr, schema: &Schema) -> Option<ScanFilter> {
     match expr {
         Expr::BinaryExpr(BinaryExpr { left, op: Operator::And, right }) => {
-            Some(ScanFilter::and([to_scan_filter(left)?, to_scan_filter(right)?]))
+            Some(ScanFilter::and([to_scan_filter(left, schema)?, to_scan_filter(right, schema)?]))
         }
         Expr::BinaryExpr(BinaryExpr { left, op: Operator::Or, right }) => {
-            Some(ScanFilter::or([to_scan_filter(left)?, to_scan_filter(right)?]))
+            Some(ScanFilter::or([to_scan_filter(left, schema)?, to_scan_filter(right, schema)?]))
         }
         Expr::BinaryExpr(BinaryExpr { left, op, right }) => {
             let op = compare_op(*op)?;
             match (left.as_ref(), right.as_ref()) {
-                (Expr::Column(c), Expr::Literal(v, _)) => Some(ScanFilter::compare(c.name.clone(), op, v.to_array().ok()?)),
-                (Expr::Literal(v, _), Expr::Column(c)) => Some(ScanFilter::compare(c.name.clone(), flip(op), v.to_array().ok()?)),
+                (Expr::Column(c), Expr::Literal(v, _)) if !float_column(&c.name, schema) => {
+                    Some(ScanFilter::compare(c.name.clone(), op, v.to_array().ok()?))
+                }
+                (Expr::Literal(v, _), Expr::Column(c)) if !float_column(&c.name, schema) => {
+                    Some(ScanFilter::compare(c.name.clone(), flip(op), v.to_array().ok()?))
+                }
                 _ => None,
             }
         }
@@ -43,7 +60,7 @@ fn to_scan_filter(expr: &Expr) -> Option<ScanFilter> {
             _ => None,
         },
         Expr::Between(b) if !b.negated => match (b.expr.as_ref(), b.low.as_ref(), b.high.as_ref()) {
-            (Expr::Column(c), Expr::Literal(lo, _), Expr::Literal(hi, _)) => Some(ScanFilter::and([
+            (Expr::Column(c), Expr::Literal(lo, _), Expr::Literal(hi, _)) if !float_column(&c.name, schema) => Some(ScanFilter::and([
                 ScanFilter::compare(c.name.clone(), CompareOp::GtEq, lo.to_array().ok()?),
                 ScanFilter::compare(c.name.clone(), CompareOp::LtEq, hi.to_array().ok()?),
             ])),
@@ -83,7 +100,7 @@ mod tests {
     use datafusion::logical_expr::{col, lit};
 
     fn schema() -> Schema {
-        Schema::new(vec![Field::new("id", DataType::Int64, false), Field::new("s", DataType::Utf8, true)])
+        Schema::new(vec![Field::new("id", DataType::Int64, false), Field::new("s", DataType::Utf8, true), Field::new("x", DataType::Float64, true)])
     }
 
     fn t(e: &Expr) -> Option<String> {
@@ -109,5 +126,12 @@ mod tests {
         // A literal the column cannot be compared with, and an unknown column.
         assert_eq!(t(&col("id").eq(lit("x"))), None);
         assert_eq!(t(&col("nope").eq(lit(1i64))), None);
+        // Float comparisons stay with DataFusion (its IEEE comparison, not the scan's total
+        // order); their NULL tests are pushed.
+        assert_eq!(t(&col("x").lt(lit(0.0f64))), None);
+        assert_eq!(t(&lit(0.0f64).lt_eq(col("x"))), None);
+        assert_eq!(t(&col("x").between(lit(0.0f64), lit(1.0f64))), None);
+        assert_eq!(t(&col("id").eq(lit(1i64)).and(col("x").eq(lit(0.0f64)))), None);
+        assert_eq!(t(&col("x").is_null()).as_deref(), Some("x IS NULL"));
     }
 }

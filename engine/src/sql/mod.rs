@@ -19,6 +19,7 @@
 //! Statements are read-only: queries, `EXPLAIN`, `DESCRIBE`, `SHOW TABLES`/`SHOW COLUMNS`.
 //! Writes go through [`crate::Table`]. See `docs/sql.md`.
 
+mod coerce;
 mod catalog;
 mod filter;
 mod pool;
@@ -182,7 +183,16 @@ fn new_context(engine: &std::sync::Weak<EngineInner>, limit: usize, env: Arc<Run
     // `0.06` is an exact DECIMAL, as in DuckDB and the SQL standard, not a binary float:
     // `l_discount BETWEEN 0.06 - 0.01 AND 0.06 + 0.01` must include 0.07.
     config.options_mut().sql_parser.parse_float_as_decimal = true;
-    let state = SessionStateBuilder::new().with_config(config).with_runtime_env(env).with_default_features().build();
+    // ... and a float column compared with such a constant compares in floating point, not
+    // by casting the column to DECIMAL (which fails on NaN, infinities and values ≥ 1e15).
+    let mut rules: Vec<Arc<dyn datafusion::optimizer::AnalyzerRule + Send + Sync>> = vec![Arc::new(coerce::FloatComparedWithDecimal)];
+    rules.extend(datafusion::optimizer::Analyzer::new().rules);
+    let state = SessionStateBuilder::new()
+        .with_config(config)
+        .with_runtime_env(env)
+        .with_default_features()
+        .with_analyzer_rules(rules)
+        .build();
     let ctx = SessionContext::new_with_state(state);
     let catalog = MemoryCatalogProvider::new();
     catalog.register_schema(SCHEMA, Arc::new(catalog::EngineSchema::new(engine.clone())))?;

@@ -525,9 +525,9 @@ fn tpch_q1_and_q6_through_sql_match_the_model() {
 /// compares in floating point: NaN, ±infinity and 1e20 in the column answer instead of failing
 /// a cast to DECIMAL(30, 15); constant arithmetic is exact before the comparison
 /// (`0.06 + 0.01` is 0.07); rows in files and in the delta answer alike; a DECIMAL column
-/// still compares exactly (TPC-H Q6 above). Float comparisons follow `DataFusion`'s IEEE
-/// semantics throughout (-0.0 = 0.0): they are not pushed into the scan, whose filters
-/// compare by total order, so no row falls between the two.
+/// still compares exactly (TPC-H Q6 above). Float comparisons follow `DataFusion`'s semantics
+/// throughout (-0.0 = 0.0, NaN above every number): they are not pushed into the scan, whose
+/// filters compare by total order, so no row falls between the two.
 #[test]
 fn float_columns_compare_with_decimal_constants_in_floating_point() {
     let dir = tempfile::tempdir().unwrap();
@@ -561,8 +561,8 @@ fn float_columns_compare_with_decimal_constants_in_floating_point() {
         ("SELECT count(*) FROM fx WHERE x IN (1.5, 2.5, 3.5)", 2),
         ("SELECT count(*) FROM fx WHERE x = 0.0", 1), // -0.0 equals 0.0
         ("SELECT count(*) FROM fx WHERE x IS NOT DISTINCT FROM 2.5", 1),
-        // The -0.0 row (id 8) is on exactly one side of every partition at 0 (IEEE: it equals
-        // 0.0), whether the filter is pushed into the scan or not.
+        // The -0.0 row (id 8) is on exactly one side of every partition at 0 (it equals 0.0
+        // here), whether the filter could be pushed into the scan or not.
         ("SELECT count(*) FROM fx WHERE id = 8 AND x < 0.0", 0),
         ("SELECT count(*) FROM fx WHERE id = 8 AND x >= 0.0", 1),
         ("SELECT count(*) FROM fx WHERE id = 8 AND x BETWEEN 0.0 AND 2.0", 1),

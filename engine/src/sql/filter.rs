@@ -8,8 +8,8 @@
 //! literal's type comparable with the column's), else it is not pushed.
 //!
 //! Comparisons of float columns are never pushed: gritdb's [`ScanFilter`] compares floats by
-//! IEEE 754 total order (`-0.0 < 0.0`), `DataFusion`'s filter by IEEE 754 comparison
-//! (`-0.0 = 0.0`), and a pushed filter is applied by both (`DataFusion` keeps its own
+//! IEEE 754 total order (`-0.0 < 0.0`), `DataFusion`'s filter as `PostgreSQL` does (`-0.0 =
+//! 0.0`, NaN above every number; measured), and a pushed filter is applied by both (`DataFusion` keeps its own
 //! `FilterExec`). A row on which they disagree was dropped by both sides of a partition: a
 //! `-0.0` row matched neither `x < 0` nor `x >= 0`. Float columns are not pruned by Parquet
 //! statistics either (see `gritdb_storage::filter`), so nothing is lost by leaving them to
@@ -126,8 +126,8 @@ mod tests {
         // A literal the column cannot be compared with, and an unknown column.
         assert_eq!(t(&col("id").eq(lit("x"))), None);
         assert_eq!(t(&col("nope").eq(lit(1i64))), None);
-        // Float comparisons stay with DataFusion (its IEEE comparison, not the scan's total
-        // order); their NULL tests are pushed.
+        // Float comparisons stay with DataFusion (its -0.0 = 0.0, not the scan's total order);
+        // their NULL tests are pushed.
         assert_eq!(t(&col("x").lt(lit(0.0f64))), None);
         assert_eq!(t(&lit(0.0f64).lt_eq(col("x"))), None);
         assert_eq!(t(&col("x").between(lit(0.0f64), lit(1.0f64))), None);

@@ -841,6 +841,15 @@ impl Engine {
             .collect()
     }
 
+    /// Background flushes queued or running now, a point-in-time count (`RocksDB` reports the
+    /// like as `rocksdb.num-running-flushes` plus its flush queue). The Arrow batches and
+    /// Parquet buffers a flush holds are the engine's until it ends, so memory measured while
+    /// this is above 0 may still fall; flushes a caller runs itself (`Table::flush`,
+    /// `flush_all`) are not counted.
+    pub fn flushes_in_flight(&self) -> usize {
+        self.inner.writer.in_flight()
+    }
+
     /// Write-ahead-log segments kept and their bytes.
     pub fn wal_usage(&self) -> (usize, u64) {
         self.inner.shared.wal().map_or((0, 0), |w| (w.segment_count(), w.bytes()))

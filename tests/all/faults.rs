@@ -257,3 +257,23 @@ fn big_batch_append_failure(sync: WalSync) {
     got.retain(|k, _| k.0 < 3_000);
     assert_eq!(got, before, "the rows before the failed writes, unchanged after replay");
 }
+
+/// `Engine::flushes_in_flight` counts a background flush while it runs (here an age flush
+/// held on a stalled data file) and is 0 again once the flush has committed.
+#[test]
+fn flushes_in_flight_counts_a_background_flush_until_it_commits() {
+    let dir = tempfile::tempdir().unwrap();
+    let fs = FaultFs::new();
+    let config = EngineConfig::default().memory_limit(64 << 20).flush_age(Duration::from_millis(50)).vfs(Arc::new(fs.clone()));
+    let engine = Engine::open(dir.path(), config).unwrap();
+    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
+    assert_eq!(engine.flushes_in_flight(), 0);
+    fs.stall_paths(".parquet");
+    t.insert(&composite_batch(&rows(0, 1_000))).unwrap();
+    wait_until("the age flush to stall on its data file", || fs.is_stalled());
+    assert_eq!(engine.flushes_in_flight(), 1);
+    assert_eq!(t.row_count().unwrap(), 1_000, "the rows are served while the flush is held");
+    fs.heal();
+    wait_until("the flush to commit", || engine.flushes_in_flight() == 0);
+    assert_eq!((t.stats().unwrap().files, t.row_count().unwrap()), (1, 1_000));
+}

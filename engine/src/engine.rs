@@ -703,6 +703,12 @@ impl Engine {
     /// Creates a table with an Arrow schema and primary-key columns (in key order). The table
     /// is durable when this returns.
     ///
+    /// Key identity: two rows have the same key when every key column is equal. Float key
+    /// columns compare as numbers do for keys, so 0.0 and −0.0 are one key and every NaN (any
+    /// sign or payload) is one key; a row keeps the value written. Scan filters
+    /// ([`crate::ScanOptions::filter`]) compare floats by total order instead (−0.0 < 0.0, each
+    /// NaN bit pattern its own value), so `k = 0.0` does not return a row written with −0.0.
+    ///
     /// # Errors
     /// [`Error::InvalidTableName`], [`Error::TableExists`] (names compare case-insensitively),
     /// [`Error::InvalidPrimaryKey`] (empty, unknown or repeated column),

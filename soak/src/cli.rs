@@ -32,11 +32,12 @@ pub enum Command {
     /// Crash test: run a random keyed workload in a child process, SIGKILL it at random
     /// moments, reopen and compare with a model. Exits non-zero on any lost or resurrected row.
     Crash(CrashArgs),
-    /// Keyed-DML benchmark (issue 7): the DuckDB peer workload (8,192-row batches; insert all,
-    /// upsert every 10th batch, delete every 10th from the 5th, make durable, count, Q1) on
-    /// TPC-H lineitem, beside raw Parquet write/read and a naive store; prints a table and one
-    /// JSON line. Exits non-zero when count or `sum(l_quantity)` is wrong. docs/performance.md
-    /// has the figures and the peer's.
+    /// Keyed-DML benchmark: a keyed ingest workload on TPC-H lineitem (8,192-row batches;
+    /// insert all, upsert every 10th batch, delete every 10th from the 5th, make durable, count,
+    /// Q1), beside raw Parquet write/read and a naive store, repeated --runs times; prints
+    /// medians in a table (DuckDB's column: figures recorded earlier on this machine, not
+    /// measured by this command) and one JSON line. Exits non-zero when count or
+    /// `sum(l_quantity)` is wrong. docs/performance.md has the measured figures.
     #[allow(clippy::doc_markdown, reason = "a product name in the command's --help text, not code")]
     Bench(BenchArgs),
     /// The child process of `crash` (not for direct use).

@@ -24,7 +24,7 @@ fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
     let start = Instant::now();
     while !f() {
         assert!(
-            start.elapsed() < Duration::from_secs(4),
+            start.elapsed() < Duration::from_secs(20),
             "timed out waiting for {what}"
         );
         std::thread::sleep(Duration::from_millis(2));

@@ -137,7 +137,10 @@ impl TableInner {
         if st.active.is_empty() {
             return false;
         }
-        let old = std::mem::replace(&mut st.active, self.new_delta());
+        // The next delta's key map starts at this one's size: a table filling deltas to the
+        // flush threshold does not rehash its way up again in each.
+        let hint = st.active.len();
+        let old = std::mem::replace(&mut st.active, self.new_delta().with_key_hint(hint));
         st.sealed.push_back(Arc::new(old));
         st.active_since = None;
         true

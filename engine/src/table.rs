@@ -134,13 +134,26 @@ impl TableInner {
 
     /// Seals the active delta (when not empty) and hands it to the writer queue.
     pub(crate) fn seal(&self, st: &mut TableState) -> bool {
+        self.seal_with(st, 0)
+    }
+
+    /// [`Self::seal`] of a delta that reached the flush threshold by writes: the next delta's
+    /// key map starts at this one's key count ([`DeltaStore::with_key_hint`]), so a table
+    /// filling delta after delta does not rehash its way up again in each. Only when this
+    /// map is at most a quarter of the threshold: a successor map presized for a delta of
+    /// mostly keys would make the next small write seal a delta of its own
+    /// (`breaker_encode6::a_small_write_after_a_big_batch_does_not_seal_alone`). Seals for
+    /// age, pressure, an explicit flush or replay give no hint.
+    pub(crate) fn seal_full(&self, st: &mut TableState) -> bool {
+        let hint = if st.active.key_map_bytes() <= self.shared.table_flush_bytes() / 4 { st.active.len() } else { 0 };
+        self.seal_with(st, hint)
+    }
+
+    fn seal_with(&self, st: &mut TableState, key_hint: usize) -> bool {
         if st.active.is_empty() {
             return false;
         }
-        // The next delta's key map starts at this one's size: a table filling deltas to the
-        // flush threshold does not rehash its way up again in each.
-        let hint = st.active.len();
-        let old = std::mem::replace(&mut st.active, self.new_delta().with_key_hint(hint));
+        let old = std::mem::replace(&mut st.active, self.new_delta().with_key_hint(key_hint));
         st.sealed.push_back(Arc::new(old));
         st.active_since = None;
         true
@@ -602,7 +615,7 @@ impl Table {
                 if res.is_ok() && st.active_since.is_none() && !st.active.is_empty() {
                     st.active_since = Some(Instant::now());
                 }
-                if res.is_ok() && st.active.bytes() >= self.inner.shared.table_flush_bytes() && self.inner.seal(st) {
+                if res.is_ok() && st.active.bytes() >= self.inner.shared.table_flush_bytes() && self.inner.seal_full(st) {
                     self.engine.writer.schedule(&self.inner);
                 }
                 res

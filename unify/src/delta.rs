@@ -325,6 +325,11 @@ impl DeltaStore {
         self.arena.bytes() + self.map_res.size()
     }
 
+    /// Accounted bytes of the key map alone (part of [`Self::bytes`]).
+    pub fn key_map_bytes(&self) -> usize {
+        self.map_res.size()
+    }
+
     /// Highest sequence number applied.
     pub fn max_seq(&self) -> u64 {
         self.max_seq
@@ -352,13 +357,21 @@ impl DeltaStore {
         })
     }
 
+    /// The map's state before a write, for [`Self::unreserve_map`].
+    fn map_mark(&self) -> (usize, usize) {
+        (self.map.capacity(), self.key_hint)
+    }
+
     /// Gives back map capacity grown for a batch that was then refused (its rows were never
-    /// installed), so a write that applies nothing holds nothing.
-    fn unreserve_map(&mut self, capacity_before: usize) {
+    /// installed), so a write that applies nothing holds nothing: the map returns to its
+    /// capacity before (not below it: a hinted map keeps its size) and an unused hint is
+    /// restored.
+    fn unreserve_map(&mut self, (capacity_before, key_hint_before): (usize, usize)) {
         if self.map.capacity() > capacity_before {
-            self.map.shrink_to(self.map.len(), |e| spread(e.tag));
+            self.map.shrink_to(capacity_before, |e| spread(e.tag));
             self.map_res.try_resize(table_bytes(self.map.capacity())).ok();
         }
+        self.key_hint = key_hint_before;
     }
 
     /// Budgets and grows the map so `additional` more keys fit without reallocation.
@@ -439,10 +452,10 @@ impl DeltaStore {
             batch.columns().iter().zip(codec.kinds()).map(|(a, k)| ColReader::new(a, *k)).collect();
         let sizes = codec.row_sizes(keys, &readers)?;
         let plan = codec.plan(&readers);
-        let capacity_before = self.map.capacity();
+        let before = self.map_mark();
         self.reserve_map(n)?;
         if let Err(e) = self.arena.prepare(sizes.iter().copied()) {
-            self.unreserve_map(capacity_before);
+            self.unreserve_map(before);
             return Err(UnifyError::from(e).into());
         }
         let mut refs: Vec<RowRef> = Vec::new();
@@ -469,7 +482,7 @@ impl DeltaStore {
             // the arena's state before them, chunk for chunk.
             self.arena.rollback(mark, &refs);
             self.arena.release_spare();
-            self.unreserve_map(capacity_before);
+            self.unreserve_map(before);
             return Err(e);
         }
         self.arena.release_spare();
@@ -524,15 +537,15 @@ impl DeltaStore {
         commit: impl FnOnce() -> Result<(), E>,
     ) -> Result<(), E> {
         let tomb: Vec<usize> = items.iter().filter(|(_, t)| *t).map(|(i, _)| *i).collect();
-        let capacity_before = self.map.capacity();
+        let before = self.map_mark();
         self.reserve_map(tomb.len())?;
         if let Err(e) = self.arena.prepare(tomb.iter().map(|&i| HEADER + keys.row(i).as_ref().len())) {
-            self.unreserve_map(capacity_before);
+            self.unreserve_map(before);
             return Err(UnifyError::from(e).into());
         }
         if let Err(e) = commit() {
             self.arena.release_spare();
-            self.unreserve_map(capacity_before);
+            self.unreserve_map(before);
             return Err(e);
         }
         for (k, &(i, t)) in items.iter().enumerate() {
@@ -1584,6 +1597,30 @@ mod key_hint_tests {
         put(&mut d, &schema, 5_000..cap as i64 + 1);
         assert_eq!(d.map.capacity(), capacity_for(cap + 1), "past the hint: the usual growth");
         assert_eq!(d.map_res.size(), table_bytes(d.map.capacity()));
+    }
+
+    /// A refused write gives the map back exactly: a refused first write leaves no table and
+    /// keeps the hint for the next write; a refused write past the hint returns the hinted
+    /// table to its size (not below it) and its bytes.
+    #[test]
+    fn a_refused_write_keeps_the_hinted_map_and_the_hint() {
+        let (_ctl, schema, _codec, d) = int64_delta(64 << 20);
+        let mut d = d.with_key_hint(3_000);
+        let refused = || Err::<(), UnifyError>(UnifyError::SchemaMismatch { detail: "refused".into() });
+        let b = RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int64Array::from_iter_values(0..10))]).unwrap();
+        let rows = d.codec().keys().encode_batch(&b).unwrap();
+        assert!(d.apply_puts(&b, &rows, 1, refused).is_err());
+        assert_eq!((d.map.capacity(), d.map_res.size(), d.key_hint), (0, 0, 3_000));
+        put(&mut d, &schema, 0..10);
+        let (cap, bytes) = (d.map.capacity(), d.map_res.size());
+        assert_eq!(cap, capacity_for(3_000));
+        let big = RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int64Array::from_iter_values(100..10_100))]).unwrap();
+        let rows = d.codec().keys().encode_batch(&big).unwrap();
+        assert!(d.apply_puts(&big, &rows, 20, refused).is_err());
+        assert_eq!((d.map.capacity(), d.map_res.size(), d.len()), (cap, bytes, 10));
+        let items: Vec<(usize, bool)> = (0..10_000).map(|i| (i, true)).collect();
+        assert!(d.apply_deletes(&rows, &items, 20, refused).is_err());
+        assert_eq!((d.map.capacity(), d.map_res.size(), d.len()), (cap, bytes, 10));
     }
 
     /// A hint whose table does not fit the memory limit is dropped: the write succeeds with

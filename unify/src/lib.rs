@@ -15,7 +15,9 @@
 //!   primary-key columns — canonical and memcmp-comparable; equality of keys is byte equality
 //!   of this encoding (the hash only picks the bucket).
 //! - fixed slots: one per column in schema order; fixed-width types store their value
-//!   (Boolean 1 byte, Decimal128 16 bytes, ...); variable-length types store the `u32` end
+//!   (Boolean 1 byte, Decimal128 16 bytes, ...; a Decimal128 of precision ≤ 18 keeps only
+//!   the low 8 bytes of its little-endian `i128`, sign-extended back on decode, since
+//!   validation bounds it by `10^18 - 1 < 2^63`); variable-length types store the `u32` end
 //!   offset of their bytes within the var-len part. A null's slot is zero.
 //!
 //! Nothing here knows about files: a sealed delta is turned into Arrow arrays built inside one

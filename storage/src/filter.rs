@@ -139,6 +139,32 @@ impl ScanFilter {
     }
 }
 
+/// The one value of a comparison as `arrow-cast` displays it. A timestamp whose zone name
+/// `arrow-cast` cannot resolve (a named zone needs its `chrono-tz` feature, which this build
+/// leaves out) shows the instant in UTC with the zone named, e.g.
+/// `2023-11-14T22:13:20Z (Europe/Berlin)`, rather than failing; anything else that cannot be
+/// displayed shows as `?`.
+fn value_text(value: &ArrayRef) -> String {
+    use arrow_cast::display::{ArrayFormatter, FormatOptions};
+    if value.len() != 1 {
+        return "?".to_owned();
+    }
+    let opts = FormatOptions::default().with_null("NULL");
+    if let Ok(fmt) = ArrayFormatter::try_new(value.as_ref(), &opts) {
+        return fmt.value(0).to_string();
+    }
+    if let DataType::Timestamp(unit, Some(tz)) = value.data_type() {
+        // The same i64 read as a zone-less timestamp: the UTC instant, no conversion.
+        if let Ok(utc) = value.to_data().into_builder().data_type(DataType::Timestamp(*unit, None)).build() {
+            let utc = arrow_array::make_array(utc);
+            if let Ok(fmt) = ArrayFormatter::try_new(utc.as_ref(), &opts) {
+                return format!("{}Z ({tz})", fmt.value(0));
+            }
+        }
+    }
+    "?".to_owned()
+}
+
 impl std::fmt::Display for ScanFilter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let list = |f: &mut std::fmt::Formatter<'_>, parts: &[ScanFilter], sep: &str, empty: &str| {
@@ -156,10 +182,7 @@ impl std::fmt::Display for ScanFilter {
         };
         match self {
             Self::Compare { column, op, value } => {
-                let v = arrow_cast::display::ArrayFormatter::try_new(value.as_ref(), &arrow_cast::display::FormatOptions::default())
-                    .ok()
-                    .filter(|_| value.len() == 1)
-                    .map_or_else(|| "?".to_owned(), |fmt| fmt.value(0).to_string());
+                let v = value_text(value);
                 let v = if matches!(value.data_type(), DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View) && value.is_valid(0) {
                     format!("'{v}'")
                 } else {
@@ -675,4 +698,26 @@ pub fn keep_rows(batch: &RecordBatch, keep: BooleanBuffer) -> Result<Option<Reco
 pub fn filter_batch(batch: &RecordBatch, filter: &BoundFilter) -> Result<Option<RecordBatch>, ArrowError> {
     let keep = filter.evaluate(batch, &|c| c)?;
     keep_rows(batch, keep)
+}
+
+#[cfg(test)]
+mod display_tests {
+    use super::*;
+    use arrow_array::{Int64Array, TimestampSecondArray};
+
+    /// Comparison values display as `arrow-cast` shows them; a timestamp in a named zone that
+    /// `arrow-cast` cannot resolve here shows its UTC instant and the zone, not `?`.
+    #[test]
+    fn timestamps_in_any_zone_display_their_value() {
+        let at = 1_700_000_000i64; // 2023-11-14T22:13:20Z
+        let cmp = |v: ArrayRef| ScanFilter::compare("t", CompareOp::GtEq, v).to_string();
+        assert_eq!(cmp(Arc::new(Int64Array::from(vec![7]))), "t >= 7");
+        assert_eq!(cmp(Arc::new(TimestampSecondArray::from(vec![at]))), "t >= 2023-11-14T22:13:20");
+        assert_eq!(cmp(Arc::new(TimestampSecondArray::from(vec![at]).with_timezone("+02:00"))), "t >= 2023-11-15T00:13:20+02:00");
+        assert_eq!(
+            cmp(Arc::new(TimestampSecondArray::from(vec![at]).with_timezone("Europe/Berlin"))),
+            "t >= 2023-11-14T22:13:20Z (Europe/Berlin)"
+        );
+        assert_eq!(cmp(Arc::new(Int64Array::from(vec![Some(1), Some(2)]))), "t >= ?");
+    }
 }

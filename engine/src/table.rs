@@ -492,25 +492,17 @@ impl Table {
         if n == 0 {
             return Ok(0);
         }
+        let keys = codec.keys().encode_batch(batch)?;
+        let hashes = gritdb_unify::hash_keys(&keys);
+        if let Some((first, row)) = first_duplicate(&keys, &hashes) {
+            return Err(Error::DuplicateKey { table: self.inner.name.clone(), first, row });
+        }
         let wal = self.inner.shared.wal()?;
         // Relaxed mode appends inline: without an fsync to overlap, the early record buffer
         // let concurrent writers at a tiny limit fill memory with sealed deltas no flush could
         // convert (a breaker test, `breaker_walpool7`).
         let overlap = n >= OVERLAP_WAL_ROWS && wal.syncs_each_append();
         let id = self.inner.id;
-        // The record's encoding, write and fsync are the longer side of an overlapped write
-        // (bench phase 2: the writer waited ~30% of its time for them), so the record starts
-        // before the key encoding and duplicate check too. Not under memory pressure: a
-        // record reserves its buffer at once, and a writer about to wait for the flush must
-        // not hold one while it waits.
-        let shared = &self.inner.shared;
-        let mut early =
-            if overlap && shared.pressure_bytes() <= shared.write_soft_limit() { Some(PendingAppend::start(shared, batch, id)?) } else { None };
-        let keys = codec.keys().encode_batch(batch)?;
-        let hashes = gritdb_unify::hash_keys(&keys);
-        if let Some((first, row)) = first_duplicate(&keys, &hashes) {
-            return Err(Error::DuplicateKey { table: self.inner.name.clone(), first, row });
-        }
         self.with_backpressure(gritdb_storage::batch_bytes(batch), |st| {
             if !overlap {
                 self.check_keys(st, batch, &keys, &hashes, mode)?;
@@ -527,12 +519,7 @@ impl Table {
             // this one encodes the rows. The call returns after the append, and nothing
             // becomes visible unless it succeeded (apply_puts_with frees the rows); a
             // rejected write waits for its record to be dropped unwritten.
-            // The early record on the first attempt; a retry after a memory error (which
-            // dropped, so cancelled, the one before) starts its own.
-            let pending = match early.take() {
-                Some(p) => p,
-                None => PendingAppend::start(&self.inner.shared, batch, id)?,
-            };
+            let pending = PendingAppend::start(&self.inner.shared, batch, id)?;
             self.check_keys(st, batch, &keys, &hashes, mode)?;
             let seq = self.inner.seq.fetch_add(n as u64, Ordering::AcqRel);
             st.active.apply_puts_with(batch, &keys, &hashes, seq, |encode| {

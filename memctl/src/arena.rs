@@ -11,11 +11,14 @@ pub struct RowRef {
 }
 
 /// The allocation point of a [`RowArena`] ([`RowArena::mark`]): the active block and its bump
-/// offset. [`RowArena::rollback`] returns the arena to it.
+/// offset, and the block table's length, capacity and `metadata` bytes. [`RowArena::rollback`]
+/// returns the arena to it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ArenaMark {
     active: Option<u32>,
     used: usize,
+    blocks: usize,
+    table: (usize, usize),
 }
 
 /// Where a row starts, without its length (8 bytes): for callers that keep many references and
@@ -412,13 +415,16 @@ impl RowArena {
     /// The current allocation point, for [`Self::rollback`].
     pub fn mark(&self) -> ArenaMark {
         let used = self.active.and_then(|id| self.blocks.get(id as usize)).and_then(Option::as_ref).map_or(0, |b| b.used);
-        ArenaMark { active: self.active, used }
+        ArenaMark { active: self.active, used, blocks: self.blocks.len(), table: (self.blocks.capacity(), self.meta.size()) }
     }
 
     /// Undoes the allocations of `rows`, which must be every row allocated since `mark` was
     /// taken (a write refused after its rows were encoded): frees them, gives back the blocks
-    /// started since (to the pool, or the limit for oversize rows), and moves the bump
-    /// pointer back, so the arena holds exactly the blocks and room it held at `mark`.
+    /// started since (to the pool, or the limit for oversize rows), moves the bump pointer
+    /// back, and returns the block table to its length, capacity and `metadata` bytes at
+    /// `mark` (a [`Self::prepare`] after `mark` may have grown it), so the arena holds exactly
+    /// what it held at `mark`. Chunks prepared but unused stay spare: [`Self::release_spare`]
+    /// gives them back.
     pub fn rollback(&mut self, mark: ArenaMark, rows: &[RowRef]) {
         // The block active at `mark` is active again first, so the frees below give back
         // every block started since as it empties, and keep that one.
@@ -438,6 +444,13 @@ impl RowArena {
         {
             self.release_if_empty(id);
         }
+        // Blocks started since `mark` are released now: drop their table slots.
+        while self.blocks.len() > mark.blocks && self.blocks.last().is_some_and(Option::is_none) {
+            self.blocks.pop();
+        }
+        let len = self.blocks.len();
+        self.free_ids.retain(|&id| (id as usize) < len);
+        self.unreserve_blocks(mark.table);
     }
 
     /// Frees one row; its block goes back to the pool when it was the last live row there.

@@ -105,7 +105,7 @@ fn rollback_returns_the_arena_to_its_mark_chunk_for_chunk() {
     let kept: Vec<_> = (0..100u32).map(|_| a.alloc(100).expect("fits").0).collect();
     let (blocks, bytes, table_rows) = (a.block_count(), a.bytes(), t.bytes(Category::RowBlocks));
     assert_eq!((blocks, bytes), (1, CHUNK));
-    let mark = a.mark();
+    let (mark, meta) = (a.mark(), ctl.category_bytes(Category::Metadata));
     // Fill the rest of the active chunk, spill into three more, and one oversize row.
     let mut refused: Vec<_> = (0..(3 * CHUNK / 100 + 500)).map(|_| a.alloc(100).expect("fits").0).collect();
     refused.push(a.alloc(CHUNK + 10).expect("fits").0);
@@ -113,6 +113,7 @@ fn rollback_returns_the_arena_to_its_mark_chunk_for_chunk() {
     a.rollback(mark, &refused);
     assert_eq!((a.block_count(), a.bytes(), a.live_rows()), (blocks, bytes, 100));
     assert_eq!(t.bytes(Category::RowBlocks), table_rows, "the table's row blocks are back");
+    assert_eq!(ctl.category_bytes(Category::Metadata), meta, "the block table is back");
     assert_eq!(a.mark(), mark);
     // The next row goes right after the kept ones, in the same chunk.
     let (next, buf) = a.alloc(100).expect("fits");
@@ -126,6 +127,35 @@ fn rollback_returns_the_arena_to_its_mark_chunk_for_chunk() {
     let r = a.alloc(50).expect("fits").0;
     a.rollback(mark, &[r]);
     assert_eq!((a.mark(), a.block_count()), (mark, 1));
+    drop(a);
+    ctl.trim_free_chunks(0);
+    assert_all_zero(&ctl);
+}
+
+/// A write refused after `prepare` but before any row was allocated (its WAL append failed),
+/// on a fresh arena: the mark taken before `prepare`, `rollback` with no rows and
+/// `release_spare` leave no block, no block table and no bytes in any category.
+#[test]
+fn rollback_after_prepare_gives_back_the_block_table() {
+    let ctl = ctl(64 << 20);
+    let t = ctl.register_table("t");
+    let mut a = RowArena::new(&ctl, Some(&t));
+    let mark = a.mark();
+    a.prepare([100usize; 2_000].into_iter()).expect("fits");
+    assert!(ctl.category_bytes(Category::Metadata) > 0, "prepare made room in the block table");
+    a.rollback(mark, &[]);
+    a.release_spare();
+    assert_eq!((a.block_count(), a.bytes(), a.mark()), (0, 0, mark));
+    assert_eq!((ctl.category_bytes(Category::Metadata), t.bytes(Category::Metadata), t.bytes(Category::RowBlocks)), (0, 0, 0));
+    // The same, after rows that stay: the table returns to its size with them.
+    let kept: Vec<_> = (0..700).map(|_| a.alloc(100).expect("fits").0).collect();
+    let (mark, meta) = (a.mark(), ctl.category_bytes(Category::Metadata));
+    a.prepare([100usize; 5_000].into_iter()).expect("fits");
+    let refused: Vec<_> = (0..5_000).map(|_| a.alloc(100).expect("prepared").0).collect();
+    assert!(ctl.category_bytes(Category::Metadata) > meta);
+    a.rollback(mark, &refused);
+    a.release_spare();
+    assert_eq!((a.mark(), a.live_rows(), ctl.category_bytes(Category::Metadata)), (mark, kept.len(), meta));
     drop(a);
     ctl.trim_free_chunks(0);
     assert_all_zero(&ctl);

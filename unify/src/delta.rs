@@ -357,25 +357,29 @@ impl DeltaStore {
         })
     }
 
-    /// The map's state before a write, for [`Self::unreserve_map`].
-    fn map_mark(&self) -> (usize, usize) {
-        (self.map.capacity(), self.key_hint)
+    /// The map's capacity before a write, for [`Self::unreserve_map`].
+    fn map_mark(&self) -> usize {
+        self.map.capacity()
     }
 
     /// Gives back map capacity grown for a batch that was then refused (its rows were never
     /// installed), so a write that applies nothing holds nothing: the map returns to its
-    /// capacity before (not below it: a hinted map keeps its size) and an unused hint is
-    /// restored.
-    fn unreserve_map(&mut self, (capacity_before, key_hint_before): (usize, usize)) {
+    /// capacity before (not below it: a hinted map keeps its size). A hint the refused write
+    /// used is dropped, not restored: the write may have failed for the memory the hinted
+    /// map took, and its retry must not take it again.
+    fn unreserve_map(&mut self, capacity_before: usize) {
         if self.map.capacity() > capacity_before {
             self.map.shrink_to(capacity_before, |e| spread(e.tag));
             self.map_res.try_resize(table_bytes(self.map.capacity())).ok();
         }
-        self.key_hint = key_hint_before;
     }
 
     /// Budgets and grows the map so `additional` more keys fit without reallocation.
-    fn reserve_map(&mut self, additional: usize) -> Result<(), UnifyError> {
+    /// `write_bytes` is the write's row bytes: a key hint applies only with room to spare,
+    /// when the hinted table, those rows twice over (the rows and the caller's log record of
+    /// them) and everything already used stay within half the memory limit. A hint is an
+    /// optimization and must never turn a write that fits into a memory error.
+    fn reserve_map(&mut self, additional: usize, write_bytes: usize) -> Result<(), UnifyError> {
         let need = self.map.len() + additional;
         if need <= self.map.capacity() {
             return Ok(());
@@ -384,7 +388,9 @@ impl DeltaStore {
         // The hint applies once; beyond it the map doubles as usual.
         let hinted = std::mem::take(&mut self.key_hint);
         let mut want = need;
-        if hinted > need && self.map_res.try_resize(old_bytes + table_bytes(capacity_for(hinted))).is_ok() {
+        let hinted_bytes = table_bytes(capacity_for(hinted));
+        let room = self.ctl.used().saturating_add(hinted_bytes).saturating_add(write_bytes.saturating_mul(2)) <= self.ctl.limit() / 2;
+        if hinted > need && room && self.map_res.try_resize(old_bytes + hinted_bytes).is_ok() {
             want = hinted;
         } else {
             // While hashbrown rehashes, old and new tables exist together: budget both.
@@ -455,13 +461,14 @@ impl DeltaStore {
         let sizes = codec.row_sizes(keys, &readers)?;
         let plan = codec.plan(&readers);
         let before = self.map_mark();
-        self.reserve_map(n)?;
+        self.reserve_map(n, sizes.iter().sum())?;
+        // Before `prepare`: a rollback also returns the block table it may grow.
+        let mark = self.arena.mark();
         if let Err(e) = self.arena.prepare(sizes.iter().copied()) {
             self.unreserve_map(before);
             return Err(UnifyError::from(e).into());
         }
         let mut refs: Vec<RowRef> = Vec::new();
-        let mark = self.arena.mark();
         let arena = &mut self.arena;
         let mut encode = || {
             if !refs.is_empty() {
@@ -540,12 +547,15 @@ impl DeltaStore {
     ) -> Result<(), E> {
         let tomb: Vec<usize> = items.iter().filter(|(_, t)| *t).map(|(i, _)| *i).collect();
         let before = self.map_mark();
-        self.reserve_map(tomb.len())?;
-        if let Err(e) = self.arena.prepare(tomb.iter().map(|&i| HEADER + keys.row(i).as_ref().len())) {
+        let sizes: Vec<usize> = tomb.iter().map(|&i| HEADER + keys.row(i).as_ref().len()).collect();
+        self.reserve_map(tomb.len(), sizes.iter().sum())?;
+        let mark = self.arena.mark();
+        if let Err(e) = self.arena.prepare(sizes.iter().copied()) {
             self.unreserve_map(before);
             return Err(UnifyError::from(e).into());
         }
         if let Err(e) = commit() {
+            self.arena.rollback(mark, &[]);
             self.arena.release_spare();
             self.unreserve_map(before);
             return Err(e);
@@ -1611,8 +1621,8 @@ mod key_hint_tests {
     }
 
     /// A refused write gives the map back exactly: a refused first write leaves no table and
-    /// keeps the hint for the next write; a refused write past the hint returns the hinted
-    /// table to its size (not below it) and its bytes.
+    /// drops the hint (its retry must not take that memory again); a refused write past the
+    /// hint returns the hinted table to its size (not below it) and its bytes.
     #[test]
     fn a_refused_write_keeps_the_hinted_map_and_the_hint() {
         let (_ctl, schema, _codec, d) = int64_delta(64 << 20);
@@ -1621,7 +1631,8 @@ mod key_hint_tests {
         let b = RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int64Array::from_iter_values(0..10))]).unwrap();
         let rows = d.codec().keys().encode_batch(&b).unwrap();
         assert!(d.apply_puts(&b, &rows, 1, refused).is_err());
-        assert_eq!((d.map.capacity(), d.map_res.size(), d.key_hint), (0, 0, 3_000));
+        assert_eq!((d.map.capacity(), d.map_res.size(), d.key_hint), (0, 0, 0), "the hint is dropped with the write");
+        let mut d = d.with_key_hint(3_000);
         put(&mut d, &schema, 0..10);
         let (cap, bytes) = (d.map.capacity(), d.map_res.size());
         assert_eq!(cap, capacity_for(3_000));

@@ -575,6 +575,9 @@ impl Table {
         let deadline = Instant::now() + self.inner.shared.config.backpressure_timeout;
         let mut waited = false;
         let shared = &self.inner.shared;
+        // Whether the soft limit is checked again under the table lock (see below); off once
+        // the engine had nothing to relieve, as for the check before the lock.
+        let mut recheck = true;
         loop {
             // A write waiting for memory while the engine closes gives up (the flushes that
             // would free memory are stopping; `shutdown` waits for admitted writes).
@@ -597,6 +600,28 @@ impl Table {
             }
             let res = {
                 let mut g = self.inner.state()?;
+                // Checked again under the table lock: writers that passed the check above
+                // together and then queued on this lock would otherwise each spend the flush
+                // headroom in turn, up to the hard limit, and leave a full engine whose flush
+                // could not get the memory to convert a delta (24 writers on one table at an
+                // 8 MiB limit: `breaker_write11`). Such a writer waits like the one above.
+                if recheck && shared.pressure_bytes() > shared.write_soft_limit() {
+                    drop(g);
+                    if !self.engine.relieve_pressure(true) {
+                        recheck = false;
+                        continue;
+                    }
+                    if !waited {
+                        tracing::info!(table = %self.inner.name, used = shared.ctl.used(), "backpressure: waiting for the writer to free memory");
+                        waited = true;
+                    }
+                    if !self.engine.wait_for_memory(deadline) {
+                        let e: Error = shared.ctl.limit_error(gritdb_memctl::Category::RowBlocks, batch_bytes_hint.max(1)).into();
+                        tracing::warn!(table = %self.inner.name, error = %e, "memory limit error returned");
+                        return Err(e);
+                    }
+                    continue;
+                }
                 let st = g.as_mut().ok_or_else(|| Error::TableNotFound { name: self.inner.name.clone() })?;
                 let res = apply(st);
                 if res.is_ok() && st.active_since.is_none() && !st.active.is_empty() {

@@ -714,10 +714,10 @@ mod display_tests {
         assert_eq!(cmp(Arc::new(Int64Array::from(vec![7]))), "t >= 7");
         assert_eq!(cmp(Arc::new(TimestampSecondArray::from(vec![at]))), "t >= 2023-11-14T22:13:20");
         assert_eq!(cmp(Arc::new(TimestampSecondArray::from(vec![at]).with_timezone("+02:00"))), "t >= 2023-11-15T00:13:20+02:00");
-        assert_eq!(
-            cmp(Arc::new(TimestampSecondArray::from(vec![at]).with_timezone("Europe/Berlin"))),
-            "t >= 2023-11-14T22:13:20Z (Europe/Berlin)"
-        );
+        // Without arrow's `chrono-tz` feature the fallback; with it (DataFusion, the `sql`
+        // feature, turns it on in a workspace build) arrow-cast's own rendering.
+        let berlin = cmp(Arc::new(TimestampSecondArray::from(vec![at]).with_timezone("Europe/Berlin")));
+        assert!(["t >= 2023-11-14T22:13:20Z (Europe/Berlin)", "t >= 2023-11-14T23:13:20+01:00"].contains(&berlin.as_str()), "{berlin}");
         assert_eq!(cmp(Arc::new(Int64Array::from(vec![Some(1), Some(2)]))), "t >= ?");
     }
 }

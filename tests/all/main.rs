@@ -16,6 +16,7 @@ mod breaker_gate8;
 mod breaker_walpool7;
 mod breaker_wal9;
 mod breaker_keys10;
+mod breaker_write11;
 mod compaction;
 mod crash;
 mod create_drop;

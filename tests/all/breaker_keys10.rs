@@ -47,18 +47,18 @@ struct WalFaultState {
 }
 
 #[derive(Debug, Default, Clone)]
-struct WalFault(Arc<WalFaultState>);
+pub(crate) struct WalFault(Arc<WalFaultState>);
 
 impl WalFault {
-    fn fail_syncs(&self, errno: i32, once: bool) {
+    pub(crate) fn fail_syncs(&self, errno: i32, once: bool) {
         self.0.once.store(once, Ordering::SeqCst);
         self.0.sync_errno.store(errno, Ordering::SeqCst);
     }
-    fn fail_writes(&self, errno: i32, once: bool) {
+    pub(crate) fn fail_writes(&self, errno: i32, once: bool) {
         self.0.once.store(once, Ordering::SeqCst);
         self.0.write_errno.store(errno, Ordering::SeqCst);
     }
-    fn heal(&self) {
+    pub(crate) fn heal(&self) {
         self.0.sync_errno.store(0, Ordering::SeqCst);
         self.0.write_errno.store(0, Ordering::SeqCst);
     }

@@ -894,9 +894,9 @@ mod tests {
             assert_eq!(acc, 2048);
             // The kernel updates a running thread's CPU time at scheduler ticks: work until it
             // moves (at most 10 s, on a loaded machine).
-            let start = std::time::Instant::now();
+            let began = std::time::Instant::now();
             let mut c1 = ThreadClock::read().unwrap();
-            while c1.cpu_ns == c0.cpu_ns && start.elapsed() < std::time::Duration::from_secs(10) {
+            while c1.cpu_ns == c0.cpu_ns && began.elapsed() < std::time::Duration::from_secs(10) {
                 acc = (0..100_000u64).fold(acc, |a, x| std::hint::black_box(a.wrapping_mul(31).wrapping_add(x)));
                 c1 = ThreadClock::read().unwrap();
             }

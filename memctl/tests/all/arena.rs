@@ -141,7 +141,7 @@ fn rollback_after_prepare_gives_back_the_block_table() {
     let t = ctl.register_table("t");
     let mut a = RowArena::new(&ctl, Some(&t));
     let mark = a.mark();
-    a.prepare([100usize; 2_000].into_iter()).expect("fits");
+    a.prepare(std::iter::repeat_n(100usize, 2_000)).expect("fits");
     assert!(ctl.category_bytes(Category::Metadata) > 0, "prepare made room in the block table");
     a.rollback(mark, &[]);
     a.release_spare();
@@ -150,7 +150,7 @@ fn rollback_after_prepare_gives_back_the_block_table() {
     // The same, after rows that stay: the table returns to its size with them.
     let kept: Vec<_> = (0..700).map(|_| a.alloc(100).expect("fits").0).collect();
     let (mark, meta) = (a.mark(), ctl.category_bytes(Category::Metadata));
-    a.prepare([100usize; 5_000].into_iter()).expect("fits");
+    a.prepare(std::iter::repeat_n(100usize, 5_000)).expect("fits");
     let refused: Vec<_> = (0..5_000).map(|_| a.alloc(100).expect("prepared").0).collect();
     assert!(ctl.category_bytes(Category::Metadata) > meta);
     a.rollback(mark, &refused);

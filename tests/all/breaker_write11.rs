@@ -78,13 +78,6 @@ fn cats(engine: &Engine) -> Vec<(Category, usize)> {
     Category::ALL.iter().filter(|c| **c != Category::FreeChunks).map(|c| (*c, engine.memory().category_bytes(*c))).collect()
 }
 
-/// [`cats`] without `metadata`: a refusal after the rows' chunks were prepared keeps the
-/// arena's block-table growth (see `a_refused_write_on_a_fresh_delta_returns_its_block_table`),
-/// which tests of other things leave aside.
-fn cats_no_meta(engine: &Engine) -> Vec<(Category, usize)> {
-    cats(engine).into_iter().filter(|(c, _)| *c != Category::Metadata).collect()
-}
-
 fn write_buffers(engine: &Engine) -> usize {
     engine.memory().category_bytes(Category::WriteBuffers)
 }
@@ -309,7 +302,7 @@ fn wal_write_and_fsync_failures_on_big_batches_leave_no_trace() {
     t.insert(&kv(0..2 * BIG, "a")).unwrap();
     put(&mut model, 0..2 * BIG, "a");
     for round in 0..6i64 {
-        let base = cats_no_meta(&engine);
+        let base = cats(&engine);
         let write = round % 2 == 0;
         let errno = if write { libc::ENOSPC } else { libc::EIO };
         let arm = || if write { fault.fail_writes(errno, true) } else { fault.fail_syncs(errno, true) };
@@ -321,7 +314,7 @@ fn wal_write_and_fsync_failures_on_big_batches_leave_no_trace() {
         arm();
         assert_os_error(t.update(&kv(BIG..2 * BIG, "refused")), errno, "update");
         fault.heal();
-        assert_eq!(cats_no_meta(&engine), base, "round {round}: refused writes hold nothing");
+        assert_eq!(cats(&engine), base, "round {round}: refused writes hold nothing");
         assert_eq!(kv_rows(&t), model, "round {round}: refused writes applied nothing");
         // The same keys go in right after, newer than anything refused.
         t.insert(&kv(from..from + 2 * BIG, &format!("ok{round}"))).unwrap();
@@ -365,7 +358,7 @@ fn injected_memory_failures_on_big_writes_leave_no_trace() {
     let mut refused = 0;
     let mut from = 100_000;
     for n in 0..12u64 {
-        let base = cats_no_meta(&engine);
+        let base = cats(&engine);
         let wal = engine.wal_usage();
         let accounted = t.stats().unwrap().accounted_bytes;
         let accounted_meta = engine.memory().category_bytes(Category::Metadata);
@@ -376,7 +369,7 @@ fn injected_memory_failures_on_big_writes_leave_no_trace() {
             Err(e) => {
                 assert!(matches!(e, Error::Memory(_) | Error::MemoryLimit { .. }), "n={n}: {e:?}");
                 refused += 1;
-                assert_eq!(cats_no_meta(&engine), base, "n={n}: refused write holds nothing");
+                assert_eq!(cats(&engine), base, "n={n}: refused write holds nothing");
                 let meta = engine.memory().category_bytes(Category::Metadata);
                 assert_eq!(t.stats().unwrap().accounted_bytes + accounted_meta, accounted + meta, "n={n}: table bytes (but the block table)");
                 assert_eq!(engine.wal_usage(), wal, "n={n}: nothing logged");
@@ -779,7 +772,7 @@ fn a_refused_write_after_a_seal_returns_the_exact_accounted_bytes() {
     let st = t.stats().unwrap();
     assert_eq!((st.active_delta_bytes, st.sealed_deltas), (0, 0));
     let accounted = st.accounted_bytes;
-    let base = cats_no_meta(&engine);
+    let base = cats(&engine);
     let base_meta = engine.memory().category_bytes(Category::Metadata);
     assert_eq!(table_cat(&engine, "t", Category::KeyIndex), st.key_index_bytes, "only the files' index");
     for round in 0..3 {
@@ -794,7 +787,7 @@ fn a_refused_write_after_a_seal_returns_the_exact_accounted_bytes() {
         fault.heal();
         let meta_growth = engine.memory().category_bytes(Category::Metadata) - base_meta;
         assert_eq!(t.stats().unwrap().accounted_bytes, accounted + meta_growth, "round {round}: table bytes (but the block table)");
-        assert_eq!(cats_no_meta(&engine), base, "round {round}: categories");
+        assert_eq!(cats(&engine), base, "round {round}: categories");
     }
     assert_eq!(t.row_count().unwrap(), 20_000);
     // A first good write: one row. (The hint may have been used up by the refusals; either

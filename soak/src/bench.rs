@@ -813,8 +813,9 @@ fn print_table(r: &BenchResult, groups: &[Q1Group]) {
         format!("{:.2}/{:.2}/{:.2} M", r.insert_rows_per_s / 1e6, r.upsert_rows_per_s / 1e6, r.delete_rows_per_s / 1e6),
         format!("{:.2}/{:.2}/{:.2} M", r.naive_insert_rows_per_s / 1e6, r.naive_upsert_rows_per_s / 1e6, r.naive_delete_rows_per_s / 1e6)
     );
+    println!("(memory per row: phase 2, every row still in the delta; outside-engine can read negative when the allocator gave memory back)");
     println!(
-        "default flush threshold: accounted {:.1} B/row after inserts, {} allocations/row; the durable step's table.flush() wrote {} rows itself (background flushes wrote the rest)",
+        "default flush threshold (phase 1): accounted {:.1} B/row after inserts (sealed deltas and flush batches in flight included), {} allocations/row; the durable step's table.flush() wrote {} rows itself (background flushes wrote the rest; its time is mostly the wait for the flush in progress)",
         r.accounted_bytes_per_row_default,
         opt(r.allocations_per_row_default),
         r.durable_rows

@@ -83,7 +83,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub background_batch: bool,
     /// Times the measured phases run on the same input (each in a fresh directory); every
-    /// figure printed is the median over the runs (memory figures: the largest; VmHWM: run
+    /// figure printed is the median over the runs (memory figures: the largest; `VmHWM`: run
     /// 1's, as later runs only add to the process's peak), with the smallest and largest rate
     /// of each phase beside it. At least 1.
     #[arg(long, default_value_t = 5)]

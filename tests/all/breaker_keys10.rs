@@ -171,7 +171,7 @@ fn kv_apply(model: &mut BTreeMap<i64, String>, keys: impl IntoIterator<Item = i6
     }
 }
 
-fn kv_rows(t: &Table) -> BTreeMap<i64, String> {
+pub(crate) fn kv_rows(t: &Table) -> BTreeMap<i64, String> {
     let mut out = BTreeMap::new();
     for b in t.scan(ScanOptions::default()).unwrap() {
         let b = b.unwrap();

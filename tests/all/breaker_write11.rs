@@ -16,7 +16,7 @@
 //! and reopen, and Decimal128 (precision <= 18) extremes in keys and values.
 
 use arrow::array::{Array, ArrayRef, AsArray, Decimal128Array, Int64Array, RecordBatch, StringArray};
-use arrow::datatypes::{DataType, Decimal128Type, Field, Int64Type, Schema, SchemaRef};
+use arrow::datatypes::{DataType, Decimal128Type, Field, Schema, SchemaRef};
 use gritdb::memory::Category;
 use gritdb::{CompareOp, Engine, EngineConfig, Error, ScanFilter, ScanOptions, StorageError, Table, UnifyError};
 use std::collections::BTreeMap;
@@ -25,7 +25,7 @@ use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 // The WAL fault layer (faults for files under `wal/` only) is breaker_keys10's.
-use crate::breaker_keys10::WalFault;
+use crate::breaker_keys10::{WalFault, kv_rows};
 
 // =====================================================================================
 // Helpers: an (Int64 key, Utf8 value) table and its model
@@ -58,19 +58,6 @@ fn put(m: &mut Model, keys: impl IntoIterator<Item = i64>, tag: &str) {
     for k in keys {
         m.insert(k, format!("{tag}-{k}"));
     }
-}
-
-fn kv_rows(t: &Table) -> Model {
-    let mut out = BTreeMap::new();
-    for b in t.scan(ScanOptions::default()).unwrap() {
-        let b = b.unwrap();
-        let k = b.column(0).as_primitive::<Int64Type>();
-        let s = b.column(1).as_string::<i32>();
-        for i in 0..b.num_rows() {
-            assert!(out.insert(k.value(i), s.value(i).to_owned()).is_none(), "key {} twice in a scan", k.value(i));
-        }
-    }
-    out
 }
 
 /// Every category but the pool's cached free chunks.

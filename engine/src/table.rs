@@ -264,10 +264,17 @@ impl TableInner {
             let batches =
                 sealed.to_batches_parallel(Category::BatchBlocks, true, FLUSH_BATCH_ROWS, cfg.flush_batch_bytes, threads, |_| true)?;
             rows += batches.puts.iter().map(|b| b.num_rows() as u64).sum::<u64>();
+            // The puts' keys and their key-index set are built before the state lock: under
+            // it they held every write to the table for 13–24 ms per 368k-row flush.
+            let encoder = match self.state()?.as_ref() {
+                Some(st) => st.store.put_keys(),
+                None => break,
+            };
+            let keyed = encoder.encode(&batches.puts)?;
             {
                 let mut g = self.state()?;
                 let Some(st) = g.as_mut() else { break };
-                st.store.stage(&batches.puts, &batches.delete_keys, sealed.max_seq())?;
+                st.store.stage_keyed(keyed, &batches.delete_keys, sealed.max_seq())?;
                 if st.sealed.front().is_some_and(|s| Arc::ptr_eq(s, &sealed)) {
                     st.sealed.pop_front();
                 }
@@ -314,7 +321,7 @@ impl TableInner {
             {
                 let mut g = self.state()?;
                 let Some(st) = g.as_mut() else { return Ok(()) };
-                if let Err(e) = st.store.install_compaction(&plan) {
+                if let Err(e) = st.store.install_compaction(&mut plan) {
                     drop(g);
                     plan.abandon();
                     return Err(e.into());

@@ -651,6 +651,29 @@ impl Reservation {
         self.shrink(self.size);
     }
 
+    /// Takes over `other`'s bytes, for memory built under its own reservation (off a lock)
+    /// and then handed to a structure whose reservation holds the rest (the key index's
+    /// files). When both count in the same category for the same table of the same
+    /// controller, the bytes move without touching any counter, so the limit sees no
+    /// moment in which they are counted twice or not at all. Otherwise `other` releases them
+    /// and this reservation counts them as [`MemoryController::force_reserve`] does: the
+    /// memory already exists, so the counters stay truthful even past the limit.
+    pub fn absorb(&mut self, mut other: Reservation) {
+        let same_table = match (&self.table, &other.table) {
+            (None, None) => true,
+            (Some(a), Some(b)) => Arc::ptr_eq(&a.0, &b.0),
+            _ => false,
+        };
+        let bytes = std::mem::take(&mut other.size);
+        if Arc::ptr_eq(&self.ctl, &other.ctl) && self.category == other.category && same_table {
+            self.size += bytes;
+            return;
+        }
+        other.ctl.release(other.category, other.table.as_ref(), bytes);
+        self.ctl.force_reserve(self.category, self.table.as_ref(), bytes);
+        self.size += bytes;
+    }
+
     /// The controller this reservation draws from.
     pub fn controller(&self) -> &Arc<MemoryController> {
         &self.ctl

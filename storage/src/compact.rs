@@ -7,9 +7,10 @@
 //!    vectors, reserve a new file id. Only when no flush is staged, so every deletion vector
 //!    is committed.
 //! 2. [`CompactionPlan::execute`] (no state lock): read the live rows of the inputs, sort them
-//!    by key, write the new file (tmp, fsync, rename).
-//! 3. [`TableStore::install_compaction`] (state lock): index the new file's keys (its rows are
-//!    invisible until step 5: the file is not in the file list yet).
+//!    by key, write the new file (tmp, fsync, rename), build its key-index set (budgeted under
+//!    `key_index`).
+//! 3. [`TableStore::install_compaction`] (state lock): link the new file's key-index set into
+//!    the index (its rows are invisible until step 5: the file is not in the file list yet).
 //! 4. [`CompactionPlan::commit`] (no state lock): write the manifest without the inputs and
 //!    with the new file.
 //! 5. [`TableStore::finish_compaction`] (state lock): swap the file list; the inputs are marked
@@ -25,7 +26,6 @@ use crate::table::{DataFile, FileGuard, TableStore, file_name};
 use crate::vfs::Vfs;
 use crate::write::{WriteOptions, read_file, write_data_file, write_data_file_from};
 use arrow_array::UInt32Array;
-use arrow_row::Rows;
 use arrow_schema::SchemaRef;
 use gritdb_memctl::{Category, MemoryController, Reservation, TableAccount};
 use roaring::RoaringBitmap;
@@ -61,7 +61,11 @@ pub struct CompactionPlan {
     key_cols: Vec<usize>,
     vfs: Arc<dyn Vfs>,
     manifest: Manifest,
-    output: Option<(Rows, u64, u64)>,
+    /// Builds the new file's key-index set in [`Self::execute`], off the table's lock.
+    keys: crate::index::KeyBuilder,
+    /// The new file's key-index set (taken by [`TableStore::install_compaction`];
+    /// `Err(detail)` when its keys are not strictly ascending), rows and bytes.
+    output: Option<(Option<crate::index::BuildResult>, u64, u64)>,
     /// The commit renamed its manifest into place (and then failed, or succeeded).
     manifest_renamed: bool,
 }
@@ -114,7 +118,8 @@ impl CompactionPlan {
         held.try_resize(sorted.get_array_memory_size() + sorted_keys.size())?;
         let name = file_name(self.new_id);
         let bytes = write_data_file(self.vfs.as_ref(), &self.dir, &name, std::slice::from_ref(&sorted), opts, ctl, table)?;
-        self.output = Some((sorted_keys, sorted.num_rows() as u64, bytes));
+        let built = self.keys.build(std::slice::from_ref(&sorted_keys))?;
+        self.output = Some((Some(built), sorted.num_rows() as u64, bytes));
         Ok(())
     }
 
@@ -139,8 +144,9 @@ impl CompactionPlan {
         });
         let name = file_name(self.new_id);
         let bytes = write_data_file_from(self.vfs.as_ref(), &self.dir, &name, &self.schema, stream, opts, ctl, table)?;
+        let built = self.keys.build(std::slice::from_ref(&keys))?;
         drop(held);
-        self.output = Some((keys, rows, bytes));
+        self.output = Some((Some(built), rows, bytes));
         Ok(())
     }
 
@@ -262,20 +268,25 @@ impl TableStore {
             key_cols: self.key_cols.clone(),
             vfs: Arc::clone(&self.vfs),
             manifest,
+            keys: self.index.builder(),
             output: None,
             manifest_renamed: false,
         })
     }
 
     /// Indexes the new file's keys ahead of the manifest commit (its rows stay invisible until
-    /// [`Self::finish_compaction`]).
+    /// [`Self::finish_compaction`]). The key-index set was built (and budgeted) by
+    /// [`CompactionPlan::execute`], off the table's lock; this only links it in.
     ///
     /// # Errors
-    /// [`StorageError::Memory`] when the index cannot grow (abandon the plan then).
-    pub fn install_compaction(&mut self, plan: &CompactionPlan) -> Result<(), StorageError> {
-        let Some((keys, _, _)) = &plan.output else { return Ok(()) };
-        if let Err(detail) = self.index.add_file(plan.new_id, std::slice::from_ref(keys))? {
-            return Err(StorageError::CorruptFile { path: plan.dir.join(file_name(plan.new_id)), detail });
+    /// [`StorageError::CorruptFile`] when the new file's keys are not strictly ascending
+    /// (abandon the plan then).
+    pub fn install_compaction(&mut self, plan: &mut CompactionPlan) -> Result<(), StorageError> {
+        let Some((built, _, _)) = &mut plan.output else { return Ok(()) };
+        match built.take() {
+            Some(Ok(keys)) => self.index.install(plan.new_id, keys),
+            Some(Err(detail)) => return Err(StorageError::CorruptFile { path: plan.dir.join(file_name(plan.new_id)), detail }),
+            None => {}
         }
         Ok(())
     }

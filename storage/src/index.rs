@@ -359,6 +359,57 @@ pub(crate) fn canonical_key_columns(cols: Vec<ArrayRef>) -> Vec<ArrayRef> {
 }
 
 
+/// Builds one data file's key set for a [`KeyIndex`] (its stored keys, the ascending check
+/// and the bloom filter) without access to the index, so the caller need not hold the table's
+/// lock: a flush of 368,640 lineitem rows spent 13–24 ms here, during which every write to
+/// the table waited (`gritdb-soak bench`, docs/performance.md, eleventh pass).
+#[derive(Debug, Clone)]
+pub(crate) struct KeyBuilder {
+    layout: KeyLayout,
+    width: Option<usize>,
+    ctl: Arc<MemoryController>,
+    table: Option<TableAccount>,
+}
+
+/// What [`KeyBuilder::build`] gives for a file's keys: the built set, or why the keys cannot
+/// be indexed (not strictly ascending, or not of the layout's shape).
+pub(crate) type BuildResult = Result<BuiltKeys, String>;
+
+/// A file's key set from [`KeyBuilder::build`], budgeted under `key_index` for the table
+/// until [`KeyIndex::install`] takes it (dropped instead, its bytes are released).
+#[derive(Debug)]
+pub(crate) struct BuiltKeys {
+    keys: FileKeys,
+    res: Reservation,
+}
+
+impl KeyBuilder {
+    /// The key set of a file whose keys, in row order, are those of `parts` one after the
+    /// other (must be strictly ascending). Its memory is budgeted before it is built (the
+    /// key bytes, or the encoded bytes plus a `u32` offset per key for variable-width keys,
+    /// plus the bloom filter) and trimmed to what it holds.
+    ///
+    /// # Errors
+    /// [`StorageError::Memory`]; `Ok(Err(detail))` when the keys are not ascending or do not
+    /// have the layout's shape (the caller names the file: [`StorageError::CorruptFile`]).
+    pub(crate) fn build(&self, parts: &[Rows]) -> Result<BuildResult, StorageError> {
+        let rows: usize = parts.iter().map(Rows::num_rows).sum();
+        let estimate = match self.width {
+            Some(w) => rows * w,
+            None => parts.iter().flat_map(Rows::iter).map(|r| r.data().len() + 4).sum(),
+        } + bloom_blocks(rows) * std::mem::size_of::<BloomBlock>();
+        let mut res = Reservation::new(&self.ctl, Category::KeyIndex, self.table.as_ref());
+        res.try_grow(estimate)?;
+        Ok(FileKeys::build(parts, &self.layout).map(|keys| {
+            // Never above the estimate (capacities are exact): a shrink, which cannot fail.
+            if keys.bytes() <= res.size() {
+                res.shrink(res.size() - keys.bytes());
+            }
+            BuiltKeys { keys, res }
+        }))
+    }
+}
+
 /// Primary key → [`Loc`] for a table's data files, counted under `key_index`.
 ///
 /// Layout: per data file, its keys in row order (= key order) in one byte vector (fixed-width
@@ -377,6 +428,8 @@ pub struct KeyIndex {
     /// Per data file, ascending by file id (a lookup walks it newest first).
     files: Vec<(u32, FileKeys)>,
     res: Reservation,
+    /// The table `res` counts for (handed to [`KeyBuilder`]s).
+    table: Option<TableAccount>,
 }
 
 impl std::fmt::Debug for KeyIndex {
@@ -394,6 +447,7 @@ impl KeyIndex {
             layout,
             files: Vec::new(),
             res: Reservation::new(ctl, Category::KeyIndex, table),
+            table: table.cloned(),
         }
     }
 
@@ -408,33 +462,37 @@ impl KeyIndex {
     }
 
     /// Indexes file `id` whose keys, in row order, are those of `parts` one after the other
-    /// (must be strictly ascending).
+    /// (must be strictly ascending): [`KeyBuilder::build`] then [`Self::install`].
     /// The memory is budgeted before it is kept.
     ///
     /// # Errors
     /// [`StorageError::Memory`]; `Err(detail)` via [`StorageError::CorruptFile`] at the caller
     /// when the keys are not ascending.
     pub(crate) fn add_file(&mut self, id: u32, parts: &[Rows]) -> Result<Result<(), String>, StorageError> {
-        let rows: usize = parts.iter().map(Rows::num_rows).sum();
-        let estimate = match self.width {
-            Some(w) => rows * w,
-            None => parts.iter().flat_map(Rows::iter).map(|r| r.data().len() + 4).sum(),
-        } + bloom_blocks(rows) * std::mem::size_of::<BloomBlock>();
-        self.res.try_grow(estimate)?;
-        match FileKeys::build(parts, &self.layout) {
-            Ok(fk) => {
-                match self.files.binary_search_by_key(&id, |(i, _)| *i) {
-                    Ok(at) => self.files[at].1 = fk,
-                    Err(at) => self.files.insert(at, (id, fk)),
-                }
-                self.account();
-                Ok(Ok(()))
-            }
-            Err(d) => {
-                self.account();
-                Ok(Err(d))
-            }
+        Ok(self.builder().build(parts)?.map(|built| self.install(id, built)))
+    }
+
+    /// A builder of file key sets for this index that needs no access to it, so a flush or
+    /// a compaction builds them without the table's lock ([`BuiltKeys`]).
+    pub(crate) fn builder(&self) -> KeyBuilder {
+        KeyBuilder {
+            layout: self.layout.clone(),
+            width: self.width,
+            ctl: Arc::clone(self.res.controller()),
+            table: self.table.clone(),
         }
+    }
+
+    /// Indexes file `id` with keys built by [`Self::builder`] (replacing the file's keys if it
+    /// has some); their reservation joins the index's.
+    pub(crate) fn install(&mut self, id: u32, built: BuiltKeys) {
+        let BuiltKeys { keys, res } = built;
+        match self.files.binary_search_by_key(&id, |(i, _)| *i) {
+            Ok(at) => self.files[at].1 = keys,
+            Err(at) => self.files.insert(at, (id, keys)),
+        }
+        self.res.absorb(res);
+        self.account();
     }
 
     /// Forgets file `id`.

@@ -22,6 +22,8 @@ mod error;
 mod filter;
 mod index;
 mod manifest;
+#[cfg(test)]
+mod stage_tests;
 mod table;
 mod vfs;
 mod wal;
@@ -33,7 +35,7 @@ pub use error::StorageError;
 pub use filter::{BoundFilter, CompareOp, FilePlan, FilterError, ScanCounters, ScanFilter, ScanMetrics, filter_batch, keep_rows};
 pub use index::{FileKeys, KeyIndex, Loc};
 pub use manifest::{FileMeta, Manifest, MANIFEST_FILE};
-pub use table::{CommitPlan, FileGuard, FileScan, ScanSource, Staged, TableStore};
+pub use table::{CommitPlan, FileGuard, FileScan, PutKeyEncoder, PutKeys, ScanSource, Staged, TableStore};
 pub use vfs::{FaultFs, FsOp, StdFs, Vfs, VfsFile};
 pub use wal::{SEGMENT_BYTES, WAL_DIR, Wal, WalOp, WalRecord, WalSync, decode_segment};
 pub use write::{CancelToken, FileReader, ReadSpec, WriteOptions, default_encode_threads, read_file, read_file_with, write_data_file, write_data_file_from};

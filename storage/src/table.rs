@@ -66,6 +66,43 @@ pub struct Staged {
     pub max_seq: u64,
 }
 
+/// Encodes a flush's put keys for [`TableStore::stage_keyed`] without access to the store
+/// ([`TableStore::put_keys`]): cheap to make, `Send`, and usable while others hold the store.
+#[derive(Debug)]
+pub struct PutKeyEncoder {
+    schema: SchemaRef,
+    key_cols: Vec<usize>,
+    builder: crate::index::KeyBuilder,
+}
+
+/// A flush's puts with their keys: `arrow-row` encoded (for the older versions
+/// [`TableStore::stage_keyed`] looks up) and as the key-index set of the file they become,
+/// budgeted under `key_index` until staged (released when dropped unstaged).
+#[derive(Debug)]
+pub struct PutKeys {
+    schema: SchemaRef,
+    puts: Vec<RecordBatch>,
+    keys: Vec<arrow_row::Rows>,
+    /// `None` without put rows; `Err(detail)` when the keys are not strictly ascending.
+    built: Option<crate::index::BuildResult>,
+}
+
+impl PutKeyEncoder {
+    /// Encodes the keys of `puts` (empty batches are left out) and builds their key-index set.
+    /// The puts must be sorted strictly ascending by key across batches, as a flush writes them.
+    ///
+    /// # Errors
+    /// [`StorageError::Arrow`] (a batch of another shape), [`StorageError::Memory`] when the
+    /// key-index set cannot be budgeted.
+    pub fn encode(&self, puts: &[RecordBatch]) -> Result<PutKeys, StorageError> {
+        let puts: Vec<RecordBatch> = puts.iter().filter(|b| b.num_rows() > 0).cloned().collect();
+        let conv = key_converter(&self.schema, &self.key_cols)?;
+        let keys = puts.iter().map(|b| encode_keys(&conv, b, &self.key_cols)).collect::<Result<Vec<_>, _>>()?;
+        let built = if keys.is_empty() { None } else { Some(self.builder.build(&keys)?) };
+        Ok(PutKeys { schema: Arc::clone(&self.schema), puts, keys, built })
+    }
+}
+
 /// Where a scan reads a file's rows from.
 #[derive(Debug, Clone)]
 pub enum ScanSource {
@@ -388,16 +425,42 @@ impl TableStore {
     /// Stages a flush in memory: puts become a new (pending) data file and the index points
     /// their keys at it; older versions of those keys and `delete_keys` go into deletion
     /// vectors. Readers see the result at once; [`Self::plan_commit`] makes it durable.
+    /// [`Self::put_keys`] then [`Self::stage_keyed`], in one step.
     ///
     /// # Errors
     /// [`StorageError::Memory`] when the index cannot grow (nothing changed then),
     /// [`StorageError::Arrow`].
     pub fn stage(&mut self, puts: &[RecordBatch], delete_keys: &RecordBatch, max_seq: u64) -> Result<Option<Staged>, StorageError> {
+        let keyed = self.put_keys().encode(puts)?;
+        self.stage_keyed(keyed, delete_keys, max_seq)
+    }
+
+    /// An encoder of a flush's put keys that needs no access to this store: the expensive
+    /// half of [`Self::stage`] (the keys' `arrow-row` encoding and their key-index set, ~15–25
+    /// ms for 368,640 lineitem rows) runs without the caller's lock on the store, and
+    /// [`Self::stage_keyed`] does the rest under it.
+    pub fn put_keys(&self) -> PutKeyEncoder {
+        PutKeyEncoder { schema: Arc::clone(&self.schema), key_cols: self.key_cols.clone(), builder: self.index.builder() }
+    }
+
+    /// [`Self::stage`] with the puts' keys from [`Self::put_keys`] (the puts travel with them).
+    ///
+    /// # Errors
+    /// As [`Self::stage`]; [`StorageError::Arrow`] when `keyed` was encoded for another
+    /// schema; [`StorageError::CorruptFile`] when the puts' keys are not strictly ascending.
+    pub fn stage_keyed(&mut self, keyed: PutKeys, delete_keys: &RecordBatch, max_seq: u64) -> Result<Option<Staged>, StorageError> {
+        let PutKeys { schema, puts, keys, built } = keyed;
+        if schema != self.schema {
+            return Err(arrow_schema::ArrowError::InvalidArgumentError(format!(
+                "put keys encoded for another schema than table {}'s",
+                self.name
+            ))
+            .into());
+        }
         let put_rows: usize = puts.iter().map(RecordBatch::num_rows).sum();
         if put_rows == 0 && delete_keys.num_rows() == 0 {
             return Ok(None);
         }
-        let puts: Vec<RecordBatch> = puts.iter().filter(|b| b.num_rows() > 0).cloned().collect();
         let del_rows = self.conv.convert_columns(&crate::index::canonical_key_columns(delete_keys.columns().to_vec()))?;
         let file_id = (put_rows > 0).then_some(self.next_file_id);
         let mut additions = Vec::new();
@@ -406,17 +469,15 @@ impl TableStore {
                 additions.push(old);
             }
         }
-        if let Some(id) = file_id {
-            let keys = puts.iter().map(|b| encode_keys(&self.conv, b, &self.key_cols)).collect::<Result<Vec<_>, _>>()?;
+        if let (Some(id), Some(built)) = (file_id, built) {
+            let built = built.map_err(|detail| StorageError::CorruptFile { path: self.dir.join(file_name(id)), detail })?;
             // Older live versions of the put keys (looked up before the new file is indexed).
             for r in keys.iter().flat_map(arrow_row::Rows::iter) {
                 if let Some(old) = self.find_key(r.as_ref()) {
                     additions.push(old);
                 }
             }
-            if let Err(detail) = self.index.add_file(id, &keys)? {
-                return Err(StorageError::CorruptFile { path: self.dir.join(file_name(id)), detail });
-            }
+            self.index.install(id, built);
             drop(keys);
             self.next_file_id += 1;
             let meta = FileMeta { id, name: file_name(id), rows: put_rows as u64, bytes: 0, dv: None, deleted: 0 };

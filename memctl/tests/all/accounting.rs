@@ -99,3 +99,33 @@ fn force_reserve_counts_truthfully_past_the_limit_and_releases_to_zero() {
     assert_eq!(ctl.category_bytes(Category::Query), 0);
     assert_all_zero(&ctl);
 }
+
+/// `absorb` moves bytes between two reservations of one category and table without a moment
+/// counted twice (the limit is exactly what both hold: a double count would be refused); and
+/// between different categories or tables it moves the counts to the absorbing side.
+#[test]
+fn absorb_moves_bytes_without_counting_them_twice() {
+    let c = ctl(4 * CHUNK);
+    let t = c.register_table("t");
+    let u = c.register_table("u");
+    let mut index = Reservation::new(&c, Category::KeyIndex, Some(&t));
+    index.try_grow(CHUNK).unwrap();
+    let mut built = Reservation::new(&c, Category::KeyIndex, Some(&t));
+    built.try_grow(3 * CHUNK).unwrap();
+    assert_eq!(c.used(), 4 * CHUNK);
+    index.absorb(built);
+    assert_eq!((index.size(), c.used(), t.bytes(Category::KeyIndex)), (4 * CHUNK, 4 * CHUNK, 4 * CHUNK));
+    assert_eq!(c.category_bytes(Category::KeyIndex), 4 * CHUNK);
+    index.shrink(3 * CHUNK);
+    // Another table and category: the counts move over to `index`'s.
+    let mut other = Reservation::new(&c, Category::WriteBuffers, Some(&u));
+    other.try_grow(2 * CHUNK).unwrap();
+    index.absorb(other);
+    assert_eq!(index.size(), 3 * CHUNK);
+    assert_eq!((t.bytes(Category::KeyIndex), u.bytes(Category::WriteBuffers)), (3 * CHUNK, 0));
+    assert_eq!((c.category_bytes(Category::KeyIndex), c.category_bytes(Category::WriteBuffers)), (3 * CHUNK, 0));
+    assert_eq!(c.used(), 3 * CHUNK);
+    drop(index);
+    assert_eq!(c.used(), 0);
+    assert_categories_sum_to_used(&c);
+}

@@ -1,0 +1,146 @@
+//! Staging a flush with keys built off the store's lock (`TableStore::put_keys` →
+//! `PutKeyEncoder::encode` → `TableStore::stage_keyed`), and a compaction's key-index set
+//! built in `CompactionPlan::execute`: the same index as building them in place, every byte
+//! counted under `key_index` while held, nothing changed by a refused stage.
+
+use crate::table::TableStore;
+use crate::vfs::{StdFs, Vfs};
+use crate::{CompactionOptions, StorageError, WriteOptions};
+use arrow_array::{ArrayRef, Int64Array, RecordBatch};
+use arrow_schema::{DataType, Field, Schema, SchemaRef};
+use gritdb_memctl::{Category, ControllerConfig, MemoryController};
+use std::sync::Arc;
+
+fn ctl() -> Arc<MemoryController> {
+    MemoryController::new(ControllerConfig { memory_limit: Some(256 << 20), ..ControllerConfig::default() }).expect("config")
+}
+
+fn schema() -> SchemaRef {
+    Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", DataType::Int64, false)]))
+}
+
+fn key_schema() -> SchemaRef {
+    Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false)]))
+}
+
+fn rows(keys: impl Iterator<Item = i64> + Clone) -> RecordBatch {
+    let cols: Vec<ArrayRef> = vec![Arc::new(Int64Array::from_iter_values(keys.clone())), Arc::new(Int64Array::from_iter_values(keys.map(|k| k * 10)))];
+    RecordBatch::try_new(schema(), cols).expect("batch")
+}
+
+fn no_deletes() -> RecordBatch {
+    RecordBatch::new_empty(key_schema())
+}
+
+fn store(dir: &std::path::Path, ctl: &Arc<MemoryController>, name: &str) -> TableStore {
+    let vfs: Arc<dyn Vfs> = Arc::new(StdFs);
+    TableStore::create(vfs, &dir.join(name), name, schema(), &[0], ctl, None).expect("create")
+}
+
+fn key_index(ctl: &MemoryController) -> usize {
+    ctl.category_bytes(Category::KeyIndex)
+}
+
+/// Keys encoded off the store give the index `stage` gives: the same rows, bytes and
+/// lookups, older versions in deletion vectors. The encoded keys are counted under
+/// `key_index` from `encode` on, and dropping them unstaged gives every byte back.
+#[test]
+fn keys_built_off_the_store_stage_as_in_place() {
+    let dir = tempfile::tempdir().expect("dir");
+    let (c1, c2) = (ctl(), ctl());
+    let (mut a, mut b) = (store(dir.path(), &c1, "a"), store(dir.path(), &c2, "b"));
+    let first = [rows(0..1000), rows(1000..5000)];
+    let second = [rows((500..1500).map(|k| k * 2))];
+    for (i, puts) in [&first[..], &second[..]].into_iter().enumerate() {
+        a.stage(puts, &no_deletes(), i as u64 + 1).expect("stage");
+        let before = key_index(&c2);
+        let keyed = b.put_keys().encode(puts).expect("encode");
+        assert!(key_index(&c2) > before, "the built key set is counted before it is staged");
+        b.stage_keyed(keyed, &no_deletes(), i as u64 + 1).expect("stage_keyed");
+        assert_eq!((b.index().rows(), b.index().bytes()), (a.index().rows(), a.index().bytes()));
+        assert_eq!(key_index(&c2), key_index(&c1));
+    }
+    assert_eq!(b.index().rows(), 6000);
+    for k in [0i64, 999, 1000, 2998, 3000, 4999] {
+        let key = crate::index::encode_keys(&b.conv, &rows([k].into_iter()), &[0]).expect("key");
+        let key = key.row(0);
+        assert_eq!(b.find_key(key.as_ref()), a.find_key(key.as_ref()), "key {k}");
+        assert!(b.find_key(key.as_ref()).is_some(), "key {k}");
+    }
+    // Keys 1000, 1002, ..., 2998 of the first flush are older versions now: 1000 rows.
+    let deleted = |s: &TableStore| s.files.values().map(|f| f.dv_live.len()).sum::<u64>();
+    assert_eq!((deleted(&a), deleted(&b)), (1000, 1000));
+
+    let before = key_index(&c2);
+    let keyed = b.put_keys().encode(&[rows(10_000..20_000)]).expect("encode");
+    assert!(key_index(&c2) >= before + 10_000 * 8, "10,000 eight-byte keys counted");
+    drop(keyed);
+    assert_eq!(key_index(&c2), before, "dropped unstaged: every byte back");
+}
+
+/// Refused stages change nothing: keys that are not ascending (`CorruptFile`, naming the
+/// file the flush would have written) and keys encoded for another table's schema.
+#[test]
+fn a_refused_keyed_stage_changes_nothing() {
+    let dir = tempfile::tempdir().expect("dir");
+    let c = ctl();
+    let mut s = store(dir.path(), &c, "t");
+    s.stage(&[rows(0..100)], &no_deletes(), 1).expect("stage");
+    let before = (s.index().rows(), s.index().bytes(), key_index(&c), s.files.len(), s.staged_count());
+    let unsorted = s.put_keys().encode(&[rows([5i64, 3, 200].into_iter())]).expect("encode");
+    match s.stage_keyed(unsorted, &no_deletes(), 2) {
+        Err(StorageError::CorruptFile { path, detail }) => {
+            assert!(path.ends_with(crate::table::file_name(2)), "{}", path.display());
+            assert!(detail.contains("ascending"), "{detail}");
+        }
+        other => panic!("expected CorruptFile, got {other:?}"),
+    }
+    assert_eq!(before, (s.index().rows(), s.index().bytes(), key_index(&c), s.files.len(), s.staged_count()));
+
+    let other_schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("w", DataType::Utf8, false)]));
+    let vfs: Arc<dyn Vfs> = Arc::new(StdFs);
+    let other = TableStore::create(vfs, &dir.path().join("o"), "o", other_schema.clone(), &[0], &c, None).expect("create");
+    let foreign = RecordBatch::try_new(
+        other_schema,
+        vec![Arc::new(Int64Array::from_iter_values(500..600)), Arc::new(arrow_array::StringArray::from_iter_values((0..100).map(|i| i.to_string())))],
+    )
+    .expect("batch");
+    let keyed = other.put_keys().encode(&[foreign]).expect("encode");
+    assert!(matches!(s.stage_keyed(keyed, &no_deletes(), 2), Err(StorageError::Arrow(_))));
+    assert_eq!(before, (s.index().rows(), s.index().bytes(), key_index(&c), s.files.len(), s.staged_count()));
+}
+
+/// A compaction's new key set is built (and counted under `key_index`) in `execute`, before
+/// the state lock; installed, the index holds exactly the live rows; an abandoned plan gives
+/// its key set's bytes back.
+#[test]
+fn compaction_builds_its_key_set_in_execute() {
+    let dir = tempfile::tempdir().expect("dir");
+    let c = ctl();
+    let mut s = store(dir.path(), &c, "t");
+    let opts = CompactionOptions { small_file_rows: 1 << 20, small_files_trigger: 2, ..CompactionOptions::default() };
+    let wopts = WriteOptions::default();
+    for (i, (from, to)) in [(0, 3000), (3000, 6000)].into_iter().enumerate() {
+        s.stage(&[rows(from..to)], &no_deletes(), i as u64 + 1).expect("stage");
+        let mut plan = s.plan_commit().expect("staged");
+        plan.execute(&wopts, &c, None).expect("write");
+        s.finish_commit(plan);
+    }
+    let base = key_index(&c);
+    for abandon in [true, false] {
+        let mut plan = s.plan_compaction(&opts).expect("two small files");
+        plan.execute(&wopts, &c, None).expect("execute");
+        assert!(key_index(&c) >= base + 6000 * 8, "the new file's 6,000 keys are counted after execute");
+        if abandon {
+            plan.abandon();
+            drop(plan);
+            assert_eq!(key_index(&c), base, "abandoned: its key set's bytes are back");
+            continue;
+        }
+        s.install_compaction(&mut plan).expect("install");
+        plan.commit().expect("commit");
+        s.finish_compaction(plan);
+    }
+    assert_eq!((s.files.len(), s.index().rows()), (1, 6000));
+    assert_eq!(key_index(&c), s.index().bytes());
+}

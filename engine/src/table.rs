@@ -585,6 +585,8 @@ impl Table {
         // Whether the soft limit is checked again under the table lock (see below); off once
         // the engine had nothing to relieve, as for the check before the lock.
         let mut recheck = true;
+        // Whether a flush was in flight when the last attempt ran (see the refusal below).
+        let mut flushing;
         loop {
             // A write waiting for memory while the engine closes gives up (the flushes that
             // would free memory are stopping; `shutdown` waits for admitted writes).
@@ -630,6 +632,9 @@ impl Table {
                     continue;
                 }
                 let st = g.as_mut().ok_or_else(|| Error::TableNotFound { name: self.inner.name.clone() })?;
+                // A flush running now may free what a refused write needs; read before the
+                // write, so one that ends between the refusal and the retry below counts.
+                flushing = self.engine.writer.in_flight() > 0;
                 let res = apply(st);
                 if res.is_ok() && st.active_since.is_none() && !st.active.is_empty() {
                     st.active_since = Some(Instant::now());
@@ -645,7 +650,19 @@ impl Table {
                         tracing::info!(table = %self.inner.name, "backpressure: waiting for the writer to free memory");
                         waited = true;
                     }
-                    if !self.engine.relieve_pressure(true) || !self.engine.wait_for_memory(deadline) {
+                    if !self.engine.relieve_pressure(true) {
+                        // Nothing left to flush. If a flush was running when the write was
+                        // refused, it has ended since and given its memory back: try again
+                        // (at an 8 MiB limit a 3 MB write was refused beside a flush's 3 MB
+                        // of batches and gave up just after they were freed; breaker_slices).
+                        // A write refused with no flush running has nothing to wait for.
+                        if flushing && Instant::now() < deadline {
+                            continue;
+                        }
+                        tracing::warn!(table = %self.inner.name, error = %e, "memory limit error returned");
+                        return Err(e);
+                    }
+                    if !self.engine.wait_for_memory(deadline) {
                         tracing::warn!(table = %self.inner.name, error = %e, "memory limit error returned");
                         return Err(e);
                     }

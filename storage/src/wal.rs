@@ -817,12 +817,7 @@ mod tests {
         let logged = wal.bytes() as usize;
         assert!(logged < with_views.len(), "logged {logged} bytes, IPC with views {}", with_views.len());
         drop(wal);
-        let mut recs = Vec::new();
-        Wal::open(dir.path(), Arc::new(StdFs), WalSync::PerBatch, &ctl, |r| {
-            recs.push(r);
-            Ok::<(), StorageError>(())
-        })
-        .unwrap();
+        let recs = replayed(dir.path(), &ctl);
         assert_eq!(recs.len(), 1);
         assert_eq!(recs[0].batch.schema().field(1).data_type(), &DataType::Binary);
         let back = recs[0].batch_as(&schema).unwrap();
@@ -924,12 +919,7 @@ mod tests {
         let record = first - HEADER - PAYLOAD_HEADER;
         assert!(record + 8 * n <= plain.len() + 64 && record + 8 * n + 64 >= plain.len(), "record {record} B, plain IPC {} B", plain.len());
         drop(wal);
-        let mut recs = Vec::new();
-        Wal::open(dir.path(), Arc::new(StdFs), WalSync::PerBatch, &ctl, |r| {
-            recs.push(r);
-            Ok::<(), StorageError>(())
-        })
-        .unwrap();
+        let recs = replayed(dir.path(), &ctl);
         assert_eq!(recs.len(), 2);
         let logged = recs[0].batch.schema();
         assert_eq!(logged.field(1).data_type(), &DataType::Decimal64(18, 4));
@@ -956,14 +946,19 @@ mod tests {
         assert_eq!((d.value(0), d.value(1), d.value(2), d.is_null(3)), (max18, -max18, 2 * 7 - 9000, true));
     }
 
-    fn replayed_rows(dir: &Path, ctl: &Arc<MemoryController>) -> usize {
-        let mut rows = 0;
+    /// Every record a reopen of the log in `dir` replays, in order.
+    fn replayed(dir: &Path, ctl: &Arc<MemoryController>) -> Vec<WalRecord> {
+        let mut recs = Vec::new();
         Wal::open(dir, Arc::new(StdFs), WalSync::PerBatch, ctl, |r| {
-            rows += r.batch.num_rows();
+            recs.push(r);
             Ok::<(), StorageError>(())
         })
         .unwrap();
-        rows
+        recs
+    }
+
+    fn replayed_rows(dir: &Path, ctl: &Arc<MemoryController>) -> usize {
+        replayed(dir, ctl).iter().map(|r| r.batch.num_rows()).sum()
     }
 
     /// Relaxed mode: a failed fsync of acknowledged records is final. The sync reports the

@@ -138,7 +138,6 @@ impl Shared {
         }
     }
 
-    /// Per-table flush threshold: configured, else limit / 16 clamped to 1 MiB..=64 MiB.
     /// Per-table flush threshold in bytes: configured (default limit / 16, 1 MiB..=64 MiB),
     /// never more than limit / 8 — a flush needs about its delta's size again for the Arrow
     /// batches it builds, and that must fit in the flush headroom.

@@ -23,7 +23,6 @@ use gritdb::memory::Category;
 use gritdb::{Engine, EngineConfig, Error, ScanOptions, Table};
 use gritdb_tests::mix;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -38,18 +37,7 @@ fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
     }
 }
 
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap().flatten() {
-        let target = to.join(e.file_name());
-        let Ok(ft) = e.file_type() else { continue };
-        if ft.is_dir() {
-            copy_dir(&e.path(), &target);
-        } else if e.file_name() != "LOCK" {
-            let _ = std::fs::copy(e.path(), &target);
-        }
-    }
-}
+use crate::breaker_slices::copy_dir;
 
 /// Every category but the pool's cached free chunks.
 fn cats(engine: &Engine) -> Vec<(Category, usize)> {

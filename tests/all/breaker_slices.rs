@@ -307,7 +307,7 @@ fn open(dir: &Path, config: EngineConfig, what: &str) -> Engine {
     engine
 }
 
-fn copy_dir(from: &Path, to: &Path) {
+pub(crate) fn copy_dir(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
     for e in std::fs::read_dir(from).unwrap().flatten() {
         let target = to.join(e.file_name());

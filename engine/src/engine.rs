@@ -176,6 +176,11 @@ pub(crate) struct EngineInner {
     pub(crate) writer: Writer,
     next_table_id: AtomicU64,
     closed: AtomicBool,
+    /// Set by [`Engine::close`] before its last flush: no write is admitted any more and a
+    /// write waiting for memory gives up with [`Error::Closed`], so writers that never stop
+    /// cannot keep that flush going, nor take the memory it needs. Scans and DDL still run
+    /// until `closed`.
+    closing: AtomicBool,
     /// Held shared by every write (insert, upsert, update, delete) from its open check to its
     /// return ([`Self::begin_write`]); [`Self::shutdown`] takes it exclusively after setting
     /// `closed`, so every write this engine acknowledges has appended to its WAL before the
@@ -197,8 +202,19 @@ impl EngineInner {
         Ok(())
     }
 
+    /// [`Self::check_open`] for writes: also refused once [`Engine::close`] has begun.
+    ///
+    /// # Errors
+    /// [`Error::Closed`] once the engine is closing or closed.
+    pub(crate) fn check_writable(&self) -> Result<()> {
+        if self.closing.load(Ordering::Acquire) {
+            return Err(Error::Closed("the engine (closing)".into()));
+        }
+        self.check_open()
+    }
+
     /// Admits one write: the guard, held until the write returns, makes
-    /// [`Self::shutdown`] wait for it.
+    /// [`Self::shutdown`] and [`Engine::close`] wait for it.
     ///
     /// # Errors
     /// [`Error::Closed`] once the engine is closing.
@@ -211,7 +227,7 @@ impl EngineInner {
             Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => return Err(Error::Closed("the engine (closing)".into())),
         };
-        self.check_open()?;
+        self.check_writable()?;
         Ok(gate)
     }
 
@@ -656,6 +672,7 @@ impl Engine {
                 writer,
                 next_table_id: AtomicU64::new(max_id + 1),
                 closed: AtomicBool::new(false),
+                closing: AtomicBool::new(false),
                 write_gate: RwLock::new(()),
                 lock_file: Mutex::new(Some(lock_file)),
                 #[cfg(feature = "sql")]
@@ -975,7 +992,9 @@ impl Engine {
         first.map_or(Ok(()), Err)
     }
 
-    /// Flushes every table, stops the background writer and closes the engine.
+    /// Stops admitting writes, waits for the writes already admitted, flushes every table,
+    /// stops the background writer and closes the engine. A write that starts (or is waiting
+    /// for memory) once `close` has begun returns [`Error::Closed`] and is not applied.
     ///
     /// Dropping an engine without `close` loses nothing acknowledged: rows not yet in files
     /// are replayed from the write-ahead log at the next open.
@@ -983,6 +1002,13 @@ impl Engine {
     /// # Errors
     /// The first flush error (the engine is closed anyway).
     pub fn close(self) -> Result<()> {
+        // Stop admitting writes first and wait for the admitted ones: writers that never stop
+        // would otherwise keep the last flush going (each flush finds a new delta), and
+        // writers waiting for memory would compete with it for the batch memory it needs.
+        // A write refused here was never acknowledged, so nothing is lost.
+        // (A write waiting for memory sees this within its 100 ms wait step.)
+        self.inner.closing.store(true, Ordering::Release);
+        drop(self.inner.write_gate.write().unwrap_or_else(PoisonError::into_inner));
         let mut res = self.flush_all();
         if let Ok(wal) = self.inner.shared.wal()
             && let Err(e) = wal.sync()

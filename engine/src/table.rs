@@ -589,8 +589,9 @@ impl Table {
         let mut flushing;
         loop {
             // A write waiting for memory while the engine closes gives up (the flushes that
-            // would free memory are stopping; `shutdown` waits for admitted writes).
-            self.engine.check_open()?;
+            // would free memory are stopping, or `close` needs that memory for its last
+            // flush; both wait for admitted writes).
+            self.engine.check_writable()?;
             // Soft limit for writes: leave the flush headroom to the writer, else a full
             // engine could not flush (a flush needs memory to free memory).
             let soft = shared.write_soft_limit();

@@ -161,6 +161,28 @@ impl Shared {
         self.ctl.used().saturating_sub(self.ctl.category_bytes(Category::FreeChunks))
     }
 
+    /// Whether a write of `bytes` is admitted by [`Self::flush_room_short`] whatever the
+    /// deltas' sizes: `2 × (pressure + bytes) ≤ limit`, because the delta a flush must
+    /// convert is never larger than the memory in use after the write.
+    pub(crate) fn flush_room_certain(&self, bytes: usize) -> bool {
+        2usize.saturating_mul(self.pressure_bytes().saturating_add(bytes)) <= self.ctl.limit()
+    }
+
+    /// Whether a write of `bytes` (Arrow bytes of its batch) into a table whose active delta
+    /// holds `active` bytes would leave too little memory to flush: after it, the free memory
+    /// must still hold the batch blocks of the largest delta waiting for a flush (about its
+    /// bytes again: the flush holds a delta's rows and their Arrow batches at once), the
+    /// larger of `largest_sealed` and `active + bytes`. `pressure + bytes + that > limit`
+    /// means short. Deltas of other tables that change meanwhile are missed, as writes to
+    /// different tables may each overshoot by one write.
+    pub(crate) fn flush_room_short(&self, bytes: usize, active: usize, largest_sealed: usize) -> bool {
+        if self.flush_room_certain(bytes) {
+            return false;
+        }
+        let need = active.saturating_add(bytes).max(largest_sealed);
+        self.pressure_bytes().saturating_add(bytes).saturating_add(need) > self.ctl.limit()
+    }
+
     /// The soft limit writes respect (see [`Self::flush_headroom`]).
     pub(crate) fn write_soft_limit(&self) -> usize {
         let target = self.write_target.load(Ordering::Acquire);
@@ -290,6 +312,11 @@ impl EngineInner {
             tracing::info!(queued, used, limit, "memory pressure: sealed the largest deltas");
         }
         busy || self.writer.in_flight() > 0
+    }
+
+    /// Bytes of the largest sealed delta of any table (see [`Shared::flush_room_short`]).
+    pub(crate) fn largest_sealed_delta(&self) -> usize {
+        self.tables_read().values().map(|t| t.largest_sealed.load(Ordering::Acquire)).max().unwrap_or(0)
     }
 
     /// Bytes of sealed deltas not yet turned into flush batches (what flushing them will

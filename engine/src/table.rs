@@ -8,7 +8,7 @@ use gritdb_unify::{DeltaStore, Lookup, RowCodec};
 use hashbrown::HashTable;
 use std::collections::VecDeque;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
@@ -73,6 +73,10 @@ pub(crate) struct TableInner {
     pub(crate) flush_lock: Mutex<()>,
     pub(crate) flush_scheduled: AtomicBool,
     pub(crate) seq: AtomicU64,
+    /// Bytes of this table's largest sealed delta (0 when none), kept beside
+    /// `state.sealed` so the write admission rule ([`Shared::flush_room_short`]) can read
+    /// every table's without taking their locks.
+    pub(crate) largest_sealed: AtomicUsize,
     pub(crate) shared: Arc<Shared>,
 }
 
@@ -113,6 +117,7 @@ impl TableInner {
             flush_lock: Mutex::new(()),
             flush_scheduled: AtomicBool::new(false),
             seq: AtomicU64::new(next_seq),
+            largest_sealed: AtomicUsize::new(0),
             shared: Arc::clone(shared),
         }
     }
@@ -154,6 +159,7 @@ impl TableInner {
             return false;
         }
         let old = std::mem::replace(&mut st.active, self.new_delta().with_key_hint(key_hint));
+        self.largest_sealed.fetch_max(old.bytes(), Ordering::AcqRel);
         st.sealed.push_back(Arc::new(old));
         st.active_since = None;
         true
@@ -277,6 +283,7 @@ impl TableInner {
                 st.store.stage_keyed(keyed, &batches.delete_keys, sealed.max_seq())?;
                 if st.sealed.front().is_some_and(|s| Arc::ptr_eq(s, &sealed)) {
                     st.sealed.pop_front();
+                    self.largest_sealed.store(st.sealed.iter().map(|d| d.bytes()).max().unwrap_or(0), Ordering::Release);
                 }
             }
             // The sealed delta's row blocks go back to the pool here, before any disk write
@@ -608,8 +615,33 @@ impl Table {
                 }
                 continue;
             }
+            // Read before the table lock (it reads every table); 0 when the cheap bound in
+            // `flush_room_short` already admits the write.
+            let largest_sealed =
+                if shared.flush_room_certain(batch_bytes_hint) { 0 } else { self.engine.largest_sealed_delta() };
             let res = {
                 let mut g = self.inner.state()?;
+                // A write must leave the memory to flush what it leaves behind: converting a
+                // sealed delta to batches needs about its bytes again, so a big write that
+                // filled the engine with deltas larger than the free memory left a table no
+                // flush or scan could get memory for (8 writers of 0.5-3 MB batches at 8 MiB:
+                // `breaker_session12::many_writers_at_tiny_limits_with_big_batches_never_hang`).
+                let active = g.as_ref().map_or(0, |st| st.active.bytes());
+                if shared.flush_room_short(batch_bytes_hint, active, largest_sealed) {
+                    drop(g);
+                    let e: Error = shared.ctl.limit_error(gritdb_memctl::Category::RowBlocks, batch_bytes_hint.max(1)).into();
+                    // Nothing to flush: waiting cannot help; the write is too big for what
+                    // is free.
+                    if !self.engine.relieve_pressure(true) || !self.engine.wait_for_memory(deadline) {
+                        tracing::warn!(table = %self.inner.name, error = %e, "memory limit error returned: no room to flush this write");
+                        return Err(e);
+                    }
+                    if !waited {
+                        tracing::info!(table = %self.inner.name, used = shared.ctl.used(), "backpressure: waiting for room to flush this write");
+                        waited = true;
+                    }
+                    continue;
+                }
                 // Checked again under the table lock: writers that passed the check above
                 // together and then queued on this lock would otherwise each spend the flush
                 // headroom in turn, up to the hard limit, and leave a full engine whose flush

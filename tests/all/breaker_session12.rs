@@ -1002,7 +1002,6 @@ fn an_impossible_batch_beside_busy_flushes_neither_spins_nor_hangs() {
 /// returns within the timeout plus slack, each result is Ok or MemoryLimit, the accepted
 /// rows are exactly the table's contents (after reopen too), and at least some succeed.
 #[test]
-#[ignore = "F1, older than this session (fails with d57ba07 reverted too): at 8 MiB, 0.5-3 MB upserts from 8 writers leave 4 sealed deltas (6.96 MB) that neither a scan nor a flush can get memory for"]
 fn many_writers_at_tiny_limits_with_big_batches_never_hang() {
     for limit in [4 * MIB, 6 * MIB, 8 * MIB] {
         let dir = tempfile::tempdir().unwrap();

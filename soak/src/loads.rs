@@ -71,6 +71,42 @@ impl Outcome {
     }
 }
 
+/// The figures behind [`Soak::accounted_outside_persistent`] at one instant.
+#[derive(Debug)]
+struct OutsidePersistent {
+    /// `used` − cached free chunks − the persistent tables' bytes.
+    bytes: i64,
+    used: usize,
+    /// Engine-wide bytes per category.
+    categories: Vec<(Category, usize)>,
+    /// The persistent tables' bytes.
+    tables: Vec<(String, usize)>,
+    /// Names of every table holding bytes (dropped ones included).
+    others: Vec<String>,
+}
+
+impl OutsidePersistent {
+    /// What changed from `self` to `later`: `used`, every category and persistent table
+    /// whose bytes differ (signed bytes), and the tables holding bytes at `later`.
+    fn change_to(&self, later: &Self) -> String {
+        let diff = |a: usize, b: usize| b as i64 - a as i64;
+        let mut parts = vec![format!("used {:+}", diff(self.used, later.used))];
+        for ((c, a), (_, b)) in self.categories.iter().zip(&later.categories) {
+            if a != b {
+                parts.push(format!("{} {:+}", c.name(), diff(*a, *b)));
+            }
+        }
+        for (name, b) in &later.tables {
+            let a = self.tables.iter().find(|t| &t.0 == name).map_or(0, |t| t.1);
+            if a != *b {
+                parts.push(format!("table {name} {:+}", diff(a, *b)));
+            }
+        }
+        parts.push(format!("tables holding bytes: {}", later.others.join(", ")));
+        parts.join("; ")
+    }
+}
+
 /// `SplitMix64`: a small, seeded, reproducible generator for the soak's choices.
 #[derive(Debug, Clone)]
 pub struct Rng(u64);
@@ -334,17 +370,37 @@ impl Soak {
     /// their accounts, so this figure changes only with what load 2's tables hold or leave
     /// behind.
     fn accounted_outside_persistent(&self) -> i64 {
+        self.outside_persistent().bytes
+    }
+
+    /// [`Self::accounted_outside_persistent`] with the figures it comes from, so a residual
+    /// can be told apart: a category that grew, or bytes that left a persistent table's
+    /// account without leaving `used`.
+    fn outside_persistent(&self) -> OutsidePersistent {
         self.engine.release_cached_memory();
         let r = self.engine.memory_report();
-        let persistent: usize = r
+        let tables: Vec<(String, usize)> = r
             .tables
             .iter()
             .filter(|t| {
                 t.table == "orders" || t.table == "lineitem" || t.table.starts_with("mixed_")
             })
-            .map(|t| t.bytes)
-            .sum();
-        r.used.saturating_sub(r.category(Category::FreeChunks)) as i64 - persistent as i64
+            .map(|t| (t.table.clone(), t.bytes))
+            .collect();
+        let persistent: usize = tables.iter().map(|t| t.1).sum();
+        OutsidePersistent {
+            bytes: r.used.saturating_sub(r.category(Category::FreeChunks)) as i64
+                - persistent as i64,
+            used: r.used,
+            categories: r.categories.iter().map(|c| (c.category, c.bytes)).collect(),
+            tables,
+            others: r
+                .tables
+                .iter()
+                .filter(|t| t.bytes > 0)
+                .map(|t| t.table.clone())
+                .collect(),
+        }
     }
 
     /// Load 2: creates `churn_tables` tables over the create/drop schemas, measures the bytes
@@ -354,7 +410,8 @@ impl Soak {
     pub fn create_drop_load(&mut self, round: u32) -> Result<Outcome> {
         let mut out = Outcome::default();
         let n = self.sizes.churn_tables as usize;
-        let before = self.accounted_outside_persistent();
+        let before_detail = self.outside_persistent();
+        let before = before_detail.bytes;
         let t0 = Instant::now();
         let mut tables = Vec::with_capacity(n);
         for i in 0..n {
@@ -432,7 +489,9 @@ impl Soak {
             residual = self.accounted_outside_persistent() - before;
         }
         if residual > 0 {
-            tracing::warn!(round, residual, flushes_in_flight = self.engine.flushes_in_flight(), "create_drop residual after the drops");
+            // Which figures moved, so a rare residual can be traced from the log alone.
+            let change = before_detail.change_to(&self.outside_persistent());
+            tracing::warn!(round, residual, flushes_in_flight = self.engine.flushes_in_flight(), %change, "create_drop residual after the drops");
         }
         out.residual = Some(residual);
         let left = self
@@ -610,6 +669,25 @@ impl Soak {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A residual's description names every figure that moved, with its sign, and nothing
+    /// that did not.
+    #[test]
+    fn a_residual_is_described_by_the_figures_that_moved() {
+        let at = |used, key_index, lineitem, others: &[&str]| OutsidePersistent {
+            bytes: 0,
+            used,
+            categories: vec![(Category::RowBlocks, 500), (Category::KeyIndex, key_index)],
+            tables: vec![("lineitem".to_owned(), lineitem), ("orders".to_owned(), 7)],
+            others: others.iter().map(|s| (*s).to_owned()).collect(),
+        };
+        let a = at(1000, 100, 600, &["lineitem", "orders"]);
+        let b = at(1064, 164, 536, &["lineitem", "orders", "churn_r3_t1"]);
+        assert_eq!(
+            a.change_to(&b),
+            "used +64; key_index +64; table lineitem -64; tables holding bytes: lineitem, orders, churn_r3_t1"
+        );
+    }
 
     /// Two rounds of every load at scale 0.01 pass against the model; a model off by one
     /// unit of quantity makes the scan load report the difference.

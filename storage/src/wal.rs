@@ -18,10 +18,14 @@
 //! those records (`flushed_seq` in its manifest), or was dropped.
 //!
 //! Recovery rules: the tail of the last segment left by a write the crash interrupted is
-//! dropped and the segment truncated to the last whole record: a record cut short, a last
-//! record whose checksum fails (a torn page inside it), or a zero-filled tail. Such a record
-//! was never acknowledged (the append returns after its fsync). Any other bad record — a bad
-//! checksum with whole records after it, or damage in an older segment — is
+//! dropped and the segment truncated to the last whole record: a record cut short, a
+//! zero-filled tail, a last record whose checksum fails (a torn page inside it) with nothing
+//! but zeros after it, or a record whose header page was not written (zeros) with no whole
+//! record after it. Zeros after a torn record are what a file system shows for pages of the
+//! file's length that were never written: [`WalSync::Relaxed`] leaves several records
+//! unsynced, and a crash can persist some of their pages and not others. Such records were
+//! never acknowledged as durable (a per-batch append returns after its fsync). Any other bad
+//! record — a bad checksum with whole records after it, or damage in an older segment — is
 //! [`StorageError::CorruptWal`], never skipped silently.
 
 use crate::error::{StorageError, io};
@@ -670,11 +674,17 @@ fn read_segment<E: From<StorageError>>(
         let crc = u32::from_le_bytes(data[at + 4..at + 8].try_into().expect("4 bytes")); // infallible
         if len == 0 {
             // No record is empty; zeros to the end are a preallocated or zero-filled tail.
-            // Anything else after them is damage in front of records, never a torn tail.
-            if data[at..].iter().any(|&b| b != 0) {
-                return Err(corrupt(path, at as u64, "zero-length record with data after it").into());
+            if data[at..].iter().all(|&b| b == 0) {
+                torn("zero-length record (zero-filled tail)")?;
+                break;
             }
-            torn("zero-length record (zero-filled tail)")?;
+            // A header page the crash did not write, with some of the record's later pages
+            // written: a torn tail when no whole record follows. A whole record after it is
+            // damage in front of records, never a torn tail.
+            if complete_record_after(&data, at + HEADER) {
+                return Err(corrupt(path, at as u64, "zero-length record with whole records after it").into());
+            }
+            torn("zero-length record header with a partly written record after it")?;
             break;
         }
         if end - at - HEADER < len {
@@ -689,7 +699,8 @@ fn read_segment<E: From<StorageError>>(
         }
         let payload = &data[at + HEADER..at + HEADER + len];
         if crc32fast::hash(payload) != crc {
-            if last && at + HEADER + len == end {
+            // The last record, or the last before pages the crash did not write (zeros).
+            if last && data[at + HEADER + len..].iter().all(|&b| b == 0) {
                 torn("checksum mismatch in the last record")?;
                 break;
             }
@@ -1004,6 +1015,59 @@ mod tests {
         wal.append(WalOp::Put, 1, 21, 30, &keyed(20, 10, "c")).unwrap();
         drop(wal);
         assert_eq!(replayed_rows(dir.path(), &ctl), 20, "rows 0..10 and 20..30; the failed write was cut");
+    }
+
+    /// Recovery of torn records before zeros (pages of the file's length a crash did not
+    /// write). Segment bytes are built from two real records (`a`, `b`) and a third (`c`);
+    /// `z` is 64 KiB of zeros:
+    /// - last segment `a b z`, `a b'` (b's payload damaged) `z`, `a 0b` (b's header not
+    ///   written) `z`: `a` (and `b` when whole) replay, the rest is a torn tail, cut;
+    /// - last segment `a z b z`: a zero gap with a whole record after it is corruption;
+    /// - an older segment `a b' z` or `a b z` before a segment `c`: corruption (only the last
+    ///   segment can end torn).
+    #[test]
+    fn torn_records_before_zeros_are_cut_from_the_last_segment_only() {
+        let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(64 << 20), ..ControllerConfig::default() }).unwrap();
+        let src = tempfile::tempdir().unwrap();
+        let wal = Wal::open(src.path(), Arc::new(StdFs), WalSync::PerBatch, &ctl, |_| Ok::<(), StorageError>(())).unwrap();
+        wal.append(WalOp::Put, 1, 1, 10, &keyed(0, 10, "a")).unwrap();
+        let a_len = usize::try_from(wal.bytes()).unwrap();
+        wal.append(WalOp::Put, 1, 11, 30, &keyed(10, 20, "b")).unwrap();
+        wal.append(WalOp::Put, 1, 31, 35, &keyed(30, 5, "c")).unwrap();
+        drop(wal);
+        let all = fs::read(src.path().join("wal-00000001.log")).unwrap();
+        let b_len = {
+            let len = u32::from_le_bytes(all[a_len..a_len + 4].try_into().unwrap()) as usize;
+            HEADER + len
+        };
+        let (a, b, c) = (&all[..a_len], &all[a_len..a_len + b_len], &all[a_len + b_len..]);
+        let z = vec![0u8; 64 << 10];
+        let mut b_damaged = b.to_vec();
+        b_damaged[b_len / 2] ^= 0x40;
+        let mut b_headless = b.to_vec();
+        b_headless[..HEADER].fill(0);
+        let open = |segments: &[Vec<u8>]| {
+            let dir = tempfile::tempdir().unwrap();
+            for (i, seg) in segments.iter().enumerate() {
+                fs::write(dir.path().join(seg_name(i as u64 + 1)), seg).unwrap();
+            }
+            let mut rows = 0;
+            let r = Wal::open(dir.path(), Arc::new(StdFs), WalSync::PerBatch, &ctl, |rec| {
+                rows += rec.batch.num_rows();
+                Ok::<(), StorageError>(())
+            });
+            let lens: Vec<u64> = (1..=segments.len() as u64).map(|i| fs::metadata(dir.path().join(seg_name(i))).unwrap().len()).collect();
+            (r.map(|_| rows), lens)
+        };
+        let cat = |parts: &[&[u8]]| parts.concat();
+        let (ab_end, a_end) = ((a_len + b_len) as u64, a_len as u64);
+        let ok = |(r, lens): (Result<usize, StorageError>, Vec<u64>)| (r.unwrap(), lens);
+        assert_eq!(ok(open(&[cat(&[a, b, &z])])), (30, vec![ab_end]));
+        assert_eq!(ok(open(&[cat(&[a, &b_damaged, &z])])), (10, vec![a_end]));
+        assert_eq!(ok(open(&[cat(&[a, &b_headless, &z])])), (10, vec![a_end]));
+        assert!(matches!(open(&[cat(&[a, &z[..4096], b, &z])]).0, Err(StorageError::CorruptWal { .. })));
+        assert!(matches!(open(&[cat(&[a, b, &z]), c.to_vec()]).0, Err(StorageError::CorruptWal { .. })));
+        assert!(matches!(open(&[cat(&[a, &b_damaged, &z]), c.to_vec()]).0, Err(StorageError::CorruptWal { .. })));
     }
 
     /// Relaxed mode fsyncs a full segment before closing it (the tick fsyncs only the active

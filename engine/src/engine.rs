@@ -142,7 +142,21 @@ impl Shared {
     /// never more than limit / 8 — a flush needs about its delta's size again for the Arrow
     /// batches it builds, and that must fit in the flush headroom.
     pub(crate) fn table_flush_bytes(&self) -> usize {
-        let limit = self.ctl.limit();
+        self.flush_bytes_under(self.ctl.limit())
+    }
+
+    /// [`Self::table_flush_bytes`] under the limit a lowering is heading for
+    /// ([`Engine::set_memory_limit`]'s write target; the limit when none). Flushes cut their
+    /// row groups by it, so the files written while the limit comes down are files the new
+    /// limit can read: a reader holds a page and a dictionary per column, up to about the
+    /// column's share of a row group (`docs/memory.md`, "Scans").
+    pub(crate) fn target_flush_bytes(&self) -> usize {
+        let target = self.write_target.load(Ordering::Acquire);
+        let limit = if target == 0 { self.ctl.limit() } else { target.min(self.ctl.limit()) };
+        self.flush_bytes_under(limit)
+    }
+
+    fn flush_bytes_under(&self, limit: usize) -> usize {
         let wanted = self.config.table_flush_bytes.unwrap_or_else(|| (limit / 16).clamp(1 << 20, 64 << 20));
         wanted.min(limit / 8).max(self.ctl.chunk_size())
     }

@@ -351,13 +351,14 @@ impl TableInner {
     }
 
     /// The table's data-file write options, encoding on up to `threads` threads, with row
-    /// groups cut at half the flush threshold (at most storage's 32 MiB default), so a flush's
+    /// groups cut at half the flush threshold (under the limit a lowering heads for:
+    /// [`Shared::target_flush_bytes`]; at most storage's 32 MiB default), so a flush's
     /// writer buffers fit in the flush headroom beside its batches at any limit (headroom
     /// ≥ 2 × threshold: [`crate::engine::Shared::flush_headroom`]).
     fn write_options(&self, st: &TableState, threads: usize) -> gritdb_storage::WriteOptions {
         let mut opts = st.store.write_options().clone();
         opts.encode_threads = threads.max(1);
-        opts.row_group_bytes = opts.row_group_bytes.min((self.shared.table_flush_bytes() / 2).max(64 << 10));
+        opts.row_group_bytes = opts.row_group_bytes.min((self.shared.target_flush_bytes() / 2).max(64 << 10));
         opts
     }
 

@@ -83,6 +83,12 @@ pub struct Scan {
     memory: VecDeque<(RecordBatch, bool)>,
     files: VecDeque<FileScan>,
     current: Option<FileIter>,
+    /// The open file reader's own buffers (pages, dictionaries) under `scan_buffers`, while
+    /// `current` is open: `reader_bytes` of them ([`gritdb_storage::FileReader::buffer_bytes`]),
+    /// reserved before the reader reads its first page. A reservation that fails (after the
+    /// wait) is an error the next call tries again, the reader kept.
+    reader_buffers: Option<Reservation>,
+    reader_bytes: usize,
     projection: Option<Vec<usize>>,
     filter: Option<Arc<BoundFilter>>,
     counters: Arc<ScanCounters>,
@@ -146,6 +152,8 @@ impl Scan {
             memory: out,
             files: files.into(),
             current: None,
+            reader_buffers: None,
+            reader_bytes: 0,
             projection,
             filter,
             counters: Arc::new(ScanCounters::default()),
@@ -187,6 +195,9 @@ impl Scan {
                     batch_bytes: scan_batch_bytes(&self.table.shared),
                     counters: Some(Arc::clone(&self.counters)),
                 })?;
+                // Reserved by `next_inner` before the first page is read; dropped with the reader.
+                self.reader_bytes = it.buffer_bytes();
+                self.reader_buffers = None;
                 self.current = Some(Box::new(it));
             }
         }
@@ -419,16 +430,47 @@ impl Scan {
         }
     }
 
+    /// `bytes` reserved under `scan_buffers` for this table, waiting for releases like
+    /// [`Self::counted`].
+    fn reserve(&self, bytes: usize) -> Result<Reservation> {
+        let shared = &self.table.shared;
+        let deadline = std::time::Instant::now() + shared.config.backpressure_timeout;
+        let mut r = Reservation::new(&shared.ctl, Category::ScanBuffers, Some(&self.table.account));
+        loop {
+            match r.try_grow(bytes) {
+                Ok(()) => return Ok(r),
+                Err(e @ MemoryError::Limit { .. }) => {
+                    let now = std::time::Instant::now();
+                    if now >= deadline {
+                        return Err(e.into());
+                    }
+                    shared.ctl.wait_for_release((deadline - now).min(std::time::Duration::from_millis(100)));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
     fn next_inner(&mut self) -> Option<Result<RecordBatch>> {
         loop {
             if let Some((b, copied)) = self.memory.pop_front() {
                 return Some(compact_if_sparse_flag(b).and_then(|(b, c)| if copied || c { self.counted(&b) } else { Ok(b) }));
             }
+            if self.current.is_some() && self.reader_buffers.is_none() && self.reader_bytes > 0 {
+                match self.reserve(self.reader_bytes) {
+                    Ok(r) => self.reader_buffers = Some(r),
+                    Err(e) => return Some(Err(e)),
+                }
+            }
             if let Some(it) = self.current.as_mut() {
                 match it.next() {
                     // Decoded batches are always counted (they were on the heap).
                     Some(r) => return Some(r.map_err(Error::from).and_then(compact_if_sparse).and_then(|b| self.counted(&b))),
-                    None => self.current = None,
+                    None => {
+                        self.current = None;
+                        self.reader_buffers = None;
+                        self.reader_bytes = 0;
+                    }
                 }
             }
             match self.open_next_file() {

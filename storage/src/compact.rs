@@ -77,7 +77,8 @@ impl CompactionPlan {
     }
 
     /// Reads the inputs' live rows, sorts them by key and writes the new data file.
-    /// Decoded rows are reserved under `batch_blocks` while held.
+    /// Decoded rows, and each open reader's page buffers
+    /// ([`crate::FileReader::buffer_bytes`]), are reserved under `batch_blocks` while held.
     ///
     /// # Errors
     /// [`StorageError`]; the new file is not visible then.
@@ -88,11 +89,16 @@ impl CompactionPlan {
         let mut held = Reservation::new(ctl, Category::BatchBlocks, table);
         let mut parts = Vec::new();
         for (_, path, dv, _) in &self.inputs {
-            for b in read_file(path, None, Arc::clone(dv), 64 << 10)? {
+            // The reader's own page and dictionary buffers, while it is open.
+            let reader = read_file(path, None, Arc::clone(dv), 64 << 10)?;
+            let reader_bytes = reader.buffer_bytes();
+            held.try_grow(reader_bytes)?;
+            for b in reader {
                 let b = b?;
                 held.try_grow(b.get_array_memory_size())?;
                 parts.push(b);
             }
+            held.shrink(reader_bytes);
         }
         // Every copy below is budgeted before it is made (the parts, their concatenation, the
         // key encoding, the sorted copy), and released as soon as it is dropped.
@@ -133,9 +139,13 @@ impl CompactionPlan {
         let mut held = Reservation::new(ctl, Category::BatchBlocks, table);
         let mut rows = 0u64;
         let key_cols = self.key_cols.clone();
-        let stream = read_file(path, None, Arc::clone(dv), 8192)?.map(|b| {
+        let reader = read_file(path, None, Arc::clone(dv), 8192)?;
+        // The reader's own page and dictionary buffers count while it is open.
+        let reader_bytes = reader.buffer_bytes();
+        held.try_grow(reader_bytes)?;
+        let stream = reader.map(|b| {
             let b = b?;
-            held.try_resize(b.get_array_memory_size() + keys.size())?;
+            held.try_resize(reader_bytes + b.get_array_memory_size() + keys.size())?;
             for r in &encode_keys(&conv, &b, &key_cols)? {
                 keys.push(r);
             }

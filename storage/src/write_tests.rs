@@ -287,3 +287,52 @@ fn read_cap_counts_dictionary_encoded_values_whole() {
     let rows = batch_rows_for(&md, &[0], &[0, 1], 8192, 1 << 20);
     assert!(((1 << 20) / 3_100..=(1 << 20) / 3_000).contains(&rows), "{rows}");
 }
+
+/// A reader's buffer estimate, per column read: one decoded data page (the chunk's bytes
+/// over its page count: 60,000 rows are three 20,000-row pages), its compressed copy, the
+/// dictionary page as stored and decoded (scaled by the chunk's compression ratio) and the
+/// 8 KiB header buffer; both columns read count both; nothing for a reader that reads no row
+/// group. `k` (60,000 distinct `Int64`) and `s` (four 3,000-byte strings, whose dictionary
+/// page Snappy stores in a few hundred bytes) are both dictionary-encoded by the default
+/// writer; `s` counts at least its 12,000 decoded dictionary bytes.
+#[test]
+fn reader_buffer_bytes_count_one_page_per_column_and_the_dictionary() {
+    let dir = tempfile::tempdir().unwrap();
+    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("s", DataType::Utf8, false)]));
+    let vals: Vec<String> = (0..4).map(|i| char::from(b'a' + i).to_string().repeat(3_000)).collect();
+    let b = RecordBatch::try_new(
+        Arc::clone(&schema),
+        vec![Arc::new(Int64Array::from_iter_values(0..60_000)), Arc::new(StringArray::from_iter_values((0..60_000).map(|i| vals[i % 4].as_str())))],
+    )
+    .unwrap();
+    write_data_file(&StdFs, dir.path(), "p.parquet", &[b], &WriteOptions::default(), &ctl(), None).unwrap();
+    let path = dir.path().join("p.parquet");
+    let md = ParquetRecordBatchReaderBuilder::try_new(fs::File::open(&path).unwrap()).unwrap().metadata().clone();
+    assert_eq!(md.num_row_groups(), 1);
+    let expected = |leaf: usize| {
+        let c = md.row_group(0).column(leaf);
+        let (unc, comp) = (c.uncompressed_size() as u64, c.compressed_size() as u64);
+        let pages = 3u64.max(unc.div_ceil(1 << 20));
+        let stored = (c.data_page_offset() - c.dictionary_page_offset().expect("dictionary-encoded")) as u64;
+        let dict = (stored + stored * unc / comp).min(unc + stored);
+        usize::try_from(unc.div_ceil(pages) + comp.div_ceil(pages) + dict + (8 << 10)).unwrap()
+    };
+    let k_only = read_file(&path, Some(&[0]), Arc::new(RoaringBitmap::new()), 8192).unwrap().buffer_bytes();
+    assert_eq!(k_only, expected(0));
+    let s_only = read_file(&path, Some(&[1]), Arc::new(RoaringBitmap::new()), 8192).unwrap().buffer_bytes();
+    assert_eq!(s_only, expected(1));
+    assert!(s_only >= 12_000 + (8 << 10), "the decoded dictionary counts: {s_only}");
+    let both = read_file(&path, None, Arc::new(RoaringBitmap::new()), 8192).unwrap().buffer_bytes();
+    assert_eq!(both, k_only + s_only);
+    // A filter no row group can match: the reader reads nothing and holds nothing.
+    let none = crate::ScanFilter::compare("k", crate::CompareOp::Gt, Arc::new(Int64Array::from(vec![1_000_000])));
+    let spec = ReadSpec {
+        projection: None,
+        filter: Some(Arc::new(none.bind(&schema).unwrap())),
+        deleted: Arc::new(RoaringBitmap::new()),
+        batch_rows: 8192,
+        batch_bytes: 0,
+        counters: None,
+    };
+    assert_eq!(read_file_with(&path, spec).unwrap().buffer_bytes(), 0);
+}

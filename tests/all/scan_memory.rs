@@ -105,6 +105,66 @@ fn held_batches_at_the_limit_are_a_typed_error() {
     assert_eq!(t.row_count().unwrap(), 100_000);
 }
 
+/// An open file reader's own page and dictionary buffers count under `scan_buffers` for as
+/// long as the reader is open, with no batch held: more than nothing, and gone when the scan
+/// ends or is dropped. A reader that cannot get them is a typed `MemoryLimit` that loses
+/// nothing: the next call tries again and the scan then returns every row exactly.
+#[test]
+fn an_open_reader_counts_its_page_buffers_and_a_refusal_loses_no_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = EngineConfig::default().memory_limit(16 << 20).backpressure_timeout(std::time::Duration::from_millis(100));
+    let engine = Engine::open(dir.path(), config).unwrap();
+    let t = engine.create_table("r", composite_schema(), &["k1", "k2"]).unwrap();
+    for start in (0..60_000).step_by(10_000) {
+        t.insert(&composite_batch(&rows(start, 10_000))).unwrap();
+    }
+    t.flush().unwrap();
+    engine.release_cached_memory();
+    let scan_bytes = || engine.memory().category_bytes(Category::ScanBuffers);
+    assert_eq!(scan_bytes(), 0);
+
+    // One batch pulled and dropped: the reader stays open and its buffers stay counted.
+    let mut s = t.scan(ScanOptions::default().batch_rows(1000)).unwrap();
+    drop(s.next().unwrap().unwrap());
+    let open_reader = scan_bytes();
+    assert!(open_reader > 0, "an open reader holds pages");
+    let rest: usize = s.by_ref().map(|b| b.unwrap().num_rows()).sum();
+    assert_eq!(rest + 1000, 60_000);
+    assert_eq!(scan_bytes(), 0, "an exhausted scan holds nothing");
+    drop(s);
+
+    // A second scan whose reader cannot get its buffers while the first one's batches are held.
+    let mut filler = Vec::new();
+    let mut s = t.scan(ScanOptions::default().batch_rows(1000)).unwrap();
+    // Memory filled with held batches of other scans, up to the limit; the scan that could
+    // not go on is kept open too (dropping it would free its reader's buffers).
+    let mut stuck = None;
+    'fill: for _ in 0..1000 {
+        let mut other = t.scan(ScanOptions::default()).unwrap();
+        loop {
+            match other.next() {
+                Some(Ok(b)) => filler.push(b),
+                Some(Err(_)) => {
+                    stuck = Some(other);
+                    break 'fill;
+                }
+                None => break,
+            }
+        }
+    }
+    assert!(stuck.is_some(), "memory never filled");
+    let refused = match s.next() {
+        Some(Err(e)) => e,
+        other => panic!("the reader got {open_reader} B beside {} B in use: {:?}", engine.memory().used(), other.map(|b| b.map(|b| b.num_rows()))),
+    };
+    assert!(matches!(refused, Error::MemoryLimit { category: Category::ScanBuffers, .. }), "{refused:?}");
+    drop(filler);
+    drop(stuck);
+    let after: usize = s.map(|b| b.unwrap().num_rows()).sum();
+    assert_eq!(after, 60_000, "the refused reader was kept: no file lost");
+    assert_eq!(scan_bytes(), 0);
+}
+
 /// An export whose delta copy would pass the write soft limit flushes the table first and
 /// reads files only (its snapshot copies no delta into the room the flush needs); without
 /// pressure it copies the deltas and flushes nothing. Both files are exact. The background

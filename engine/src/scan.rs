@@ -413,32 +413,25 @@ impl Scan {
     /// waits for releases (flushes, or batches the caller drops) up to `backpressure_timeout`,
     /// then returns [`Error::MemoryLimit`].
     fn counted(&self, b: &RecordBatch) -> Result<RecordBatch> {
-        let shared = &self.table.shared;
-        let deadline = std::time::Instant::now() + shared.config.backpressure_timeout;
-        loop {
-            match count_batch(b, &shared.ctl, Some(&self.table.account)) {
-                Ok(b) => return Ok(b),
-                Err(e @ MemoryError::Limit { .. }) => {
-                    let now = std::time::Instant::now();
-                    if now >= deadline {
-                        return Err(e.into());
-                    }
-                    shared.ctl.wait_for_release((deadline - now).min(std::time::Duration::from_millis(100)));
-                }
-                Err(e) => return Err(e.into()),
-            }
-        }
+        self.waiting_for_memory(|| count_batch(b, &self.table.shared.ctl, Some(&self.table.account)))
     }
 
     /// `bytes` reserved under `scan_buffers` for this table, waiting for releases like
     /// [`Self::counted`].
     fn reserve(&self, bytes: usize) -> Result<Reservation> {
+        let mut r = Reservation::new(&self.table.shared.ctl, Category::ScanBuffers, Some(&self.table.account));
+        self.waiting_for_memory(|| r.try_grow(bytes))?;
+        Ok(r)
+    }
+
+    /// `attempt` until it does not fail for the limit, waiting for releases between tries,
+    /// up to `backpressure_timeout`; then its `MemoryLimit`.
+    fn waiting_for_memory<T>(&self, mut attempt: impl FnMut() -> std::result::Result<T, MemoryError>) -> Result<T> {
         let shared = &self.table.shared;
         let deadline = std::time::Instant::now() + shared.config.backpressure_timeout;
-        let mut r = Reservation::new(&shared.ctl, Category::ScanBuffers, Some(&self.table.account));
         loop {
-            match r.try_grow(bytes) {
-                Ok(()) => return Ok(r),
+            match attempt() {
+                Ok(v) => return Ok(v),
                 Err(e @ MemoryError::Limit { .. }) => {
                     let now = std::time::Instant::now();
                     if now >= deadline {

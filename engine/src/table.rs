@@ -471,7 +471,7 @@ impl Table {
         let rows = codec.keys().encode_key_columns(keys.columns())?;
         let hashes = gritdb_unify::hash_keys(&rows);
         let unique = unique_rows(&rows, &hashes);
-        self.with_backpressure(gritdb_storage::batch_bytes(keys), |st| {
+        self.with_backpressure(gritdb_storage::batch_bytes(keys), keys.num_rows(), |st| {
             let mut items = Vec::new();
             for &i in &unique {
                 let key = rows.row(i);
@@ -518,7 +518,7 @@ impl Table {
         // convert (a breaker test, `breaker_walpool7`).
         let overlap = n >= OVERLAP_WAL_ROWS && wal.syncs_each_append();
         let id = self.inner.id;
-        self.with_backpressure(gritdb_storage::batch_bytes(batch), |st| {
+        self.with_backpressure(gritdb_storage::batch_bytes(batch), n, |st| {
             if !overlap {
                 self.check_keys(st, batch, &keys, &hashes, mode)?;
                 let seq = self.inner.seq.fetch_add(n as u64, Ordering::AcqRel);
@@ -586,7 +586,7 @@ impl Table {
 
     /// Runs `apply` under the table lock; when it fails for memory, asks the writer to flush
     /// the largest deltas and waits (bounded by `backpressure_timeout`) before trying again.
-    fn with_backpressure(&self, batch_bytes_hint: usize, mut apply: impl FnMut(&mut TableState) -> Result<usize>) -> Result<usize> {
+    fn with_backpressure(&self, batch_bytes_hint: usize, rows: usize, mut apply: impl FnMut(&mut TableState) -> Result<usize>) -> Result<usize> {
         let deadline = Instant::now() + self.inner.shared.config.backpressure_timeout;
         let mut waited = false;
         let shared = &self.inner.shared;
@@ -618,8 +618,8 @@ impl Table {
             }
             // Read before the table lock (it reads every table); 0 when the cheap bound in
             // `flush_room_short` already admits the write.
-            let largest_sealed =
-                if shared.flush_room_certain(batch_bytes_hint) { 0 } else { self.engine.largest_sealed_delta() };
+            let growth = Shared::delta_growth(batch_bytes_hint, rows);
+            let largest_sealed = if shared.flush_room_certain(growth) { 0 } else { self.engine.largest_sealed_delta() };
             let res = {
                 let mut g = self.inner.state()?;
                 // A write must leave the memory to flush what it leaves behind: converting a
@@ -628,9 +628,9 @@ impl Table {
                 // flush or scan could get memory for (8 writers of 0.5-3 MB batches at 8 MiB:
                 // `breaker_session12::many_writers_at_tiny_limits_with_big_batches_never_hang`).
                 let active = g.as_ref().map_or(0, |st| st.active.bytes());
-                if shared.flush_room_short(batch_bytes_hint, active, largest_sealed) {
+                if shared.flush_room_short(growth, active, largest_sealed) {
                     drop(g);
-                    let e: Error = shared.ctl.limit_error(gritdb_memctl::Category::RowBlocks, batch_bytes_hint.max(1)).into();
+                    let e: Error = shared.ctl.limit_error(gritdb_memctl::Category::RowBlocks, growth.max(1)).into();
                     // Nothing to flush: waiting cannot help; the write is too big for what
                     // is free.
                     if !self.engine.relieve_pressure(true) || !self.engine.wait_for_memory(deadline) {

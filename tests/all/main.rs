@@ -18,6 +18,7 @@ mod breaker_wal9;
 mod breaker_keys10;
 mod breaker_write11;
 mod breaker_session12;
+mod breaker_session13;
 mod compaction;
 mod crash;
 mod create_drop;

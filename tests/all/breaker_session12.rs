@@ -440,11 +440,11 @@ fn single_decimal_keys_of_each_precision_replay() {
 // 2. Key-index sets built off the state lock
 // =====================================================================================
 
-fn kv_schema() -> SchemaRef {
+pub(crate) fn kv_schema() -> SchemaRef {
     Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", DataType::Int64, false), Field::new("s", DataType::Utf8, true)]))
 }
 
-fn kv_batch(keys: &[i64], ver: i64, pad: usize) -> RecordBatch {
+pub(crate) fn kv_batch(keys: &[i64], ver: i64, pad: usize) -> RecordBatch {
     let s: Vec<String> = keys.iter().map(|k| format!("{k}:{ver}:{}", "x".repeat(pad))).collect();
     RecordBatch::try_new(
         kv_schema(),
@@ -453,13 +453,13 @@ fn kv_batch(keys: &[i64], ver: i64, pad: usize) -> RecordBatch {
     .unwrap()
 }
 
-fn kv_keys(keys: &[i64]) -> RecordBatch {
+pub(crate) fn kv_keys(keys: &[i64]) -> RecordBatch {
     let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false)]));
     RecordBatch::try_new(schema, vec![Arc::new(Int64Array::from(keys.to_vec())) as ArrayRef]).unwrap()
 }
 
 /// key -> version, asserting no key appears twice.
-fn kv_read(t: &Table) -> BTreeMap<i64, i64> {
+pub(crate) fn kv_read(t: &Table) -> BTreeMap<i64, i64> {
     let mut out = BTreeMap::new();
     for b in t.scan(ScanOptions::default()).unwrap() {
         let b = b.unwrap();

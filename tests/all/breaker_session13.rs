@@ -30,39 +30,8 @@ fn cats(engine: &Engine) -> Vec<(Category, usize)> {
     Category::ALL.iter().filter(|c| **c != Category::FreeChunks).map(|c| (*c, engine.memory().category_bytes(*c))).collect()
 }
 
-fn kv_schema() -> SchemaRef {
-    Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", DataType::Int64, false), Field::new("s", DataType::Utf8, true)]))
-}
-
-fn kv_batch(keys: &[i64], ver: i64, pad: usize) -> RecordBatch {
-    let s: Vec<String> = keys.iter().map(|k| format!("{k}:{ver}:{}", "x".repeat(pad))).collect();
-    RecordBatch::try_new(
-        kv_schema(),
-        vec![Arc::new(Int64Array::from(keys.to_vec())) as ArrayRef, Arc::new(Int64Array::from(vec![ver; keys.len()])), Arc::new(StringArray::from(s))],
-    )
-    .unwrap()
-}
-
-fn kv_keys(keys: &[i64]) -> RecordBatch {
-    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false)]));
-    RecordBatch::try_new(schema, vec![Arc::new(Int64Array::from(keys.to_vec())) as ArrayRef]).unwrap()
-}
-
-/// key -> version, asserting no key appears twice.
-fn kv_read(t: &Table) -> BTreeMap<i64, i64> {
-    let mut out = BTreeMap::new();
-    for b in t.scan(ScanOptions::default()).unwrap() {
-        let b = b.unwrap();
-        let k = b.column(0).as_primitive::<Int64Type>();
-        let v = b.column(1).as_primitive::<Int64Type>();
-        for i in 0..b.num_rows() {
-            if let Some(old) = out.insert(k.value(i), v.value(i)) {
-                panic!("key {} twice in a scan (versions {old} and {})", k.value(i), v.value(i));
-            }
-        }
-    }
-    out
-}
+// The key-value table shape of breaker_session12.
+use crate::breaker_session12::{kv_batch, kv_keys, kv_read, kv_schema};
 
 // =====================================================================================
 // 1. Close

@@ -196,11 +196,15 @@ impl Shared {
     /// Arrow batches at once), the larger of `largest_sealed` and `active + bytes`. `pressure + bytes + that > limit`
     /// means short. Deltas of other tables that change meanwhile are missed, as writes to
     /// different tables may each overshoot by one write.
-    pub(crate) fn flush_room_short(&self, bytes: usize, active: usize, largest_sealed: usize) -> bool {
+    ///
+    /// `convert` is what flushing this write's rows needs beside its delta: their Arrow bytes
+    /// plus [`FLUSH_ROW_OVERHEAD`] a row of key-index growth (a sealed delta's own bytes bound
+    /// its conversion from above).
+    pub(crate) fn flush_room_short(&self, bytes: usize, convert: usize, active: usize, largest_sealed: usize) -> bool {
         if self.flush_room_certain(bytes) {
             return false;
         }
-        let need = active.saturating_add(bytes).max(largest_sealed);
+        let need = active.saturating_add(convert).max(largest_sealed);
         self.pressure_bytes().saturating_add(bytes).saturating_add(need) > self.ctl.limit()
     }
 
@@ -218,6 +222,10 @@ impl Shared {
 /// `row_blocks` and 28 B a row of key map (+52 B); with Arrow bytes alone the rule admitted a
 /// 6.4 MiB batch whose flush then could not get its batch and key-index memory.
 pub(crate) const DELTA_ROW_OVERHEAD: usize = 64;
+
+/// Key-index bytes a flushed row adds, for the write admission rule's conversion estimate
+/// (the trial above: its flush asked 542 KiB of key index for 60,000 keys, 9 B a key).
+pub(crate) const FLUSH_ROW_OVERHEAD: usize = 16;
 
 pub(crate) struct EngineInner {
     dir: PathBuf,

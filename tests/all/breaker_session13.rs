@@ -636,17 +636,8 @@ fn torn_tail_with_a_record_shaped_value_is_still_a_torn_tail() {
         t.upsert(&mk(2, blob)).unwrap();
         drop(t);
         drop(engine);
-        let seg = only_segment(dir.path());
-        let mut bytes = std::fs::read(&seg).unwrap();
-        let recs = records(&bytes);
-        assert_eq!(recs.len(), 2);
-        let (at, len) = recs[1];
         // The crash wrote the record's first part (with the embedded bytes), not its end.
-        bytes.truncate(at + len - 50_000);
-        if zero_header {
-            bytes[at..at + 8].fill(0);
-        }
-        std::fs::write(&seg, &bytes).unwrap();
+        tear_second_record(dir.path(), 50_000, zero_header);
         match Engine::open(dir.path(), wal_config(WalSync::PerBatch)) {
             Ok(engine) => {
                 let t = engine.table("t").unwrap();
@@ -658,6 +649,21 @@ fn torn_tail_with_a_record_shaped_value_is_still_a_torn_tail() {
         }
     }
     assert!(refused.is_empty(), "torn tails refused: {refused:#?}");
+}
+
+/// Tears the second (last) record of the directory's only WAL segment as a crash would: its
+/// last `short` bytes never written, and with `zero_header` its 8-byte header page not either.
+fn tear_second_record(dir: &Path, short: usize, zero_header: bool) {
+    let seg = only_segment(dir);
+    let mut bytes = std::fs::read(&seg).unwrap();
+    let recs = records(&bytes);
+    assert_eq!(recs.len(), 2);
+    let (at, len) = recs[1];
+    bytes.truncate(at + len - short);
+    if zero_header {
+        bytes[at..at + 8].fill(0);
+    }
+    std::fs::write(&seg, &bytes).unwrap();
 }
 
 /// A torn tail of one big record (1.9 M Int64 keys k·256 + 1, 15 MB; cut 1 KB short, or with
@@ -681,16 +687,7 @@ fn torn_tail_of_a_big_record_opens_promptly() {
         t.upsert(&RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int64Array::from(keys)) as ArrayRef]).unwrap()).unwrap();
         drop(t);
         drop(engine);
-        let seg = only_segment(dir.path());
-        let mut bytes = std::fs::read(&seg).unwrap();
-        let recs = records(&bytes);
-        assert_eq!(recs.len(), 2);
-        let (at, len) = recs[1];
-        bytes.truncate(at + len - 1024);
-        if zero_header {
-            bytes[at..at + 8].fill(0);
-        }
-        std::fs::write(&seg, &bytes).unwrap();
+        tear_second_record(dir.path(), 1024, zero_header);
         let start = Instant::now();
         let engine = Engine::open(dir.path(), config()).unwrap();
         let took = start.elapsed();

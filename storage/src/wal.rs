@@ -681,7 +681,7 @@ fn read_segment<E: From<StorageError>>(
             // A header page the crash did not write, with some of the record's later pages
             // written: a torn tail when no whole record follows. A whole record after it is
             // damage in front of records, never a torn tail.
-            if complete_record_after(&data, at + HEADER) {
+            if whole_record_after(&data, at) {
                 return Err(corrupt(path, at as u64, "zero-length record with whole records after it").into());
             }
             torn("zero-length record header with a partly written record after it")?;
@@ -691,7 +691,7 @@ fn read_segment<E: From<StorageError>>(
             // A torn write leaves only this record's partial payload behind it; a whole,
             // checksum-valid record further on means this header was damaged in the middle
             // of the log: acknowledged writes follow, so that is corruption, not a tail.
-            if complete_record_after(&data, at + HEADER) {
+            if whole_record_after(&data, at) {
                 return Err(corrupt(path, at as u64, "record length runs past the end, with whole records after it").into());
             }
             torn("record extends past the end of the segment")?;
@@ -720,23 +720,113 @@ fn read_segment<E: From<StorageError>>(
     Ok(seg)
 }
 
-/// Whether a whole record — a header whose length fits, a payload of a known op with
-/// `first_seq <= last_seq`, and a matching checksum — starts at any offset from `from` on.
-/// Cheap checks first, so the checksum runs at few offsets; linear in the bytes scanned
-/// otherwise (only reached for a record running past the end of the last segment).
-fn complete_record_after(data: &[u8], from: usize) -> bool {
+/// Whether a whole record follows the record whose header (length or checksum untrustworthy)
+/// is at `at`. The record's own payload is walked first, not searched: its 25-byte payload
+/// header, then the Arrow IPC stream message by message (continuation marker, metadata
+/// length, flatbuffer `Message`, `bodyLength` bytes of body; Arrow columnar format,
+/// "Encapsulated message format") to the end-of-stream marker. User values live in message
+/// bodies, which the walk steps over, so a value holding the bytes of a WAL record is never
+/// taken for one (breaker_session13 `torn_tail_with_a_record_shaped_value_is_still_a_torn_tail`),
+/// and the walk costs a few steps, not a pass over the record (the search this replaced was
+/// quadratic in a torn record's size). Then:
+/// - the stream runs past the end of the data: this record is the torn tail, nothing follows;
+/// - the stream ends: the payload is whole, only its header is damaged; what follows it is
+///   zeros, the end, or records (corruption when one is whole);
+/// - the bytes stop being a stream (a page the crash did not write, damage): nothing more is
+///   known about where the record ends, so [`record_shaped_at_any_offset`] searches the rest.
+fn whole_record_after(data: &[u8], mut at: usize) -> bool {
     let end = data.len();
-    (from..end.saturating_sub(HEADER + PAYLOAD_HEADER - 1)).any(|q| {
-        let len = u32::from_le_bytes([data[q], data[q + 1], data[q + 2], data[q + 3]]) as usize;
-        if len < PAYLOAD_HEADER || end - q - HEADER < len {
+    loop {
+        let from = at + HEADER;
+        if end - from < PAYLOAD_HEADER {
             return false;
         }
-        let p = &data[q + HEADER..q + HEADER + len];
+        let p = &data[from..];
         let seq = |i: usize| u64::from_le_bytes(p[i..i + 8].try_into().expect("8 bytes")); // infallible
-        matches!(p[0], 1 | 2)
-            && seq(9) <= seq(17)
-            && crc32fast::hash(p) == u32::from_le_bytes([data[q + 4], data[q + 5], data[q + 6], data[q + 7]])
-    })
+        if !matches!(p[0], 1 | 2) || seq(9) > seq(17) {
+            return record_shaped_at_any_offset(data, from);
+        }
+        match ipc_stream_end(data, from + PAYLOAD_HEADER) {
+            IpcWalk::RunsOff => return false,
+            IpcWalk::Garbage(g) => return record_shaped_at_any_offset(data, g),
+            IpcWalk::End(next) if data[next..].iter().all(|&b| b == 0) => return false,
+            IpcWalk::End(next) if whole_record_at(data, next) => return true,
+            // A second damaged header right after: walk that record too.
+            IpcWalk::End(next) if end - next >= HEADER => at = next,
+            IpcWalk::End(_) => return false,
+        }
+    }
+}
+
+/// Where an Arrow IPC stream starting at `from` ends, per [`whole_record_after`].
+enum IpcWalk {
+    /// The offset just past the end-of-stream marker.
+    End(usize),
+    /// A message (or the marker) runs past the end of the data.
+    RunsOff,
+    /// The offset where the bytes stop being an IPC message.
+    Garbage(usize),
+}
+
+fn ipc_stream_end(data: &[u8], from: usize) -> IpcWalk {
+    const CONTINUATION: [u8; 4] = [0xff; 4];
+    let end = data.len();
+    let mut pos = from;
+    loop {
+        if end - pos < 8 {
+            // A prefix of a continuation marker and length is still a stream cut short.
+            let have = &data[pos..];
+            let n = have.len().min(4);
+            return if have[..n] == CONTINUATION[..n] { IpcWalk::RunsOff } else { IpcWalk::Garbage(pos) };
+        }
+        if data[pos..pos + 4] != CONTINUATION {
+            return IpcWalk::Garbage(pos);
+        }
+        let Ok(meta) = usize::try_from(i32::from_le_bytes(data[pos + 4..pos + 8].try_into().expect("4 bytes"))) else {
+            return IpcWalk::Garbage(pos); // infallible slice; a negative length is garbage
+        };
+        if meta == 0 {
+            return IpcWalk::End(pos + 8);
+        }
+        if end - pos - 8 < meta {
+            return IpcWalk::RunsOff;
+        }
+        let Ok(message) = arrow_ipc::root_as_message(&data[pos + 8..pos + 8 + meta]) else { return IpcWalk::Garbage(pos) };
+        let Ok(body) = usize::try_from(message.bodyLength()) else { return IpcWalk::Garbage(pos) };
+        match (pos + 8 + meta).checked_add(body) {
+            Some(next) if next <= end => pos = next,
+            _ => return IpcWalk::RunsOff,
+        }
+    }
+}
+
+/// Whether a whole record — a header whose length fits, a payload of a known op with
+/// `first_seq <= last_seq` whose IPC stream starts with a continuation marker and ends with
+/// the end-of-stream marker, and a matching checksum — starts at `q`.
+fn whole_record_at(data: &[u8], q: usize) -> bool {
+    let end = data.len();
+    if end - q < HEADER + PAYLOAD_HEADER + 8 {
+        return false;
+    }
+    let len = u32::from_le_bytes([data[q], data[q + 1], data[q + 2], data[q + 3]]) as usize;
+    if len < PAYLOAD_HEADER + 16 || end - q - HEADER < len {
+        return false;
+    }
+    let p = &data[q + HEADER..q + HEADER + len];
+    let seq = |i: usize| u64::from_le_bytes(p[i..i + 8].try_into().expect("8 bytes")); // infallible
+    matches!(p[0], 1 | 2)
+        && seq(9) <= seq(17)
+        && p[PAYLOAD_HEADER..PAYLOAD_HEADER + 4] == [0xff; 4]
+        && p[len - 8..] == [0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0]
+        && crc32fast::hash(p) == u32::from_le_bytes([data[q + 4], data[q + 5], data[q + 6], data[q + 7]])
+}
+
+/// Whether [`whole_record_at`] holds at any offset from `from` on: the fallback when the
+/// bytes at a damaged record stop being its payload. The cheap checks (op byte, sequence
+/// order, the IPC stream's first and last markers) run before the checksum, so it runs at
+/// few offsets unless the bytes are built to pass them.
+fn record_shaped_at_any_offset(data: &[u8], from: usize) -> bool {
+    (from..data.len()).any(|q| whole_record_at(data, q))
 }
 
 fn decode(payload: &[u8]) -> Result<WalRecord, String> {
@@ -1068,6 +1158,48 @@ mod tests {
         assert!(matches!(open(&[cat(&[a, &z[..4096], b, &z])]).0, Err(StorageError::CorruptWal { .. })));
         assert!(matches!(open(&[cat(&[a, b, &z]), c.to_vec()]).0, Err(StorageError::CorruptWal { .. })));
         assert!(matches!(open(&[cat(&[a, &b_damaged, &z]), c.to_vec()]).0, Err(StorageError::CorruptWal { .. })));
+    }
+
+    /// A damaged header is told from a torn tail by walking the record's IPC messages: a
+    /// length past the end over a whole payload with a whole record after it is corruption,
+    /// and so are two headerless records in a row before one; a payload cut short is a torn
+    /// tail however its bytes look (breaker_session13 has the record-shaped value).
+    #[test]
+    fn damaged_headers_are_told_from_torn_tails_by_walking_the_payload() {
+        let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(64 << 20), ..ControllerConfig::default() }).unwrap();
+        let src = tempfile::tempdir().unwrap();
+        let wal = Wal::open(src.path(), Arc::new(StdFs), WalSync::PerBatch, &ctl, |_| Ok::<(), StorageError>(())).unwrap();
+        wal.append(WalOp::Put, 1, 1, 10, &keyed(0, 10, "a")).unwrap();
+        let a_len = usize::try_from(wal.bytes()).unwrap();
+        wal.append(WalOp::Put, 1, 11, 30, &keyed(10, 20, "b")).unwrap();
+        let ab_len = usize::try_from(wal.bytes()).unwrap();
+        wal.append(WalOp::Put, 1, 31, 35, &keyed(30, 5, "c")).unwrap();
+        drop(wal);
+        let all = fs::read(src.path().join("wal-00000001.log")).unwrap();
+        let (a, b, c) = (&all[..a_len], &all[a_len..ab_len], &all[ab_len..]);
+        let mut b_long = b.to_vec();
+        b_long[..4].copy_from_slice(&0x7fff_ffffu32.to_le_bytes());
+        let mut b_headless = b.to_vec();
+        b_headless[..HEADER].fill(0);
+        let open = |seg: Vec<u8>| {
+            let dir = tempfile::tempdir().unwrap();
+            fs::write(dir.path().join(seg_name(1)), &seg).unwrap();
+            let mut rows = 0;
+            let r = Wal::open(dir.path(), Arc::new(StdFs), WalSync::PerBatch, &ctl, |rec| {
+                rows += rec.batch.num_rows();
+                Ok::<(), StorageError>(())
+            });
+            (r.map(|_| rows).map_err(|e| matches!(e, StorageError::CorruptWal { .. })), fs::metadata(dir.path().join(seg_name(1))).unwrap().len())
+        };
+        let a_end = a_len as u64;
+        assert_eq!(open([a, &b_long, c].concat()).0, Err(true));
+        assert_eq!(open([a, &b_long].concat()), (Ok(10), a_end));
+        assert_eq!(open([a, &b_headless, &b_headless, c].concat()).0, Err(true));
+        assert_eq!(open([a, &b_headless, &b_headless].concat()), (Ok(10), a_end));
+        for cut in [1, HEADER + 3, HEADER + PAYLOAD_HEADER + 2, b.len() / 2, b.len() - 9, b.len() - 1] {
+            assert_eq!(open([a, &b[..cut]].concat()), (Ok(10), a_end), "b cut to {cut} bytes");
+            assert_eq!(open([a, &b_headless[..cut]].concat()), (Ok(10), a_end), "headless b cut to {cut} bytes");
+        }
     }
 
     /// Relaxed mode fsyncs a full segment before closing it (the tick fsyncs only the active

@@ -237,6 +237,10 @@ impl From<gritdb_memctl::MemoryError> for WriteError {
     }
 }
 
+/// The smallest step [`write_batches`] halves a refused step to, in Arrow bytes (one row when
+/// a row is larger): 64 KiB, one default chunk.
+const MIN_STEP_BYTES: usize = 64 << 10;
+
 /// Feeds `batches` to `w` in steps of `write_batch_rows`, keeping `buffers` at the writer's
 /// size and cutting row groups by `row_group_bytes` (the writer's rows limit cuts by rows).
 fn write_batches(
@@ -253,16 +257,22 @@ fn write_batches(
         while at < batch.num_rows() {
             // Between encoded batches (and so between row groups) a drop stops the write.
             opts.cancel.check().map_err(io(tmp))?;
-            let len = step.min(batch.num_rows() - at);
+            let mut len = step.min(batch.num_rows() - at);
             // The step's buffers are budgeted before they are made (its Arrow bytes, about
             // what encoding it adds). When the budget refuses, the open row group is closed
-            // first (its pages go to the file): under a tight limit the file gets smaller row
-            // groups rather than the flush failing. A refusal with no row group open is the
-            // error.
-            let ahead = len.saturating_mul(per_row);
-            if buffers.try_resize(w.memory_size().saturating_add(ahead)).is_err() {
+            // first (its pages go to the file), then the step is halved until it fits, down
+            // to [`MIN_STEP_BYTES`]: under a tight limit the file gets smaller row groups and
+            // steps rather than the flush failing. A refusal of the smallest step with no row
+            // group open is the error (smaller row groups still would grow the file's
+            // metadata, which the writer holds to the end, without bound).
+            if buffers.try_resize(w.memory_size().saturating_add(len.saturating_mul(per_row))).is_err() {
                 w.flush().map_err(WriteError::Parquet)?;
-                buffers.try_resize(w.memory_size().saturating_add(ahead))?;
+                while let Err(e) = buffers.try_resize(w.memory_size().saturating_add(len.saturating_mul(per_row))) {
+                    if len == 1 || len.saturating_mul(per_row) <= MIN_STEP_BYTES {
+                        return Err(e.into());
+                    }
+                    len /= 2;
+                }
             }
             w.write(&batch.slice(at, len)).map_err(WriteError::Parquet)?;
             at += len;

@@ -21,6 +21,35 @@ const FLUSH_BATCH_ROWS: usize = 64 << 10;
 /// ~10–50 µs, is not worth it there).
 const OVERLAP_WAL_ROWS: usize = 1024;
 
+/// The most parts a flush splits a sealed delta into when the limit has no room to convert
+/// it at once (`TableInner::flush_delta`): each part scans the whole delta for its keys, so
+/// the count is kept small; a part of 1/256 of a delta that still cannot be had fails the
+/// flush with `MemoryLimit`.
+const MAX_FLUSH_PARTS: u64 = 256;
+
+/// One class of a sealed delta's keys, flushed as a part of its own: the keys whose
+/// [`gritdb_unify::key_hash`] is `residue` modulo `modulus` (a power of two).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FlushPart {
+    modulus: u64,
+    residue: u64,
+}
+
+impl FlushPart {
+    /// Every key: the delta flushed at once.
+    const WHOLE: Self = Self { modulus: 1, residue: 0 };
+
+    fn holds(self, hash: u64) -> bool {
+        hash % self.modulus == self.residue
+    }
+
+    /// The two classes that together hold exactly this one's keys.
+    fn halves(self) -> [Self; 2] {
+        let modulus = self.modulus * 2;
+        [Self { modulus, residue: self.residue }, Self { modulus, residue: self.residue + self.modulus }]
+    }
+}
+
 /// How a batch of rows is applied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum WriteMode {
@@ -264,33 +293,10 @@ impl TableInner {
                     None => break,
                 }
             };
-            // Rows -> Arrow arrays in batch blocks (no lock: the sealed delta is immutable),
-            // sorted and decoded on up to `threads` threads.
-            let cfg = &self.shared.config;
-            let batches =
-                sealed.to_batches_parallel(Category::BatchBlocks, true, FLUSH_BATCH_ROWS, cfg.flush_batch_bytes, threads, |_| true)?;
-            rows += batches.puts.iter().map(|b| b.num_rows() as u64).sum::<u64>();
-            // The puts' keys and their key-index set are built before the state lock: under
-            // it they held every write to the table for 13–24 ms per 368k-row flush.
-            let encoder = match self.state()?.as_ref() {
-                Some(st) => st.store.put_keys(),
-                None => break,
-            };
-            let keyed = encoder.encode(&batches.puts)?;
-            {
-                let mut g = self.state()?;
-                let Some(st) = g.as_mut() else { break };
-                st.store.stage_keyed(keyed, &batches.delete_keys, sealed.max_seq())?;
-                if st.sealed.front().is_some_and(|s| Arc::ptr_eq(s, &sealed)) {
-                    st.sealed.pop_front();
-                    self.largest_sealed.store(st.sealed.iter().map(|d| d.bytes()).max().unwrap_or(0), Ordering::Release);
-                }
+            match self.flush_delta(sealed, threads)? {
+                Some(n) => rows += n,
+                None => break, // the table was dropped
             }
-            // The sealed delta's row blocks go back to the pool here, before any disk write
-            // (unless a running scan still holds the delta).
-            drop(sealed);
-            drop(batches);
-            self.commit_staged(threads)?;
         }
         // A compaction's I/O error fails the flush like a commit's does (the disk is in
         // trouble: the table shows as degraded), though the flushed rows are committed; a
@@ -304,6 +310,73 @@ impl TableInner {
         }
         compacted?;
         Ok(rows)
+    }
+
+    /// Flushes one sealed delta (the oldest in the queue; caller holds the flush lock) and
+    /// takes it off the queue; returns its rows written, `None` when the table was dropped.
+    ///
+    /// The delta is converted whole when the limit has room for its batches (about its bytes
+    /// again). When it has not, the conversion fails with `MemoryLimit` and the delta is
+    /// flushed in parts instead: its keys split into classes by their hash
+    /// ([`FlushPart`]), each converted, staged and committed as a file of its own, halving a
+    /// class that still does not fit, down to 1/[`MAX_FLUSH_PARTS`] of the keys. So a delta
+    /// needs only one part's batches beside its rows, not the whole delta twice: without
+    /// this, a close at 6 MiB left a 1.5 MB delta (one write) that needed 1.49 MB of batches
+    /// with 1.48 MB free, and failed (`breaker_session13::close_after_refused_writers_returns_ok`).
+    ///
+    /// The parts are correct at any moment: the delta stays in the queue, newest for its
+    /// keys, until its last part is staged, so scans and key checks read its rows and skip
+    /// the part files' copies; each part's keys are disjoint from the others', so staging one
+    /// marks only older files' rows deleted; only the last part records the delta's
+    /// `max_seq` in the manifest, so a crash in between replays the whole delta from the WAL
+    /// over the parts already written (upserts: the same final state). The delta's row
+    /// blocks are released when its last part is staged.
+    fn flush_delta(&self, sealed: Arc<DeltaStore>, threads: usize) -> Result<Option<u64>> {
+        let mut rows = 0u64;
+        let mut todo = vec![FlushPart::WHOLE];
+        while let Some(part) = todo.pop() {
+            // Rows -> Arrow arrays in batch blocks (no lock: the sealed delta is immutable),
+            // sorted and decoded on up to `threads` threads; then the puts' keys and their
+            // key-index set, also before the state lock (under it they held every write to
+            // the table for 13–24 ms per 368k-row flush).
+            let cfg = &self.shared.config;
+            let Some(encoder) = self.state()?.as_ref().map(|st| st.store.put_keys()) else { return Ok(None) };
+            let converted = sealed
+                .to_batches_parallel(Category::BatchBlocks, true, FLUSH_BATCH_ROWS, cfg.flush_batch_bytes, threads, |k| {
+                    part.holds(gritdb_unify::key_hash(k))
+                })
+                .map_err(Error::from)
+                .and_then(|batches| Ok((encoder.encode(&batches.puts)?, batches)));
+            let (keyed, batches) = match converted {
+                Err(e) if e.is_memory_limit() && part.modulus < MAX_FLUSH_PARTS => {
+                    tracing::info!(table = %self.name, parts = part.modulus * 2, "flush: no memory to convert the delta at once; converting it in parts");
+                    todo.extend(part.halves());
+                    continue;
+                }
+                other => other?,
+            };
+            let last = todo.is_empty();
+            {
+                let mut g = self.state()?;
+                let Some(st) = g.as_mut() else { return Ok(None) };
+                st.store.stage_keyed(keyed, &batches.delete_keys, if last { sealed.max_seq() } else { 0 })?;
+                if last && st.sealed.front().is_some_and(|s| Arc::ptr_eq(s, &sealed)) {
+                    st.sealed.pop_front();
+                    self.largest_sealed.store(st.sealed.iter().map(|d| d.bytes()).max().unwrap_or(0), Ordering::Release);
+                }
+            }
+            rows += batches.puts.iter().map(|b| b.num_rows() as u64).sum::<u64>();
+            drop(batches);
+            if last {
+                // The sealed delta's row blocks go back to the pool here, before any disk
+                // write (unless a running scan still holds the delta).
+                drop(sealed);
+                self.commit_staged(threads)?;
+                return Ok(Some(rows));
+            }
+            self.commit_staged(threads)?;
+        }
+        Ok(Some(rows)) // not reached: the last part returns above
     }
 
     /// Runs up to `max` compactions of this table (caller holds the flush lock). The state

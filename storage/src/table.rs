@@ -424,8 +424,11 @@ impl TableStore {
 
     /// Stages a flush in memory: puts become a new (pending) data file and the index points
     /// their keys at it; older versions of those keys and `delete_keys` go into deletion
-    /// vectors. Readers see the result at once; [`Self::plan_commit`] makes it durable.
-    /// [`Self::put_keys`] then [`Self::stage_keyed`], in one step.
+    /// vectors. Readers see the result at once; [`Self::plan_commit`] makes it durable, and
+    /// its manifest records `max_seq` as `flushed_seq` (every write up to it is in committed
+    /// files; pass 0 for a part of a flush whose other parts are still to come). Returns
+    /// `None`, staging nothing, when there are no puts or deletes and `max_seq` is already
+    /// recorded. [`Self::put_keys`] then [`Self::stage_keyed`], in one step.
     ///
     /// # Errors
     /// [`StorageError::Memory`] when the index cannot grow (nothing changed then),
@@ -458,7 +461,10 @@ impl TableStore {
             .into());
         }
         let put_rows: usize = puts.iter().map(RecordBatch::num_rows).sum();
-        if put_rows == 0 && delete_keys.num_rows() == 0 {
+        // Nothing to write and nothing to record. A flush written in parts (the engine's
+        // memory-short path) may end on an empty part: it still stages, so the manifest
+        // records that every write up to `max_seq` is in committed files.
+        if put_rows == 0 && delete_keys.num_rows() == 0 && max_seq <= self.staged.back().map_or(self.flushed_seq, |s| s.max_seq.max(self.flushed_seq)) {
             return Ok(None);
         }
         let del_rows = self.conv.convert_columns(&crate::index::canonical_key_columns(delete_keys.columns().to_vec()))?;

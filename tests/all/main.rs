@@ -24,6 +24,7 @@ mod crash;
 mod create_drop;
 mod drop_flush;
 mod faults;
+mod flush_parts;
 mod filter;
 mod flush_threads;
 mod interop;

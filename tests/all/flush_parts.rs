@@ -1,0 +1,104 @@
+//! A sealed delta whose Arrow batches do not fit beside it is flushed in parts
+//! (`TableInner::flush_delta`, engine/src/table.rs): each part a class of its keys, converted,
+//! staged and committed as a file of its own, the delta staying the newest layer for its keys
+//! until its last part.
+
+use crate::breaker_session12::{kv_batch, kv_keys, kv_read, kv_schema};
+use gritdb::memory::Category;
+use gritdb::{Engine, EngineConfig};
+use gritdb_memctl::Reservation;
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+const MIB: usize = 1 << 20;
+
+/// A file of keys 0..2000 (version 1), then an active delta upserting 1000..4000 (version 2,
+/// 400-byte strings: ~1.4 MB, under the 2 MiB flush threshold of a 32 MiB limit) and deleting
+/// 0..500. Memory is then taken (a reservation, as other tables or held scans would) until
+/// only 3/4 of the delta's bytes are free, so its batches (about its bytes again) cannot be
+/// had at once: `flush` used to fail with `MemoryLimit`. It must now write the delta in parts,
+/// never above the limit, and the table must read exactly the model before and after reopen,
+/// with nothing left for the WAL to replay.
+#[test]
+fn a_delta_whose_batches_do_not_fit_beside_it_is_flushed_in_parts() {
+    let dir = tempfile::tempdir().unwrap();
+    let limit = 32 * MIB;
+    let config = || EngineConfig::default().memory_limit(limit).flush_age(Duration::from_secs(3600));
+    let engine = Engine::open(dir.path(), config()).unwrap();
+    let t = engine.create_table("t", kv_schema(), &["k"]).unwrap();
+    let mut model = BTreeMap::new();
+    let old: Vec<i64> = (0..2000).collect();
+    t.insert(&kv_batch(&old, 1, 100)).unwrap();
+    model.extend(old.iter().map(|&k| (k, 1)));
+    t.flush().unwrap();
+    let files_before = t.stats().unwrap().files;
+
+    let new: Vec<i64> = (1000..4000).collect();
+    t.upsert(&kv_batch(&new, 2, 400)).unwrap();
+    model.extend(new.iter().map(|&k| (k, 2)));
+    let gone: Vec<i64> = (0..500).collect();
+    assert_eq!(t.delete(&kv_keys(&gone)).unwrap(), 500);
+    for k in &gone {
+        model.remove(k);
+    }
+    let st = t.stats().unwrap();
+    assert_eq!(st.sealed_deltas, 0, "the delta must still be active (under the flush threshold)");
+    let delta = st.active_delta_bytes;
+    assert!(delta > MIB, "delta of {delta} B");
+
+    let ctl = engine.memory();
+    engine.release_cached_memory();
+    let free = delta * 3 / 4;
+    let mut hold = Reservation::new(ctl, Category::Metadata, None);
+    hold.try_grow(limit - ctl.used() - free).unwrap();
+    let peak_before = ctl.peak();
+
+    let written = t.flush().unwrap();
+    assert_eq!(written, 3000, "every put of the delta written");
+    let st = t.stats().unwrap();
+    assert_eq!((st.sealed_deltas, st.active_delta_bytes), (0, 0));
+    assert_eq!(ctl.category_bytes(Category::RowBlocks), 0, "the delta's row blocks are released");
+    assert_eq!(ctl.category_bytes(Category::BatchBlocks), 0, "every part's batches are released");
+    assert!(st.files >= files_before + 2, "{} files: the delta was not written in parts", st.files);
+    assert!(ctl.peak().max(peak_before) <= limit);
+    assert_eq!(kv_read(&t), model);
+    drop(hold);
+
+    engine.close().unwrap();
+    let engine = Engine::open(dir.path(), config()).unwrap();
+    let t = engine.table("t").unwrap();
+    assert_eq!(t.stats().unwrap().active_delta_bytes, 0, "the manifest covers the delta: nothing replayed");
+    assert_eq!(kv_read(&t), model);
+}
+
+/// The delta's keys split in parts must not change what a table holds when the parts hold
+/// puts of keys that older files have (their rows get deletion-vector bits in the part that
+/// holds the key) and deletes (in the part of their key): compared against a model over many
+/// rounds, each flushed at a limit leaving a third of the delta free, so parts are split
+/// again (halves of halves).
+#[test]
+fn flushes_in_parts_keep_the_table_equal_to_the_model_over_rounds() {
+    let dir = tempfile::tempdir().unwrap();
+    let limit = 32 * MIB;
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(limit).flush_age(Duration::from_secs(3600))).unwrap();
+    let t = engine.create_table("t", kv_schema(), &["k"]).unwrap();
+    let ctl = engine.memory();
+    let mut model = BTreeMap::new();
+    for round in 0..6i64 {
+        let keys: Vec<i64> = (round * 700..round * 700 + 2500).collect();
+        t.upsert(&kv_batch(&keys, round, 300)).unwrap();
+        model.extend(keys.iter().map(|&k| (k, round)));
+        let gone: Vec<i64> = (round * 700..round * 700 + 2500).step_by(7).collect();
+        t.delete(&kv_keys(&gone)).unwrap();
+        for k in &gone {
+            model.remove(k);
+        }
+        engine.release_cached_memory();
+        let delta = t.stats().unwrap().active_delta_bytes;
+        let mut hold = Reservation::new(ctl, Category::Metadata, None);
+        hold.try_grow(limit - ctl.used() - delta / 3).unwrap();
+        t.flush().unwrap_or_else(|e| panic!("round {round}: {e}"));
+        drop(hold);
+        assert_eq!(kv_read(&t), model, "round {round}");
+    }
+}

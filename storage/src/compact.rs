@@ -313,7 +313,14 @@ impl TableStore {
         let Some((_, rows, bytes)) = plan.output else { return 0 };
         for (id, _, _, guard) in &plan.inputs {
             guard.mark_obsolete();
-            self.files.remove(id);
+            // The input's deletion vector file goes now: the committed manifest no longer
+            // names it, and scans still reading the input hold its deleted rows in memory
+            // (a crash before this leaves it to the open's sweep of unnamed files). Before,
+            // every compacted file that had deletes left its `.dv` file behind until the next
+            // open.
+            if let Some(dv) = self.files.remove(id).and_then(|f| f.meta.dv) {
+                let _ = self.vfs.remove_file(&plan.dir.join(dv));
+            }
             self.index.remove_file(*id);
         }
         let meta = FileMeta { id: plan.new_id, name: file_name(plan.new_id), rows, bytes, dv: None, deleted: 0 };

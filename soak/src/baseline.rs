@@ -50,6 +50,24 @@ impl<'a> Strs<'a> {
         }
     }
 
+    /// A code of value `i` when it is at most 4 bytes long: its length in the low byte, its
+    /// bytes from byte 4 up (a `Utf8View` view's first 8 bytes, read as they are); distinct
+    /// short strings have distinct codes. `None` for longer values.
+    #[inline]
+    pub(crate) fn short_code(&self, i: usize) -> Option<u64> {
+        if let Self::View(a) = self {
+            let v = a.views()[i];
+            return ((v as u32) <= 4).then_some(v as u64);
+        }
+        let s = self.value(i).as_bytes();
+        (s.len() <= 4).then(|| {
+            let mut b = [0u8; 8];
+            b[0] = s.len() as u8;
+            b[4..4 + s.len()].copy_from_slice(s);
+            u64::from_le_bytes(b)
+        })
+    }
+
     /// Value `i` (callers check nulls).
     pub(crate) fn value(&self, i: usize) -> &'a str {
         match self {

@@ -35,8 +35,8 @@ pub enum Command {
     /// Keyed-DML benchmark: a keyed ingest workload on TPC-H lineitem (8,192-row batches;
     /// insert all, upsert every 10th batch, delete every 10th from the 5th, make durable, count,
     /// Q1), beside raw Parquet write/read and a naive store, repeated --runs times; prints
-    /// medians in a table (DuckDB's column: figures recorded earlier on this machine, not
-    /// measured by this command) and one JSON line. Exits non-zero when count or
+    /// medians in a table (DuckDB's column: figures recorded earlier on this machine, or, with
+    /// --duckdb SCRIPT, measured by the peer script after each run) and one JSON line. Exits non-zero when count or
     /// `sum(l_quantity)` is wrong. docs/performance.md has the measured figures.
     #[allow(clippy::doc_markdown, reason = "a product name in the command's --help text, not code")]
     Bench(BenchArgs),
@@ -88,6 +88,13 @@ pub struct BenchArgs {
     /// of each phase beside it. At least 1.
     #[arg(long, default_value_t = 5)]
     pub runs: usize,
+    /// The peer script (`shared/peers/duckdb_ingest.py`): run it with `python3` once after
+    /// each of gritdb's runs, on the same input (the generated lineitem is written to a
+    /// Parquet file in the data directory first), and compare against the medians it measured
+    /// here and now instead of the figures recorded earlier. Needs `pip install duckdb
+    /// pyarrow`; fails when the script fails or its count or `sum(l_quantity)` differs.
+    #[arg(long, value_name = "SCRIPT")]
+    pub duckdb: Option<PathBuf>,
 }
 
 /// Options of the hidden `crash-child`.

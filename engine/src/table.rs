@@ -544,7 +544,14 @@ impl Table {
         let rows = codec.keys().encode_key_columns(keys.columns())?;
         let hashes = gritdb_unify::hash_keys(&rows);
         let unique = unique_rows(&rows, &hashes);
+        let wal = self.inner.shared.wal()?;
+        // As for puts (`Self::write`): a big delete with an fsync per write has its record
+        // encoded, written and fsynced on a pool thread while this one looks its keys up in
+        // every layer; a delete that finds none drops its record unwritten.
+        let overlap = unique.len() >= OVERLAP_WAL_ROWS && wal.syncs_each_append();
+        let id = self.inner.id;
         self.with_backpressure(gritdb_storage::batch_bytes(keys), keys.num_rows(), |st| {
+            let pending = if overlap { Some(PendingAppend::start(&self.inner.shared, WalOp::Delete, keys, id)?) } else { None };
             let mut items = Vec::new();
             for &i in &unique {
                 let key = rows.row(i);
@@ -564,9 +571,12 @@ impl Table {
             }
             let n = items.len() as u64;
             let seq = self.inner.seq.fetch_add(n, Ordering::AcqRel);
-            let wal = self.inner.shared.wal()?;
-            st.active.apply_deletes(&rows, &items, seq, || {
-                wal.append(WalOp::Delete, self.inner.id, seq, seq + n - 1, keys).map_err(Error::from)
+            st.active.apply_deletes(&rows, &items, seq, || match &pending {
+                Some(p) => {
+                    p.number(seq, seq + n - 1);
+                    p.finish()
+                }
+                None => wal.append(WalOp::Delete, id, seq, seq + n - 1, keys).map_err(Error::from),
             })?;
             Ok(items.len())
         })
@@ -607,11 +617,11 @@ impl Table {
             // this one encodes the rows. The call returns after the append, and nothing
             // becomes visible unless it succeeded (apply_puts_with frees the rows); a
             // rejected write waits for its record to be dropped unwritten.
-            let pending = PendingAppend::start(&self.inner.shared, batch, id)?;
+            let pending = PendingAppend::start(&self.inner.shared, WalOp::Put, batch, id)?;
             self.check_keys(st, batch, &keys, &hashes, mode)?;
             let seq = self.inner.seq.fetch_add(n as u64, Ordering::AcqRel);
             st.active.apply_puts_with(batch, &keys, &hashes, seq, |encode| {
-                pending.number(seq);
+                pending.number(seq, seq + n as u64 - 1);
                 encode();
                 pending.finish()
             })?;
@@ -942,7 +952,7 @@ fn first_duplicate(rows: &arrow_row::Rows, hashes: &[u64]) -> Option<(usize, usi
 /// cold jemalloc arena and spent ~0.9 ms more per such batch in page faults
 /// (docs/performance.md, seventh pass).
 struct PendingAppend {
-    numbered: std::cell::Cell<Option<std::sync::mpsc::Sender<u64>>>,
+    numbered: std::cell::Cell<Option<std::sync::mpsc::Sender<(u64, u64)>>>,
     done: std::sync::mpsc::Receiver<std::thread::Result<Result<()>>>,
     /// `QUEUED` until a pool thread takes the task (`RUNNING`), or `CANCELLED` by a refused
     /// write first: the task then returns unrun and the write does not wait for a thread.
@@ -958,12 +968,11 @@ impl PendingAppend {
     ///
     /// # Errors
     /// [`Error::Closed`] when the engine has no WAL record pool (closed).
-    fn start(shared: &Arc<Shared>, batch: &RecordBatch, table: u64) -> Result<Self> {
+    fn start(shared: &Arc<Shared>, op: WalOp, batch: &RecordBatch, table: u64) -> Result<Self> {
         let rt = shared.wal_pool().ok_or_else(|| Error::Closed("the WAL record pool".into()))?;
-        let (go, numbered) = std::sync::mpsc::channel::<u64>();
+        let (go, numbered) = std::sync::mpsc::channel::<(u64, u64)>();
         let (finished, done) = std::sync::mpsc::sync_channel(1);
         let (shared, batch) = (Arc::clone(shared), batch.clone());
-        let n = batch.num_rows() as u64;
         let state = Arc::new(std::sync::atomic::AtomicU8::new(QUEUED));
         let task_state = Arc::clone(&state);
         crate::writer::spawn_blocking_on(rt, move || {
@@ -972,11 +981,11 @@ impl PendingAppend {
             }
             let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<()> {
                 let wal = shared.wal()?;
-                let rec = wal.encode_record(WalOp::Put, &batch)?;
-                // No sequence number: the write was rejected before its append (the sender
+                let rec = wal.encode_record(op, &batch)?;
+                // No sequence numbers: the write was rejected before its append (the sender
                 // is dropped), and the record is dropped unwritten.
-                let Ok(seq) = numbered.recv() else { return Ok(()) };
-                wal.append_record(rec, table, seq, seq + n - 1)?;
+                let Ok((first, last)) = numbered.recv() else { return Ok(()) };
+                wal.append_record(rec, table, first, last)?;
                 Ok(())
             }));
             let _ = finished.send(res);
@@ -984,11 +993,12 @@ impl PendingAppend {
         Ok(Self { numbered: std::cell::Cell::new(Some(go)), done, state })
     }
 
-    /// Gives the record the write's first sequence number; it is written and fsynced next.
-    fn number(&self, seq: u64) {
+    /// Gives the record the write's sequence numbers `first..=last`; it is written and fsynced
+    /// next.
+    fn number(&self, first: u64, last: u64) {
         // A send fails only when the record already failed to encode: `finish` returns that.
         if let Some(go) = self.numbered.take() {
-            let _ = go.send(seq);
+            let _ = go.send((first, last));
         }
     }
 

@@ -156,10 +156,14 @@ impl Workload {
         }
         let table = live[self.rng.random_range(0..live.len())].clone();
         let pick = self.rng.random_range(0..100);
-        let count = self.rng.random_range(1..25);
+        // One op in 25 is big: over a thousand keys from a wider range, so puts and deletes
+        // take the path that writes their WAL record on a pool thread while the keys are
+        // checked (1,024 rows or more), which small ops never reach.
+        let big = self.rng.random_bool(0.04);
+        let count = if big { self.rng.random_range(1300..1600) } else { self.rng.random_range(1..25) };
         let mut keys: BTreeSet<(i64, i32)> = BTreeSet::new();
         for _ in 0..count {
-            keys.insert(self.key());
+            keys.insert(if big { (self.rng.random_range(0..2000), self.rng.random_range(0..2)) } else { self.key() });
         }
         let m = self.model.get(&table).cloned().unwrap_or_default();
         match pick {

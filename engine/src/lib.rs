@@ -61,3 +61,9 @@ pub use arrow_schema;
 /// The `parquet` crate gritdb writes with, for reading exported files ([`Table::export_parquet`])
 /// with the same version.
 pub use parquet;
+
+/// README.md, whose Rust example is compiled as a doctest (`no_run`), so the snippet a new
+/// user copies keeps matching the API.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+struct ReadmeDoctests;

@@ -798,8 +798,10 @@ impl Table {
         }
     }
 
-    /// Makes everything written so far durable in committed Parquet files; returns rows
-    /// written to new files.
+    /// Makes everything written so far durable in committed Parquet files; returns the rows
+    /// this call wrote to new files. A flush the background writer is running is waited for
+    /// and its rows are not counted, so after a steady load this is often 0 (or only the
+    /// rows of the last, unsealed delta) although everything is durable when it returns.
     ///
     /// # Errors
     /// [`Error::Storage`] on I/O failure (the rows stay in memory and are retried by the next

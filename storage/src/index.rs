@@ -116,34 +116,72 @@ pub struct FileKeys {
     last: u128,
 }
 
-impl FileKeys {
-    /// Keys of `parts` in order (one file's keys, strictly ascending), compacted by `layout`.
-    fn build(parts: &[Rows], layout: &KeyLayout) -> Result<Self, String> {
-        let keys = || parts.iter().flat_map(Rows::iter).map(|r| r.data());
-        let len: usize = parts.iter().map(Rows::num_rows).sum();
+/// One file's [`FileKeys`] built part by part, in row order: the fixed-width store is sized
+/// for the announced row count up front and each part is compacted into its slots, so the
+/// parts need not all exist at once (the index rebuild at open decodes one batch at a time).
+struct FileKeysBuilder<'a> {
+    layout: &'a KeyLayout,
+    width: usize,
+    /// Rows announced (fixed-width keys: the store's slots).
+    rows: usize,
+    data: Vec<u8>,
+    ends: Vec<u32>,
+    len: usize,
+}
+
+impl<'a> FileKeysBuilder<'a> {
+    fn new(layout: &'a KeyLayout, rows: usize) -> Self {
         let width = layout.width().unwrap_or(0);
-        let unsorted = || Err("keys are not strictly ascending (data files are written sorted by key)".to_string());
-        let mut ends = Vec::new();
-        // Pass 1: the stored keys, written in place (fixed-width: at `i * width`).
-        let data = if width > 0 {
-            let mut data = vec![0u8; len * width];
-            for (dst, key) in data.chunks_exact_mut(width).zip(keys()) {
-                if !layout.compact_to(key, dst) {
+        let data = if width > 0 { vec![0u8; rows * width] } else { Vec::new() };
+        let ends = Vec::new();
+        Self { layout, width, rows, data, ends, len: 0 }
+    }
+
+    /// Bytes a push of `part` adds to the store (0 for fixed-width keys: sized up front).
+    fn growth(&self, part: &Rows) -> usize {
+        if self.width > 0 { 0 } else { part.iter().map(|r| r.data().len()).sum::<usize>() + 4 * part.num_rows() }
+    }
+
+    /// Bytes a push may copy while the store grows (the old buffers live beside the new ones
+    /// for that moment): the variable-width store so far, 0 for fixed-width keys.
+    fn moving(&self) -> usize {
+        if self.width > 0 { 0 } else { self.data.len() + 4 * self.ends.len() }
+    }
+
+    /// Appends the next keys, in row order.
+    fn push(&mut self, part: &Rows) -> Result<(), String> {
+        if self.len + part.num_rows() > self.rows {
+            return Err(format!("more than the {} keys announced", self.rows));
+        }
+        if self.width > 0 {
+            let slots = &mut self.data[self.len * self.width..(self.len + part.num_rows()) * self.width];
+            for (dst, key) in slots.chunks_exact_mut(self.width).zip(part.iter()) {
+                if !self.layout.compact_to(key.data(), dst) {
                     return Err("key does not match the key layout".into());
                 }
             }
-            data
         } else {
-            let mut data = Vec::with_capacity(keys().map(<[u8]>::len).sum());
-            ends.reserve_exact(len);
-            for key in keys() {
-                data.extend_from_slice(key);
-                ends.push(data.len() as u32);
+            // Exact capacities: the store's bytes are what was budgeted for it.
+            self.data.reserve_exact(part.iter().map(|r| r.data().len()).sum());
+            self.ends.reserve_exact(part.num_rows());
+            for key in part.iter() {
+                self.data.extend_from_slice(key.data());
+                self.ends.push(self.data.len() as u32);
             }
-            data
-        };
-        let mut fk = Self { data, ends, width, len, bloom: Vec::new(), first: 0, last: 0 };
-        // Pass 2: strictly ascending (compared as integers when they fit 16 bytes).
+        }
+        self.len += part.num_rows();
+        Ok(())
+    }
+
+    /// The key set: checked strictly ascending, with its bloom filter.
+    fn finish(self) -> Result<FileKeys, String> {
+        let Self { data, ends, width, len, rows, .. } = self;
+        if len != rows {
+            return Err(format!("{len} keys, {rows} announced"));
+        }
+        let unsorted = || Err("keys are not strictly ascending (data files are written sorted by key)".to_string());
+        let mut fk = FileKeys { data, ends, width, len, bloom: Vec::new(), first: 0, last: 0 };
+        // Strictly ascending (compared as integers when they fit 16 bytes).
         if width > 0 && width <= 16 {
             let mut prev: Option<u128> = None;
             for k in fk.data.chunks_exact(width).map(key_u128) {
@@ -155,7 +193,6 @@ impl FileKeys {
         } else if (1..len).any(|i| fk.get(i - 1) >= fk.get(i)) {
             return unsorted();
         }
-        // Pass 3: the bloom filter.
         let mut bloom = vec![BloomBlock::default(); bloom_blocks(len)];
         for i in 0..len {
             bloom_set(&mut bloom, key_hash(fk.get(i)));
@@ -166,7 +203,9 @@ impl FileKeys {
         }
         Ok(fk)
     }
+}
 
+impl FileKeys {
     /// Stored key of row `i`.
     #[inline]
     fn get(&self, i: usize) -> &[u8] {
@@ -393,20 +432,64 @@ impl KeyBuilder {
     /// [`StorageError::Memory`]; `Ok(Err(detail))` when the keys are not ascending or do not
     /// have the layout's shape (the caller names the file: [`StorageError::CorruptFile`]).
     pub(crate) fn build(&self, parts: &[Rows]) -> Result<BuildResult, StorageError> {
-        let rows: usize = parts.iter().map(Rows::num_rows).sum();
-        let estimate = match self.width {
-            Some(w) => rows * w,
-            None => parts.iter().flat_map(Rows::iter).map(|r| r.data().len() + 4).sum(),
-        } + bloom_blocks(rows) * std::mem::size_of::<BloomBlock>();
+        let mut b = self.start(parts.iter().map(Rows::num_rows).sum())?;
+        for p in parts {
+            if let Err(detail) = b.push(p)? {
+                return Ok(Err(detail));
+            }
+        }
+        Ok(b.finish())
+    }
+
+    /// An empty reservation under `key_index` for the table this builder's sets count for.
+    pub(crate) fn reservation(&self) -> Reservation {
+        Reservation::new(&self.ctl, Category::KeyIndex, self.table.as_ref())
+    }
+
+    /// A key set of `rows` keys built part by part ([`KeySetBuild::push`] in row order, then
+    /// [`KeySetBuild::finish`]), as [`Self::build`] gives. Fixed-width keys and the bloom
+    /// filter are budgeted here, variable-width keys as each part is pushed.
+    ///
+    /// # Errors
+    /// [`StorageError::Memory`].
+    pub(crate) fn start(&self, rows: usize) -> Result<KeySetBuild<'_>, StorageError> {
         let mut res = Reservation::new(&self.ctl, Category::KeyIndex, self.table.as_ref());
-        res.try_grow(estimate)?;
-        Ok(FileKeys::build(parts, &self.layout).map(|keys| {
-            // Never above the estimate (capacities are exact): a shrink, which cannot fail.
+        res.try_grow(self.width.map_or(0, |w| rows.saturating_mul(w)).saturating_add(bloom_blocks(rows).saturating_mul(std::mem::size_of::<BloomBlock>())))?;
+        Ok(KeySetBuild { keys: FileKeysBuilder::new(&self.layout, rows), res })
+    }
+}
+
+/// A key set being built by [`KeyBuilder::start`], budgeted under `key_index` as it grows.
+pub(crate) struct KeySetBuild<'a> {
+    keys: FileKeysBuilder<'a>,
+    res: Reservation,
+}
+
+impl KeySetBuild<'_> {
+    /// Appends the next keys of the file, in row order.
+    ///
+    /// # Errors
+    /// [`StorageError::Memory`]; `Ok(Err(detail))` when the keys do not have the layout's
+    /// shape or are more than announced.
+    pub(crate) fn push(&mut self, part: &Rows) -> Result<Result<(), String>, StorageError> {
+        let moving = self.keys.moving();
+        self.res.try_grow(self.keys.growth(part) + moving)?;
+        let pushed = self.keys.push(part);
+        self.res.shrink(moving);
+        Ok(pushed)
+    }
+
+    /// The built set, trimmed to what it holds; `Err(detail)` when the keys are not strictly
+    /// ascending or fewer than announced.
+    pub(crate) fn finish(self) -> BuildResult {
+        let Self { keys, mut res } = self;
+        keys.finish().map(|keys| {
+            // Never above what was budgeted (capacities are exact): a shrink, which cannot fail.
             if keys.bytes() <= res.size() {
                 res.shrink(res.size() - keys.bytes());
             }
             BuiltKeys { keys, res }
-        }))
+        })
     }
 }
 
@@ -468,6 +551,7 @@ impl KeyIndex {
     /// # Errors
     /// [`StorageError::Memory`]; `Err(detail)` via [`StorageError::CorruptFile`] at the caller
     /// when the keys are not ascending.
+    #[cfg(test)]
     pub(crate) fn add_file(&mut self, id: u32, parts: &[Rows]) -> Result<Result<(), String>, StorageError> {
         Ok(self.builder().build(parts)?.map(|built| self.install(id, built)))
     }

@@ -77,12 +77,15 @@ pub struct PutKeyEncoder {
 
 /// A flush's puts with their keys: `arrow-row` encoded (for the older versions
 /// [`TableStore::stage_keyed`] looks up) and as the key-index set of the file they become,
-/// budgeted under `key_index` until staged (released when dropped unstaged).
+/// both budgeted under `key_index` until staged (released when dropped unstaged).
 #[derive(Debug)]
 pub struct PutKeys {
     schema: SchemaRef,
     puts: Vec<RecordBatch>,
     keys: Vec<arrow_row::Rows>,
+    /// Budgets `keys` (`Rows::size`); before, the encoded keys of a flush waiting for the
+    /// table's lock (13 B a row for lineitem's key) were held outside the limit.
+    keys_res: Reservation,
     /// `None` without put rows; `Err(detail)` when the keys are not strictly ascending.
     built: Option<crate::index::BuildResult>,
 }
@@ -97,9 +100,15 @@ impl PutKeyEncoder {
     pub fn encode(&self, puts: &[RecordBatch]) -> Result<PutKeys, StorageError> {
         let puts: Vec<RecordBatch> = puts.iter().filter(|b| b.num_rows() > 0).cloned().collect();
         let conv = key_converter(&self.schema, &self.key_cols)?;
-        let keys = puts.iter().map(|b| encode_keys(&conv, b, &self.key_cols)).collect::<Result<Vec<_>, _>>()?;
+        let mut keys_res = self.builder.reservation();
+        let mut keys = Vec::with_capacity(puts.len());
+        for b in &puts {
+            let k = encode_keys(&conv, b, &self.key_cols)?;
+            keys_res.try_grow(k.size())?;
+            keys.push(k);
+        }
         let built = if keys.is_empty() { None } else { Some(self.builder.build(&keys)?) };
-        Ok(PutKeys { schema: Arc::clone(&self.schema), puts, keys, built })
+        Ok(PutKeys { schema: Arc::clone(&self.schema), puts, keys, keys_res, built })
     }
 }
 
@@ -305,9 +314,9 @@ impl TableStore {
                 None => RoaringBitmap::new(),
             };
             let path = dir.join(&f.name);
-            let keys = s.read_keys(&path, f.rows)?;
-            if let Err(detail) = s.index.add_file(f.id, std::slice::from_ref(&keys))? {
-                return Err(StorageError::CorruptFile { path, detail });
+            match s.index_keys_of(&path, f.rows)? {
+                Ok(built) => s.index.install(f.id, built),
+                Err(detail) => return Err(StorageError::CorruptFile { path, detail }),
             }
             let guard = FileGuard::new(path, &s.vfs);
             s.files.insert(f.id, DataFile { meta: f.clone(), pending: None, dv_live: dv.clone(), dv_committed: dv, guard });
@@ -325,29 +334,52 @@ impl TableStore {
         Ok(s)
     }
 
-    pub(crate) fn read_keys(&self, path: &Path, rows: u64) -> Result<arrow_row::Rows, StorageError> {
+    /// The key set of data file `path` (which must hold `rows` rows), built from its key
+    /// columns one 8,192-row batch at a time. Budgeted under `key_index` (this table's): the
+    /// set as it grows, each decoded batch and its keys in the index's encoding while they
+    /// live, and the Parquet reader's page and dictionary buffers (the estimate of
+    /// [`crate::FileReader::buffer_bytes`]). Before, the rebuild at open held the reader and
+    /// every batch's keys twice over (all parts, then one concatenated copy) outside the
+    /// limit.
+    ///
+    /// # Errors
+    /// [`StorageError::CorruptFile`] when the file cannot be read, [`StorageError::Memory`]
+    /// when the limit has no room for the rebuild; `Ok(Err(detail))` when its keys are not
+    /// those of a data file (not strictly ascending, or not `rows` of them).
+    pub(crate) fn index_keys_of(&self, path: &Path, rows: u64) -> Result<crate::index::BuildResult, StorageError> {
         let corrupt = |detail: String| StorageError::CorruptFile { path: path.to_path_buf(), detail };
         let file = fs::File::open(path).map_err(io(path))?;
         let builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| corrupt(e.to_string()))?;
+        let mut res = Reservation::new(&self.ctl, Category::KeyIndex, self.account.as_ref());
+        let mut read = self.key_cols.clone();
+        read.sort_unstable();
+        read.dedup();
+        let in_file = builder.metadata().file_metadata().num_rows();
+        if u64::try_from(in_file).ok() != Some(rows) {
+            return Err(corrupt(format!("manifest says {rows} rows, file has {in_file}")));
+        }
+        let groups: Vec<usize> = (0..builder.metadata().num_row_groups()).collect();
+        res.try_grow(crate::write::reader_buffer_bytes(builder.metadata(), &groups, &read))?;
         let mask = ProjectionMask::roots(builder.parquet_schema(), self.key_cols.iter().copied());
-        let reader = builder.with_projection(mask).with_batch_size(64 << 10).build()?;
-        let mut parts = Vec::new();
+        let reader = builder.with_projection(mask).with_batch_size(8192).build()?;
+        let keys = self.index.builder();
+        let mut set = keys.start(usize::try_from(rows).unwrap_or(usize::MAX))?;
         for b in reader {
             let b = b.map_err(|e| corrupt(e.to_string()))?;
-            parts.push(self.conv.convert_columns(&crate::index::canonical_key_columns(b.columns().to_vec()))?);
-        }
-        let total: usize = parts.iter().map(arrow_row::Rows::num_rows).sum();
-        if total as u64 != rows {
-            return Err(corrupt(format!("manifest says {rows} rows, file has {total}")));
-        }
-        // Concatenate the parts' rows into one key store.
-        let mut all = self.conv.empty_rows(total, 0);
-        for p in &parts {
-            for r in p {
-                all.push(r);
+            let decoded = crate::batch_bytes(&b);
+            res.try_grow(decoded)?;
+            let part = self.conv.convert_columns(&crate::index::canonical_key_columns(b.columns().to_vec()))?;
+            drop(b);
+            res.shrink(decoded);
+            let encoded = part.size();
+            res.try_grow(encoded)?;
+            if let Err(detail) = set.push(&part)? {
+                return Ok(Err(detail));
             }
+            drop(part);
+            res.shrink(encoded);
         }
-        Ok(all)
+        Ok(set.finish())
     }
 
     pub(crate) fn is_deleted(&self, loc: Loc) -> bool {
@@ -452,7 +484,7 @@ impl TableStore {
     /// As [`Self::stage`]; [`StorageError::Arrow`] when `keyed` was encoded for another
     /// schema; [`StorageError::CorruptFile`] when the puts' keys are not strictly ascending.
     pub fn stage_keyed(&mut self, keyed: PutKeys, delete_keys: &RecordBatch, max_seq: u64) -> Result<Option<Staged>, StorageError> {
-        let PutKeys { schema, puts, keys, built } = keyed;
+        let PutKeys { schema, puts, keys, keys_res, built } = keyed;
         if schema != self.schema {
             return Err(arrow_schema::ArrowError::InvalidArgumentError(format!(
                 "put keys encoded for another schema than table {}'s",
@@ -485,6 +517,7 @@ impl TableStore {
             }
             self.index.install(id, built);
             drop(keys);
+            drop(keys_res);
             self.next_file_id += 1;
             let meta = FileMeta { id, name: file_name(id), rows: put_rows as u64, bytes: 0, dv: None, deleted: 0 };
             let guard = FileGuard::new(self.dir.join(&meta.name), &self.vfs);

@@ -343,7 +343,7 @@ impl TableInner {
             let Some(encoder) = self.state()?.as_ref().map(|st| st.store.put_keys()) else { return Ok(None) };
             let converted = sealed
                 .to_batches_parallel(Category::BatchBlocks, true, FLUSH_BATCH_ROWS, cfg.flush_batch_bytes, threads, |k| {
-                    part.holds(gritdb_unify::key_hash(k))
+                    part == FlushPart::WHOLE || part.holds(gritdb_unify::key_hash(k))
                 })
                 .map_err(Error::from)
                 .and_then(|batches| Ok((encoder.encode(&batches.puts)?, batches)));

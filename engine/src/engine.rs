@@ -200,12 +200,16 @@ impl Shared {
     /// `convert` is what flushing this write's rows needs beside its delta: their Arrow bytes
     /// plus [`FLUSH_ROW_OVERHEAD`] a row of key-index growth (a sealed delta's own bytes bound
     /// its conversion from above).
-    pub(crate) fn flush_room_short(&self, bytes: usize, convert: usize, active: usize, largest_sealed: usize) -> bool {
+    ///
+    /// Returns `Some(bytes + that)` when short: what the write must find free, for itself and
+    /// to flush what it leaves (the `requested` of its `MemoryLimit` refusal, so that `used +
+    /// requested > limit` in the message, as in any other refusal).
+    pub(crate) fn flush_room_short(&self, bytes: usize, convert: usize, active: usize, largest_sealed: usize) -> Option<usize> {
         if self.flush_room_certain(bytes) {
-            return false;
+            return None;
         }
-        let need = active.saturating_add(convert).max(largest_sealed);
-        self.pressure_bytes().saturating_add(bytes).saturating_add(need) > self.ctl.limit()
+        let need = bytes.saturating_add(active.saturating_add(convert).max(largest_sealed));
+        (self.pressure_bytes().saturating_add(need) > self.ctl.limit()).then_some(need)
     }
 
     /// The soft limit writes respect (see [`Self::flush_headroom`]).

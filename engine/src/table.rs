@@ -712,9 +712,9 @@ impl Table {
                 // `breaker_session12::many_writers_at_tiny_limits_with_big_batches_never_hang`).
                 let active = g.as_ref().map_or(0, |st| st.active.bytes());
                 let convert = batch_bytes_hint.saturating_add(rows.saturating_mul(crate::engine::FLUSH_ROW_OVERHEAD));
-                if shared.flush_room_short(growth, convert, active, largest_sealed) {
+                if let Some(need) = shared.flush_room_short(growth, convert, active, largest_sealed) {
                     drop(g);
-                    let e: Error = shared.ctl.limit_error(gritdb_memctl::Category::RowBlocks, growth.max(1)).into();
+                    let e: Error = shared.ctl.limit_error(gritdb_memctl::Category::RowBlocks, need.max(1)).into();
                     // Nothing to flush: waiting cannot help; the write is too big for what
                     // is free.
                     if !self.engine.relieve_pressure(true) || !self.engine.wait_for_memory(deadline) {

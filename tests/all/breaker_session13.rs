@@ -731,7 +731,10 @@ fn one_big_insert_is_refused_or_flushable() {
                 assert_eq!(big.row_count().unwrap(), rows as u64);
             }
             Err(e) => {
-                assert!(e.is_memory_limit(), "{rows} rows: {e}");
+                // The refusal asks for what the write needs free (itself and the memory to
+                // flush it), so its figures explain it: used + requested > limit.
+                let Error::MemoryLimit { requested, used, limit, .. } = &e else { panic!("{rows} rows: {e}") };
+                assert!(used + requested > *limit, "{rows} rows: refused with {requested} B requested, {used} of {limit} used: {e}");
                 assert_eq!(big.row_count().unwrap(), 0, "{rows} rows: a refused insert applied nothing");
             }
         }

@@ -456,15 +456,13 @@ impl Scan {
                 }
             }
             if let Some(it) = self.current.as_mut() {
-                match it.next() {
-                    // Decoded batches are always counted (they were on the heap).
-                    Some(r) => return Some(r.map_err(Error::from).and_then(compact_if_sparse).and_then(|b| self.counted(&b))),
-                    None => {
-                        self.current = None;
-                        self.reader_buffers = None;
-                        self.reader_bytes = 0;
-                    }
+                // Decoded batches are always counted (they were on the heap).
+                if let Some(r) = it.next() {
+                    return Some(r.map_err(Error::from).and_then(compact_if_sparse).and_then(|b| self.counted(&b)));
                 }
+                self.current = None;
+                self.reader_buffers = None;
+                self.reader_bytes = 0;
             }
             match self.open_next_file() {
                 Ok(true) => {}

@@ -454,13 +454,12 @@ pub fn q1(batches: impl IntoIterator<Item = Result<RecordBatch>>) -> Result<Vec<
             let g = match (flag.short_code(i), status.short_code(i)) {
                 (Some(f), Some(s)) if last.0 == (f, s) => last.1,
                 (Some(f), Some(s)) => {
-                    let g = match coded.iter().find(|c| c.0 == (f, s)) {
-                        Some(&(_, g)) => g,
-                        None => {
-                            let g = find(&mut groups, flag.value(i), status.value(i));
-                            coded.push(((f, s), g));
-                            g
-                        }
+                    let g = if let Some(&(_, g)) = coded.iter().find(|c| c.0 == (f, s)) {
+                        g
+                    } else {
+                        let g = find(&mut groups, flag.value(i), status.value(i));
+                        coded.push(((f, s), g));
+                        g
                     };
                     last = ((f, s), g);
                     g
@@ -1132,11 +1131,11 @@ mod tests {
         use arrow::array::{ArrayRef, Decimal128Array, StringArray, StringViewArray};
         use arrow::datatypes::{Field, Schema};
         use std::sync::Arc;
-        let flags = ["A", "R", "", "NNNN", "NNNNN", "A"];
-        let stats = ["F", "O", "F", "F", "F", "O"];
+        let flag_values = ["A", "R", "", "NNNN", "NNNNN", "A"];
+        let status_values = ["F", "O", "F", "F", "F", "O"];
         let batch = |view: bool, rows: usize, salt: i128| {
-            let f: Vec<&str> = (0..rows).map(|i| flags[i % flags.len()]).collect();
-            let s: Vec<&str> = (0..rows).map(|i| stats[(i / 2) % stats.len()]).collect();
+            let f: Vec<&str> = (0..rows).map(|i| flag_values[i % flag_values.len()]).collect();
+            let s: Vec<&str> = (0..rows).map(|i| status_values[(i / 2) % status_values.len()]).collect();
             let str_col = |v: &[&str]| -> ArrayRef {
                 if view { Arc::new(StringViewArray::from_iter_values(v.iter().copied())) } else { Arc::new(StringArray::from_iter_values(v.iter().copied())) }
             };
@@ -1155,13 +1154,13 @@ mod tests {
         };
         let input = vec![batch(true, 1000, 0), batch(false, 777, 5), batch(true, 333, 9)];
         let mut want: std::collections::BTreeMap<(String, String), (i128, i128, i128, u64)> = std::collections::BTreeMap::new();
-        for b in &input {
-            let (f, s) = (Strs::of(b.column(0).as_ref()).unwrap(), Strs::of(b.column(1).as_ref()).unwrap());
-            let d = |c: usize| b.column(c).as_primitive::<Decimal128Type>().clone();
-            let (q, p, dc) = (d(2), d(3), d(4));
-            for i in 0..b.num_rows() {
-                let e = want.entry((f.value(i).to_owned(), s.value(i).to_owned())).or_default();
-                *e = (e.0 + q.value(i), e.1 + p.value(i), e.2 + dc.value(i), e.3 + 1);
+        for batch in &input {
+            let (flag, status) = (Strs::of(batch.column(0).as_ref()).unwrap(), Strs::of(batch.column(1).as_ref()).unwrap());
+            let dec = |c: usize| batch.column(c).as_primitive::<Decimal128Type>().clone();
+            let (qty, price, disc) = (dec(2), dec(3), dec(4));
+            for row in 0..batch.num_rows() {
+                let sums = want.entry((flag.value(row).to_owned(), status.value(row).to_owned())).or_default();
+                *sums = (sums.0 + qty.value(row), sums.1 + price.value(row), sums.2 + disc.value(row), sums.3 + 1);
             }
         }
         let got = q1(input.into_iter().map(Ok)).unwrap();

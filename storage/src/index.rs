@@ -164,7 +164,7 @@ impl<'a> FileKeysBuilder<'a> {
             // Exact capacities: the store's bytes are what was budgeted for it.
             self.data.reserve_exact(part.iter().map(|r| r.data().len()).sum());
             self.ends.reserve_exact(part.num_rows());
-            for key in part.iter() {
+            for key in part {
                 self.data.extend_from_slice(key.data());
                 self.ends.push(self.data.len() as u32);
             }

@@ -726,7 +726,7 @@ fn read_segment<E: From<StorageError>>(
 /// length, flatbuffer `Message`, `bodyLength` bytes of body; Arrow columnar format,
 /// "Encapsulated message format") to the end-of-stream marker. User values live in message
 /// bodies, which the walk steps over, so a value holding the bytes of a WAL record is never
-/// taken for one (breaker_session13 `torn_tail_with_a_record_shaped_value_is_still_a_torn_tail`),
+/// taken for one (`breaker_session13::torn_tail_with_a_record_shaped_value_is_still_a_torn_tail`),
 /// and the walk costs a few steps, not a pass over the record (the search this replaced was
 /// quadratic in a torn record's size). Then:
 /// - the stream runs past the end of the data: this record is the torn tail, nothing follows;
@@ -747,13 +747,12 @@ fn whole_record_after(data: &[u8], mut at: usize) -> bool {
             return record_shaped_at_any_offset(data, from);
         }
         match ipc_stream_end(data, from + PAYLOAD_HEADER) {
-            IpcWalk::RunsOff => return false,
             IpcWalk::Garbage(g) => return record_shaped_at_any_offset(data, g),
-            IpcWalk::End(next) if data[next..].iter().all(|&b| b == 0) => return false,
             IpcWalk::End(next) if whole_record_at(data, next) => return true,
-            // A second damaged header right after: walk that record too.
-            IpcWalk::End(next) if end - next >= HEADER => at = next,
-            IpcWalk::End(_) => return false,
+            // A second damaged header right after (not zeros to the end): walk that record too.
+            IpcWalk::End(next) if end - next >= HEADER && !data[next..].iter().all(|&b| b == 0) => at = next,
+            // The stream runs off the end, or is followed by zeros or too few bytes for a header.
+            IpcWalk::RunsOff | IpcWalk::End(_) => return false,
         }
     }
 }
@@ -1107,6 +1106,36 @@ mod tests {
         assert_eq!(replayed_rows(dir.path(), &ctl), 20, "rows 0..10 and 20..30; the failed write was cut");
     }
 
+    /// The bytes of three real records: `a` (rows 0..10), `b` (10..30) and `c` (30..35).
+    fn three_records(ctl: &Arc<MemoryController>) -> [Vec<u8>; 3] {
+        let src = tempfile::tempdir().unwrap();
+        let wal = Wal::open(src.path(), Arc::new(StdFs), WalSync::PerBatch, ctl, |_| Ok::<(), StorageError>(())).unwrap();
+        let mut ends = Vec::new();
+        for (first, from, n, tag) in [(1, 0, 10, "a"), (11, 10, 20, "b"), (31, 30, 5, "c")] {
+            wal.append(WalOp::Put, 1, first, first + n as u64 - 1, &keyed(from, n, tag)).unwrap();
+            ends.push(usize::try_from(wal.bytes()).unwrap());
+        }
+        drop(wal);
+        let all = fs::read(src.path().join(seg_name(1))).unwrap();
+        [all[..ends[0]].to_vec(), all[ends[0]..ends[1]].to_vec(), all[ends[1]..].to_vec()]
+    }
+
+    /// Opens a log made of `segments` (numbered from 1): the rows replayed or the error, and
+    /// each segment's length after the open (a cut torn tail shortens the last).
+    fn open_segments(ctl: &Arc<MemoryController>, segments: &[Vec<u8>]) -> (Result<usize, StorageError>, Vec<u64>) {
+        let dir = tempfile::tempdir().unwrap();
+        for (i, seg) in segments.iter().enumerate() {
+            fs::write(dir.path().join(seg_name(i as u64 + 1)), seg).unwrap();
+        }
+        let mut rows = 0;
+        let r = Wal::open(dir.path(), Arc::new(StdFs), WalSync::PerBatch, ctl, |rec| {
+            rows += rec.batch.num_rows();
+            Ok::<(), StorageError>(())
+        });
+        let lens = (1..=segments.len() as u64).map(|i| fs::metadata(dir.path().join(seg_name(i))).unwrap().len()).collect();
+        (r.map(|_| rows), lens)
+    }
+
     /// Recovery of torn records before zeros (pages of the file's length a crash did not
     /// write). Segment bytes are built from two real records (`a`, `b`) and a third (`c`);
     /// `z` is 64 KiB of zeros:
@@ -1118,41 +1147,18 @@ mod tests {
     #[test]
     fn torn_records_before_zeros_are_cut_from_the_last_segment_only() {
         let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(64 << 20), ..ControllerConfig::default() }).unwrap();
-        let src = tempfile::tempdir().unwrap();
-        let wal = Wal::open(src.path(), Arc::new(StdFs), WalSync::PerBatch, &ctl, |_| Ok::<(), StorageError>(())).unwrap();
-        wal.append(WalOp::Put, 1, 1, 10, &keyed(0, 10, "a")).unwrap();
-        let a_len = usize::try_from(wal.bytes()).unwrap();
-        wal.append(WalOp::Put, 1, 11, 30, &keyed(10, 20, "b")).unwrap();
-        wal.append(WalOp::Put, 1, 31, 35, &keyed(30, 5, "c")).unwrap();
-        drop(wal);
-        let all = fs::read(src.path().join("wal-00000001.log")).unwrap();
-        let b_len = {
-            let len = u32::from_le_bytes(all[a_len..a_len + 4].try_into().unwrap()) as usize;
-            HEADER + len
-        };
-        let (a, b, c) = (&all[..a_len], &all[a_len..a_len + b_len], &all[a_len + b_len..]);
+        let [a, b, c] = three_records(&ctl);
+        let (a, b, c, a_len, b_len) = (&a[..], &b[..], &c[..], a.len(), b.len());
         let z = vec![0u8; 64 << 10];
         let mut b_damaged = b.to_vec();
         b_damaged[b_len / 2] ^= 0x40;
         let mut b_headless = b.to_vec();
         b_headless[..HEADER].fill(0);
-        let open = |segments: &[Vec<u8>]| {
-            let dir = tempfile::tempdir().unwrap();
-            for (i, seg) in segments.iter().enumerate() {
-                fs::write(dir.path().join(seg_name(i as u64 + 1)), seg).unwrap();
-            }
-            let mut rows = 0;
-            let r = Wal::open(dir.path(), Arc::new(StdFs), WalSync::PerBatch, &ctl, |rec| {
-                rows += rec.batch.num_rows();
-                Ok::<(), StorageError>(())
-            });
-            let lens: Vec<u64> = (1..=segments.len() as u64).map(|i| fs::metadata(dir.path().join(seg_name(i))).unwrap().len()).collect();
-            (r.map(|_| rows), lens)
-        };
+        let open = |segments: &[Vec<u8>]| open_segments(&ctl, segments);
         let cat = |parts: &[&[u8]]| parts.concat();
-        let (ab_end, a_end) = ((a_len + b_len) as u64, a_len as u64);
+        let (both_end, a_end) = ((a_len + b_len) as u64, a_len as u64);
         let ok = |(r, lens): (Result<usize, StorageError>, Vec<u64>)| (r.unwrap(), lens);
-        assert_eq!(ok(open(&[cat(&[a, b, &z])])), (30, vec![ab_end]));
+        assert_eq!(ok(open(&[cat(&[a, b, &z])])), (30, vec![both_end]));
         assert_eq!(ok(open(&[cat(&[a, &b_damaged, &z])])), (10, vec![a_end]));
         assert_eq!(ok(open(&[cat(&[a, &b_headless, &z])])), (10, vec![a_end]));
         assert!(matches!(open(&[cat(&[a, &z[..4096], b, &z])]).0, Err(StorageError::CorruptWal { .. })));
@@ -1163,33 +1169,19 @@ mod tests {
     /// A damaged header is told from a torn tail by walking the record's IPC messages: a
     /// length past the end over a whole payload with a whole record after it is corruption,
     /// and so are two headerless records in a row before one; a payload cut short is a torn
-    /// tail however its bytes look (breaker_session13 has the record-shaped value).
+    /// tail however its bytes look (`breaker_session13` has the record-shaped value).
     #[test]
     fn damaged_headers_are_told_from_torn_tails_by_walking_the_payload() {
         let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(64 << 20), ..ControllerConfig::default() }).unwrap();
-        let src = tempfile::tempdir().unwrap();
-        let wal = Wal::open(src.path(), Arc::new(StdFs), WalSync::PerBatch, &ctl, |_| Ok::<(), StorageError>(())).unwrap();
-        wal.append(WalOp::Put, 1, 1, 10, &keyed(0, 10, "a")).unwrap();
-        let a_len = usize::try_from(wal.bytes()).unwrap();
-        wal.append(WalOp::Put, 1, 11, 30, &keyed(10, 20, "b")).unwrap();
-        let ab_len = usize::try_from(wal.bytes()).unwrap();
-        wal.append(WalOp::Put, 1, 31, 35, &keyed(30, 5, "c")).unwrap();
-        drop(wal);
-        let all = fs::read(src.path().join("wal-00000001.log")).unwrap();
-        let (a, b, c) = (&all[..a_len], &all[a_len..ab_len], &all[ab_len..]);
+        let [a, b, c] = three_records(&ctl);
+        let (a, b, c, a_len) = (&a[..], &b[..], &c[..], a.len());
         let mut b_long = b.to_vec();
         b_long[..4].copy_from_slice(&0x7fff_ffffu32.to_le_bytes());
         let mut b_headless = b.to_vec();
         b_headless[..HEADER].fill(0);
         let open = |seg: Vec<u8>| {
-            let dir = tempfile::tempdir().unwrap();
-            fs::write(dir.path().join(seg_name(1)), &seg).unwrap();
-            let mut rows = 0;
-            let r = Wal::open(dir.path(), Arc::new(StdFs), WalSync::PerBatch, &ctl, |rec| {
-                rows += rec.batch.num_rows();
-                Ok::<(), StorageError>(())
-            });
-            (r.map(|_| rows).map_err(|e| matches!(e, StorageError::CorruptWal { .. })), fs::metadata(dir.path().join(seg_name(1))).unwrap().len())
+            let (r, lens) = open_segments(&ctl, &[seg]);
+            (r.map_err(|e| matches!(e, StorageError::CorruptWal { .. })), lens[0])
         };
         let a_end = a_len as u64;
         assert_eq!(open([a, &b_long, c].concat()).0, Err(true));

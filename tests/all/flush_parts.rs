@@ -25,7 +25,7 @@ const MIB: usize = 1 << 20;
 fn a_delta_whose_batches_do_not_fit_beside_it_is_flushed_in_parts() {
     let dir = tempfile::tempdir().unwrap();
     let limit = 32 * MIB;
-    let config = || EngineConfig::default().memory_limit(limit).flush_age(Duration::from_secs(3600));
+    let config = || EngineConfig::default().memory_limit(limit).flush_age(Duration::from_hours(1));
     let engine = Engine::open(dir.path(), config()).unwrap();
     let t = engine.create_table("t", kv_schema(), &["k"]).unwrap();
     let model = file_then_delta(&t);
@@ -69,7 +69,7 @@ fn a_delta_whose_batches_do_not_fit_beside_it_is_flushed_in_parts() {
 fn flushes_in_parts_keep_the_table_equal_to_the_model_over_rounds() {
     let dir = tempfile::tempdir().unwrap();
     let limit = 32 * MIB;
-    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(limit).flush_age(Duration::from_secs(3600))).unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(limit).flush_age(Duration::from_hours(1))).unwrap();
     let t = engine.create_table("t", kv_schema(), &["k"]).unwrap();
     let ctl = engine.memory();
     let mut model = BTreeMap::new();
@@ -118,7 +118,7 @@ fn a_flush_in_parts_failing_at_any_step_loses_nothing_after_reopen() {
         assert!(step < 400, "the flush never got past the injected failure");
         let dir = tempfile::tempdir().unwrap();
         let fs = FaultFs::new();
-        let config = EngineConfig::default().memory_limit(limit).flush_age(Duration::from_secs(3600));
+        let config = EngineConfig::default().memory_limit(limit).flush_age(Duration::from_hours(1));
         let engine = Engine::open(dir.path(), config.clone().vfs(Arc::new(fs.clone()))).unwrap();
         let t = engine.create_table("t", kv_schema(), &["k"]).unwrap();
         let model = file_then_delta(&t);

@@ -360,7 +360,9 @@ impl TableStore {
         }
         let groups: Vec<usize> = (0..builder.metadata().num_row_groups()).collect();
         res.try_grow(crate::write::reader_buffer_bytes(builder.metadata(), &groups, &read))?;
-        let mask = ProjectionMask::roots(builder.parquet_schema(), self.key_cols.iter().copied());
+        let mask = ProjectionMask::roots(builder.parquet_schema(), read.iter().copied());
+        // Always found: `read` is `key_cols` sorted.
+        let order: Vec<usize> = self.key_cols.iter().map(|k| read.binary_search(k).unwrap_or(0)).collect();
         let reader = builder.with_projection(mask).with_batch_size(8192).build()?;
         let keys = self.index.builder();
         let mut set = keys.start(usize::try_from(rows).unwrap_or(usize::MAX))?;
@@ -368,7 +370,10 @@ impl TableStore {
             let b = b.map_err(|e| corrupt(e.to_string()))?;
             let decoded = crate::batch_bytes(&b);
             res.try_grow(decoded)?;
-            let part = self.conv.convert_columns(&crate::index::canonical_key_columns(b.columns().to_vec()))?;
+            // The projection returns the key columns in schema order; the row converter
+            // takes them in key order (a key declared as `["b", "a"]` over `(a, b, ..)`).
+            let cols = order.iter().map(|&i| b.column(i).clone()).collect();
+            let part = self.conv.convert_columns(&crate::index::canonical_key_columns(cols))?;
             drop(b);
             res.shrink(decoded);
             let encoded = part.size();

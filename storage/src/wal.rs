@@ -19,9 +19,10 @@
 //!
 //! Recovery rules: the tail of the last segment left by a write the crash interrupted is
 //! dropped and the segment truncated to the last whole record: a record cut short, a
-//! zero-filled tail, a last record whose checksum fails (a torn page inside it) with nothing
-//! but zeros after it, or a record whose header page was not written (zeros) with no whole
-//! record after it. Zeros after a torn record are what a file system shows for pages of the
+//! zero-filled tail, a last record whose checksum fails (a torn page inside it) with no whole
+//! record after it (zeros, or the first part of the next record: a group commit's pages reach
+//! the disk in any order), or a record whose header page was not written (zeros) with no
+//! whole record after it. Zeros after a torn record are what a file system shows for pages of the
 //! file's length that were never written: [`WalSync::Relaxed`] leaves several records
 //! unsynced, and a crash can persist some of their pages and not others. Such records were
 //! never acknowledged as durable (a per-batch append returns after its fsync). Any other bad
@@ -699,9 +700,15 @@ fn read_segment<E: From<StorageError>>(
         }
         let payload = &data[at + HEADER..at + HEADER + len];
         if crc32fast::hash(payload) != crc {
-            // The last record, or the last before pages the crash did not write (zeros).
-            if last && data[at + HEADER + len..].iter().all(|&b| b == 0) {
-                torn("checksum mismatch in the last record")?;
+            // Records of one group commit reach the disk in any order, so a crash can leave
+            // this record's page unwritten and part of the next one written (or zeros): a
+            // torn tail when no whole record follows, as in the branches above. A whole
+            // record after it is damage in front of acknowledged records: where the length
+            // says the next record starts, or where the payload's own IPC stream ends (the
+            // walk cannot see past damage in the stream's framing, the length can).
+            let followed = whole_record_at(&data, at + HEADER + len) || whole_record_after(&data, at);
+            if last && !followed {
+                torn("checksum mismatch with no whole record after it")?;
                 break;
             }
             return Err(corrupt(path, at as u64, "checksum mismatch with records after it").into());

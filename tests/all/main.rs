@@ -19,6 +19,7 @@ mod breaker_keys10;
 mod breaker_write11;
 mod breaker_session12;
 mod breaker_session13;
+mod breaker_trial;
 mod compaction;
 mod crash;
 mod create_drop;

@@ -423,16 +423,33 @@ fn count_sum(table: &Table) -> Result<(u64, i128)> {
 ///
 /// Rows are grouped by a 64-bit code of each string when both are at most 4 bytes (length in
 /// the low byte, the bytes above: distinct strings, distinct codes), read straight from a
-/// `Utf8View` column's inline view; a handful of groups is then a search over integer pairs.
-/// Longer strings fall back to comparing the strings. The first version compared the strings
-/// of every row with every group's: 7 of Q1's 15 ms at SF 0.1 (the scan is the other 8).
+/// `Utf8View` column's inline view, and the pair of codes finds its group in a direct-mapped
+/// table of 64 slots (a multiplicative hash; a pair whose slot holds another pair is looked up
+/// in the list of coded pairs). Longer strings fall back to comparing the strings. The sums go
+/// into per-group accumulators indexed by the group, without a branch on the group: TPC-H's
+/// groups change every few rows (an order's lines have random dates), so the previous "same
+/// group as the last row" test mispredicted often. History: comparing every row's strings with
+/// every group's took 7 of Q1's 15 ms at SF 0.1; the last-row test and a search took 4–6 ms of
+/// 11–19 (docs/performance.md, fourteenth pass).
 pub fn q1(batches: impl IntoIterator<Item = Result<RecordBatch>>) -> Result<Vec<Q1Group>> {
+    const SLOTS: usize = 64;
+    const LANES: usize = 4;
+    // No short code is all ones (its low 32 bits are a length of at most 4): an empty slot.
+    const EMPTY: (u64, u64) = (u64::MAX, u64::MAX);
+    let slot_of = |f: u64, s: u64| ((f.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ s).wrapping_mul(0xFF51_AFD7_ED55_8CCD) >> 58) as usize;
     let mut groups: Vec<Q1Group> = Vec::new();
+    // Per group and lane (row number mod 4): sum(l_quantity), sum(l_extendedprice),
+    // sum(l_discount) and count(*). Consecutive rows of a group add into different lanes, so
+    // an add does not wait for the previous row's store to the same accumulator (that
+    // read-modify-write chain was 40% of the aggregation's cycles in `perf annotate`).
+    let mut acc: Vec<[([i128; 3], u64); LANES]> = Vec::new();
+    let mut slots = [(EMPTY, 0usize); SLOTS];
     // (flag code, status code) of each group with short strings, and the group's index.
     let mut coded: Vec<((u64, u64), usize)> = Vec::new();
-    let find = |groups: &mut Vec<Q1Group>, f: &str, s: &str| {
+    let find = |groups: &mut Vec<Q1Group>, acc: &mut Vec<[([i128; 3], u64); LANES]>, f: &str, s: &str| {
         groups.iter().position(|g| g.returnflag == f && g.linestatus == s).unwrap_or_else(|| {
             groups.push(Q1Group { returnflag: f.to_owned(), linestatus: s.to_owned(), sum_qty: 0, sum_price: 0, sum_disc: 0, count: 0 });
+            acc.push([([0; 3], 0); LANES]);
             groups.len() - 1
         })
     };
@@ -448,29 +465,38 @@ pub fn q1(batches: impl IntoIterator<Item = Result<RecordBatch>>) -> Result<Vec<
         let price = decimal(col("l_extendedprice")?.as_ref(), "l_extendedprice")?;
         let disc = decimal(col("l_discount")?.as_ref(), "l_discount")?;
         let (qty, price, disc) = (qty.values(), price.values(), disc.values());
-        // Per row: the group (last row's first: rows of one group often come in runs).
-        let mut last = ((u64::MAX, u64::MAX), 0usize);
         for i in 0..b.num_rows() {
             let g = match (flag.short_code(i), status.short_code(i)) {
-                (Some(f), Some(s)) if last.0 == (f, s) => last.1,
                 (Some(f), Some(s)) => {
-                    let g = if let Some(&(_, g)) = coded.iter().find(|c| c.0 == (f, s)) {
-                        g
+                    let slot = &mut slots[slot_of(f, s)];
+                    if slot.0 == (f, s) {
+                        slot.1
                     } else {
-                        let g = find(&mut groups, flag.value(i), status.value(i));
-                        coded.push(((f, s), g));
+                        let g = if let Some(&(_, g)) = coded.iter().find(|c| c.0 == (f, s)) {
+                            g
+                        } else {
+                            let g = find(&mut groups, &mut acc, flag.value(i), status.value(i));
+                            coded.push(((f, s), g));
+                            g
+                        };
+                        if slot.0 == EMPTY {
+                            *slot = ((f, s), g);
+                        }
                         g
-                    };
-                    last = ((f, s), g);
-                    g
+                    }
                 }
-                _ => find(&mut groups, flag.value(i), status.value(i)),
+                _ => find(&mut groups, &mut acc, flag.value(i), status.value(i)),
             };
-            let g = &mut groups[g];
-            g.sum_qty += qty[i];
-            g.sum_price += price[i];
-            g.sum_disc += disc[i];
-            g.count += 1;
+            let (sums, count) = &mut acc[g][i % LANES];
+            sums[0] += qty[i];
+            sums[1] += price[i];
+            sums[2] += disc[i];
+            *count += 1;
+        }
+    }
+    for (g, lanes) in groups.iter_mut().zip(acc) {
+        for ([qty, price, disc], count) in lanes {
+            (g.sum_qty, g.sum_price, g.sum_disc, g.count) = (g.sum_qty + qty, g.sum_price + price, g.sum_disc + disc, g.count + count);
         }
     }
     groups.sort_by(|a, b| (&a.returnflag, &a.linestatus).cmp(&(&b.returnflag, &b.linestatus)));
@@ -1168,6 +1194,45 @@ mod tests {
             got.into_iter().map(|g| ((g.returnflag, g.linestatus), (g.sum_qty, g.sum_price, g.sum_disc, g.count))).collect();
         assert!(want.len() >= 8, "{} groups", want.len());
         assert_eq!(got, want);
+    }
+
+    /// More distinct short pairs (300) than the 64 slots of the group table: pairs whose slot
+    /// holds another pair are found through the list, each group's sums and count exact, rows
+    /// of one group spread over all four lanes.
+    #[test]
+    fn q1_groups_more_pairs_than_slots() {
+        use arrow::array::{ArrayRef, Decimal128Array, StringViewArray};
+        use arrow::datatypes::{Field, Schema};
+        use std::sync::Arc;
+        let rows = 9_000usize;
+        let pair = |i: usize| (format!("f{}", i % 20), format!("s{}", (i / 20) % 15));
+        let (f, s): (Vec<String>, Vec<String>) = (0..rows).map(pair).unzip();
+        let dec = |m: i128| -> ArrayRef { Arc::new(Decimal128Array::from_iter_values((0..rows as i128).map(|i| i * m)).with_precision_and_scale(15, 2).unwrap()) };
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("l_returnflag", DataType::Utf8View, false),
+            Field::new("l_linestatus", DataType::Utf8View, false),
+            Field::new("l_quantity", DataType::Decimal128(15, 2), false),
+            Field::new("l_extendedprice", DataType::Decimal128(15, 2), false),
+            Field::new("l_discount", DataType::Decimal128(15, 2), false),
+        ]));
+        let cols: Vec<ArrayRef> = vec![
+            Arc::new(StringViewArray::from_iter_values(f.iter())),
+            Arc::new(StringViewArray::from_iter_values(s.iter())),
+            dec(1),
+            dec(3),
+            dec(5),
+        ];
+        let b = RecordBatch::try_new(schema, cols).unwrap();
+        let mut want: std::collections::BTreeMap<(String, String), (i128, u64)> = std::collections::BTreeMap::new();
+        for i in 0..rows {
+            let e = want.entry(pair(i)).or_default();
+            *e = (e.0 + i as i128, e.1 + 1);
+        }
+        let got = q1([Ok(b.slice(0, 4_000)), Ok(b.slice(4_000, rows - 4_000))]).unwrap();
+        assert_eq!(want.len(), 300, "distinct pairs");
+        let got_map: std::collections::BTreeMap<_, _> = got.iter().map(|g| ((g.returnflag.clone(), g.linestatus.clone()), (g.sum_qty, g.count))).collect();
+        assert_eq!(got_map, want);
+        assert!(got.iter().all(|g| g.sum_price == 3 * g.sum_qty && g.sum_disc == 5 * g.sum_qty));
     }
 
     /// The peer's figures are the medians of its runs; a run whose count or sum differs from

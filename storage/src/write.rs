@@ -482,8 +482,8 @@ pub struct ReadSpec {
     /// decoded at once when the read columns' bytes per row in the file's row groups say a
     /// batch would be bigger (Parquet column-chunk metadata: the uncompressed size, or for
     /// byte arrays the size statistics' unencoded value bytes plus a view per row when
-    /// larger; the largest row group's average — an estimate, blind to rows of very unequal
-    /// width inside one row group).
+    /// larger, and the densest page of a byte-array column where the page index gives its
+    /// value bytes; the largest row group's figure).
     pub batch_bytes: usize,
     /// Where row groups read and pruned and rows decoded are counted.
     pub counters: Option<Arc<ScanCounters>>,
@@ -500,8 +500,9 @@ pub struct ReadSpec {
 /// not valid Parquet; the iterator yields later decoding errors.
 pub fn read_file_with(path: &Path, spec: ReadSpec) -> Result<FileReader, StorageError> {
     let file = fs::File::open(path).map_err(io(path))?;
-    // The page index is loaded only when a filter can use it.
-    let policy = if spec.filter.is_some() { PageIndexPolicy::Optional } else { PageIndexPolicy::Skip };
+    // The page index is loaded when a filter can use it, or when batches are capped in bytes
+    // (the offset index's per-page value sizes: [`densest_page`]).
+    let policy = if spec.filter.is_some() || spec.batch_bytes > 0 { PageIndexPolicy::Optional } else { PageIndexPolicy::Skip };
     let options = ArrowReaderOptions::new().with_page_index_policy(policy);
     let builder = ParquetRecordBatchReaderBuilder::try_new_with_options(file, options)?.with_batch_size(spec.batch_rows.max(1));
     let width = builder.schema().fields().len();
@@ -622,7 +623,8 @@ pub(crate) fn reader_buffer_bytes(md: &parquet::file::metadata::ParquetMetaData,
 }
 
 /// Rows decoded per batch: `batch_rows`, fewer when `batch_bytes` (non-zero) over the read
-/// columns' uncompressed bytes per row — the largest among `row_groups` — is fewer. At least 1.
+/// columns' bytes per row — per column the larger of the chunk's average and its densest page
+/// ([`densest_page`]), the largest row group's sum among `row_groups` — is fewer. At least 1.
 fn batch_rows_for(md: &parquet::file::metadata::ParquetMetaData, row_groups: &[usize], read: &[usize], batch_rows: usize, batch_bytes: usize) -> usize {
     let batch_rows = batch_rows.max(1);
     if batch_bytes == 0 {
@@ -637,20 +639,44 @@ fn batch_rows_for(md: &parquet::file::metadata::ParquetMetaData, row_groups: &[u
             // unencoded bytes, when written) plus up to a 16-byte view per row, whatever its
             // encoding: a dictionary-encoded chunk's uncompressed size counts only its indices
             // and one dictionary page.
-            let bytes: i64 = (0..rg.num_columns())
+            let rows = rg.num_rows().max(1);
+            let pages = md.offset_index().and_then(|o| o.get(g));
+            (0..rg.num_columns())
                 .filter(|&leaf| read.binary_search(&descr.get_column_root_idx(leaf)).is_ok())
                 .map(|leaf| {
                     let c = rg.column(leaf);
-                    let values = c.unencoded_byte_array_data_bytes().map_or(0, |b| b.saturating_add(16 * rg.num_rows()));
-                    c.uncompressed_size().max(values)
+                    let values = c.unencoded_byte_array_data_bytes().map_or(0, |b| b.saturating_add(16 * rows));
+                    let average = c.uncompressed_size().max(values).saturating_add(rows - 1) / rows;
+                    average.max(pages.and_then(|p| p.get(leaf)).map_or(0, |o| densest_page(o, rows)))
                 })
-                .sum();
-            usize::try_from(bytes).unwrap_or(0).div_ceil(usize::try_from(rg.num_rows()).unwrap_or(1).max(1))
+                .sum::<i64>()
+        })
+        .max()
+        .map_or(1, |b| usize::try_from(b).unwrap_or(usize::MAX).max(1));
+    batch_rows.min((batch_bytes / per_row).max(1))
+}
+
+/// The largest unencoded value bytes per row (plus a 16-byte view) of any page of a byte-array
+/// column chunk, from its offset index (Parquet page index: `unencoded_byte_array_data_bytes`
+/// per page, rows per page from `first_row_index`); 0 without those sizes. The chunk's
+/// average is blind to rows of very unequal width: 20,000 rows of 20 bytes and then 500 of
+/// 40 KB average 1 KB a row, and a batch sized by it from the wide tail decodes 40 times its
+/// budget (`breaker_slices::a_row_group_of_skewed_widths_scans_at_8_mib`).
+fn densest_page(index: &parquet::file::page_index::offset_index::OffsetIndexMetaData, rows: i64) -> i64 {
+    let (Some(sizes), locations) = (index.unencoded_byte_array_data_bytes(), index.page_locations()) else { return 0 };
+    if sizes.len() != locations.len() {
+        return 0;
+    }
+    locations
+        .iter()
+        .enumerate()
+        .map(|(p, l)| {
+            let end = locations.get(p + 1).map_or(rows, |n| n.first_row_index);
+            let page_rows = (end - l.first_row_index).max(1);
+            (sizes[p].max(0).saturating_add(page_rows - 1) / page_rows).saturating_add(16)
         })
         .max()
         .unwrap_or(0)
-        .max(1);
-    batch_rows.min((batch_bytes / per_row).max(1))
 }
 
 /// File row numbers of the rows a reader yields, in order.

@@ -1013,18 +1013,28 @@ fn scans_exact(m: &Model, t: &Table, engine: &Engine, what: &str) {
     within(engine, what);
 }
 
-/// A file whose one row group holds 20,000 narrow rows and then 500 rows of 40 KB: the
-/// byte cap of a file batch comes from the row group's *average* row (about 1 KB), so a batch
-/// of the wide tail asks for 40 KB times the rows the average allows.
-#[test]
-#[ignore = "breaker: scan_batch_bytes caps a file batch by the row group's average uncompressed bytes per row (about 1 KB here); a batch of the 40 KB tail asks 26 MiB of scan_buffers at 8 MiB (MemoryLimit)"]
-fn a_row_group_of_skewed_widths_scans_at_8_mib() {
+/// A file whose one row group holds 20,000 narrow rows and then 500 rows of 40 KB: a byte
+/// cap of a file batch from the row group's *average* row (about 1 KB) let a batch of the
+/// wide tail ask for 40 KB times the rows the average allows (26 MiB, MemoryLimit at 16 MiB);
+/// the cap now comes from the densest page of the page index.
+fn skewed_widths_scan_at(limit: usize) {
     let dir = tempfile::tempdir().unwrap();
     let shape = Shape { string_key: false, text: Text::Skewed { from: 20_000, wide: 40_000 } };
     let m = files_at_big(dir.path(), shape, 0..20_500);
-    let engine = open(dir.path(), small(8 * MIB), "scan at 8 MiB");
+    let engine = open(dir.path(), small(limit), "scan at a small limit");
     let t = engine.table("f").unwrap();
-    scans_exact(&m, &t, &engine, "skewed widths at 8 MiB");
+    scans_exact(&m, &t, &engine, &format!("skewed widths at {} MiB", limit / MIB));
+}
+
+#[test]
+fn a_row_group_of_skewed_widths_scans_at_16_mib() {
+    skewed_widths_scan_at(16 * MIB);
+}
+
+#[test]
+#[ignore = "breaker: the batches fit now, but the open reader's buffers are estimated at 6.8 MB (the wide column's 1 MiB dictionary page as stored and decoded, a decoded and a compressed 1 MiB page) and the next 1.4 MiB batch does not fit beside them at 8 MiB (MemoryLimit)"]
+fn a_row_group_of_skewed_widths_scans_at_8_mib() {
+    skewed_widths_scan_at(8 * MIB);
 }
 
 /// Long text values repeated (4 distinct values of 3 KB): Parquet keeps them in a dictionary,

@@ -194,6 +194,10 @@ fn limit_is_never_exceeded_by_four_threads_hammering() {
     let stop = AtomicBool::new(false);
     let samples = AtomicU64::new(0);
     let limit_errors = AtomicU64::new(0);
+    // Each worker first holds 20 chunks (or as many as it gets) until all four have tried: 80
+    // wanted of 48, so the limit is reached however the threads are scheduled (on a loaded
+    // machine the random rounds alone did not always overlap enough).
+    let all_holding = std::sync::Barrier::new(4);
     std::thread::scope(|s| {
         let sampling = s.spawn(|| {
             while !stop.load(Ordering::Acquire) {
@@ -204,8 +208,21 @@ fn limit_is_never_exceeded_by_four_threads_hammering() {
         });
         let workers: Vec<_> = (0..4u64)
             .map(|t| {
-                let (ctl, limit_errors) = (&ctl, &limit_errors);
+                let (ctl, limit_errors, all_holding) = (&ctl, &limit_errors, &all_holding);
                 s.spawn(move || {
+                    let mut first = Vec::new();
+                    for _ in 0..20 {
+                        match ctl.acquire_chunk(None) {
+                            Ok(c) => first.push(c),
+                            Err(gritdb_memctl::MemoryError::Limit { .. }) => {
+                                limit_errors.fetch_add(1, Ordering::Relaxed);
+                                break;
+                            }
+                            Err(e) => panic!("unexpected error {e}"),
+                        }
+                    }
+                    all_holding.wait();
+                    drop(first);
                     let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ t;
                     for _ in 0..3_000 {
                         x ^= x << 13;

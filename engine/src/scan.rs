@@ -78,6 +78,9 @@ type FileIter = Box<dyn Iterator<Item = Result<RecordBatch, StorageError>> + Sen
 /// `backpressure_timeout` for releases and then yields [`Error::MemoryLimit`].
 pub struct Scan {
     table: std::sync::Arc<TableInner>,
+    /// Asked to flush (seal the largest deltas) when a batch's memory cannot be had: waiting
+    /// alone frees nothing while the memory is in deltas no write is pushing out.
+    engine: std::sync::Arc<crate::engine::EngineInner>,
     /// In-memory batches to return; `true` when the batch is a copy on the heap (filtered or
     /// projected out of its block), so it still has to be counted.
     memory: VecDeque<(RecordBatch, bool)>,
@@ -102,7 +105,7 @@ impl std::fmt::Debug for Scan {
 }
 
 impl Scan {
-    pub(crate) fn new(inner: &std::sync::Arc<TableInner>, options: &ScanOptions) -> Result<Self> {
+    pub(crate) fn new(inner: &std::sync::Arc<TableInner>, engine: &std::sync::Arc<crate::engine::EngineInner>, options: &ScanOptions) -> Result<Self> {
         let schema = inner.codec.schema();
         let projection = match &options.projection {
             None => None,
@@ -149,6 +152,7 @@ impl Scan {
         }
         Ok(Self {
             table: std::sync::Arc::clone(inner),
+            engine: std::sync::Arc::clone(engine),
             memory: out,
             files: files.into(),
             current: None,
@@ -424,20 +428,24 @@ impl Scan {
         Ok(r)
     }
 
-    /// `attempt` until it does not fail for the limit, waiting for releases between tries,
-    /// up to `backpressure_timeout`; then its `MemoryLimit`.
+    /// `attempt` until it does not fail for the limit, up to `backpressure_timeout`; then its
+    /// `MemoryLimit`. Between tries the engine seals its largest deltas and queues their flush
+    /// (as a refused write does) and the scan waits for releases: memory held in deltas below
+    /// their flush threshold is freed by nothing else (a scan at 4 MiB after a replay of
+    /// 2.5 MiB of deltas waited its 5 s and failed: `breaker_reopen::alternating_limits_over_many_reopens`
+    /// on a loaded machine).
     fn waiting_for_memory<T>(&self, mut attempt: impl FnMut() -> std::result::Result<T, MemoryError>) -> Result<T> {
-        let shared = &self.table.shared;
-        let deadline = std::time::Instant::now() + shared.config.backpressure_timeout;
+        let deadline = std::time::Instant::now() + self.table.shared.config.backpressure_timeout;
         loop {
             match attempt() {
                 Ok(v) => return Ok(v),
                 Err(e @ MemoryError::Limit { .. }) => {
-                    let now = std::time::Instant::now();
-                    if now >= deadline {
+                    // Waits even when nothing is left to flush: other scans' batches may be
+                    // dropped.
+                    self.engine.relieve_pressure(true);
+                    if !self.engine.wait_for_memory(deadline) {
                         return Err(e.into());
                     }
-                    shared.ctl.wait_for_release((deadline - now).min(std::time::Duration::from_millis(100)));
                 }
                 Err(e) => return Err(e.into()),
             }

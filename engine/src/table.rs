@@ -829,7 +829,7 @@ impl Table {
         // like a write does.
         let deadline = Instant::now() + self.inner.shared.config.backpressure_timeout;
         loop {
-            match Scan::new(&self.inner, &options) {
+            match Scan::new(&self.inner, &self.engine, &options) {
                 Err(e) if e.is_memory_limit() => {
                     if !self.engine.relieve_pressure(true) || !self.engine.wait_for_memory(deadline) {
                         return Err(e);

@@ -1015,7 +1015,7 @@ fn scans_exact(m: &Model, t: &Table, engine: &Engine, what: &str) {
 
 /// A file whose one row group holds 20,000 narrow rows and then 500 rows of 40 KB: a byte
 /// cap of a file batch from the row group's *average* row (about 1 KB) let a batch of the
-/// wide tail ask for 40 KB times the rows the average allows (26 MiB, MemoryLimit at 16 MiB);
+/// wide tail ask for 40 KB times the rows the average allows (26 MiB, `MemoryLimit` at 16 MiB);
 /// the cap now comes from the densest page of the page index.
 fn skewed_widths_scan_at(limit: usize) {
     let dir = tempfile::tempdir().unwrap();

@@ -479,7 +479,7 @@ fn only_segment(dir: &Path) -> std::path::PathBuf {
 }
 
 /// (offset, whole length) of each record of a segment.
-fn records(data: &[u8]) -> Vec<(usize, usize)> {
+pub(crate) fn records(data: &[u8]) -> Vec<(usize, usize)> {
     let mut out = Vec::new();
     let mut at = 0;
     while at + 8 <= data.len() {

@@ -5,6 +5,7 @@
 //! Every test states what should happen; a failing test is a finding.
 
 use crate::breaker_session12::{kv_batch, kv_keys, kv_read, kv_schema};
+use crate::breaker_session13::records;
 use crate::breaker_slices::copy_dir;
 use arrow::array::{ArrayRef, AsArray, Int32Array, Int64Array, RecordBatch};
 use arrow::datatypes::{DataType, Field, Int64Type, Schema, SchemaRef};
@@ -21,21 +22,21 @@ use std::time::{Duration, Instant};
 
 const MIB: usize = 1 << 20;
 
-fn cfg(limit: usize) -> EngineConfig {
+pub(crate) fn cfg(limit: usize) -> EngineConfig {
     EngineConfig::default().memory_limit(limit).flush_age(Duration::from_secs(3600)).backpressure_timeout(Duration::from_secs(5))
 }
 
-fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+pub(crate) fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
     p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_owned())).unwrap_or_else(|| "<non-string panic>".into())
 }
 
 /// `Engine::open`, with a panic caught: `Err(text)`.
-fn try_open(dir: &Path, config: EngineConfig) -> Result<gritdb::Result<Engine>, String> {
+pub(crate) fn try_open(dir: &Path, config: EngineConfig) -> Result<gritdb::Result<Engine>, String> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Engine::open(dir, config))).map_err(|p| panic_text(&*p))
 }
 
 /// Reads the kv table, with a panic or error as text.
-fn try_read(t: &Table) -> Result<BTreeMap<i64, i64>, String> {
+pub(crate) fn try_read(t: &Table) -> Result<BTreeMap<i64, i64>, String> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<BTreeMap<i64, i64>, String> {
         let mut out = BTreeMap::new();
         for b in t.scan(ScanOptions::default()).map_err(|e| format!("scan: {e}"))? {
@@ -421,29 +422,14 @@ fn tight_limits_at_open_are_exact_or_a_memory_error() {
 // 2. WAL torn-tail recovery
 // =====================================================================================
 
-fn segments(dir: &Path) -> Vec<PathBuf> {
+pub(crate) fn segments(dir: &Path) -> Vec<PathBuf> {
     let mut segs: Vec<PathBuf> =
         std::fs::read_dir(dir.join("wal")).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|e| e == "log")).collect();
     segs.sort();
     segs
 }
 
-/// (offset, whole length) of each record of a segment.
-fn records(data: &[u8]) -> Vec<(usize, usize)> {
-    let mut out = Vec::new();
-    let mut at = 0;
-    while at + 8 <= data.len() {
-        let len = u32::from_le_bytes(data[at..at + 4].try_into().unwrap()) as usize;
-        if len == 0 || at + 8 + len > data.len() {
-            break;
-        }
-        out.push((at, 8 + len));
-        at += 8 + len;
-    }
-    out
-}
-
-fn wal_cfg(mode: WalSync) -> EngineConfig {
+pub(crate) fn wal_cfg(mode: WalSync) -> EngineConfig {
     cfg(64 * MIB).wal_sync(mode)
 }
 

@@ -231,3 +231,62 @@ fn read_parquet_batches(path: &std::path::Path) -> Vec<RecordBatch> {
     let file = std::fs::File::open(path).unwrap();
     gritdb::parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(file).unwrap().build().unwrap().map(Result::unwrap).collect()
 }
+
+/// Rows of `width`-byte values that do not compress (letters from `mix`), keys `from..to`.
+fn incompressible(from: i64, to: i64, width: usize) -> RecordBatch {
+    let schema = Arc::new(arrow::datatypes::Schema::new(vec![
+        arrow::datatypes::Field::new("k", arrow::datatypes::DataType::Int64, false),
+        arrow::datatypes::Field::new("s", arrow::datatypes::DataType::Utf8, false),
+    ]));
+    let text: Vec<String> = (from..to)
+        .map(|k| (0..width).map(|i| char::from(b'a' + (mix(k as u64 * 7919 + i as u64) % 26) as u8)).collect())
+        .collect();
+    RecordBatch::try_new(schema, vec![Arc::new(Int64Array::from_iter_values(from..to)), Arc::new(arrow::array::StringArray::from(text))]).unwrap()
+}
+
+/// A scan whose batches (all kept by the caller) do not fit beside other tables' deltas, each
+/// below its flush threshold (1 MiB at 8 MiB) and together below the write soft limit, so no
+/// write pushes them out. Expected: the scan seals them for the writer (it does, since
+/// `6a16383`) and proceeds, exact.
+#[test]
+#[ignore = "breaker: the scan's batches take the flush headroom (scans reserve up to the hard limit): the sealed deltas' flush cannot get its batch blocks (248 KB in flight, 30 KB free), row_blocks stay 5.0 MiB, and the scan returns MemoryLimit after backpressure_timeout"]
+fn a_scan_short_of_memory_flushes_other_tables_deltas() {
+    let dir = tempfile::tempdir().unwrap();
+    let limit = 8usize << 20;
+    let config = EngineConfig::default()
+        .memory_limit(limit)
+        .flush_age(std::time::Duration::from_secs(3600))
+        .backpressure_timeout(std::time::Duration::from_secs(2));
+    let engine = Engine::open(dir.path(), config).unwrap();
+    let wide = engine.create_table("wide", incompressible(0, 1, 8).schema(), &["k"]).unwrap();
+    for at in (0..300).step_by(50) {
+        wide.insert(&incompressible(at, at + 50, 10_000)).unwrap();
+    }
+    wide.flush().unwrap();
+    let mut fillers = Vec::new();
+    for n in 0..7 {
+        let t = engine.create_table(&format!("filler{n}"), incompressible(0, 1, 8).schema(), &["k"]).unwrap();
+        let mut k = 0;
+        while t.stats().unwrap().active_delta_bytes < 700_000 {
+            t.insert(&incompressible(k, k + 50, 500)).unwrap();
+            k += 50;
+        }
+        fillers.push((t, k));
+    }
+    for (t, _) in &fillers {
+        assert_eq!(t.stats().unwrap().files, 0, "a filler's delta is not flushed yet");
+    }
+    let used = engine.memory().used();
+    assert!(used > limit / 2, "{used} bytes in use before the scan");
+    // The caller keeps every batch (3 MB of values, counted while held): more than is free
+    // beside the deltas.
+    let held: Vec<RecordBatch> = wide.scan(ScanOptions::default()).unwrap().map(|b| b.unwrap()).collect();
+    assert!(engine.memory().used() <= limit);
+    let rows: usize = held.iter().map(RecordBatch::num_rows).sum();
+    let bytes: usize = held.iter().map(|b| arrow::array::AsArray::as_string::<i32>(b.column(1).as_ref()).values().len()).sum();
+    assert_eq!((rows, bytes), (300, 300 * 10_000));
+    assert!(fillers.iter().any(|(t, _)| t.stats().unwrap().files >= 1), "a filler's delta was flushed for the scan");
+    for (t, k) in &fillers {
+        assert_eq!(t.row_count().unwrap(), *k as u64);
+    }
+}

@@ -661,7 +661,7 @@ fn batch_rows_for(md: &parquet::file::metadata::ParquetMetaData, row_groups: &[u
 /// per page, rows per page from `first_row_index`); 0 without those sizes. The chunk's
 /// average is blind to rows of very unequal width: 20,000 rows of 20 bytes and then 500 of
 /// 40 KB average 1 KB a row, and a batch sized by it from the wide tail decodes 40 times its
-/// budget (`breaker_slices::a_row_group_of_skewed_widths_scans_at_8_mib`).
+/// budget (`breaker_slices::a_row_group_of_skewed_widths_scans_at_16_mib`).
 fn densest_page(index: &parquet::file::page_index::offset_index::OffsetIndexMetaData, rows: i64) -> i64 {
     let (Some(sizes), locations) = (index.unencoded_byte_array_data_bytes(), index.page_locations()) else { return 0 };
     if sizes.len() != locations.len() {

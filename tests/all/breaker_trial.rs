@@ -433,6 +433,18 @@ pub(crate) fn wal_cfg(mode: WalSync) -> EngineConfig {
     cfg(64 * MIB).wal_sync(mode)
 }
 
+/// The last WAL segment of `dir` (every older one must be empty), its bytes and its records.
+pub(crate) fn last_segment(dir: &Path) -> (PathBuf, Vec<u8>, Vec<(usize, usize)>) {
+    let mut segs = segments(dir);
+    let seg = segs.pop().unwrap();
+    for s in segs {
+        assert_eq!(std::fs::metadata(&s).unwrap().len(), 0, "an older non-empty segment {}", s.display());
+    }
+    let data = std::fs::read(&seg).unwrap();
+    let recs = records(&data);
+    (seg, data, recs)
+}
+
 /// `n` acknowledged upserts of 10 keys each (record i: keys 10i..10i+10, version i + 1),
 /// engine dropped without close: the last segment holds exactly `n` records.
 fn small_records(dir: &Path, mode: WalSync, n: i64) -> (PathBuf, Vec<u8>, Vec<(usize, usize)>) {
@@ -443,13 +455,7 @@ fn small_records(dir: &Path, mode: WalSync, n: i64) -> (PathBuf, Vec<u8>, Vec<(u
     }
     drop(t);
     drop(engine);
-    let mut segs = segments(dir);
-    let seg = segs.pop().unwrap();
-    for s in segs {
-        assert_eq!(std::fs::metadata(&s).unwrap().len(), 0, "an older non-empty segment {}", s.display());
-    }
-    let data = std::fs::read(&seg).unwrap();
-    let recs = records(&data);
+    let (seg, data, recs) = last_segment(dir);
     assert_eq!(recs.len(), n as usize, "records in the segment");
     assert_eq!(recs.last().map(|r| r.0 + r.1), Some(data.len()));
     (seg, data, recs)

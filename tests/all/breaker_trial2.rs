@@ -8,7 +8,7 @@
 use crate::breaker_session12::{kv_batch, kv_keys, kv_schema};
 use crate::breaker_session13::records;
 use crate::breaker_slices::copy_dir;
-use crate::breaker_trial::{cfg, panic_text, segments, try_open, try_read, wal_cfg};
+use crate::breaker_trial::{cfg, last_segment, panic_text, segments, try_open, try_read, wal_cfg};
 use arrow::array::{
     Array, ArrayRef, AsArray, BinaryArray, BinaryViewArray, BooleanArray, Date32Array, Decimal128Array, Float64Array, Int16Array, Int32Array,
     Int64Array, LargeBinaryArray, LargeStringArray, RecordBatch, StringArray, StringViewArray, Time64MicrosecondArray,
@@ -436,13 +436,7 @@ fn mixed_records(dir: &Path, mode: WalSync) -> (std::ffi::OsString, Vec<u8>, Vec
     t.upsert(&kv_batch(&(5..15).collect::<Vec<_>>(), 5, 3)).unwrap();
     drop(t);
     drop(engine);
-    let mut segs = segments(dir);
-    let seg = segs.pop().unwrap();
-    for s in segs {
-        assert_eq!(std::fs::metadata(&s).unwrap().len(), 0, "an older non-empty segment {}", s.display());
-    }
-    let data = std::fs::read(&seg).unwrap();
-    let recs = records(&data);
+    let (seg, data, recs) = last_segment(dir);
     assert_eq!(recs.len(), RECORDS, "records in the segment");
     assert_eq!(recs.last().map(|r| r.0 + r.1), Some(data.len()));
     (seg.file_name().unwrap().to_owned(), data, recs)

@@ -74,14 +74,58 @@ pub struct MemoryReport {
 
 impl MemoryController {
     /// A snapshot of every figure. Reads `/proc/self/status` and the allocator.
+    ///
+    /// The counters are separate atomics that other threads move while they are read, so the
+    /// categories, tables and `used` are read back to back (before the slower process view)
+    /// and read again, up to [`SNAPSHOT_TRIES`] times, until `used` did not move during the
+    /// read and equals the categories' sum: in a moment without concurrent reservations the
+    /// categories add up to `used` exactly. Before, `used` was read after the process view,
+    /// and a release in between (a background flush ending) made `used` minus the tables'
+    /// bytes wrong by the bytes released. A table's figure may still lag `used` by a
+    /// reservation that is in flight while it is read; under constant concurrent changes the
+    /// last read is returned.
     pub fn report(&self) -> MemoryReport {
         self.observe_pool_peaks();
+        let mut tries = 0;
+        let (used, categories, tables) = loop {
+            tries += 1;
+            let used_before = self.used();
+            let categories = self.category_reports();
+            let tables = self.table_reports();
+            let used = self.used();
+            let sum = categories.iter().fold(0usize, |a, c| a.wrapping_add(c.bytes));
+            if (used == used_before && sum == used) || tries >= SNAPSHOT_TRIES {
+                break (used, categories, tables);
+            }
+            std::thread::yield_now();
+        };
+        let process = ProcessView::read();
+        MemoryReport {
+            limit: self.limit(),
+            used,
+            peak: self.peak(),
+            chunk_size: self.chunk_size(),
+            categories,
+            tables,
+            process,
+            outside_engine: process.allocator.allocated.saturating_sub(used),
+        }
+    }
+}
+
+/// Reads of the counters [`MemoryController::report`] makes at most to find `used` equal to
+/// the categories' sum.
+pub const SNAPSHOT_TRIES: usize = 8;
+
+impl MemoryController {
+    /// Every category's figures, the pool categories exact (thread caches' unfolded moves
+    /// added: see [`MemoryController::pool_figures`]).
+    fn category_reports(&self) -> Vec<CategoryReport> {
         let pool = self.pool_figures();
-        let categories = Category::ALL
+        Category::ALL
             .iter()
             .map(|c| {
                 let mut r = CategoryReport::from_counters(*c, &self.counters[c.index()]);
-                // Add the thread caches' unfolded moves (see MemoryController::pool_figures).
                 match c {
                     Category::RowBlocks => {
                         r.bytes = pool.row_bytes;
@@ -98,9 +142,12 @@ impl MemoryController {
                 r.peak_bytes = r.peak_bytes.max(r.bytes);
                 r
             })
-            .collect();
-        let tables = self
-            .live_tables()
+            .collect()
+    }
+
+    /// Every live table's figures, in creation order.
+    fn table_reports(&self) -> Vec<TableReport> {
+        self.live_tables()
             .iter()
             .map(|t| TableReport {
                 table: t.name().to_owned(),
@@ -112,19 +159,7 @@ impl MemoryController {
                     .filter(|r| r.allocs > 0)
                     .collect(),
             })
-            .collect();
-        let process = ProcessView::read();
-        let used = self.used();
-        MemoryReport {
-            limit: self.limit(),
-            used,
-            peak: self.peak(),
-            chunk_size: self.chunk_size(),
-            categories,
-            tables,
-            process,
-            outside_engine: process.allocator.allocated.saturating_sub(used),
-        }
+            .collect()
     }
 }
 

@@ -736,7 +736,11 @@ fn read_segment<E: From<StorageError>>(
 /// taken for one (`breaker_session13::torn_tail_with_a_record_shaped_value_is_still_a_torn_tail`),
 /// and the walk costs a few steps, not a pass over the record (the search this replaced was
 /// quadratic in a torn record's size). Then:
-/// - the stream runs past the end of the data: this record is the torn tail, nothing follows;
+/// - a message body runs past the end of the data (its length matching the message's own
+///   buffers): this record is the torn tail, nothing follows;
+/// - a metadata length runs past the end: a cut inside the metadata, or that length damaged
+///   (`breaker_trial2::a_record_with_its_length_and_ipc_metadata_length_damaged_before_whole_records_is_corrupt`):
+///   the rest, which holds no message body, is searched ([`record_shaped_at_any_offset`]);
 /// - the stream ends: the payload is whole, only its header is damaged; what follows it is
 ///   zeros, the end, or records (corruption when one is whole);
 /// - the bytes stop being a stream (a page the crash did not write, damage): nothing more is
@@ -755,10 +759,14 @@ fn whole_record_after(data: &[u8], mut at: usize) -> bool {
         }
         match ipc_stream_end(data, from + PAYLOAD_HEADER) {
             IpcWalk::Garbage(g) => return record_shaped_at_any_offset(data, g),
+            // A metadata length past the end: a write cut inside the metadata (which holds no
+            // user values), or the length itself damaged, with records after it.
+            IpcWalk::MetaRunsOff(meta) => return record_shaped_at_any_offset(data, meta),
             IpcWalk::End(next) if whole_record_at(data, next) => return true,
             // A second damaged header right after (not zeros to the end): walk that record too.
             IpcWalk::End(next) if end - next >= HEADER && !data[next..].iter().all(|&b| b == 0) => at = next,
-            // The stream runs off the end, or is followed by zeros or too few bytes for a header.
+            // A body runs off the end (its length checked against the message's buffers), or
+            // the stream is followed by zeros or too few bytes for a header.
             IpcWalk::RunsOff | IpcWalk::End(_) => return false,
         }
     }
@@ -768,8 +776,13 @@ fn whole_record_after(data: &[u8], mut at: usize) -> bool {
 enum IpcWalk {
     /// The offset just past the end-of-stream marker.
     End(usize),
-    /// A message (or the marker) runs past the end of the data.
+    /// A message's body (or a marker) runs past the end of the data.
     RunsOff,
+    /// A message's metadata length runs past the end of the data; the offset where its
+    /// metadata starts. (A torn write can cut a record there, but so can damage to the
+    /// length: the metadata is the schema and buffer layout, never user values, so the
+    /// bytes from there on may be searched for records.)
+    MetaRunsOff(usize),
     /// The offset where the bytes stop being an IPC message.
     Garbage(usize),
 }
@@ -795,15 +808,35 @@ fn ipc_stream_end(data: &[u8], from: usize) -> IpcWalk {
             return IpcWalk::End(pos + 8);
         }
         if end - pos - 8 < meta {
-            return IpcWalk::RunsOff;
+            return IpcWalk::MetaRunsOff(pos + 8);
         }
         let Ok(message) = arrow_ipc::root_as_message(&data[pos + 8..pos + 8 + meta]) else { return IpcWalk::Garbage(pos) };
         let Ok(body) = usize::try_from(message.bodyLength()) else { return IpcWalk::Garbage(pos) };
+        if !body_length_matches_buffers(&message, body) {
+            return IpcWalk::Garbage(pos);
+        }
         match (pos + 8 + meta).checked_add(body) {
             Some(next) if next <= end => pos = next,
             _ => return IpcWalk::RunsOff,
         }
     }
+}
+
+/// Whether a message's `bodyLength` is what its own buffers take: 0 for a schema; for a
+/// record or dictionary batch at least the end of its last buffer and less than that plus 64
+/// (the largest IPC body alignment; Arrow columnar format, "Encapsulated message format":
+/// buffers are padded to 8 or 64 bytes). A damaged body length is then told from a body a
+/// torn write cut short, so the walk does not take it for the end of the data.
+fn body_length_matches_buffers(message: &arrow_ipc::Message<'_>, body: usize) -> bool {
+    let batch = match message.header_type() {
+        arrow_ipc::MessageHeader::Schema => return body == 0,
+        arrow_ipc::MessageHeader::RecordBatch => message.header_as_record_batch(),
+        arrow_ipc::MessageHeader::DictionaryBatch => message.header_as_dictionary_batch().and_then(|d| d.data()),
+        _ => return true,
+    };
+    let Some(buffers) = batch.and_then(|b| b.buffers()) else { return body < 64 };
+    let last = buffers.iter().map(|b| b.offset().saturating_add(b.length())).max().unwrap_or(0);
+    usize::try_from(last).is_ok_and(|last| last <= body && body < last.saturating_add(64))
 }
 
 /// Whether a whole record — a header whose length fits, a payload of a known op with

@@ -699,7 +699,6 @@ fn a_flipped_byte_anywhere_in_a_mixed_log_is_corrupt_or_cuts_only_the_last_recor
 /// zero) and the first IPC message's metadata length is huge. Whole acknowledged records
 /// follow, so this must be `CorruptWal`, not a torn tail that silently drops them.
 #[test]
-#[ignore = "breaker: a record whose length runs past the end (or is 0) AND whose first IPC metadata length runs past the end is taken as a torn tail: ipc_stream_end says RunsOff, whole_record_after returns false without searching, and the 1-4 whole acknowledged records after it are silently dropped (e.g. record 1 of 5: 10 rows replayed instead of CorruptWal), both sync modes"]
 fn a_record_with_its_length_and_ipc_metadata_length_damaged_before_whole_records_is_corrupt() {
     let mut problems = Vec::new();
     for mode in MODES {

@@ -337,8 +337,8 @@ impl TableStore {
     /// The key set of data file `path` (which must hold `rows` rows), built from its key
     /// columns one 8,192-row batch at a time. Budgeted under `key_index` (this table's): the
     /// set as it grows, each decoded batch and its keys in the index's encoding while they
-    /// live, and the Parquet reader's page and dictionary buffers (the estimate of
-    /// [`crate::FileReader::buffer_bytes`]). Before, the rebuild at open held the reader and
+    /// live, and the Parquet reader's page and dictionary buffers and the file's metadata
+    /// (the estimate of [`crate::FileReader::buffer_bytes`]). Before, the rebuild at open held the reader and
     /// every batch's keys twice over (all parts, then one concatenated copy) outside the
     /// limit.
     ///
@@ -359,7 +359,7 @@ impl TableStore {
             return Err(corrupt(format!("manifest says {rows} rows, file has {in_file}")));
         }
         let groups: Vec<usize> = (0..builder.metadata().num_row_groups()).collect();
-        res.try_grow(crate::write::reader_buffer_bytes(builder.metadata(), &groups, &read))?;
+        res.try_grow(crate::write::reader_buffer_bytes(builder.metadata(), &groups, &read).saturating_add(builder.metadata().memory_size()))?;
         let mask = ProjectionMask::roots(builder.parquet_schema(), read.iter().copied());
         // Always found: `read` is `key_cols` sorted.
         let order: Vec<usize> = self.key_cols.iter().map(|k| read.binary_search(k).unwrap_or(0)).collect();

@@ -535,7 +535,9 @@ pub fn read_file_with(path: &Path, spec: ReadSpec) -> Result<FileReader, Storage
     let identity = out_positions.iter().copied().eq(0..read.len());
     let mut reader = FileReader {
         inner: None,
-        buffer_bytes: reader_buffer_bytes(&md, &plan.row_groups, &read),
+        // The reader keeps the file's metadata (the page index too, when loaded) for as long
+        // as it is open: parquet's own estimate of its heap bytes.
+        buffer_bytes: reader_buffer_bytes(&md, &plan.row_groups, &read).saturating_add(md.memory_size()),
         cursor: Cursor { ranges: plan.ranges.clone(), at: 0, offset: 0 },
         position,
         out_positions: (!identity).then_some(out_positions),
@@ -732,8 +734,9 @@ impl FileReader {
     /// (the chunk's uncompressed bytes over its page count, the larger of rows / 20,000 and
     /// bytes / 1 MiB: parquet's default page limits, which [`WriteOptions`] keeps), its
     /// compressed copy, the dictionary page as stored and decoded (scaled by the chunk's
-    /// compression ratio) and an 8 KiB header buffer; the largest row group's sum. Callers
-    /// count it while the reader is open.
+    /// compression ratio) and an 8 KiB header buffer; the largest row group's sum; plus the
+    /// file's metadata the reader keeps, with the page index when it was loaded
+    /// (`ParquetMetaData::memory_size`). Callers count it while the reader is open.
     pub fn buffer_bytes(&self) -> usize {
         if self.inner.is_some() { self.buffer_bytes } else { 0 }
     }

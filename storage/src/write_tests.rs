@@ -317,13 +317,33 @@ fn reader_buffer_bytes_count_one_page_per_column_and_the_dictionary() {
         let dict = (stored + stored * unc / comp).min(unc + stored);
         usize::try_from(unc.div_ceil(pages) + comp.div_ceil(pages) + dict + (8 << 10)).unwrap()
     };
+    // The metadata the reader keeps counts too: without the page index here (no filter, no
+    // byte cap), with it when batches are capped in bytes.
+    let meta = md.memory_size();
     let k_only = read_file(&path, Some(&[0]), Arc::new(RoaringBitmap::new()), 8192).unwrap().buffer_bytes();
-    assert_eq!(k_only, expected(0));
+    assert_eq!(k_only, expected(0) + meta);
     let s_only = read_file(&path, Some(&[1]), Arc::new(RoaringBitmap::new()), 8192).unwrap().buffer_bytes();
-    assert_eq!(s_only, expected(1));
+    assert_eq!(s_only, expected(1) + meta);
     assert!(s_only >= 12_000 + (8 << 10), "the decoded dictionary counts: {s_only}");
     let both = read_file(&path, None, Arc::new(RoaringBitmap::new()), 8192).unwrap().buffer_bytes();
-    assert_eq!(both, k_only + s_only);
+    assert_eq!(both, expected(0) + expected(1) + meta);
+    let indexed = ParquetRecordBatchReaderBuilder::try_new_with_options(
+        fs::File::open(&path).unwrap(),
+        parquet::arrow::arrow_reader::ArrowReaderOptions::new().with_page_index_policy(parquet::file::metadata::PageIndexPolicy::Optional),
+    )
+    .unwrap()
+    .metadata()
+    .memory_size();
+    assert!(indexed > meta, "the page index takes bytes: {indexed} vs {meta}");
+    let capped = ReadSpec {
+        projection: None,
+        filter: None,
+        deleted: Arc::new(RoaringBitmap::new()),
+        batch_rows: 8192,
+        batch_bytes: 1 << 20,
+        counters: None,
+    };
+    assert_eq!(read_file_with(&path, capped).unwrap().buffer_bytes(), expected(0) + expected(1) + indexed);
     // A filter no row group can match: the reader reads nothing and holds nothing.
     let none = crate::ScanFilter::compare("k", crate::CompareOp::Gt, Arc::new(Int64Array::from(vec![1_000_000])));
     let spec = ReadSpec {

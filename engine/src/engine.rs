@@ -354,6 +354,22 @@ impl EngineInner {
         busy || self.writer.in_flight() > 0
     }
 
+    /// Whether a scan counting `bytes` more would leave too little memory to flush the
+    /// largest delta, active or sealed, of any table: `pressure + bytes + that > limit`, the
+    /// bound of the write admission rule ([`Shared::flush_room_short`]: a flush holds a
+    /// delta's rows and their Arrow batches at once). `false` without deltas, and at once
+    /// when `2 × (pressure + bytes) ≤ limit` ([`Shared::flush_room_certain`]), so the tables
+    /// are only visited when memory is more than half used.
+    pub(crate) fn scan_flush_room_short(&self, bytes: usize) -> bool {
+        let shared = &self.shared;
+        if shared.flush_room_certain(bytes) {
+            return false;
+        }
+        let active = self.all_tables().iter().map(|t| t.active_bytes()).max().unwrap_or(0);
+        let largest = active.max(self.largest_sealed_delta());
+        largest > 0 && shared.pressure_bytes().saturating_add(bytes).saturating_add(largest) > shared.ctl.limit()
+    }
+
     /// Bytes of the largest sealed delta of any table (see [`Shared::flush_room_short`]).
     pub(crate) fn largest_sealed_delta(&self) -> usize {
         self.tables_read().values().map(|t| t.largest_sealed.load(Ordering::Acquire)).max().unwrap_or(0)

@@ -417,26 +417,41 @@ impl Scan {
     /// waits for releases (flushes, or batches the caller drops) up to `backpressure_timeout`,
     /// then returns [`Error::MemoryLimit`].
     fn counted(&self, b: &RecordBatch) -> Result<RecordBatch> {
-        self.waiting_for_memory(|| count_batch(b, &self.table.shared.ctl, Some(&self.table.account)))
+        self.waiting_for_memory(b.get_array_memory_size(), || count_batch(b, &self.table.shared.ctl, Some(&self.table.account)))
     }
 
     /// `bytes` reserved under `scan_buffers` for this table, waiting for releases like
     /// [`Self::counted`].
     fn reserve(&self, bytes: usize) -> Result<Reservation> {
         let mut r = Reservation::new(&self.table.shared.ctl, Category::ScanBuffers, Some(&self.table.account));
-        self.waiting_for_memory(|| r.try_grow(bytes))?;
+        self.waiting_for_memory(bytes, || r.try_grow(bytes))?;
         Ok(r)
     }
 
-    /// `attempt` until it does not fail for the limit, up to `backpressure_timeout`; then its
-    /// `MemoryLimit`. Between tries the engine seals its largest deltas and queues their flush
-    /// (as a refused write does) and the scan waits for releases: memory held in deltas below
-    /// their flush threshold is freed by nothing else (a scan at 4 MiB after a replay of
-    /// 2.5 MiB of deltas waited its 5 s and failed: `breaker_reopen::alternating_limits_over_many_reopens`
-    /// on a loaded machine).
-    fn waiting_for_memory<T>(&self, mut attempt: impl FnMut() -> std::result::Result<T, MemoryError>) -> Result<T> {
+    /// `attempt` (to count about `bytes`) until it does not fail for the limit, up to
+    /// `backpressure_timeout`; then its `MemoryLimit`. Between tries the engine seals its
+    /// largest deltas and queues their flush (as a refused write does) and the scan waits for
+    /// releases: memory held in deltas below their flush threshold is freed by nothing else (a
+    /// scan at 4 MiB after a replay of 2.5 MiB of deltas waited its 5 s and failed:
+    /// `breaker_reopen::alternating_limits_over_many_reopens` on a loaded machine).
+    ///
+    /// Before the first try, a scan leaves the memory to flush the largest delta
+    /// ([`EngineInner::scan_flush_room_short`], the write admission rule's bound): while
+    /// `bytes` would not leave it and there is something to flush, the scan seals and waits
+    /// as above first. Without this a caller keeping its batches took the flush headroom, and
+    /// the sealed deltas' flush could not get its batch blocks (248 KB wanted, 30 KB free):
+    /// `scan_memory::a_scan_short_of_memory_flushes_other_tables_deltas`. When nothing can be
+    /// flushed or the wait runs out, the hard limit alone decides.
+    fn waiting_for_memory<T>(&self, bytes: usize, mut attempt: impl FnMut() -> std::result::Result<T, MemoryError>) -> Result<T> {
         let deadline = std::time::Instant::now() + self.table.shared.config.backpressure_timeout;
+        let mut leave_flush_room = true;
         loop {
+            if leave_flush_room && self.engine.scan_flush_room_short(bytes) {
+                if self.engine.relieve_pressure(true) && self.engine.wait_for_memory(deadline) {
+                    continue;
+                }
+                leave_flush_room = false;
+            }
             match attempt() {
                 Ok(v) => return Ok(v),
                 Err(e @ MemoryError::Limit { .. }) => {

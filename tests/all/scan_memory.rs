@@ -249,7 +249,6 @@ fn incompressible(from: i64, to: i64, width: usize) -> RecordBatch {
 /// write pushes them out. Expected: the scan seals them for the writer (it does, since
 /// `6a16383`) and proceeds, exact.
 #[test]
-#[ignore = "breaker: the scan's batches take the flush headroom (scans reserve up to the hard limit): the sealed deltas' flush cannot get its batch blocks (248 KB in flight, 30 KB free), row_blocks stay 5.0 MiB, and the scan returns MemoryLimit after backpressure_timeout"]
 fn a_scan_short_of_memory_flushes_other_tables_deltas() {
     let dir = tempfile::tempdir().unwrap();
     let limit = 8usize << 20;

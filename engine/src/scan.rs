@@ -96,6 +96,11 @@ pub struct Scan {
     filter: Option<Arc<BoundFilter>>,
     counters: Arc<ScanCounters>,
     batch_rows: usize,
+    /// Set once a wait to leave flush room ([`Self::waiting_for_memory`]) found nothing to
+    /// flush or ran out its `backpressure_timeout`: from then on the hard limit alone decides
+    /// for this scan, so a flush that cannot proceed costs the scan one timeout, not one per
+    /// batch.
+    flush_room_given_up: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Scan {
@@ -162,6 +167,7 @@ impl Scan {
             filter,
             counters: Arc::new(ScanCounters::default()),
             batch_rows: options.batch_rows,
+            flush_room_given_up: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -441,16 +447,18 @@ impl Scan {
     /// as above first. Without this a caller keeping its batches took the flush headroom, and
     /// the sealed deltas' flush could not get its batch blocks (248 KB wanted, 30 KB free):
     /// `scan_memory::a_scan_short_of_memory_flushes_other_tables_deltas`. When nothing can be
-    /// flushed or the wait runs out, the hard limit alone decides.
+    /// flushed or the wait runs out, the hard limit alone decides, for the rest of the scan
+    /// (a stalled flush cost a scan keeping its batches the whole timeout before every batch:
+    /// `breaker_trial3::a_scan_beside_a_stalled_flush_waits_once_not_per_batch`).
     fn waiting_for_memory<T>(&self, bytes: usize, mut attempt: impl FnMut() -> std::result::Result<T, MemoryError>) -> Result<T> {
+        use std::sync::atomic::Ordering::Relaxed;
         let deadline = std::time::Instant::now() + self.table.shared.config.backpressure_timeout;
-        let mut leave_flush_room = true;
         loop {
-            if leave_flush_room && self.engine.scan_flush_room_short(bytes) {
+            if !self.flush_room_given_up.load(Relaxed) && self.engine.scan_flush_room_short(bytes) {
                 if self.engine.relieve_pressure(true) && self.engine.wait_for_memory(deadline) {
                     continue;
                 }
-                leave_flush_room = false;
+                self.flush_room_given_up.store(true, Relaxed);
             }
             match attempt() {
                 Ok(v) => return Ok(v),

@@ -783,7 +783,9 @@ enum IpcWalk {
     /// length: the metadata is the schema and buffer layout, never user values, so the
     /// bytes from there on may be searched for records.)
     MetaRunsOff(usize),
-    /// The offset where the bytes stop being an IPC message.
+    /// The bytes stop being an IPC message; the offset to search for records from: the
+    /// metadata of the last message stepped over (its lengths may be what went wrong), or the
+    /// stream's start.
     Garbage(usize),
 }
 
@@ -791,18 +793,24 @@ fn ipc_stream_end(data: &[u8], from: usize) -> IpcWalk {
     const CONTINUATION: [u8; 4] = [0xff; 4];
     let end = data.len();
     let mut pos = from;
+    // Where a search must start when the bytes stop being a stream: the metadata of the last
+    // message stepped over, since a damaged length in it (the flatbuffer still parses with
+    // bytes after its tables) steps past the record's end into the next record, and
+    // searching only from there misses that record's start
+    // (`breaker_trial3::a_stretched_ipc_length_in_a_record_before_the_last_is_corrupt_wal`).
+    let mut search = from;
     loop {
         if end - pos < 8 {
             // A prefix of a continuation marker and length is still a stream cut short.
             let have = &data[pos..];
             let n = have.len().min(4);
-            return if have[..n] == CONTINUATION[..n] { IpcWalk::RunsOff } else { IpcWalk::Garbage(pos) };
+            return if have[..n] == CONTINUATION[..n] { IpcWalk::RunsOff } else { IpcWalk::Garbage(search) };
         }
         if data[pos..pos + 4] != CONTINUATION {
-            return IpcWalk::Garbage(pos);
+            return IpcWalk::Garbage(search);
         }
         let Ok(meta) = usize::try_from(i32::from_le_bytes(data[pos + 4..pos + 8].try_into().expect("4 bytes"))) else {
-            return IpcWalk::Garbage(pos); // infallible slice; a negative length is garbage
+            return IpcWalk::Garbage(search); // infallible slice; a negative length is garbage
         };
         if meta == 0 {
             return IpcWalk::End(pos + 8);
@@ -810,13 +818,16 @@ fn ipc_stream_end(data: &[u8], from: usize) -> IpcWalk {
         if end - pos - 8 < meta {
             return IpcWalk::MetaRunsOff(pos + 8);
         }
-        let Ok(message) = arrow_ipc::root_as_message(&data[pos + 8..pos + 8 + meta]) else { return IpcWalk::Garbage(pos) };
-        let Ok(body) = usize::try_from(message.bodyLength()) else { return IpcWalk::Garbage(pos) };
+        let Ok(message) = arrow_ipc::root_as_message(&data[pos + 8..pos + 8 + meta]) else { return IpcWalk::Garbage(search) };
+        let Ok(body) = usize::try_from(message.bodyLength()) else { return IpcWalk::Garbage(search) };
         if !body_length_matches_buffers(&message, body) {
-            return IpcWalk::Garbage(pos);
+            return IpcWalk::Garbage(search);
         }
         match (pos + 8 + meta).checked_add(body) {
-            Some(next) if next <= end => pos = next,
+            Some(next) if next <= end => {
+                search = pos + 8;
+                pos = next;
+            }
             _ => return IpcWalk::RunsOff,
         }
     }

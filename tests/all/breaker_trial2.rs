@@ -444,7 +444,7 @@ fn mixed_records(dir: &Path, mode: WalSync) -> (std::ffi::OsString, Vec<u8>, Vec
 
 
 #[derive(Debug)]
-enum Outcome {
+pub(crate) enum Outcome {
     Rows(BTreeMap<i64, i64>),
     Corrupt,
     Other(String),
@@ -453,7 +453,7 @@ enum Outcome {
 /// Copies `src`, writes `bytes` as segment `name`, opens and reads the table. With `more`,
 /// after a successful open: one more upsert (keys 100..103, v9), a crash, a reopen, and
 /// that read must be the first read plus the upsert (the truncated tail does not come back).
-fn open_with(src: &Path, name: &std::ffi::OsStr, bytes: &[u8], mode: WalSync, more: bool) -> Outcome {
+pub(crate) fn open_with(src: &Path, name: &std::ffi::OsStr, bytes: &[u8], mode: WalSync, more: bool) -> Outcome {
     let d = tempfile::tempdir().unwrap();
     copy_dir(src, d.path());
     std::fs::write(d.path().join("wal").join(name), bytes).unwrap();

@@ -233,7 +233,7 @@ fn read_parquet_batches(path: &std::path::Path) -> Vec<RecordBatch> {
 }
 
 /// Rows of `width`-byte values that do not compress (letters from `mix`), keys `from..to`.
-fn incompressible(from: i64, to: i64, width: usize) -> RecordBatch {
+pub(crate) fn incompressible(from: i64, to: i64, width: usize) -> RecordBatch {
     let schema = Arc::new(arrow::datatypes::Schema::new(vec![
         arrow::datatypes::Field::new("k", arrow::datatypes::DataType::Int64, false),
         arrow::datatypes::Field::new("s", arrow::datatypes::DataType::Utf8, false),
@@ -242,6 +242,28 @@ fn incompressible(from: i64, to: i64, width: usize) -> RecordBatch {
         .map(|k| (0..width).map(|i| char::from(b'a' + (mix(k as u64 * 7919 + i as u64) % 26) as u8)).collect())
         .collect();
     RecordBatch::try_new(schema, vec![Arc::new(Int64Array::from_iter_values(from..to)), Arc::new(arrow::array::StringArray::from(text))]).unwrap()
+}
+
+/// Table `wide` with `wide_rows` rows of 10,000 incompressible bytes (keys `0..wide_rows`),
+/// flushed, and seven `filler` tables each holding an unflushed delta of about 700 KB
+/// (50-row inserts of 500-byte values); each filler with its row count.
+pub(crate) fn wide_and_fillers(engine: &Engine, wide_rows: i64) -> (gritdb::Table, Vec<(gritdb::Table, i64)>) {
+    let wide = engine.create_table("wide", incompressible(0, 1, 8).schema(), &["k"]).unwrap();
+    for at in (0..wide_rows).step_by(50) {
+        wide.insert(&incompressible(at, (at + 50).min(wide_rows), 10_000)).unwrap();
+    }
+    wide.flush().unwrap();
+    let mut fillers = Vec::new();
+    for n in 0..7 {
+        let t = engine.create_table(&format!("filler{n}"), incompressible(0, 1, 8).schema(), &["k"]).unwrap();
+        let mut k = 0;
+        while t.stats().unwrap().active_delta_bytes < 700_000 {
+            t.insert(&incompressible(k, k + 50, 500)).unwrap();
+            k += 50;
+        }
+        fillers.push((t, k));
+    }
+    (wide, fillers)
 }
 
 /// A scan whose batches (all kept by the caller) do not fit beside other tables' deltas, each
@@ -257,21 +279,7 @@ fn a_scan_short_of_memory_flushes_other_tables_deltas() {
         .flush_age(std::time::Duration::from_secs(3600))
         .backpressure_timeout(std::time::Duration::from_secs(2));
     let engine = Engine::open(dir.path(), config).unwrap();
-    let wide = engine.create_table("wide", incompressible(0, 1, 8).schema(), &["k"]).unwrap();
-    for at in (0..300).step_by(50) {
-        wide.insert(&incompressible(at, at + 50, 10_000)).unwrap();
-    }
-    wide.flush().unwrap();
-    let mut fillers = Vec::new();
-    for n in 0..7 {
-        let t = engine.create_table(&format!("filler{n}"), incompressible(0, 1, 8).schema(), &["k"]).unwrap();
-        let mut k = 0;
-        while t.stats().unwrap().active_delta_bytes < 700_000 {
-            t.insert(&incompressible(k, k + 50, 500)).unwrap();
-            k += 50;
-        }
-        fillers.push((t, k));
-    }
+    let (wide, fillers) = wide_and_fillers(&engine, 300);
     for (t, _) in &fillers {
         assert_eq!(t.stats().unwrap().files, 0, "a filler's delta is not flushed yet");
     }

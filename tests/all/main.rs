@@ -22,6 +22,7 @@ mod breaker_session13;
 mod breaker_trial;
 mod breaker_trial2;
 mod breaker_trial3;
+mod breaker_trial4;
 mod compaction;
 mod crash;
 mod create_drop;

@@ -203,6 +203,10 @@ impl Scan {
                     deleted: f.deleted,
                     batch_rows: self.batch_rows,
                     batch_bytes: scan_batch_bytes(&self.table.shared),
+                    // Page pruning is worth its column index only while it fits the memory
+                    // free now: a 121-column file of 77 row groups keeps 3.1 MB of it, and a
+                    // filtered scan at 8 MiB was refused for it (`breaker_trial3`).
+                    pruning_budget: self.table.shared.ctl.limit().saturating_sub(self.table.shared.ctl.used()),
                     counters: Some(Arc::clone(&self.counters)),
                 })?;
                 // Reserved by `next_inner` before the first page is read; dropped with the reader.
@@ -452,7 +456,7 @@ impl Scan {
     /// `breaker_trial3::a_scan_beside_a_stalled_flush_waits_once_not_per_batch`).
     fn waiting_for_memory<T>(&self, bytes: usize, mut attempt: impl FnMut() -> std::result::Result<T, MemoryError>) -> Result<T> {
         use std::sync::atomic::Ordering::Relaxed;
-        let deadline = std::time::Instant::now() + self.table.shared.config.backpressure_timeout;
+        let deadline = crate::engine::deadline_after(self.table.shared.config.backpressure_timeout);
         loop {
             if !self.flush_room_given_up.load(Relaxed) && self.engine.scan_flush_room_short(bytes) {
                 if self.engine.relieve_pressure(true) && self.engine.wait_for_memory(deadline) {

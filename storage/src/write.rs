@@ -11,9 +11,9 @@ use parquet::errors::ParquetError;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError};
 use parquet::arrow::ProjectionMask;
-use parquet::arrow::arrow_reader::{ArrowReaderOptions, ParquetRecordBatchReader, ParquetRecordBatchReaderBuilder, RowSelection};
+use parquet::arrow::arrow_reader::{ArrowReaderMetadata, ArrowReaderOptions, ParquetRecordBatchReader, ParquetRecordBatchReaderBuilder, RowSelection};
 use parquet::basic::Compression;
-use parquet::file::metadata::PageIndexPolicy;
+use parquet::file::metadata::{PageIndexPolicy, ParquetMetaDataReader};
 use parquet::file::properties::WriterProperties;
 use roaring::RoaringBitmap;
 use std::fs;
@@ -463,7 +463,7 @@ pub fn read_file(
     deleted: Arc<RoaringBitmap>,
     batch_rows: usize,
 ) -> Result<FileReader, StorageError> {
-    read_file_with(path, ReadSpec { projection: projection.map(<[usize]>::to_vec), filter: None, deleted, batch_rows, batch_bytes: 0, counters: None })
+    read_file_with(path, ReadSpec { projection: projection.map(<[usize]>::to_vec), filter: None, deleted, batch_rows, batch_bytes: 0, pruning_budget: usize::MAX, counters: None })
 }
 
 /// What [`read_file_with`] reads from a data file.
@@ -485,6 +485,12 @@ pub struct ReadSpec {
     /// larger, and the densest page of a byte-array column where the page index gives its
     /// value bytes; the largest row group's figure).
     pub batch_bytes: usize,
+    /// Most bytes the reader may hold ([`FileReader::buffer_bytes`]) with the column index
+    /// that lets `filter` prune pages (each page's min / max of every column, kept while the
+    /// reader is open). When it would hold more, the file is opened again without it and the
+    /// filter prunes row groups only; the rows returned are the same. `usize::MAX`: prune
+    /// pages whenever the file has the index; 0: never.
+    pub pruning_budget: usize,
     /// Where row groups read and pruned and rows decoded are counted.
     pub counters: Option<Arc<ScanCounters>>,
 }
@@ -500,12 +506,9 @@ pub struct ReadSpec {
 /// not valid Parquet; the iterator yields later decoding errors.
 pub fn read_file_with(path: &Path, spec: ReadSpec) -> Result<FileReader, StorageError> {
     let file = fs::File::open(path).map_err(io(path))?;
-    // The page index is loaded when a filter can use it, or when batches are capped in bytes
-    // (the offset index's per-page value sizes: [`densest_page`]).
-    let policy = if spec.filter.is_some() || spec.batch_bytes > 0 { PageIndexPolicy::Optional } else { PageIndexPolicy::Skip };
-    let options = ArrowReaderOptions::new().with_page_index_policy(policy);
-    let builder = ParquetRecordBatchReaderBuilder::try_new_with_options(file, options)?.with_batch_size(spec.batch_rows.max(1));
-    let width = builder.schema().fields().len();
+    let footer = ParquetMetaDataReader::new().parse_and_finish(&file)?;
+    let descr = footer.file_metadata().schema_descr_ptr();
+    let width = descr.root_schema().get_fields().len();
     let out: Vec<usize> = spec.projection.clone().unwrap_or_else(|| (0..width).collect());
     let mut read: Vec<usize> = out.iter().chain(spec.filter.iter().flat_map(|f| f.columns())).copied().collect();
     read.sort_unstable();
@@ -513,6 +516,33 @@ pub fn read_file_with(path: &Path, spec: ReadSpec) -> Result<FileReader, Storage
     if let Some(&bad) = read.iter().find(|&&c| c >= width) {
         return Err(StorageError::CorruptFile { path: path.to_path_buf(), detail: format!("column {bad} asked for; the file has {width}") });
     }
+    // The page index is read only where it is used, as the reader keeps it (and counts it) for
+    // as long as it is open: both halves for a filter's page pruning, the offset index alone
+    // when batches are capped in bytes and a read column is a byte array (the per-page value
+    // sizes of [`densest_page`]). A 121-column Int64 file of 77 row groups holds 4.0 MB of
+    // metadata, 7.1 MB with its page index (`breaker_trial3`).
+    let byte_arrays = spec.batch_bytes > 0
+        && descr.columns().iter().enumerate().any(|(leaf, c)| c.physical_type() == parquet::basic::Type::BYTE_ARRAY && read.binary_search(&descr.get_column_root_idx(leaf)).is_ok());
+    let with_index = |md: parquet::file::metadata::ParquetMetaData, column_index: bool| -> Result<_, StorageError> {
+        if !column_index && !byte_arrays {
+            return Ok(md);
+        }
+        let policy = if column_index { PageIndexPolicy::Optional } else { PageIndexPolicy::Skip };
+        let mut reader = ParquetMetaDataReader::new_with_metadata(md).with_column_index_policy(policy).with_offset_index_policy(PageIndexPolicy::Optional);
+        reader.read_page_indexes(&file)?;
+        Ok(reader.finish()?)
+    };
+    let pruning = spec.filter.is_some() && spec.pruning_budget > 0;
+    let mut md = with_index(footer, pruning)?;
+    if pruning && md.column_index().is_some() {
+        let all: Vec<usize> = (0..md.num_row_groups()).collect();
+        if reader_buffer_bytes(&md, &all, &read).saturating_add(md.memory_size()) > spec.pruning_budget {
+            drop(md);
+            md = with_index(ParquetMetaDataReader::new().parse_and_finish(&file)?, false)?;
+        }
+    }
+    let metadata = ArrowReaderMetadata::try_new(Arc::new(md), ArrowReaderOptions::new())?;
+    let builder = ParquetRecordBatchReaderBuilder::new_with_metadata(file, metadata).with_batch_size(spec.batch_rows.max(1));
     let mut position = vec![usize::MAX; width];
     for (at, &c) in read.iter().enumerate() {
         position[c] = at;
@@ -538,6 +568,7 @@ pub fn read_file_with(path: &Path, spec: ReadSpec) -> Result<FileReader, Storage
         // The reader keeps the file's metadata (the page index too, when loaded) for as long
         // as it is open: parquet's own estimate of its heap bytes.
         buffer_bytes: reader_buffer_bytes(&md, &plan.row_groups, &read).saturating_add(md.memory_size()),
+        column_index: md.column_index().is_some(),
         cursor: Cursor { ranges: plan.ranges.clone(), at: 0, offset: 0 },
         position,
         out_positions: (!identity).then_some(out_positions),
@@ -714,6 +745,8 @@ pub struct FileReader {
     inner: Option<ParquetRecordBatchReader>,
     /// `reader_buffer_bytes` of what this reader reads.
     buffer_bytes: usize,
+    /// Whether the metadata kept holds the column index (page pruning).
+    column_index: bool,
     cursor: Cursor,
     /// Table column -> column of the decoded batch.
     position: Vec<usize>,
@@ -739,6 +772,12 @@ impl FileReader {
     /// (`ParquetMetaData::memory_size`). Callers count it while the reader is open.
     pub fn buffer_bytes(&self) -> usize {
         if self.inner.is_some() { self.buffer_bytes } else { 0 }
+    }
+
+    /// True when this reader keeps the file's column index, so its filter prunes pages (the
+    /// file has the index and [`ReadSpec::pruning_budget`] allowed it).
+    pub fn prunes_pages(&self) -> bool {
+        self.inner.is_some() && self.column_index
     }
 
     fn filter(&mut self, b: &RecordBatch) -> Result<Option<RecordBatch>, StorageError> {

@@ -259,7 +259,7 @@ fn read_batches_are_capped_by_bytes() {
     let rows = batch_rows_for(&md, &groups, &all, 8192, 100 * per_row);
     assert!((40..=100).contains(&rows), "{rows}");
     assert_eq!(batch_rows_for(&md, &groups, &all, 8192, 1), 1);
-    let spec = ReadSpec { projection: None, filter: None, deleted: Arc::new(RoaringBitmap::new()), batch_rows: 8192, batch_bytes: 100 * per_row, counters: None };
+    let spec = ReadSpec { projection: None, filter: None, deleted: Arc::new(RoaringBitmap::new()), batch_rows: 8192, batch_bytes: 100 * per_row, pruning_budget: usize::MAX, counters: None };
     let got: Vec<RecordBatch> = read_file_with(&path, spec).unwrap().collect::<Result<_, _>>().unwrap();
     assert!(got.iter().all(|b| b.num_rows() <= rows), "{:?}", got.iter().map(RecordBatch::num_rows).max());
     assert_eq!(got.iter().map(RecordBatch::num_rows).sum::<usize>(), 15_000);
@@ -341,9 +341,41 @@ fn reader_buffer_bytes_count_one_page_per_column_and_the_dictionary() {
         deleted: Arc::new(RoaringBitmap::new()),
         batch_rows: 8192,
         batch_bytes: 1 << 20,
+        pruning_budget: usize::MAX,
         counters: None,
     };
-    assert_eq!(read_file_with(&path, capped).unwrap().buffer_bytes(), expected(0) + expected(1) + indexed);
+    // A byte cap reads the offset index alone (the column index serves only filters), and
+    // only when a byte-array column is read: `k` alone keeps the footer's metadata.
+    let offsets_only = ParquetRecordBatchReaderBuilder::try_new_with_options(
+        fs::File::open(&path).unwrap(),
+        parquet::arrow::arrow_reader::ArrowReaderOptions::new()
+            .with_column_index_policy(parquet::file::metadata::PageIndexPolicy::Skip)
+            .with_offset_index_policy(parquet::file::metadata::PageIndexPolicy::Optional),
+    )
+    .unwrap()
+    .metadata()
+    .memory_size();
+    assert!(meta < offsets_only && offsets_only < indexed, "{meta} < {offsets_only} < {indexed}");
+    assert_eq!(read_file_with(&path, capped.clone()).unwrap().buffer_bytes(), expected(0) + expected(1) + offsets_only);
+    let k_capped = ReadSpec { projection: Some(vec![0]), ..capped.clone() };
+    assert_eq!(read_file_with(&path, k_capped).unwrap().buffer_bytes(), expected(0) + meta);
+    // A filter reads both halves (page pruning needs the column index's statistics).
+    let all = crate::ScanFilter::compare("k", crate::CompareOp::GtEq, Arc::new(Int64Array::from(vec![0])));
+    let filtered = ReadSpec { projection: Some(vec![0]), filter: Some(Arc::new(all.bind(&schema).unwrap())), ..capped };
+    let pruning = read_file_with(&path, filtered.clone()).unwrap();
+    assert!(pruning.prunes_pages());
+    assert_eq!(pruning.buffer_bytes(), expected(0) + indexed);
+    // A budget one byte short of that: the same filter keeps the footer's metadata only, and
+    // yields the same rows; a budget that holds it exactly prunes pages.
+    let rows = |r: FileReader| r.map(|b| b.unwrap().num_rows()).sum::<usize>();
+    let exact = read_file_with(&path, ReadSpec { pruning_budget: expected(0) + indexed, ..filtered.clone() }).unwrap();
+    assert!(exact.prunes_pages());
+    let unpruned = read_file_with(&path, ReadSpec { pruning_budget: expected(0) + indexed - 1, ..filtered.clone() }).unwrap();
+    assert!(!unpruned.prunes_pages());
+    assert_eq!(unpruned.buffer_bytes(), expected(0) + meta);
+    let never = read_file_with(&path, ReadSpec { pruning_budget: 0, ..filtered }).unwrap();
+    assert_eq!(never.buffer_bytes(), expected(0) + meta);
+    assert_eq!((rows(pruning), rows(exact), rows(unpruned), rows(never)), (60_000, 60_000, 60_000, 60_000));
     // A filter no row group can match: the reader reads nothing and holds nothing.
     let none = crate::ScanFilter::compare("k", crate::CompareOp::Gt, Arc::new(Int64Array::from(vec![1_000_000])));
     let spec = ReadSpec {
@@ -352,6 +384,7 @@ fn reader_buffer_bytes_count_one_page_per_column_and_the_dictionary() {
         deleted: Arc::new(RoaringBitmap::new()),
         batch_rows: 8192,
         batch_bytes: 0,
+        pruning_budget: usize::MAX,
         counters: None,
     };
     assert_eq!(read_file_with(&path, spec).unwrap().buffer_bytes(), 0);

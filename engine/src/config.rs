@@ -16,9 +16,10 @@ pub struct EngineConfig {
     /// `None` = limit / 16, clamped to 1 MiB..=64 MiB.
     pub table_flush_bytes: Option<usize>,
     /// How long a write waits for the background writer to free memory before it returns
-    /// [`crate::Error::MemoryLimit`]. Default 30 s.
+    /// [`crate::Error::MemoryLimit`]. Default 30 s; `Duration::MAX` waits without end.
     pub backpressure_timeout: Duration,
-    /// Background flush threads. Default 2.
+    /// Background flush threads. Default 2; at most [`crate::MAX_THREADS`] (more is
+    /// [`crate::Error::Config`] at open, as for the other thread counts).
     pub writer_threads: usize,
     /// Threads a flush a caller waits for ([`crate::Table::flush`], close, replay) and its
     /// compactions use, the flushing thread included (background flushes:
@@ -105,7 +106,7 @@ impl EngineConfig {
         self
     }
 
-    /// Sets the backpressure wait.
+    /// Sets the backpressure wait (`Duration::MAX`: without end).
     #[must_use]
     pub fn backpressure_timeout(mut self, d: Duration) -> Self {
         self.backpressure_timeout = d;
@@ -147,8 +148,8 @@ impl EngineConfig {
         self
     }
 
-    /// Sets the threads one background flush uses (at least 1; see
-    /// [`Self::background_flush_threads`]).
+    /// Sets the threads one background flush uses (at least 1, at most
+    /// [`crate::MAX_THREADS`]; see [`Self::background_flush_threads`]).
     #[must_use]
     pub fn background_flush_threads(mut self, n: usize) -> Self {
         self.background_flush_threads = n.max(1);
@@ -162,14 +163,16 @@ impl EngineConfig {
         self
     }
 
-    /// Sets the threads one flush or compaction uses (at least 1; see [`Self::flush_threads`]).
+    /// Sets the threads one flush or compaction uses (at least 1, at most
+    /// [`crate::MAX_THREADS`]; see [`Self::flush_threads`]).
     #[must_use]
     pub fn flush_threads(mut self, n: usize) -> Self {
         self.flush_threads = n.max(1);
         self
     }
 
-    /// Sets the number of background flush threads (at least 1).
+    /// Sets the number of background flush threads (at least 1; more than
+    /// [`crate::MAX_THREADS`] is refused at open).
     #[must_use]
     pub fn writer_threads(mut self, n: usize) -> Self {
         self.writer_threads = n.max(1);

@@ -409,6 +409,20 @@ impl EngineInner {
     }
 }
 
+/// The moment `timeout` from now; a timeout past what `Instant` can hold (such as
+/// `Duration::MAX`, "wait without end") gives a moment about 136 years away instead of
+/// panicking on the overflow (`breaker_trial4`).
+pub(crate) fn deadline_after(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout).or_else(|| now.checked_add(Duration::from_secs(u64::from(u32::MAX)))).unwrap_or(now)
+}
+
+/// Most threads any of [`EngineConfig`]'s thread counts may ask for (`writer_threads`,
+/// `flush_threads`, `background_flush_threads`). A larger value is a configuration error at
+/// open: tokio's semaphore panics past 2^61 permits, and thousands of threads on any machine
+/// are a mistake, not a setting.
+pub const MAX_THREADS: usize = 1024;
+
 impl EngineInner {
     /// Stops the engine: no new operation starts, writes already admitted finish, background
     /// flushes stop at their next step
@@ -555,6 +569,15 @@ impl Engine {
         // A bad configuration is refused before anything is created on disk.
         if config.max_row_bytes == 0 {
             return Err(Error::Config("max_row_bytes must be positive".into()));
+        }
+        for (name, n) in [
+            ("writer_threads", config.writer_threads),
+            ("flush_threads", config.flush_threads),
+            ("background_flush_threads", config.background_flush_threads),
+        ] {
+            if n > MAX_THREADS {
+                return Err(Error::Config(format!("{name} = {n}: at most {MAX_THREADS} threads")));
+            }
         }
         if let crate::BackgroundPriority::Batch(nice) = config.background_priority
             && !(0..=19).contains(&nice)
@@ -909,7 +932,7 @@ impl Engine {
         drop(state);
         // A flush or compaction in flight holds the flush lock until it has let go of its
         // memory: wait for it (bounded; a hung system call cannot be interrupted).
-        let deadline = Instant::now() + self.inner.shared.config.backpressure_timeout;
+        let deadline = deadline_after(self.inner.shared.config.backpressure_timeout);
         let acknowledged = loop {
             match t.flush_lock.try_lock() {
                 Ok(_) | Err(std::sync::TryLockError::Poisoned(_)) => break true,
@@ -1012,7 +1035,7 @@ impl Engine {
         // old limit still lets it build its batches; then the new limit takes over.
         gritdb_memctl::MemoryController::check_limit_value(bytes, ctl.chunk_size())?;
         shared.write_target.store(bytes, Ordering::Release);
-        let deadline = Instant::now() + shared.config.backpressure_timeout;
+        let deadline = deadline_after(shared.config.backpressure_timeout);
         // Every delta is sealed and flushed while the old limit still leaves the writer room
         // (a delta sealed under the old limit may need more than the new one allows).
         for t in self.inner.all_tables() {

@@ -670,7 +670,7 @@ impl Table {
     /// Runs `apply` under the table lock; when it fails for memory, asks the writer to flush
     /// the largest deltas and waits (bounded by `backpressure_timeout`) before trying again.
     fn with_backpressure(&self, batch_bytes_hint: usize, rows: usize, mut apply: impl FnMut(&mut TableState) -> Result<usize>) -> Result<usize> {
-        let deadline = Instant::now() + self.inner.shared.config.backpressure_timeout;
+        let deadline = crate::engine::deadline_after(self.inner.shared.config.backpressure_timeout);
         let mut waited = false;
         let shared = &self.inner.shared;
         // Whether the soft limit is checked again under the table lock (see below); off once
@@ -827,7 +827,7 @@ impl Table {
         self.engine.check_open()?;
         // The delta snapshot needs scan buffers: under memory pressure, wait for the writer
         // like a write does.
-        let deadline = Instant::now() + self.inner.shared.config.backpressure_timeout;
+        let deadline = crate::engine::deadline_after(self.inner.shared.config.backpressure_timeout);
         loop {
             match Scan::new(&self.inner, &self.engine, &options) {
                 Err(e) if e.is_memory_limit() => {

@@ -1278,7 +1278,6 @@ fn stray_files_in_a_table_directory_are_never_read_as_data() {
 /// `Instant::now() + timeout`, which must not panic (saturate, or refuse the value at open
 /// with `Error::Config`).
 #[test]
-#[ignore = "finding: backpressure_timeout(Duration::MAX) is accepted at open, then every insert panics with `overflow when adding duration to instant` (table.rs with_backpressure)"]
 fn backpressure_timeout_of_duration_max_is_refused_or_works() {
     let dir = tempfile::tempdir().unwrap();
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match Engine::open(dir.path(), cfg(64 * MIB).backpressure_timeout(Duration::MAX)) {
@@ -1523,25 +1522,37 @@ fn ar(a: impl Array + 'static) -> ArrayRef {
     Arc::new(a)
 }
 
-/// `writer_threads(usize::MAX)` (the builder only clamps from below) must be refused with
-/// `Error::Config` or capped at open, never panic inside `Engine::open`.
+/// `writer_threads(usize::MAX)` (the builder only clamps from below) made `Engine::open` panic
+/// in tokio's semaphore. Every thread count above `gritdb::MAX_THREADS` is now
+/// `Error::Config` at open, before anything is created on disk; `MAX_THREADS` background
+/// flush threads open and work.
 #[test]
-#[ignore = "finding: EngineConfig::writer_threads(usize::MAX) makes Engine::open panic (tokio Semaphore::new above MAX_PERMITS in writer.rs Writer::new)"]
-fn writer_threads_of_usize_max_is_refused_or_works() {
+fn thread_counts_above_max_threads_are_config_errors() {
+    type Set = fn(gritdb::EngineConfig, usize) -> gritdb::EngineConfig;
+    let setters: [(&str, Set); 3] = [
+        ("writer_threads", |c, n| c.writer_threads(n)),
+        ("flush_threads", |c, n| c.flush_threads(n)),
+        ("background_flush_threads", |c, n| c.background_flush_threads(n)),
+    ];
     let mut bad = Vec::new();
-    for n in [usize::MAX, usize::MAX >> 2] {
-        let dir = tempfile::tempdir().unwrap();
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match Engine::open(dir.path(), cfg(64 * MIB).writer_threads(n)) {
-            Err(Error::Config(_)) => {}
-            Err(e) => panic!("unexpected {e:?}"),
-            Ok(engine) => {
-                workload(&engine, "t");
-                engine.close().unwrap();
+    for (name, set) in setters {
+        for n in [usize::MAX, usize::MAX >> 2, gritdb::MAX_THREADS + 1] {
+            let dir = tempfile::tempdir().unwrap();
+            let data = dir.path().join("d");
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| Engine::open(&data, set(cfg(64 * MIB), n)).map(|_| ())));
+            match r {
+                Ok(Err(Error::Config(msg))) => {
+                    assert!(msg.contains(name), "{msg}");
+                    assert!(!data.exists(), "{name}({n}) created the data directory");
+                }
+                Ok(other) => bad.push(format!("{name}({n}): {other:?}")),
+                Err(p) => bad.push(format!("{name}({n}): panicked: {}", crate::breaker_trial::panic_text(&*p))),
             }
-        }));
-        if let Err(p) = r {
-            bad.push(format!("writer_threads({n}): panicked: {}", crate::breaker_trial::panic_text(&*p)));
         }
     }
     assert!(bad.is_empty(), "{bad:#?}");
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), cfg(64 * MIB).writer_threads(gritdb::MAX_THREADS)).unwrap();
+    workload(&engine, "t");
+    engine.close().unwrap();
 }

@@ -262,8 +262,8 @@ pub fn summarize(
     }
 
     let not_enough = format!(
-        "not checked: {} rounds after {warmup} warm-up, need {}",
-        after.len(),
+        "not checked: {} after {warmup} warm-up, need {}",
+        plural(after.len() as u64, "round"),
         th.min_rounds_for_slopes
     );
     let slope_check = |name: &str, v: Option<f64>, max: f64| -> Check {
@@ -372,6 +372,11 @@ pub fn summarize(
     })
 }
 
+/// `n` and `noun`, with an `s` unless `n` is 1 ("1 round", "3 rounds").
+pub(crate) fn plural(n: u64, noun: &str) -> String {
+    if n == 1 { format!("1 {noun}") } else { format!("{n} {noun}s") }
+}
+
 impl Summary {
     /// The short table printed at the end of a run.
     pub fn table(&self) -> String {
@@ -379,11 +384,11 @@ impl Summary {
         let b = |v: u64| fmt_bytes(v as f64);
         let _ = writeln!(
             s,
-            "gritdb soak: {} rounds in {:.1} s, limit {}, warm-up {} rounds",
-            self.rounds,
+            "gritdb soak: {} in {:.1} s, limit {}, warm-up {}",
+            plural(u64::from(self.rounds), "round"),
             self.wall_seconds,
             b(self.limit_bytes),
-            self.warmup_rounds
+            plural(u64::from(self.warmup_rounds), "round")
         );
         let _ = writeln!(
             s,
@@ -479,6 +484,13 @@ impl Summary {
 mod tests {
     use super::*;
     use crate::sample::tests::sample;
+
+    #[test]
+    fn counts_read_as_words() {
+        assert_eq!(plural(0, "round"), "0 rounds");
+        assert_eq!(plural(1, "round"), "1 round");
+        assert_eq!(plural(200, "round"), "200 rounds");
+    }
 
     #[test]
     fn least_squares_slope() {

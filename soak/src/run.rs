@@ -357,8 +357,8 @@ pub fn run(args: &RunArgs, allocator: Allocator) -> Result<bool> {
     };
 
     eprintln!(
-        "gritdb-soak: {} rounds, {} tables/round, scale {}, limit {}, allocator {}, output {}",
-        args.rounds,
+        "gritdb-soak: {}, {} tables/round, scale {}, limit {}, allocator {}, output {}",
+        crate::report::plural(u64::from(args.rounds), "round"),
         args.tables,
         args.scale,
         fmt_bytes(args.memory_limit as f64),

@@ -790,7 +790,6 @@ fn export_after_a_small_reopen_is_exact() {
 
 /// Wide rows (about 1.1 MB) exported at 8 MiB after a small reopen.
 #[test]
-#[ignore = "breaker: with 1.1 MB rows an 8 MiB engine holds a 3 MiB delta, its 3 MiB scan copy and a staged flush's 1.7 MiB batches: the export's writer cannot get one row's 0.7 MiB of buffers (MemoryLimit for write_buffers)"]
 fn export_of_wide_rows_at_8_mib_is_exact() {
     let dir = tempfile::tempdir().unwrap();
     let spec = Spec { cols: 32, min: 4 << 10, max: 64 << 10 };

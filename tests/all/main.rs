@@ -23,6 +23,7 @@ mod breaker_trial;
 mod breaker_trial2;
 mod breaker_trial3;
 mod breaker_trial4;
+mod breaker_trial5;
 mod compaction;
 mod crash;
 mod create_drop;

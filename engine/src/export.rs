@@ -323,8 +323,12 @@ impl Table {
         // ran is not replaced (a creation racing this very check still can be: a plain rename
         // has no no-replace mode on every file system).
         check_target(path, options.overwrite)?;
-        vfs.rename(tmp, path).map_err(io(path))?;
-        *renamed = true;
+        let moved = vfs.rename(tmp, path);
+        // A rename reported failed may still have replaced `path` (the tmp file is gone): the
+        // caller gets an error, so the new file must not stay there either. A rename that
+        // did not happen leaves `path` as it was.
+        *renamed = moved.is_ok() || gritdb_storage::rename_may_have_happened(tmp);
+        moved.map_err(io(path))?;
         vfs.sync_dir(dir).map_err(io(dir))?;
         tracing::debug!(table = %self.name(), path = %path.display(), rows, bytes, row_groups, "table exported to Parquet");
         Ok(ExportStats { path: path.to_path_buf(), rows, bytes, row_groups, peak_buffer_bytes: peak })

@@ -100,9 +100,10 @@ impl Manifest {
         self.write_tracked(vfs, dir, &mut false)
     }
 
-    /// [`Self::write`], setting `renamed` once the new manifest is renamed into place: after
-    /// that, an error (the directory fsync failed) leaves it unknown whether the old or the new
-    /// manifest is the one on disk, so every file either names must be kept.
+    /// [`Self::write`], setting `renamed` once the new manifest may be in place: after the
+    /// rename succeeded, or failed with the tmp file gone (a rename the file system applied
+    /// and then reported an error for). From then on an error leaves it unknown whether the
+    /// old or the new manifest is the one on disk, so every file either names must be kept.
     ///
     /// # Errors
     /// As [`Self::write`].
@@ -120,7 +121,7 @@ pub(crate) fn write_atomic(vfs: &dyn Vfs, dir: &Path, name: &str, bytes: &[u8]) 
     write_atomic_tracked(vfs, dir, name, bytes, &mut false)
 }
 
-/// [`write_atomic`], setting `renamed` once the rename is done (see
+/// [`write_atomic`], setting `renamed` once the rename may have taken effect (see
 /// [`Manifest::write_tracked`]).
 fn write_atomic_tracked(vfs: &dyn Vfs, dir: &Path, name: &str, bytes: &[u8], renamed: &mut bool) -> Result<(), StorageError> {
     let tmp = dir.join(format!("{name}.tmp"));
@@ -130,8 +131,9 @@ fn write_atomic_tracked(vfs: &dyn Vfs, dir: &Path, name: &str, bytes: &[u8], ren
         f.write_all(bytes).map_err(io(&tmp))?;
         f.sync_all().map_err(io(&tmp))?;
         drop(f);
-        vfs.rename(&tmp, &dst).map_err(io(&dst))?;
-        *renamed = true;
+        let moved = vfs.rename(&tmp, &dst);
+        *renamed = moved.is_ok() || crate::vfs::rename_may_have_happened(&tmp);
+        moved.map_err(io(&dst))?;
         vfs.sync_dir(dir).map_err(io(dir))
     })();
     if res.is_err() {

@@ -38,6 +38,15 @@ pub trait Vfs: Send + Sync + Debug {
     fn sync_dir(&self, path: &Path) -> io::Result<()>;
 }
 
+/// After [`Vfs::rename`] of `from` returned an error: whether the rename may have taken
+/// effect anyway — `from` is gone, or cannot be looked up (a file system can apply a rename
+/// and then report `EIO`, as a network or FUSE file system whose reply is lost does;
+/// `breaker_trial5`). A caller that deletes what the rename's target names on a failed rename
+/// must treat `true` as "renamed". Reads go to `std::fs`, as for the rest of storage.
+pub fn rename_may_have_happened(from: &Path) -> bool {
+    !matches!(from.try_exists(), Ok(true))
+}
+
 /// The real file system.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct StdFs;

@@ -1,0 +1,61 @@
+//! `gritdb-soak`'s command line: bad input exits with status 2 and a reason, never a panic
+//! (from `breaker_trial5`; here so that cargo builds the binary under test,
+//! `CARGO_BIN_EXE_gritdb-soak`, in whatever profile the tests run).
+
+use std::path::Path;
+
+/// Bad command lines of `gritdb-soak`: every one exits with code 2 and a one-line reason on
+/// stderr that names the problem; none panics or prints a backtrace.
+#[test]
+fn soak_cli_bad_input_exits_2_with_a_reason_and_never_panics() {
+    let work = tempfile::tempdir().unwrap();
+    let w = work.path();
+    let garbage = w.join("garbage");
+    std::fs::create_dir(&garbage).unwrap();
+    std::fs::write(garbage.join("soak.csv"), "not,a,soak,csv\n1,2,3,4\n").unwrap();
+    let header_only = w.join("header");
+    std::fs::create_dir(&header_only).unwrap();
+    std::fs::write(header_only.join("soak.csv"), "round,load\n").unwrap();
+    let notpq = w.join("x.parquet");
+    std::fs::write(&notpq, vec![7u8; 5000]).unwrap();
+    let nonempty = w.join("nonempty");
+    std::fs::create_dir(&nonempty).unwrap();
+    std::fs::write(nonempty.join("f"), "x").unwrap();
+    let data = w.join("data").to_string_lossy().into_owned();
+    let out = w.join("out").to_string_lossy().into_owned();
+    let s = |p: &Path| p.to_string_lossy().into_owned();
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (vec!["--bogus".into()], "unexpected argument"),
+        (vec!["--rounds".into(), "0".into()], "--rounds"),
+        (vec!["--rounds".into(), "abc".into()], "invalid digit"),
+        (vec!["--memory-limit".into(), "0".into()], "positive"),
+        (vec!["--memory-limit".into(), "10XB".into()], "unknown unit"),
+        (vec!["--memory-limit".into(), "1".into(), "--rounds".into(), "1".into(), "--data-dir".into(), data.clone(), "--out".into(), out.clone()], "below the minimum"),
+        (vec!["--scale".into(), "nan".into()], "positive"),
+        (vec!["report".into(), s(&w.join("missing"))], "No such file"),
+        (vec!["report".into(), s(&garbage)], "parsing"),
+        (vec!["report".into(), s(&header_only)], "soak.csv"),
+        (vec!["bench".into(), "--scale".into(), "-1".into()], "-1"),
+        (vec!["bench".into(), "--scale".into(), "0".into()], "positive"),
+        (vec!["bench".into(), "--runs".into(), "0".into(), "--scale".into(), "0.001".into()], "at least 1"),
+        (vec!["bench".into(), "--parquet".into(), s(&notpq), "--runs".into(), "1".into()], "Parquet"),
+        (vec!["bench".into(), "--parquet".into(), s(&w.join("none.parquet")), "--runs".into(), "1".into()], "No such file"),
+        (vec!["crash".into(), "--kills".into(), "1".into(), "--dir".into(), s(&nonempty)], "not empty"),
+        (vec!["tune".into(), "--limits".into(), "64MiB,zz".into()], "zz"),
+    ];
+    let mut wrong = Vec::new();
+    for (args, needle) in &cases {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_gritdb-soak"))
+            .args(args)
+            .current_dir(w)
+            .env("RUST_BACKTRACE", "1")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        let code = o.status.code();
+        if code != Some(2) || !err.contains(needle) || err.contains("panicked") || err.contains("stack backtrace") {
+            wrong.push(format!("{args:?}: exit {code:?}, stderr: {}", err.trim()));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}

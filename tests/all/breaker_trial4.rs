@@ -294,11 +294,7 @@ fn filters_on_long_multibyte_strings_and_ff_binaries_are_exact_after_flush() {
         }
         assert!(bad.is_empty(), "{when}: {} wrong answers, first: {:#?}", bad.len(), &bad[..bad.len().min(10)]);
     };
-    check(&t, "after flush");
-    engine.close().unwrap();
-    let engine = open(dir.path());
-    let t = engine.table("t").unwrap();
-    check(&t, "after reopen");
+    check_then_reopen(&t, engine, dir.path(), check);
 }
 
 // =====================================================================================
@@ -382,11 +378,7 @@ fn unsigned_filters_and_keys_across_the_sign_bit_are_exact() {
             assert!(matches!(t.insert(&b), Err(Error::KeyExists { .. })), "{when}: key {u} not found by insert");
         }
     };
-    check(&t, "after flush");
-    engine.close().unwrap();
-    let engine = open(dir.path());
-    let t = engine.table("t").unwrap();
-    check(&t, "after reopen");
+    check_then_reopen(&t, engine, dir.path(), check);
 }
 
 // =====================================================================================
@@ -471,11 +463,7 @@ fn decimal_filters_with_negatives_and_extremes_are_exact() {
         }
         assert!(bad.is_empty(), "{when}: {} wrong, first {:#?}", bad.len(), &bad[..bad.len().min(10)]);
     };
-    check(&t, "after flush");
-    engine.close().unwrap();
-    let engine = open(dir.path());
-    let t = engine.table("t").unwrap();
-    check(&t, "after reopen");
+    check_then_reopen(&t, engine, dir.path(), check);
 }
 
 // =====================================================================================
@@ -1555,4 +1543,13 @@ fn thread_counts_above_max_threads_are_config_errors() {
     let engine = Engine::open(dir.path(), cfg(64 * MIB).writer_threads(gritdb::MAX_THREADS)).unwrap();
     workload(&engine, "t");
     engine.close().unwrap();
+}
+
+/// `check` of table `t` as it is ("after flush"), then of the same table after a clean close
+/// and reopen of `dir` ("after reopen").
+fn check_then_reopen(t: &gritdb::Table, engine: Engine, dir: &std::path::Path, check: impl Fn(&gritdb::Table, &str)) {
+    check(t, "after flush");
+    engine.close().unwrap();
+    let engine = open(dir);
+    check(&engine.table("t").unwrap(), "after reopen");
 }

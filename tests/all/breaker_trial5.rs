@@ -278,6 +278,16 @@ fn lossy_cfg(fs: &LossyFs, mode: WalSync) -> EngineConfig {
     cfg(64 << 20).wal_sync(mode).vfs(Arc::new(fs.clone()))
 }
 
+/// Flushes `t`, closes the engine and reopens `dir` with the real file system: the table
+/// holds exactly `m`.
+fn flush_and_reopen_cleanly_is(dir: &Path, engine: Engine, t: Table, m: &Model, what: &str) {
+    t.flush().unwrap();
+    drop(t);
+    engine.close().unwrap();
+    let engine = Engine::open(dir, cfg(64 << 20)).unwrap();
+    assert_eq!(&read(&engine.table("t").unwrap()), m, "{what}: after a clean reopen");
+}
+
 /// Drops the engine without `close` (the crash the tests can make in process) and reopens the
 /// directory with the real file system.
 fn crash_reopen(dir: &Path, engine: Engine, t: Table, mode: WalSync) -> (Engine, Table) {
@@ -416,11 +426,7 @@ fn fsyncgate_failed_data_file_fsync_then_retry_and_reopen_are_exact() {
             crash_reopen(dir.path(), engine, t, WalSync::PerBatch)
         };
         assert_eq!(read(&t), m, "crash_first={crash_first}: after reopen");
-        t.flush().unwrap();
-        drop(t);
-        engine.close().unwrap();
-        let engine = Engine::open(dir.path(), cfg(64 << 20)).unwrap();
-        assert_eq!(read(&engine.table("t").unwrap()), m, "crash_first={crash_first}: after a clean reopen");
+        flush_and_reopen_cleanly_is(dir.path(), engine, t, &m, &format!("crash_first={crash_first}"));
     }
 }
 
@@ -552,11 +558,7 @@ fn a_data_file_rename_lost_by_a_failed_dir_fsync_then_crash_or_retry_is_exact() 
         assert_eq!(read(&t), m, "{pat} crash_first={crash_first}: after reopen");
         t.upsert(&kv(1_500..2_500, 2)).unwrap();
         put(&mut m, 1_500..2_500, 2);
-        t.flush().unwrap();
-        drop(t);
-        engine.close().unwrap();
-        let engine = Engine::open(dir.path(), cfg(64 << 20)).unwrap();
-        assert_eq!(read(&engine.table("t").unwrap()), m, "crash_first={crash_first}: after a clean reopen");
+        flush_and_reopen_cleanly_is(dir.path(), engine, t, &m, &format!("crash_first={crash_first}"));
     }
 }
 

@@ -24,6 +24,7 @@ mod breaker_trial2;
 mod breaker_trial3;
 mod breaker_trial4;
 mod breaker_trial5;
+mod breaker_trial6;
 mod compaction;
 mod crash;
 mod create_drop;

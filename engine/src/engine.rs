@@ -586,6 +586,13 @@ impl Engine {
                 "background_priority Batch({nice}): the nice value must be 0..=19 (a background flush can only run below its caller)"
             )));
         }
+        // The chunk size and the limit are checked here too (the controller holds nothing on
+        // disk), so a bad one leaves no directory or LOCK behind (`breaker_trial6`).
+        let ctl = MemoryController::new(ControllerConfig {
+            memory_limit: config.memory_limit.map(clamp_to_ram),
+            chunk_size: config.chunk_size,
+            ..ControllerConfig::default()
+        })?;
         if dir.exists() && !dir.is_dir() {
             return Err(Error::Io {
                 path: dir.clone(),
@@ -611,11 +618,6 @@ impl Engine {
         }
         lock_file.set_len(0).and_then(|()| write!(lock_file, "{}", std::process::id())).map_err(io(&lock_path))?;
 
-        let ctl = MemoryController::new(ControllerConfig {
-            memory_limit: config.memory_limit.map(clamp_to_ram),
-            chunk_size: config.chunk_size,
-            ..ControllerConfig::default()
-        })?;
         let tables_dir = dir.join("tables");
         let trash = dir.join("trash");
         fs::create_dir_all(&tables_dir).map_err(io(&tables_dir))?;

@@ -1021,11 +1021,10 @@ fn repeated_lying_manifest_renames_across_flushes_stay_exact() {
 }
 
 /// `Engine::open` says (engine.rs) "a bad configuration is refused before anything is created
-/// on disk" — true of the thread counts, max_row_bytes and background_priority, but a chunk
-/// size that is not a power of two in range, or a memory limit below two chunks, is refused
-/// `Error::Config` only after the data directory (and its LOCK file) was created.
+/// on disk": a chunk size that is not a power of two in range, or a memory limit below two
+/// chunks, was refused with `Error::Config` only after the data directory (and its LOCK file)
+/// was created; now, like the thread counts, `max_row_bytes` and `background_priority`, before.
 #[test]
-#[ignore = "finding: Engine::open creates the data directory and LOCK before refusing a bad chunk_size / memory_limit with Error::Config"]
 fn a_bad_chunk_size_or_memory_limit_is_refused_before_anything_is_created() {
     let mut wrong = Vec::new();
     for (name, c) in [

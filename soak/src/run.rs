@@ -322,10 +322,6 @@ fn config_json(
 /// Set-up failures (output or data directory, engine open). Failures during the rounds are
 /// recorded in the summary and give `Ok(false)`.
 pub fn run(args: &RunArgs, allocator: Allocator) -> Result<bool> {
-    fs::create_dir_all(&args.out)
-        .with_context(|| format!("creating output dir {}", args.out.display()))?;
-    init_logging(&args.out)?;
-    let data_dir = prepare_data_dir(&args.data_dir)?;
     let limit = usize::try_from(args.memory_limit)
         .context("--memory-limit does not fit this platform's address size")?;
     let flush_bytes = usize::try_from(args.flush_bytes())
@@ -333,6 +329,14 @@ pub fn run(args: &RunArgs, allocator: Allocator) -> Result<bool> {
     let engine_config = gritdb::EngineConfig::default()
         .memory_limit(limit)
         .table_flush_bytes(flush_bytes);
+    // A limit the engine would refuse is refused before the output log is replaced and the
+    // previous run's data dir wiped (a new user's `--memory-limit 1KB` cleared both).
+    gritdb::memory::MemoryController::check_limit_value(limit, engine_config.chunk_size)
+        .with_context(|| format!("--memory-limit {}", fmt_bytes(limit as f64)))?;
+    fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating output dir {}", args.out.display()))?;
+    init_logging(&args.out)?;
+    let data_dir = prepare_data_dir(&args.data_dir)?;
     let engine = gritdb::Engine::open(&data_dir.path, engine_config).with_context(|| {
         format!(
             "opening the engine in {} with limit {}",

@@ -43,6 +43,22 @@ fn soak_cli_bad_input_exits_2_with_a_reason_and_never_panics() {
         (vec!["crash".into(), "--kills".into(), "1".into(), "--dir".into(), s(&nonempty)], "not empty"),
         (vec!["tune".into(), "--limits".into(), "64MiB,zz".into()], "zz"),
     ];
+    // A refused limit leaves an earlier run's data dir and log as they were.
+    let kept = w.join("kept");
+    std::fs::create_dir_all(kept.join("data/tables")).unwrap();
+    std::fs::create_dir_all(kept.join("out")).unwrap();
+    std::fs::write(kept.join("out/soak.log"), "earlier run").unwrap();
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_gritdb-soak"))
+        .args(["--memory-limit", "1KB", "--data-dir"])
+        .arg(kept.join("data"))
+        .arg("--out")
+        .arg(kept.join("out"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("below the minimum"), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(kept.join("data/tables").is_dir(), "the earlier data dir was wiped");
+    assert_eq!(std::fs::read_to_string(kept.join("out/soak.log")).unwrap(), "earlier run");
     let mut wrong = Vec::new();
     for (args, needle) in &cases {
         let o = std::process::Command::new(env!("CARGO_BIN_EXE_gritdb-soak"))

@@ -911,14 +911,39 @@ impl Engine {
     /// (about 32 MiB at most) — are released when the system call returns.
     ///
     /// # Errors
-    /// [`Error::TableNotFound`], [`Error::Io`] when the directory cannot be removed.
+    /// [`Error::TableNotFound`]; [`Error::Io`] when the directory cannot be renamed into
+    /// `trash/` (nothing changed: the table is still there, whole); [`Error::Io`] when the
+    /// `tables/` directory's fsync after the rename fails or the renamed directory cannot be
+    /// removed (the table is gone from this engine; after a crash before the rename reached the
+    /// disk it is back at the next open with every row its WAL held, else gone, and `trash/`
+    /// is cleared at the next open).
     pub fn drop_table(&self, name: &str) -> Result<()> {
         self.inner.check_open()?;
+        let vfs = &self.inner.shared.config.vfs;
+        // The directory's rename into `trash/` is the drop's commit point on disk. It runs
+        // under the tables lock (as `create_table`'s directory and manifest do), before
+        // anything is taken from the table, so a rename that fails leaves the table exactly as
+        // it was — served, writable, in the WAL and on disk — and no other call sees it half
+        // dropped. It goes through the file layer, so a `Vfs` that fails or lies is honoured.
         let t = {
             let mut tables = self.inner.tables_write();
-            resolve_name(&tables, name).and_then(|k| tables.remove(&k))
+            let key = resolve_name(&tables, name).ok_or_else(|| Error::TableNotFound { name: name.to_owned() })?;
+            let t = Arc::clone(&tables[&key]);
+            let trash = self.inner.dir.join("trash").join(format!("t{}", t.id));
+            t.dropping.store(true, Ordering::Release);
+            if let Err(e) = vfs.rename(&t.dir, &trash) {
+                // A rename can take effect and still report an error (a lost reply on a
+                // network file system): the directory is gone from `tables/`, so the drop
+                // happened.
+                if !gritdb_storage::rename_may_have_happened(&t.dir) {
+                    t.dropping.store(false, Ordering::Release);
+                    return Err(Error::Io { path: t.dir.clone(), source: e });
+                }
+                tracing::warn!(table = name, error = %e, "drop_table: the rename into trash/ reported an error but took effect");
+            }
+            tables.remove(&key);
+            t
         };
-        let t = t.ok_or_else(|| Error::TableNotFound { name: name.to_owned() })?;
         // Cancel writes first, then take the state (under one lock), so once a handle sees the
         // table gone its writes are cancelled.
         let state = {
@@ -945,13 +970,16 @@ impl Engine {
         if !acknowledged {
             tracing::warn!(table = name, "drop_table: a flush of the table is stuck in the file layer; its memory is released when the call returns");
         }
-        let trash = self.inner.dir.join("trash").join(format!("t{}", t.id));
-        fs::rename(&t.dir, &trash).map_err(io(&t.dir))?;
-        // The rename is the commit point of the drop: make it durable before the WAL forgets.
-        fs::File::open(self.inner.dir.join("tables")).and_then(|d| d.sync_all()).map_err(io(&t.dir))?;
+        // Make the rename durable before the WAL forgets the table's records. When that fsync
+        // fails the table is gone from this engine but its records are kept (and `trash/` is
+        // left for the next open to clear): after a crash it comes back whole or not at all,
+        // never as a directory without the rows its WAL held.
+        let tables_dir = self.inner.dir.join("tables");
+        vfs.sync_dir(&tables_dir).map_err(io(&tables_dir))?;
         // The dropped table's segments are gone when the call returns (no removal of them
         // runs on afterwards).
         self.inner.shared.note_flushed(t.id, None, false);
+        let trash = self.inner.dir.join("trash").join(format!("t{}", t.id));
         fs::remove_dir_all(&trash).map_err(io(&trash))?;
         tracing::debug!(table = name, "table dropped");
         Ok(())

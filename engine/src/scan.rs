@@ -400,10 +400,7 @@ fn copy_out(batch: &RecordBatch) -> Result<RecordBatch> {
 impl Scan {
     /// A read error after the table was dropped (its files are gone) reads as what it is.
     fn explain(&self, e: Error) -> Error {
-        if crate::table::lock(&self.table.state).is_none() {
-            return Error::TableNotFound { name: self.table.name.clone() };
-        }
-        e
+        self.table.explain(e)
     }
 }
 

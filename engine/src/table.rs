@@ -97,6 +97,10 @@ pub(crate) struct TableInner {
     pub(crate) account: TableAccount,
     /// `None` once dropped: every byte the table held is released at that moment.
     pub(crate) state: Mutex<Option<TableState>>,
+    /// Set by `drop_table` just before it renames the directory into `trash/` (cleared again
+    /// when that rename fails), so a read or flush that meets the files gone in the moment
+    /// before `state` is taken reports the table as dropped ([`Self::explain`]).
+    pub(crate) dropping: AtomicBool,
     /// Serialises flushes of this table (held across encode/write/fsync; never needed by
     /// ingest, delete, drop or limit changes).
     pub(crate) flush_lock: Mutex<()>,
@@ -145,10 +149,27 @@ impl TableInner {
             })),
             flush_lock: Mutex::new(()),
             flush_scheduled: AtomicBool::new(false),
+            dropping: AtomicBool::new(false),
             seq: AtomicU64::new(next_seq),
             largest_sealed: AtomicUsize::new(0),
             shared: Arc::clone(shared),
         }
+    }
+
+    /// True once `drop_table` has begun committing the drop (its directory is being or has
+    /// been renamed into `trash/`) or has taken the table's state.
+    pub(crate) fn is_dropped(&self) -> bool {
+        self.dropping.load(Ordering::Acquire) || lock(&self.state).is_none()
+    }
+
+    /// An error of a read or flush of this table, as the caller should see it: a file-layer
+    /// error met because the table was dropped meanwhile (its files gone) is
+    /// [`Error::TableNotFound`].
+    pub(crate) fn explain(&self, e: Error) -> Error {
+        if self.is_dropped() {
+            return Error::TableNotFound { name: self.name.clone() };
+        }
+        e
     }
 
     pub(crate) fn state(&self) -> Result<MutexGuard<'_, Option<TableState>>> {
@@ -813,7 +834,10 @@ impl Table {
                 self.inner.seal(st);
             }
         }
-        self.inner.flush_sealed(self.inner.shared.config.flush_threads)
+        self.inner.flush_sealed(self.inner.shared.config.flush_threads).map_err(|e| match e {
+            Error::Closed(_) => e,
+            e => self.inner.explain(e),
+        })
     }
 
     /// Reads a consistent snapshot of the table: committed files minus deletion vectors,

@@ -130,7 +130,7 @@ fn run_flush(table: &TableInner) {
         Ok(Ok(rows)) => tracing::debug!(table = %table.name, rows, "background flush done"),
         Ok(Err(Error::TableNotFound { .. } | Error::Closed(_))) => {} // dropped or engine closed meanwhile
         // A write cancelled by drop_table.
-        Ok(Err(_)) if lock(&table.state).is_none() => tracing::debug!(table = %table.name, "flush cancelled: the table was dropped"),
+        Ok(Err(_)) if table.is_dropped() => tracing::debug!(table = %table.name, "flush cancelled: the table was dropped"),
         Ok(Err(e)) => {
             tracing::error!(table = %table.name, error = %e, "background flush failed; rows stay in memory and are retried");
         }

@@ -28,6 +28,7 @@ mod breaker_trial6;
 mod compaction;
 mod crash;
 mod create_drop;
+mod drop_faults;
 mod drop_flush;
 mod faults;
 mod flush_parts;

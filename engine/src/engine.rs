@@ -925,7 +925,7 @@ impl Engine {
         // anything is taken from the table, so a rename that fails leaves the table exactly as
         // it was — served, writable, in the WAL and on disk — and no other call sees it half
         // dropped. It goes through the file layer, so a `Vfs` that fails or lies is honoured.
-        let t = {
+        let (t, trash) = {
             let mut tables = self.inner.tables_write();
             let key = resolve_name(&tables, name).ok_or_else(|| Error::TableNotFound { name: name.to_owned() })?;
             let t = Arc::clone(&tables[&key]);
@@ -942,7 +942,7 @@ impl Engine {
                 tracing::warn!(table = name, error = %e, "drop_table: the rename into trash/ reported an error but took effect");
             }
             tables.remove(&key);
-            t
+            (t, trash)
         };
         // Cancel writes first, then take the state (under one lock), so once a handle sees the
         // table gone its writes are cancelled.
@@ -979,7 +979,6 @@ impl Engine {
         // The dropped table's segments are gone when the call returns (no removal of them
         // runs on afterwards).
         self.inner.shared.note_flushed(t.id, None, false);
-        let trash = self.inner.dir.join("trash").join(format!("t{}", t.id));
         fs::remove_dir_all(&trash).map_err(io(&trash))?;
         tracing::debug!(table = name, "table dropped");
         Ok(())

@@ -30,9 +30,7 @@ use crate::table::Table;
 use gritdb_memctl::{Category, Reservation};
 use gritdb_storage::{Vfs, VfsFile};
 use parquet::arrow::ArrowWriter;
-use parquet::basic::Compression;
 use parquet::errors::ParquetError;
-use parquet::file::properties::WriterProperties;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -272,9 +270,7 @@ impl Table {
         let seen: Arc<Seen> = Arc::new(Mutex::new(None));
         let file = vfs.create(tmp).map_err(|source| ExportError::Io { path: tmp.to_path_buf(), source })?;
         let sink = Sink { inner: file, seen: Arc::clone(&seen) };
-        let props = WriterProperties::builder()
-            .set_compression(Compression::SNAPPY)
-            .set_max_row_group_row_count(Some(options.row_group_rows))
+        let props = gritdb_storage::data_file_properties(options.row_group_rows)
             .set_created_by(format!("gritdb version {}", env!("CARGO_PKG_VERSION")))
             .build();
         let pq = |e: ParquetError| parquet_error(e, tmp, &seen);

@@ -42,6 +42,9 @@ pub use export::{ExportError, ExportOptions, ExportStats};
 pub use scan::{RETAIN_RATIO, Scan, ScanOptions, compact_if_sparse, retained_bytes};
 pub use gritdb_storage::{CompareOp, FilterError, ScanFilter, ScanMetrics, WalSync};
 pub use table::{Table, TableStats};
+/// The Parquet writer settings of gritdb's data files and exports, for a caller that writes
+/// files to compare with or load into gritdb's (the bench's raw-writer baseline does).
+pub use gritdb_storage::{DICTIONARY_PAGE_BYTES, data_file_properties};
 
 /// Memory-controller types re-exported for reports and configuration.
 pub mod memory {

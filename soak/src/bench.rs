@@ -33,8 +33,6 @@ use gritdb::memory::ProcessView;
 use gritdb::{Engine, EngineConfig, ScanOptions, Table, WalSync};
 use parquet::arrow::ArrowWriter;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
-use parquet::basic::Compression;
-use parquet::file::properties::WriterProperties;
 use serde::{Deserialize, Serialize};
 use std::alloc::{GlobalAlloc, Layout};
 use std::path::{Path, PathBuf};
@@ -796,10 +794,9 @@ fn measure(args: &BenchArgs, batches: &[RecordBatch], dir: &Path) -> Result<(Ben
     let t = Instant::now();
     {
         let file = std::fs::File::create(&raw)?;
-        let props = WriterProperties::builder()
-            .set_compression(Compression::SNAPPY)
-            .set_max_row_group_row_count(Some(1 << 20))
-            .build();
+        // The engine's writer settings (SNAPPY, its dictionary page limit), so flush/raw
+        // compares the engine's work around the writer, not two writer configurations.
+        let props = gritdb::data_file_properties(1 << 20).build();
         let mut w = ArrowWriter::try_new(file, schema.clone(), Some(props))?;
         for b in batches {
             w.write(b)?;

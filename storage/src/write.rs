@@ -53,6 +53,33 @@ impl Default for WriteOptions {
     }
 }
 
+/// Largest dictionary page of a column chunk, in bytes: 256 KiB (Parquet's default is 1 MiB,
+/// `parquet::file::properties::DEFAULT_DICTIONARY_PAGE_SIZE_LIMIT`). A column whose distinct
+/// values pass it falls back to plain encoding for the rest of its column chunk, as with the
+/// default, only sooner.
+///
+/// Why not the default: the Parquet writer hashes every value of a dictionary-encoded column
+/// into its interner until the dictionary reaches the limit, and for columns of mostly
+/// distinct values (prices, comments, foreign keys) that hashing was 64% of a flush's CPU
+/// (`perf record` of `gritdb-soak bench`, the writer thread). On TPC-H lineitem at SF 0.1,
+/// best of 7 writes: 302 ms at 1 MiB, 242 ms at 256 KiB (−20%), for a file 3.6% larger
+/// (17.86 → 18.51 MB); reads took as long (`docs/performance.md`, sixteenth pass). Columns of
+/// few distinct values (flags, dates, quantities) keep their dictionaries: 256 KiB holds
+/// 32,768 eight-byte values. It also bounds the writer's dictionary buffers, which count
+/// under `write_buffers`, to a quarter of the default per column.
+pub const DICTIONARY_PAGE_BYTES: usize = 256 << 10;
+
+/// The Parquet writer properties of gritdb's data files and exports: SNAPPY pages,
+/// dictionaries up to [`DICTIONARY_PAGE_BYTES`], row groups of at most `row_group_rows`
+/// rows (callers cut them by bytes as well), the rest Parquet's defaults. A builder, so a
+/// caller can add what is its own (an export's `created_by`).
+pub fn data_file_properties(row_group_rows: usize) -> parquet::file::properties::WriterPropertiesBuilder {
+    WriterProperties::builder()
+        .set_compression(Compression::SNAPPY)
+        .set_dictionary_page_size_limit(DICTIONARY_PAGE_BYTES)
+        .set_max_row_group_row_count(Some(row_group_rows.max(1)))
+}
+
 /// Default thread count of a data-file write ([`WriteOptions::encode_threads`]) and of a
 /// flush's rows → Arrow conversion: min(2, `std::thread::available_parallelism`), 1 when
 /// that is unknown.
@@ -141,10 +168,7 @@ pub fn write_data_file_from(
         let cancel = &opts.cancel;
         cancel.check().map_err(io(&tmp))?;
         let file = Recording { inner: vfs.create(&tmp).map_err(io(&tmp))?, seen: Arc::clone(&seen), cancel: cancel.clone() };
-        let props = WriterProperties::builder()
-            .set_compression(Compression::SNAPPY)
-            .set_max_row_group_row_count(Some(opts.row_group_rows.max(1)))
-            .build();
+        let props = data_file_properties(opts.row_group_rows.max(1)).build();
         let pq = |e: ParquetError| parquet_io(e, &tmp, &seen);
         // `ArrowWriter` builds the Parquet schema and adds the Arrow schema to the footer's
         // metadata in both paths, so their files are alike.

@@ -389,3 +389,53 @@ fn reader_buffer_bytes_count_one_page_per_column_and_the_dictionary() {
     };
     assert_eq!(read_file_with(&path, spec).unwrap().buffer_bytes(), 0);
 }
+
+/// `DICTIONARY_PAGE_BYTES` decides where a column of distinct values leaves its dictionary:
+/// 100,000 distinct `Int64` (800,000 bytes of values, under Parquet's 1 MiB default) fall
+/// back to plain pages once the dictionary holds 256 KiB, on one thread and on several; a
+/// column of 50 values stays dictionary-encoded throughout. The rows read back unchanged.
+#[test]
+fn distinct_columns_leave_their_dictionary_at_the_data_file_limit() {
+    use parquet::basic::{Encoding, PageType};
+    use parquet::file::reader::{FileReader as _, SerializedFileReader};
+    let dir = tempfile::tempdir().unwrap();
+    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("q", DataType::Int64, false)]));
+    let rows = 100_000i64;
+    let b = RecordBatch::try_new(
+        Arc::clone(&schema),
+        vec![Arc::new(Int64Array::from_iter_values(0..rows)), Arc::new(Int64Array::from_iter_values((0..rows).map(|i| i % 50)))],
+    )
+    .unwrap();
+    for threads in [1, 2] {
+        let name = format!("d{threads}.parquet");
+        let o = WriteOptions { encode_threads: threads, ..WriteOptions::default() };
+        write_data_file(&StdFs, dir.path(), &name, std::slice::from_ref(&b), &o, &ctl(), None).unwrap();
+        let path = dir.path().join(&name);
+        let reader = SerializedFileReader::new(fs::File::open(&path).unwrap()).unwrap();
+        assert_eq!(reader.metadata().num_row_groups(), 1);
+        let rg = reader.get_row_group(0).unwrap();
+        // (dictionary entries, rows in plain data pages, rows in dictionary-index data pages)
+        let pages = |leaf: usize| {
+            let (mut dict, mut plain, mut indexed) = (0u32, 0u32, 0u32);
+            for page in rg.get_column_page_reader(leaf).unwrap() {
+                let page = page.unwrap();
+                match (page.page_type(), page.encoding()) {
+                    (PageType::DICTIONARY_PAGE, _) => dict += page.num_values(),
+                    (_, Encoding::PLAIN) => plain += page.num_values(),
+                    (_, Encoding::RLE_DICTIONARY | Encoding::PLAIN_DICTIONARY) => indexed += page.num_values(),
+                    (t, e) => panic!("unexpected page {t:?} {e:?}"),
+                }
+            }
+            (dict, plain, indexed)
+        };
+        let (dict, plain, indexed) = pages(0);
+        let limit_values = (DICTIONARY_PAGE_BYTES / 8) as u32;
+        assert!(dict >= limit_values && dict < limit_values + 8192, "{threads} threads: k's dictionary stops at the limit: {dict} values");
+        assert_eq!(dict, indexed, "{threads} threads: the rows before the fallback are the dictionary's (all distinct)");
+        assert_eq!(plain + indexed, rows as u32, "{threads} threads: every k row is in a data page");
+        assert!(plain > 0, "{threads} threads: k fell back to plain pages");
+        assert_eq!(pages(1), (50, 0, rows as u32), "{threads} threads: q keeps its 50-value dictionary");
+        let got = arrow_select::concat::concat_batches(&schema, &read_all(&path)).unwrap();
+        assert_eq!(got, b, "{threads} threads: rows read back");
+    }
+}

@@ -339,9 +339,11 @@ fn check_wide(batches: &[RecordBatch], cols: &[usize]) -> Vec<i64> {
     keys
 }
 
-/// Files written under 512 MiB scanned under 12 MiB: a full scan's first `next` is a
-/// `MemoryLimit` in `scan_buffers` (its reader's buffers do not fit) and leaves every
-/// category exactly as before, twice in a row; after `set_memory_limit(256 MiB)` the same
+/// Files written under 512 MiB scanned under 8 MiB: a full scan's first `next` is a
+/// `MemoryLimit` in `scan_buffers` (its reader's buffers, 10.9 MB, do not fit) and leaves every
+/// category exactly as before, twice in a row (12 MiB refused the reader too until data files
+/// capped their dictionary pages at 256 KiB; now the reader fits there and the first batch
+/// does not); after `set_memory_limit(256 MiB)` the same
 /// scan resumes and returns every row exactly once with every cell right, and ends at 0
 /// `scan_buffers`. A scan dropped mid-file also returns every category to its baseline.
 /// Back at 12 MiB, a projection of one column with a filter on the key (what the small
@@ -350,7 +352,7 @@ fn check_wide(batches: &[RecordBatch], cols: &[usize]) -> Vec<i64> {
 fn files_from_a_large_limit_refused_then_resumed_exactly() {
     let dir = tempfile::tempdir().unwrap();
     write_wide(dir.path());
-    let config = EngineConfig::default().memory_limit(12 * MIB).backpressure_timeout(Duration::from_millis(200));
+    let config = EngineConfig::default().memory_limit(8 * MIB).backpressure_timeout(Duration::from_millis(200));
     let engine = Engine::open(dir.path(), config).unwrap();
     let t = engine.table("w").unwrap();
     assert_eq!(t.stats().unwrap().active_delta_bytes, 0);
@@ -360,10 +362,10 @@ fn files_from_a_large_limit_refused_then_resumed_exactly() {
     for attempt in 0..2 {
         match s.next() {
             Some(Err(e)) => assert!(matches!(e, Error::MemoryLimit { category: Category::ScanBuffers, .. }), "attempt {attempt}: {e:?}"),
-            other => panic!("attempt {attempt}: the 12 MiB limit held the reader: {:?}", other.map(|r| r.map(|b| b.num_rows()))),
+            other => panic!("attempt {attempt}: the 8 MiB limit held the reader: {:?}", other.map(|r| r.map(|b| b.num_rows()))),
         }
         assert_eq!(cats(&engine), base, "attempt {attempt}: categories after the refusal");
-        assert!(engine.memory().used() <= 12 * MIB);
+        assert!(engine.memory().used() <= 8 * MIB);
     }
     engine.set_memory_limit(256 * MIB).unwrap();
     let mut peak = 0;

@@ -168,7 +168,7 @@ pub fn write_data_file_from(
         let cancel = &opts.cancel;
         cancel.check().map_err(io(&tmp))?;
         let file = Recording { inner: vfs.create(&tmp).map_err(io(&tmp))?, seen: Arc::clone(&seen), cancel: cancel.clone() };
-        let props = data_file_properties(opts.row_group_rows.max(1)).build();
+        let props = data_file_properties(opts.row_group_rows).build();
         let pq = |e: ParquetError| parquet_io(e, &tmp, &seen);
         // `ArrowWriter` builds the Parquet schema and adds the Arrow schema to the footer's
         // metadata in both paths, so their files are alike.

@@ -609,6 +609,9 @@ impl Table {
         codec.validate(batch)?;
         let n = batch.num_rows();
         if n == 0 {
+            // Nothing to apply, but a dropped table or a closed engine says so, as every
+            // other write (an empty delete included) does.
+            drop(self.inner.state()?);
             return Ok(0);
         }
         let keys = codec.keys().encode_batch(batch)?;

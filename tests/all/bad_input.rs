@@ -445,3 +445,22 @@ fn float_keys_zero_signs_and_nans_are_one_key_each() {
     assert_eq!(t16.insert(&b16(&[0x8000, 0x3c00])).unwrap(), 2);
     assert_eq!(t16.row_count().unwrap(), 2);
 }
+
+/// An empty batch is `Ok(0)` on a live table, and on a dropped table `TableNotFound` for
+/// every write, as a non-empty one is (an empty insert returned `Ok(0)` there; a new-user
+/// trial found it).
+#[test]
+fn empty_writes_to_a_dropped_table_are_table_not_found() {
+    let (_dir, engine, t) = setup();
+    let empty = composite_batch(&[]);
+    let empty_keys = composite_keys(&[]);
+    assert_eq!(t.insert(&empty).unwrap(), 0);
+    assert_eq!(t.upsert(&empty).unwrap(), 0);
+    assert_eq!(t.update(&empty).unwrap(), 0);
+    assert_eq!(t.delete(&empty_keys).unwrap(), 0);
+    assert_eq!(t.row_count().unwrap(), 3);
+    engine.drop_table("t").unwrap();
+    for (what, r) in [("insert", t.insert(&empty)), ("upsert", t.upsert(&empty)), ("update", t.update(&empty)), ("delete", t.delete(&empty_keys))] {
+        assert!(matches!(r, Err(Error::TableNotFound { ref name }) if name == "t"), "{what}: {r:?}");
+    }
+}

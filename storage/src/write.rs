@@ -53,10 +53,12 @@ impl Default for WriteOptions {
     }
 }
 
-/// Largest dictionary page of a column chunk, in bytes: 256 KiB (Parquet's default is 1 MiB,
+/// Dictionary page limit of a column chunk, in bytes: 256 KiB (Parquet's default is 1 MiB,
 /// `parquet::file::properties::DEFAULT_DICTIONARY_PAGE_SIZE_LIMIT`). A column whose distinct
 /// values pass it falls back to plain encoding for the rest of its column chunk, as with the
-/// default, only sooner.
+/// default, only sooner. Best effort, as in Parquet: the writer checks the dictionary after
+/// each batch it encodes, so a page can pass the limit by that batch's new values (a flush
+/// encodes at most 8,192 rows at a time; a trial export held a 302,760-byte page).
 ///
 /// Why not the default: the Parquet writer hashes every value of a dictionary-encoded column
 /// into its interner until the dictionary reaches the limit, and for columns of mostly

@@ -346,7 +346,7 @@ fn check_wide(batches: &[RecordBatch], cols: &[usize]) -> Vec<i64> {
 /// does not); after `set_memory_limit(256 MiB)` the same
 /// scan resumes and returns every row exactly once with every cell right, and ends at 0
 /// `scan_buffers`. A scan dropped mid-file also returns every category to its baseline.
-/// Back at 12 MiB, a projection of one column with a filter on the key (what the small
+/// Then at 12 MiB, a projection of one column with a filter on the key (what the small
 /// limit can hold) returns exactly its rows.
 #[test]
 fn files_from_a_large_limit_refused_then_resumed_exactly() {

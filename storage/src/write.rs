@@ -489,7 +489,7 @@ pub fn read_file(
     deleted: Arc<RoaringBitmap>,
     batch_rows: usize,
 ) -> Result<FileReader, StorageError> {
-    read_file_with(path, ReadSpec { projection: projection.map(<[usize]>::to_vec), filter: None, deleted, batch_rows, batch_bytes: 0, pruning_budget: usize::MAX, counters: None })
+    read_file_with(path, ReadSpec { projection: projection.map(<[usize]>::to_vec), filter: None, deleted, batch_rows, batch_bytes: 0, pruning_budget: usize::MAX, counters: None, resume_at: None })
 }
 
 /// What [`read_file_with`] reads from a data file.
@@ -519,6 +519,11 @@ pub struct ReadSpec {
     pub pruning_budget: usize,
     /// Where row groups read and pruned and rows decoded are counted.
     pub counters: Option<Arc<ScanCounters>>,
+    /// Reopens a file a reader of the same spec already read part of: file rows before this
+    /// one (a file row number, as [`FileReader::resume_row`] gives it) are not read, and the
+    /// file and its row groups are not counted again in `counters`. `None`: a first open,
+    /// from the file's first row.
+    pub resume_at: Option<u64>,
 }
 
 /// Reads a data file as `spec` says: row groups (and, with the page index, pages) whose
@@ -575,7 +580,7 @@ pub fn read_file_with(path: &Path, spec: ReadSpec) -> Result<FileReader, Storage
     }
     let md = Arc::clone(builder.metadata());
     let total: u64 = md.row_groups().iter().map(|g| g.num_rows() as u64).sum();
-    let plan = match &spec.filter {
+    let mut plan = match &spec.filter {
         Some(f) => f.plan(&md, builder.schema()),
         None => FilePlan {
             row_groups: (0..md.num_row_groups()).collect(),
@@ -584,8 +589,28 @@ pub fn read_file_with(path: &Path, spec: ReadSpec) -> Result<FileReader, Storage
             pruned_page_rows: 0,
         },
     };
-    if let Some(c) = &spec.counters {
-        c.add_file(md.num_row_groups() as u64, plan.pruned_row_groups, plan.pruned_page_rows);
+    // The selection is relative to the rows of the chosen row groups, concatenated.
+    let mut starts = Vec::with_capacity(md.num_row_groups());
+    let mut at = 0u64;
+    for g in md.row_groups() {
+        starts.push(at);
+        at += g.num_rows() as u64;
+    }
+    match spec.resume_at {
+        Some(from) => {
+            // The rows already returned are cut from the plan, and row groups wholly before
+            // them are not read again.
+            plan.ranges.retain(|r| r.end > from);
+            if let Some(r) = plan.ranges.first_mut() {
+                r.start = r.start.max(from);
+            }
+            plan.row_groups.retain(|&g| starts[g] + md.row_group(g).num_rows() as u64 > from);
+        }
+        None => {
+            if let Some(c) = &spec.counters {
+                c.add_file(md.num_row_groups() as u64, plan.pruned_row_groups, plan.pruned_page_rows);
+            }
+        }
     }
     let out_positions: Vec<usize> = out.iter().map(|&c| position[c]).collect();
     let identity = out_positions.iter().copied().eq(0..read.len());
@@ -596,19 +621,13 @@ pub fn read_file_with(path: &Path, spec: ReadSpec) -> Result<FileReader, Storage
         buffer_bytes: reader_buffer_bytes(&md, &plan.row_groups, &read).saturating_add(md.memory_size()),
         column_index: md.column_index().is_some(),
         cursor: Cursor { ranges: plan.ranges.clone(), at: 0, offset: 0 },
+        returned_from: spec.resume_at.unwrap_or(0),
         position,
         out_positions: (!identity).then_some(out_positions),
         spec,
     };
     if plan.row_groups.is_empty() {
         return Ok(reader);
-    }
-    // The selection is relative to the rows of the chosen row groups, concatenated.
-    let mut starts = Vec::with_capacity(md.num_row_groups());
-    let mut at = 0u64;
-    for g in md.row_groups() {
-        starts.push(at);
-        at += g.num_rows() as u64;
     }
     let mut relative = Vec::with_capacity(plan.ranges.len());
     let mut base = 0u64;
@@ -747,6 +766,15 @@ struct Cursor {
 }
 
 impl Cursor {
+    /// The file row of the next row the reader yields (the end of the last range when it is
+    /// done; 0 when there is none).
+    fn position(&self) -> u64 {
+        match self.ranges.get(self.at) {
+            Some(r) => r.start + self.offset,
+            None => self.ranges.last().map_or(0, |r| r.end),
+        }
+    }
+
     /// The next `n` file rows as `(first row, count)` runs.
     fn take(&mut self, mut n: u64, out: &mut Vec<(u64, u64)>) {
         out.clear();
@@ -774,6 +802,8 @@ pub struct FileReader {
     /// Whether the metadata kept holds the column index (page pruning).
     column_index: bool,
     cursor: Cursor,
+    /// The file row of the first row decoded for the batch returned last ([`Self::resume_row`]).
+    returned_from: u64,
     /// Table column -> column of the decoded batch.
     position: Vec<usize>,
     /// Decoded columns in output order (`None`: the decoded order is the output order).
@@ -798,6 +828,16 @@ impl FileReader {
     /// (`ParquetMetaData::memory_size`). Callers count it while the reader is open.
     pub fn buffer_bytes(&self) -> usize {
         if self.inner.is_some() { self.buffer_bytes } else { 0 }
+    }
+
+    /// Where a reader reopened with the same spec ([`ReadSpec::resume_at`]) yields the batch
+    /// this one returned last again, and then what follows it: the file row number of the
+    /// first row decoded for that batch (rows before it were returned or dropped by the
+    /// deletion vector or the filter). Before the first batch, the row the reader started at.
+    /// A caller that could not keep the last batch (its memory was refused) drops this reader
+    /// and its buffers and reopens there later, losing no row and returning none twice.
+    pub fn resume_row(&self) -> u64 {
+        self.returned_from
     }
 
     /// True when this reader keeps the file's column index, so its filter prunes pages (the
@@ -859,8 +899,12 @@ impl Iterator for FileReader {
                 Ok(b) => b,
                 Err(e) => return Some(Err(StorageError::Arrow(e))),
             };
+            let from = self.cursor.position();
             match self.filter(&b) {
-                Ok(Some(b)) => return Some(Ok(b)),
+                Ok(Some(b)) => {
+                    self.returned_from = from;
+                    return Some(Ok(b));
+                }
                 Ok(None) => {}
                 Err(e) => return Some(Err(e)),
             }

@@ -259,7 +259,7 @@ fn read_batches_are_capped_by_bytes() {
     let rows = batch_rows_for(&md, &groups, &all, 8192, 100 * per_row);
     assert!((40..=100).contains(&rows), "{rows}");
     assert_eq!(batch_rows_for(&md, &groups, &all, 8192, 1), 1);
-    let spec = ReadSpec { projection: None, filter: None, deleted: Arc::new(RoaringBitmap::new()), batch_rows: 8192, batch_bytes: 100 * per_row, pruning_budget: usize::MAX, counters: None };
+    let spec = ReadSpec { projection: None, filter: None, deleted: Arc::new(RoaringBitmap::new()), batch_rows: 8192, batch_bytes: 100 * per_row, pruning_budget: usize::MAX, counters: None, resume_at: None };
     let got: Vec<RecordBatch> = read_file_with(&path, spec).unwrap().collect::<Result<_, _>>().unwrap();
     assert!(got.iter().all(|b| b.num_rows() <= rows), "{:?}", got.iter().map(RecordBatch::num_rows).max());
     assert_eq!(got.iter().map(RecordBatch::num_rows).sum::<usize>(), 15_000);
@@ -343,6 +343,7 @@ fn reader_buffer_bytes_count_one_page_per_column_and_the_dictionary() {
         batch_bytes: 1 << 20,
         pruning_budget: usize::MAX,
         counters: None,
+        resume_at: None,
     };
     // A byte cap reads the offset index alone (the column index serves only filters), and
     // only when a byte-array column is read: `k` alone keeps the footer's metadata.
@@ -386,6 +387,7 @@ fn reader_buffer_bytes_count_one_page_per_column_and_the_dictionary() {
         batch_bytes: 0,
         pruning_budget: usize::MAX,
         counters: None,
+        resume_at: None,
     };
     assert_eq!(read_file_with(&path, spec).unwrap().buffer_bytes(), 0);
 }
@@ -437,5 +439,58 @@ fn distinct_columns_leave_their_dictionary_at_the_data_file_limit() {
         assert_eq!(pages(1), (50, 0, rows as u32), "{threads} threads: q keeps its 50-value dictionary");
         let got = arrow_select::concat::concat_batches(&schema, &read_all(&path)).unwrap();
         assert_eq!(got, b, "{threads} threads: rows read back");
+    }
+}
+
+/// A reader reopened at [`FileReader::resume_row`] after any batch returns that batch again
+/// and then exactly the rest: over 4 row groups, with a deletion vector, with and without a
+/// filter, batches of 700 rows. The reopened file is not counted again in the scan counters,
+/// and a reader reopened past the last row reads nothing and holds nothing.
+#[test]
+fn a_reader_reopened_at_its_resume_row_returns_the_last_batch_and_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = WriteOptions { row_group_rows: 5_000, ..WriteOptions::default() };
+    write_data_file(&StdFs, dir.path(), "r.parquet", &[batch(0, 20_000)], &o, &ctl(), None).unwrap();
+    let path = dir.path().join("r.parquet");
+    let deleted: RoaringBitmap = (0..20_000u32).filter(|r| r % 9 == 0 || (4_990..5_020).contains(r)).collect();
+    let keys = |b: &RecordBatch| b.column(0).as_any().downcast_ref::<Int64Array>().unwrap().values().to_vec();
+    let from = crate::ScanFilter::compare("k", crate::CompareOp::GtEq, Arc::new(Int64Array::from(vec![7_777])));
+    for filter in [None, Some(Arc::new(from.bind(&schema()).unwrap()))] {
+        let counters = Arc::new(crate::ScanCounters::default());
+        let spec = ReadSpec {
+            projection: Some(vec![0, 1]),
+            filter: filter.clone(),
+            deleted: Arc::new(deleted.clone()),
+            batch_rows: 700,
+            batch_bytes: 0,
+            pruning_budget: usize::MAX,
+            counters: Some(Arc::clone(&counters)),
+            resume_at: None,
+        };
+        let whole: Vec<Vec<i64>> = read_file_with(&path, spec.clone()).unwrap().map(|b| keys(&b.unwrap())).collect();
+        let lo = if filter.is_some() { 7_777 } else { 0 };
+        let want: Vec<i64> = (lo..20_000).filter(|k| !deleted.contains(*k as u32)).collect();
+        assert_eq!(whole.concat(), want);
+        assert!(whole.len() > 10, "{} batches", whole.len());
+        for k in 0..whole.len() {
+            let mut r = read_file_with(&path, spec.clone()).unwrap();
+            let mut got: Vec<i64> = Vec::new();
+            for _ in 0..=k {
+                got.extend(keys(&r.next().unwrap().unwrap()));
+            }
+            let at = r.resume_row();
+            let last = whole[k][0] as u64;
+            assert!(at <= last, "batch {k}: resume row {at} after its first row {last}");
+            let files = counters.snapshot().files_opened;
+            let again = read_file_with(&path, ReadSpec { resume_at: Some(at), ..spec.clone() }).unwrap();
+            assert_eq!(counters.snapshot().files_opened, files, "a reopened file is not counted again");
+            let rest: Vec<i64> = again.map(|b| keys(&b.unwrap())).collect::<Vec<_>>().concat();
+            let before: usize = whole[..k].iter().map(Vec::len).sum();
+            assert_eq!(rest, want[before..].to_vec(), "reopened after batch {k} at row {at}");
+            assert_eq!(got.len(), before + whole[k].len());
+        }
+        let end = read_file_with(&path, ReadSpec { resume_at: Some(20_000), ..spec.clone() }).unwrap();
+        assert_eq!(end.buffer_bytes(), 0);
+        assert_eq!(end.count(), 0);
     }
 }

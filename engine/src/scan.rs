@@ -6,7 +6,7 @@ use arrow_buffer::{BooleanBuffer, Buffer, NullBuffer};
 use arrow_data::ArrayData;
 use gritdb_memctl::{Category, MemoryController, MemoryError, Reservation, TableAccount};
 use std::collections::HashMap;
-use gritdb_storage::{BoundFilter, FileScan, FilterError, ReadSpec, ScanCounters, ScanFilter, ScanMetrics, ScanSource, StorageError, filter_batch, read_file_with};
+use gritdb_storage::{BoundFilter, FileReader, FileScan, FilterError, ReadSpec, ScanCounters, ScanFilter, ScanMetrics, ScanSource, StorageError, filter_batch, read_file_with};
 use std::collections::VecDeque;
 use std::sync::Arc;
 
@@ -65,8 +65,6 @@ impl ScanOptions {
 /// `i32::MAX`).
 const SNAPSHOT_BATCH_BYTES: usize = 256 << 20;
 
-type FileIter = Box<dyn Iterator<Item = Result<RecordBatch, StorageError>> + Send>;
-
 /// A streaming scan over one snapshot: an iterator of `Result<RecordBatch>`.
 ///
 /// The snapshot is taken when the scan is created: in-memory deltas are copied into
@@ -75,21 +73,32 @@ type FileIter = Box<dyn Iterator<Item = Result<RecordBatch, StorageError>> + Sen
 /// time (never a whole row group). Every batch handed out — decoded from a file or copied out
 /// of a delta — counts under `scan_buffers` (and the table's figures) for as long as the
 /// caller holds any array of it; when that memory cannot be had, `next` waits up to
-/// `backpressure_timeout` for releases and then yields [`Error::MemoryLimit`].
+/// `backpressure_timeout` for releases and then yields [`Error::MemoryLimit`]. Such a refusal
+/// loses nothing and holds nothing: the refused batch is what the next call returns, and an
+/// open file reader is closed with its buffers (reopened at the same file row,
+/// [`gritdb_storage::FileReader::resume_row`], when the scan goes on), so a refused scan the
+/// caller keeps does not hold memory writers need.
 pub struct Scan {
     table: std::sync::Arc<TableInner>,
     /// Asked to flush (seal the largest deltas) when a batch's memory cannot be had: waiting
     /// alone frees nothing while the memory is in deltas no write is pushing out.
     engine: std::sync::Arc<crate::engine::EngineInner>,
-    /// In-memory batches to return; `true` when the batch is a copy on the heap (filtered or
-    /// projected out of its block), so it still has to be counted.
-    memory: VecDeque<(RecordBatch, bool)>,
+    /// In-memory batches to return, every byte counted under `scan_buffers` while queued:
+    /// slices of snapshot blocks, or copies (rows a filter kept, columns of a projection)
+    /// counted when they were made.
+    memory: VecDeque<RecordBatch>,
     files: VecDeque<FileScan>,
-    current: Option<FileIter>,
+    /// Set when the front of `files` is a file a refused reader was reading: the file row
+    /// its reopened reader starts at ([`ReadSpec::resume_at`]).
+    resume_at: Option<u64>,
+    /// The open file reader, with the file it reads (path, deletion vector, and the guard that
+    /// keeps the file on disk) for a reopen.
+    current: Option<(FileReader, FileScan)>,
     /// The open file reader's own buffers (pages, dictionaries) under `scan_buffers`, while
     /// `current` is open: `reader_bytes` of them ([`gritdb_storage::FileReader::buffer_bytes`]),
-    /// reserved before the reader reads its first page. A reservation that fails (after the
-    /// wait) is an error the next call tries again, the reader kept.
+    /// reserved before the reader reads its first page. When that reservation or a decoded
+    /// batch's is refused (after the wait), the reader is closed and its file put back to be
+    /// reopened where the refused batch starts.
     reader_buffers: Option<Reservation>,
     reader_bytes: usize,
     projection: Option<Vec<usize>>,
@@ -150,16 +159,12 @@ impl Scan {
             .chain(st.sealed.iter().flat_map(|s| s.entries().map(|(k, _)| k)));
         let files = st.store.scan_files(delta_keys);
         drop(g);
-        let mut out = VecDeque::new();
-        for b in memory {
-            let Some(b) = apply_filter(b, filter.as_deref())? else { continue };
-            push_sliced(&mut out, b, options.batch_rows, projection.as_deref())?;
-        }
-        Ok(Self {
+        let mut scan = Self {
             table: std::sync::Arc::clone(inner),
             engine: std::sync::Arc::clone(engine),
-            memory: out,
+            memory: VecDeque::new(),
             files: files.into(),
+            resume_at: None,
             current: None,
             reader_buffers: None,
             reader_bytes: 0,
@@ -168,7 +173,12 @@ impl Scan {
             counters: Arc::new(ScanCounters::default()),
             batch_rows: options.batch_rows,
             flush_room_given_up: std::sync::atomic::AtomicBool::new(false),
-        })
+        };
+        for b in memory {
+            let Some(b) = apply_filter(b, scan.filter.as_deref())? else { continue };
+            scan.queue(b)?;
+        }
+        Ok(scan)
     }
 
     /// What the scan has done so far: files opened, row groups read and pruned by the
@@ -180,27 +190,29 @@ impl Scan {
 
     fn open_next_file(&mut self) -> Result<bool> {
         let Some(f) = self.files.pop_front() else { return Ok(false) };
-        match f.source {
+        let resume_at = self.resume_at.take();
+        match &f.source {
             ScanSource::Memory(batches) => {
                 let mut first = 0u32;
                 for batch in batches {
                     let n = batch.num_rows() as u32;
-                    let batch = if f.deleted.range_cardinality(first..first + n) == 0 {
-                        batch
+                    let (batch, copied) = if f.deleted.range_cardinality(first..first + n) == 0 {
+                        (batch.clone(), false)
                     } else {
                         let keep: BooleanArray = (first..first + n).map(|r| Some(!f.deleted.contains(r))).collect();
-                        filter_record_batch(&batch, &keep)?
+                        (filter_record_batch(batch, &keep)?, true)
                     };
                     first += n;
-                    let Some(batch) = apply_filter(batch, self.filter.as_deref())? else { continue };
-                    push_sliced(&mut self.memory, batch, self.batch_rows, self.projection.as_deref())?;
+                    let Some((batch, filtered)) = apply_filter(batch, self.filter.as_deref())? else { continue };
+                    // Rows the deletion vector dropped were copied out too.
+                    self.queue((batch, filtered || copied))?;
                 }
             }
             ScanSource::File(path) => {
-                let it = read_file_with(&path, ReadSpec {
+                let it = read_file_with(path, ReadSpec {
                     projection: self.projection.clone(),
                     filter: self.filter.clone(),
-                    deleted: f.deleted,
+                    deleted: Arc::clone(&f.deleted),
                     batch_rows: self.batch_rows,
                     batch_bytes: scan_batch_bytes(&self.table.shared),
                     // Page pruning is worth its column index only while it fits the memory
@@ -208,11 +220,12 @@ impl Scan {
                     // filtered scan at 8 MiB was refused for it (`breaker_trial3`).
                     pruning_budget: self.table.shared.ctl.limit().saturating_sub(self.table.shared.ctl.used()),
                     counters: Some(Arc::clone(&self.counters)),
+                    resume_at,
                 })?;
                 // Reserved by `next_inner` before the first page is read; dropped with the reader.
                 self.reader_bytes = it.buffer_bytes();
                 self.reader_buffers = None;
-                self.current = Some(Box::new(it));
+                self.current = Some((it, f));
             }
         }
         Ok(true)
@@ -307,25 +320,6 @@ fn apply_filter(b: RecordBatch, filter: Option<&BoundFilter>) -> Result<Option<(
     }
 }
 
-fn push_sliced(out: &mut VecDeque<(RecordBatch, bool)>, (b, copied): (RecordBatch, bool), rows: usize, projection: Option<&[usize]>) -> Result<()> {
-    if b.num_rows() == 0 {
-        return Ok(());
-    }
-    let (b, copied) = match projection {
-        // A projected in-memory batch would keep the dropped columns' part of its block
-        // alive: copy the projected columns out.
-        Some(p) if p.len() < b.num_columns() => (copy_out(&b.project(p)?)?, true),
-        Some(p) => (b.project(p)?, copied),
-        None => (b, copied),
-    };
-    let mut at = 0;
-    while at < b.num_rows() {
-        let len = rows.min(b.num_rows() - at);
-        out.push_back((b.slice(at, len), copied));
-        at += len;
-    }
-    Ok(())
-}
 
 /// Copy-out threshold: a returned batch is compacted when the buffers it keeps alive hold at
 /// least this many times the bytes it uses (`shared/reference/seeds/000_b69fcdd581e98bef.txt`:
@@ -476,21 +470,83 @@ impl Scan {
         }
     }
 
+    /// Closes the open file reader, releasing its buffers, and puts its file back at the
+    /// front of the queue, to be reopened at the file row where the batch it returned last
+    /// starts (the one refused, when a batch was refused; the first row it was to read, when
+    /// its own buffers were).
+    fn close_for_retry(&mut self) {
+        if let Some((reader, file)) = self.current.take() {
+            self.resume_at = Some(reader.resume_row());
+            self.files.push_front(file);
+        }
+        self.reader_buffers = None;
+        self.reader_bytes = 0;
+    }
+
+    /// Queues an in-memory batch of the whole table schema (`copied`: its rows are a heap copy,
+    /// made by a filter or a deletion vector, rather than a slice of a counted snapshot block)
+    /// in the scan's projection and in batches of at most `batch_rows`. Every queued piece is
+    /// counted: a slice of a snapshot block is (the block is), and a copy is counted when it
+    /// is made, so rows waiting in the queue are within the limit like rows handed out. A
+    /// projection that drops columns copies the kept ones out (a slice would keep the dropped
+    /// columns' part of the block alive).
+    ///
+    /// # Errors
+    /// [`Error::MemoryLimit`] when a copy's memory cannot be had after the wait
+    /// ([`Self::counted`]); Arrow errors while copying.
+    fn queue(&mut self, (b, copied): (RecordBatch, bool)) -> Result<()> {
+        if b.num_rows() == 0 {
+            return Ok(());
+        }
+        let (b, narrowed) = match self.projection.as_deref() {
+            Some(p) => (b.project(p)?, p.len() < b.num_columns()),
+            None => (b, false),
+        };
+        let mut at = 0;
+        while at < b.num_rows() {
+            let len = self.batch_rows.min(b.num_rows() - at);
+            let piece = b.slice(at, len);
+            let piece = if narrowed || (copied && len < b.num_rows()) {
+                self.counted(&copy_out(&piece)?)?
+            } else if copied {
+                self.counted(&piece)?
+            } else {
+                piece
+            };
+            self.memory.push_back(piece);
+            at += len;
+        }
+        Ok(())
+    }
+
     fn next_inner(&mut self) -> Option<Result<RecordBatch>> {
         loop {
-            if let Some((b, copied)) = self.memory.pop_front() {
-                return Some(compact_if_sparse_flag(b).and_then(|(b, c)| if copied || c { self.counted(&b) } else { Ok(b) }));
+            if let Some(b) = self.memory.pop_front() {
+                let r = compact_if_sparse_flag(b.clone()).and_then(|(out, c)| if c { self.counted(&out) } else { Ok(out) });
+                if r.is_err() {
+                    // Returned by the next call instead.
+                    self.memory.push_front(b);
+                }
+                return Some(r);
             }
             if self.current.is_some() && self.reader_buffers.is_none() && self.reader_bytes > 0 {
                 match self.reserve(self.reader_bytes) {
                     Ok(r) => self.reader_buffers = Some(r),
-                    Err(e) => return Some(Err(e)),
+                    Err(e) => {
+                        self.close_for_retry();
+                        return Some(Err(e));
+                    }
                 }
             }
-            if let Some(it) = self.current.as_mut() {
+            if let Some((it, _)) = self.current.as_mut() {
                 // Decoded batches are always counted (they were on the heap).
                 if let Some(r) = it.next() {
-                    return Some(r.map_err(Error::from).and_then(compact_if_sparse).and_then(|b| self.counted(&b)));
+                    let r = r.map_err(Error::from).and_then(compact_if_sparse);
+                    let counted = r.and_then(|b| self.counted(&b));
+                    if matches!(counted, Err(Error::MemoryLimit { .. })) {
+                        self.close_for_retry();
+                    }
+                    return Some(counted);
                 }
                 self.current = None;
                 self.reader_buffers = None;

@@ -848,7 +848,8 @@ impl Table {
     ///
     /// # Errors
     /// [`Error::ColumnNotFound`] for an unknown projected column, [`Error::MemoryLimit`] when
-    /// the delta snapshot cannot be budgeted.
+    /// the delta snapshot, or the rows a filter or a narrower projection copies out of it,
+    /// cannot be budgeted (after the `backpressure_timeout` wait); nothing is then held.
     #[allow(clippy::needless_pass_by_value)] // builder value, consumed by convention
     pub fn scan(&self, options: ScanOptions) -> Result<Scan> {
         self.engine.check_open()?;

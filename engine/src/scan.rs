@@ -105,6 +105,9 @@ pub struct Scan {
     filter: Option<Arc<BoundFilter>>,
     counters: Arc<ScanCounters>,
     batch_rows: usize,
+    /// This scan's share of each data file's row groups ([`ReadSpec::partition`]) when it is
+    /// one of [`crate::Table::scan_partitions`]; `None`: all of them.
+    partition: Option<(usize, usize)>,
     /// Set once a wait to leave flush room ([`Self::waiting_for_memory`]) found nothing to
     /// flush or ran out its `backpressure_timeout`: from then on the hard limit alone decides
     /// for this scan, so a flush that cannot proceed costs the scan one timeout, not one per
@@ -172,6 +175,7 @@ impl Scan {
             filter,
             counters: Arc::new(ScanCounters::default()),
             batch_rows: options.batch_rows,
+            partition: None,
             flush_room_given_up: std::sync::atomic::AtomicBool::new(false),
         };
         for b in memory {
@@ -179,6 +183,42 @@ impl Scan {
             scan.queue(b)?;
         }
         Ok(scan)
+    }
+
+    /// This scan as `n` scans (at least 1) of the same snapshot that together return its rows,
+    /// each exactly once: scan `i` reads row group `g` of data file `id` when
+    /// `(g + id) % n == i` (so files of one row group each are spread over the scans too),
+    /// and scan 0 also returns the in-memory rows (deltas and flushes not yet committed). Nothing is read or reserved here. Each is an independent iterator
+    /// (`Send`), counted and refused like any scan, with its own [`Scan::metrics`]; each
+    /// counts the data files it opens.
+    pub(crate) fn into_partitions(mut self, n: usize) -> Vec<Scan> {
+        let n = n.max(1);
+        if n == 1 {
+            return vec![self];
+        }
+        let files: Vec<FileScan> = self.files.drain(..).collect();
+        let mut memory = std::mem::take(&mut self.memory);
+        let mut out = Vec::with_capacity(n);
+        for index in 0..n {
+            out.push(Scan {
+                table: Arc::clone(&self.table),
+                engine: Arc::clone(&self.engine),
+                memory: if index == 0 { std::mem::take(&mut memory) } else { VecDeque::new() },
+                // Rows of files not yet committed are in memory: scan 0 returns them whole.
+                files: files.iter().filter(|f| index == 0 || matches!(f.source, ScanSource::File(_))).cloned().collect(),
+                resume_at: None,
+                current: None,
+                reader_buffers: None,
+                reader_bytes: 0,
+                projection: self.projection.clone(),
+                filter: self.filter.clone(),
+                counters: Arc::new(ScanCounters::default()),
+                batch_rows: self.batch_rows,
+                partition: Some((index, n)),
+                flush_room_given_up: std::sync::atomic::AtomicBool::new(false),
+            });
+        }
+        out
     }
 
     /// What the scan has done so far: files opened, row groups read and pruned by the
@@ -221,6 +261,9 @@ impl Scan {
                     pruning_budget: self.table.shared.ctl.limit().saturating_sub(self.table.shared.ctl.used()),
                     counters: Some(Arc::clone(&self.counters)),
                     resume_at,
+                    // Row group `g` of file `id` is this scan's when `(g + id) % n == i`: files of one
+                    // row group each go to the scans in turn.
+                    partition: self.partition.map(|(i, n)| ((i + n - f.id as usize % n) % n, n)),
                 })?;
                 // Reserved by `next_inner` before the first page is read; dropped with the reader.
                 self.reader_bytes = it.buffer_bytes();

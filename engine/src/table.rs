@@ -852,12 +852,31 @@ impl Table {
     /// cannot be budgeted (after the `backpressure_timeout` wait); nothing is then held.
     #[allow(clippy::needless_pass_by_value)] // builder value, consumed by convention
     pub fn scan(&self, options: ScanOptions) -> Result<Scan> {
+        self.scan_snapshot(&options)
+    }
+
+    /// One snapshot of the table read by `partitions` scans (at least 1) that return its rows
+    /// between them, each row exactly once, so that as many threads can decode it at once:
+    /// scan `i` reads row group `g` of the data file numbered `id` when
+    /// `(g + id) % partitions == i` (so files of one row group each go to the scans in turn
+    /// too), and scan 0 also the rows still in memory. Every scan is a [`Scan`]: `Send`, counted under `scan_buffers`,
+    /// and refused and retried as one. With fewer row groups than scans, some return nothing.
+    /// The snapshot is the same for all: writes after this call are in none of them.
+    ///
+    /// # Errors
+    /// As [`Self::scan`].
+    #[allow(clippy::needless_pass_by_value)] // builder value, consumed by convention
+    pub fn scan_partitions(&self, options: ScanOptions, partitions: usize) -> Result<Vec<Scan>> {
+        Ok(self.scan_snapshot(&options)?.into_partitions(partitions))
+    }
+
+    fn scan_snapshot(&self, options: &ScanOptions) -> Result<Scan> {
         self.engine.check_open()?;
         // The delta snapshot needs scan buffers: under memory pressure, wait for the writer
         // like a write does.
         let deadline = crate::engine::deadline_after(self.inner.shared.config.backpressure_timeout);
         loop {
-            match Scan::new(&self.inner, &self.engine, &options) {
+            match Scan::new(&self.inner, &self.engine, options) {
                 Err(e) if e.is_memory_limit() => {
                     if !self.engine.relieve_pressure(true) || !self.engine.wait_for_memory(deadline) {
                         return Err(e);

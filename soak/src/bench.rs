@@ -303,6 +303,14 @@ pub struct BenchResult {
     /// TPC-H Q1 through SQL (`Engine::sql`, `DataFusion`) after phase 1's workload, ms, warm
     /// (the second run); `None` when built without the `sql` feature.
     pub sql_q1_ms: Option<f64>,
+    /// The same Q1 on `q1_threads` threads, ms: `Table::scan_partitions` into that many scans,
+    /// each aggregated on its own thread, the groups then merged. Not the peer comparison
+    /// (the peer script runs `DuckDB` with `SET threads=1`, and `q1_ms` is on one thread).
+    #[serde(default)]
+    pub q1_parallel_ms: f64,
+    /// Threads of `q1_parallel_ms`: the machine's available parallelism.
+    #[serde(default)]
+    pub q1_threads: u64,
     /// `flush_rows_per_s / raw_write_rows_per_s` of one run (target ≥ 0.85); in the
     /// aggregate, the median of the runs' ratios.
     pub flush_vs_raw_write: f64,
@@ -499,6 +507,28 @@ pub fn q1(batches: impl IntoIterator<Item = Result<RecordBatch>>) -> Result<Vec<
     }
     groups.sort_by(|a, b| (&a.returnflag, &a.linestatus).cmp(&(&b.returnflag, &b.linestatus)));
     Ok(groups)
+}
+
+/// [`q1`] over `threads` partitions of one snapshot of `table` (`Table::scan_partitions`),
+/// each aggregated on its own thread; the groups' sums and counts then added up.
+///
+/// # Errors
+/// A scan's error, or a thread that panicked.
+pub fn q1_partitioned(table: &gritdb::Table, threads: usize) -> Result<Vec<Q1Group>> {
+    let scans = table.scan_partitions(ScanOptions::default().projection(Q1_COLUMNS), threads)?;
+    let parts: Vec<Vec<Q1Group>> = std::thread::scope(|s| {
+        let handles: Vec<_> = scans.into_iter().map(|scan| s.spawn(move || q1(scan.map(|b| b.map_err(anyhow::Error::from))))).collect();
+        handles.into_iter().map(|h| h.join().map_err(|_| anyhow::anyhow!("a Q1 thread panicked"))?).collect::<Result<_>>()
+    })?;
+    let mut out: Vec<Q1Group> = Vec::new();
+    for g in parts.into_iter().flatten() {
+        match out.iter_mut().find(|o| (&o.returnflag, &o.linestatus) == (&g.returnflag, &g.linestatus)) {
+            Some(o) => (o.sum_qty, o.sum_price, o.sum_disc, o.count) = (o.sum_qty + g.sum_qty, o.sum_price + g.sum_price, o.sum_disc + g.sum_disc, o.count + g.count),
+            None => out.push(g),
+        }
+    }
+    out.sort_by(|a, b| (&a.returnflag, &a.linestatus).cmp(&(&b.returnflag, &b.linestatus)));
+    Ok(out)
 }
 
 const Q1_COLUMNS: [&str; 5] = ["l_returnflag", "l_linestatus", "l_quantity", "l_extendedprice", "l_discount"];
@@ -732,6 +762,12 @@ fn measure(args: &BenchArgs, batches: &[RecordBatch], dir: &Path) -> Result<(Ben
     let t = Instant::now();
     let groups = q1(table.scan(ScanOptions::default().projection(Q1_COLUMNS))?.map(|b| b.map_err(anyhow::Error::from)))?;
     r.q1_ms = t.elapsed().as_secs_f64() * 1000.0;
+    let threads = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    let t = Instant::now();
+    let parallel = q1_partitioned(&table, threads)?;
+    r.q1_parallel_ms = t.elapsed().as_secs_f64() * 1000.0;
+    r.q1_threads = threads as u64;
+    ensure!(parallel == groups, "Q1 on {threads} threads differs from Q1 on one: {parallel:?} vs {groups:?}");
     r.sql_q1_ms = sql_q1_ms(&engine)?;
     let after = ProcessView::read();
     r.rss_above_base_bytes = after.rss as i64 - base.rss as i64;
@@ -932,6 +968,7 @@ fn print_table(r: &BenchResult, groups: &[Q1Group]) {
     }
     println!("{:<26} {:>18.3} s {:>14.2} s {:>9.2}x", "durable (flush)", r.durable_s, d.durable_s, d.durable_s / r.durable_s);
     println!("{:<26} {:>17.1} ms {:>13.0} ms {:>9.2}x", "Q1", r.q1_ms, d.q1_ms, d.q1_ms / r.q1_ms);
+    println!("{:<26} {:>17.1} ms   (gritdb on {} threads, scan_partitions; not the peer comparison)", "Q1, partitioned", r.q1_parallel_ms, r.q1_threads);
     if let Some(ms) = r.sql_q1_ms {
         println!("{:<26} {:>17.1} ms {:>13.0} ms {:>9.2}x", "Q1 through SQL (TPC-H)", ms, d.q1_ms, d.q1_ms / ms);
     }

@@ -582,7 +582,8 @@ pub(crate) fn whole(rows: u64) -> Vec<Range<u64>> {
     std::iter::once(0..rows).collect()
 }
 
-fn intersect(left: &[Range<u64>], right: &[Range<u64>]) -> Vec<Range<u64>> {
+/// The rows in both `left` and `right` (each ascending and non-overlapping), ascending.
+pub(crate) fn intersect(left: &[Range<u64>], right: &[Range<u64>]) -> Vec<Range<u64>> {
     let (mut li, mut ri, mut out) = (0, 0, Vec::new());
     while li < left.len() && ri < right.len() {
         let (lo, hi) = (left[li].start.max(right[ri].start), left[li].end.min(right[ri].end));

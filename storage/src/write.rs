@@ -489,7 +489,7 @@ pub fn read_file(
     deleted: Arc<RoaringBitmap>,
     batch_rows: usize,
 ) -> Result<FileReader, StorageError> {
-    read_file_with(path, ReadSpec { projection: projection.map(<[usize]>::to_vec), filter: None, deleted, batch_rows, batch_bytes: 0, pruning_budget: usize::MAX, counters: None, resume_at: None })
+    read_file_with(path, ReadSpec { projection: projection.map(<[usize]>::to_vec), filter: None, deleted, batch_rows, batch_bytes: 0, pruning_budget: usize::MAX, counters: None, resume_at: None, partition: None })
 }
 
 /// What [`read_file_with`] reads from a data file.
@@ -524,6 +524,12 @@ pub struct ReadSpec {
     /// file and its row groups are not counted again in `counters`. `None`: a first open,
     /// from the file's first row.
     pub resume_at: Option<u64>,
+    /// `Some((index, count))`: only this share of the file's row groups, those whose ordinal
+    /// `g` has `g % count == index` (`count` ≥ 1, `index` < `count`), so that `count` readers
+    /// of one file, each on its own thread, read every row once between them. The counters
+    /// then count this share's row groups (each reader still counts the file it opens).
+    /// `None`: every row group.
+    pub partition: Option<(usize, usize)>,
 }
 
 /// Reads a data file as `spec` says: row groups (and, with the page index, pages) whose
@@ -596,6 +602,20 @@ pub fn read_file_with(path: &Path, spec: ReadSpec) -> Result<FileReader, Storage
         starts.push(at);
         at += g.num_rows() as u64;
     }
+    let mut share = md.num_row_groups() as u64;
+    if let Some((index, count)) = spec.partition {
+        let count = count.max(1);
+        let mine = |g: usize| g % count == index;
+        share = (0..md.num_row_groups()).filter(|&g| mine(g)).count() as u64;
+        plan.row_groups.retain(|&g| mine(g));
+        let spans: Vec<std::ops::Range<u64>> = plan.row_groups.iter().map(|&g| starts[g]..starts[g] + md.row_group(g).num_rows() as u64).collect();
+        plan.ranges = crate::filter::intersect(&plan.ranges, &spans);
+        // This share's figures: its groups not read, and the rows of its read groups that the
+        // page index ruled out.
+        plan.pruned_row_groups = share - plan.row_groups.len() as u64;
+        let in_groups: u64 = spans.iter().map(|r| r.end - r.start).sum();
+        plan.pruned_page_rows = in_groups - plan.ranges.iter().map(|r| r.end - r.start).sum::<u64>();
+    }
     match spec.resume_at {
         Some(from) => {
             // The rows already returned are cut from the plan, and row groups wholly before
@@ -608,7 +628,7 @@ pub fn read_file_with(path: &Path, spec: ReadSpec) -> Result<FileReader, Storage
         }
         None => {
             if let Some(c) = &spec.counters {
-                c.add_file(md.num_row_groups() as u64, plan.pruned_row_groups, plan.pruned_page_rows);
+                c.add_file(share, plan.pruned_row_groups, plan.pruned_page_rows);
             }
         }
     }

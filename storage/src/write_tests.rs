@@ -259,7 +259,7 @@ fn read_batches_are_capped_by_bytes() {
     let rows = batch_rows_for(&md, &groups, &all, 8192, 100 * per_row);
     assert!((40..=100).contains(&rows), "{rows}");
     assert_eq!(batch_rows_for(&md, &groups, &all, 8192, 1), 1);
-    let spec = ReadSpec { projection: None, filter: None, deleted: Arc::new(RoaringBitmap::new()), batch_rows: 8192, batch_bytes: 100 * per_row, pruning_budget: usize::MAX, counters: None, resume_at: None };
+    let spec = ReadSpec { projection: None, filter: None, deleted: Arc::new(RoaringBitmap::new()), batch_rows: 8192, batch_bytes: 100 * per_row, pruning_budget: usize::MAX, counters: None, resume_at: None, partition: None };
     let got: Vec<RecordBatch> = read_file_with(&path, spec).unwrap().collect::<Result<_, _>>().unwrap();
     assert!(got.iter().all(|b| b.num_rows() <= rows), "{:?}", got.iter().map(RecordBatch::num_rows).max());
     assert_eq!(got.iter().map(RecordBatch::num_rows).sum::<usize>(), 15_000);
@@ -344,6 +344,7 @@ fn reader_buffer_bytes_count_one_page_per_column_and_the_dictionary() {
         pruning_budget: usize::MAX,
         counters: None,
         resume_at: None,
+        partition: None,
     };
     // A byte cap reads the offset index alone (the column index serves only filters), and
     // only when a byte-array column is read: `k` alone keeps the footer's metadata.
@@ -388,6 +389,7 @@ fn reader_buffer_bytes_count_one_page_per_column_and_the_dictionary() {
         pruning_budget: usize::MAX,
         counters: None,
         resume_at: None,
+        partition: None,
     };
     assert_eq!(read_file_with(&path, spec).unwrap().buffer_bytes(), 0);
 }
@@ -466,6 +468,7 @@ fn a_reader_reopened_at_its_resume_row_returns_the_last_batch_and_the_rest() {
             pruning_budget: usize::MAX,
             counters: Some(Arc::clone(&counters)),
             resume_at: None,
+            partition: None,
         };
         let whole: Vec<Vec<i64>> = read_file_with(&path, spec.clone()).unwrap().map(|b| keys(&b.unwrap())).collect();
         let lo = if filter.is_some() { 7_777 } else { 0 };
@@ -492,5 +495,73 @@ fn a_reader_reopened_at_its_resume_row_returns_the_last_batch_and_the_rest() {
         let end = read_file_with(&path, ReadSpec { resume_at: Some(20_000), ..spec.clone() }).unwrap();
         assert_eq!(end.buffer_bytes(), 0);
         assert_eq!(end.count(), 0);
+    }
+}
+
+/// `count` readers of one file, each with its share of the row groups
+/// ([`ReadSpec::partition`]), return every row of the unpartitioned read exactly once between
+/// them: 4 row groups of 5,000 rows, with a deletion vector, with and without a filter (whose
+/// page index prunes), 1 to 5 shares (5: one share reads nothing and holds nothing). Their
+/// counters add up to the file's row groups and to the unpartitioned read's pruning; a share
+/// reopened at its resume row goes on exactly.
+#[test]
+fn partitioned_readers_return_each_row_once_between_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = WriteOptions { row_group_rows: 5_000, ..WriteOptions::default() };
+    write_data_file(&StdFs, dir.path(), "p.parquet", &[batch(0, 20_000)], &o, &ctl(), None).unwrap();
+    let path = dir.path().join("p.parquet");
+    let deleted: RoaringBitmap = (0..20_000u32).filter(|r| r % 9 == 0).collect();
+    let keys = |r: FileReader| -> Vec<i64> { r.flat_map(|b| b.unwrap().column(0).as_any().downcast_ref::<Int64Array>().unwrap().values().to_vec()).collect() };
+    let band = crate::ScanFilter::and([
+        crate::ScanFilter::compare("k", crate::CompareOp::GtEq, Arc::new(Int64Array::from(vec![7_777]))),
+        crate::ScanFilter::compare("k", crate::CompareOp::Lt, Arc::new(Int64Array::from(vec![16_000]))),
+    ]);
+    for filter in [None, Some(Arc::new(band.bind(&schema()).unwrap()))] {
+        let spec = |partition, counters: &Arc<crate::ScanCounters>| ReadSpec {
+            projection: Some(vec![0]),
+            filter: filter.clone(),
+            deleted: Arc::new(deleted.clone()),
+            batch_rows: 1_000,
+            batch_bytes: 0,
+            pruning_budget: usize::MAX,
+            counters: Some(Arc::clone(counters)),
+            resume_at: None,
+            partition,
+        };
+        let all_counters = Arc::new(crate::ScanCounters::default());
+        let all = keys(read_file_with(&path, spec(None, &all_counters)).unwrap());
+        let (lo, hi) = if filter.is_some() { (7_777, 16_000) } else { (0, 20_000) };
+        assert_eq!(all, (lo..hi).filter(|k| k % 9 != 0).collect::<Vec<i64>>());
+        let whole = all_counters.snapshot();
+        assert_eq!(whole.row_groups_total, 4);
+        for count in 1..=5 {
+            let counters = Arc::new(crate::ScanCounters::default());
+            let mut got: Vec<i64> = Vec::new();
+            for index in 0..count {
+                let r = read_file_with(&path, spec(Some((index, count)), &counters)).unwrap();
+                if index >= 4 {
+                    assert_eq!(r.buffer_bytes(), 0, "share {index} of {count} has no row group");
+                }
+                got.extend(keys(r));
+            }
+            got.sort_unstable();
+            assert_eq!(got, all, "{count} shares, filter {}", filter.is_some());
+            let m = counters.snapshot();
+            assert_eq!(m.files_opened, count as u64);
+            assert_eq!((m.row_groups_total, m.row_groups_pruned, m.rows_pruned_by_page_index), (4, whole.row_groups_pruned, whole.rows_pruned_by_page_index), "{count} shares");
+        }
+        // Share 1 of 2 (row groups 1 and 3), reopened after its third batch.
+        let counters = Arc::new(crate::ScanCounters::default());
+        let share = keys(read_file_with(&path, spec(Some((1, 2)), &counters)).unwrap());
+        let mut r = read_file_with(&path, spec(Some((1, 2)), &counters)).unwrap();
+        let mut before = 0;
+        for _ in 0..2 {
+            before += r.next().unwrap().unwrap().num_rows();
+        }
+        assert!(r.next().unwrap().is_ok());
+        let at = r.resume_row();
+        drop(r);
+        let again = keys(read_file_with(&path, ReadSpec { resume_at: Some(at), ..spec(Some((1, 2)), &counters) }).unwrap());
+        assert_eq!(again, share[before..].to_vec(), "share 1 of 2 reopened at row {at}: its third batch and the rest");
     }
 }

@@ -41,6 +41,7 @@ mod reopen_smaller;
 mod refused_writes;
 mod retention;
 mod scan_memory;
+mod scan_partitions;
 mod sliced_writes;
 mod runtime;
 mod smoke;

@@ -10,7 +10,9 @@ pub struct EngineConfig {
     /// Chunk size of row blocks in bytes (power of two, 4 KiB..=64 MiB). Default 64 KiB.
     pub chunk_size: usize,
     /// Largest encoded row accepted, in bytes. Rows above a chunk but under this get a
-    /// dedicated (counted) allocation. Default 16 MiB.
+    /// dedicated (counted) allocation. Default 16 MiB. A write with a row above it is
+    /// `Error::Input(UnifyError::RowTooLarge)` at any memory limit, checked before the write
+    /// asks for memory (nothing is applied).
     pub max_row_bytes: usize,
     /// A table's active delta is sealed and flushed when it holds this many bytes.
     /// `None` = limit / 16, clamped to 1 MiB..=64 MiB.

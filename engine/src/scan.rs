@@ -77,7 +77,10 @@ const SNAPSHOT_BATCH_BYTES: usize = 256 << 20;
 /// loses nothing and holds nothing: the refused batch is what the next call returns, and an
 /// open file reader is closed with its buffers (reopened at the same file row,
 /// [`gritdb_storage::FileReader::resume_row`], when the scan goes on), so a refused scan the
-/// caller keeps does not hold memory writers need.
+/// caller keeps does not hold memory writers need. The same holds for any other error — a
+/// data file that could not be opened or a page that could not be read: the next call tries
+/// the same rows again, and no file or batch is skipped (a caller that gives up drops the
+/// scan; one that retries a lasting fault gets the same error again).
 pub struct Scan {
     table: std::sync::Arc<TableInner>,
     /// Asked to flush (seal the largest deltas) when a batch's memory cannot be had: waiting
@@ -228,9 +231,28 @@ impl Scan {
         self.counters.snapshot()
     }
 
+    /// Opens the next file of the queue: a data file's reader, or a staged file's rows queued
+    /// in memory. On any error nothing of the file is kept — rows it queued are dropped (and
+    /// their memory released) and the file goes back to the front of the queue at the same
+    /// row — so the next call tries it again: a refused or failed open loses no file
+    /// (a staged file refused halfway returned half its rows on the retry, trial of
+    /// 2026-12-03).
     fn open_next_file(&mut self) -> Result<bool> {
         let Some(f) = self.files.pop_front() else { return Ok(false) };
         let resume_at = self.resume_at.take();
+        let queued = self.memory.len();
+        match self.open_file(&f, resume_at) {
+            Ok(()) => Ok(true),
+            Err(e) => {
+                self.memory.truncate(queued);
+                self.files.push_front(f);
+                self.resume_at = resume_at;
+                Err(e)
+            }
+        }
+    }
+
+    fn open_file(&mut self, f: &FileScan, resume_at: Option<u64>) -> Result<()> {
         match &f.source {
             ScanSource::Memory(batches) => {
                 let mut first = 0u32;
@@ -268,10 +290,10 @@ impl Scan {
                 // Reserved by `next_inner` before the first page is read; dropped with the reader.
                 self.reader_bytes = it.buffer_bytes();
                 self.reader_buffers = None;
-                self.current = Some((it, f));
+                self.current = Some((it, f.clone()));
             }
         }
-        Ok(true)
+        Ok(())
     }
 }
 
@@ -514,12 +536,12 @@ impl Scan {
     }
 
     /// Closes the open file reader, releasing its buffers, and puts its file back at the
-    /// front of the queue, to be reopened at the file row where the batch it returned last
-    /// starts (the one refused, when a batch was refused; the first row it was to read, when
-    /// its own buffers were).
-    fn close_for_retry(&mut self) {
+    /// front of the queue, to be reopened at a file row: where the batch it returned last
+    /// starts (`failed: false`: that batch was refused, or the reader's own buffers were and it
+    /// returned none), or where the batch it failed to read starts (`failed: true`).
+    fn close_for_retry(&mut self, failed: bool) {
         if let Some((reader, file)) = self.current.take() {
-            self.resume_at = Some(reader.resume_row());
+            self.resume_at = Some(if failed { reader.retry_row() } else { reader.resume_row() });
             self.files.push_front(file);
         }
         self.reader_buffers = None;
@@ -576,18 +598,23 @@ impl Scan {
                 match self.reserve(self.reader_bytes) {
                     Ok(r) => self.reader_buffers = Some(r),
                     Err(e) => {
-                        self.close_for_retry();
+                        self.close_for_retry(false);
                         return Some(Err(e));
                     }
                 }
             }
             if let Some((it, _)) = self.current.as_mut() {
                 // Decoded batches are always counted (they were on the heap).
+                // After any error the reader is closed and its file reopened by the next call
+                // where the failed or refused batch starts: a retry loses no row.
                 if let Some(r) = it.next() {
-                    let r = r.map_err(Error::from).and_then(compact_if_sparse);
-                    let counted = r.and_then(|b| self.counted(&b));
-                    if matches!(counted, Err(Error::MemoryLimit { .. })) {
-                        self.close_for_retry();
+                    let Ok(b) = r else {
+                        self.close_for_retry(true);
+                        return Some(r.map_err(Error::from));
+                    };
+                    let counted = compact_if_sparse(b).and_then(|b| self.counted(&b));
+                    if counted.is_err() {
+                        self.close_for_retry(false);
                     }
                     return Some(counted);
                 }

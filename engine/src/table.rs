@@ -615,6 +615,8 @@ impl Table {
             return Ok(0);
         }
         let keys = codec.keys().encode_batch(batch)?;
+        // Before the memory wait: a row above `max_row_bytes` fits under no limit.
+        codec.check_row_sizes(batch, &keys)?;
         let hashes = gritdb_unify::hash_keys(&keys);
         if let Some((first, row)) = first_duplicate(&keys, &hashes) {
             return Err(Error::DuplicateKey { table: self.inner.name.clone(), first, row });

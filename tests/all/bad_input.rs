@@ -464,3 +464,49 @@ fn empty_writes_to_a_dropped_table_are_table_not_found() {
         assert!(matches!(r, Err(Error::TableNotFound { ref name }) if name == "t"), "{what}: {r:?}");
     }
 }
+
+/// A row above `max_row_bytes` is `RowTooLarge` at any memory limit, before the write asks for
+/// memory: at a 16 MiB limit a 20 MiB row (default maximum 16 MiB), and a 2 MiB row with the
+/// maximum set to 1 MiB, by insert, upsert and update; nothing is applied, and a batch of small
+/// rows goes in after. (Before, a small limit answered `MemoryLimit` — "raise the limit" —
+/// after the backpressure wait, for a row no limit could take.)
+#[test]
+fn a_row_above_the_maximum_is_row_too_large_at_any_limit() {
+    use gritdb::UnifyError;
+    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("s", DataType::Utf8, true)]));
+    let batch = |keys: &[i64], bytes: usize| {
+        RecordBatch::try_new(
+            Arc::clone(&schema),
+            vec![Arc::new(Int64Array::from(keys.to_vec())) as ArrayRef, Arc::new(StringArray::from_iter_values(keys.iter().map(|_| "x".repeat(bytes))))],
+        )
+        .unwrap()
+    };
+    for (max, big) in [(None, 20 << 20), (Some(1 << 20), 2 << 20)] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = EngineConfig::default().memory_limit(16 << 20).backpressure_timeout(std::time::Duration::from_secs(30));
+        if let Some(m) = max {
+            config = config.max_row_bytes(m);
+        }
+        let engine = Engine::open(dir.path(), config).unwrap();
+        let t = engine.create_table("t", Arc::clone(&schema), &["k"]).unwrap();
+        t.insert(&batch(&[7], 10)).unwrap();
+        let want_max = max.unwrap_or(16 << 20);
+        // The big row second: the error names it.
+        let writes: [(&str, Box<dyn Fn(&RecordBatch) -> gritdb::Result<usize>>); 3] =
+            [("insert", Box::new(|b| t.insert(b))), ("upsert", Box::new(|b| t.upsert(b))), ("update", Box::new(|b| t.update(b)))];
+        for (name, write) in &writes {
+            let b = arrow::compute::concat_batches(&schema, &[batch(&[1], 10), batch(&[7], big)]).unwrap();
+            match write(&b) {
+                Err(Error::Input(UnifyError::RowTooLarge { row: 1, bytes, max })) => {
+                    assert_eq!(max, want_max, "{name}");
+                    assert!(bytes > big && bytes > max, "{name}: {bytes} B");
+                }
+                other => panic!("{name}, max {max:?}: {other:?}"),
+            }
+            assert_eq!(t.row_count().unwrap(), 1, "{name}: nothing applied");
+        }
+        assert_eq!(t.insert(&batch(&[1, 2, 3], 100)).unwrap(), 3);
+        assert_eq!(t.row_count().unwrap(), 4);
+        engine.close().unwrap();
+    }
+}

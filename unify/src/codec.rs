@@ -284,6 +284,26 @@ impl RowCodec {
         Ok(())
     }
 
+    /// Refuses a batch with a row whose encoding would pass the maximum row size, before any
+    /// memory is asked for the batch: a row that can never fit is [`UnifyError::RowTooLarge`]
+    /// at any memory limit, not a `MemoryLimit` that raising the limit would not cure.
+    /// `keys` are the batch's key bytes. Cheap for usual batches: when even the whole batch's
+    /// Arrow memory (`RecordBatch::get_array_memory_size`, at least every value byte) plus one
+    /// row's header, null bitmap, fixed slots and the longest key is within the maximum, no
+    /// row is measured; otherwise each row is, as the write does.
+    ///
+    /// # Errors
+    /// [`UnifyError::RowTooLarge`] naming the first row above the maximum.
+    pub fn check_row_sizes(&self, batch: &RecordBatch, keys: &Rows) -> Result<(), UnifyError> {
+        let longest_key = keys.iter().map(|k| k.as_ref().len()).max().unwrap_or(0);
+        let bound = (HEADER + self.bitmap_len + self.fixed_len + longest_key).saturating_add(batch.get_array_memory_size());
+        if bound <= self.max_row_bytes {
+            return Ok(());
+        }
+        let readers: Vec<ColReader<'_>> = batch.columns().iter().zip(self.kinds()).map(|(a, k)| ColReader::new(a, *k)).collect();
+        self.row_sizes(keys, &readers).map(|_| ())
+    }
+
     /// Encoded size in bytes of each row of `batch` whose key bytes are `keys`.
     ///
     /// # Errors

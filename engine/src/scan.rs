@@ -77,10 +77,10 @@ const SNAPSHOT_BATCH_BYTES: usize = 256 << 20;
 /// loses nothing and holds nothing: the refused batch is what the next call returns, and an
 /// open file reader is closed with its buffers (reopened at the same file row,
 /// [`gritdb_storage::FileReader::resume_row`], when the scan goes on), so a refused scan the
-/// caller keeps does not hold memory writers need. The same holds for any other error — a
-/// data file that could not be opened or a page that could not be read: the next call tries
-/// the same rows again, and no file or batch is skipped (a caller that gives up drops the
-/// scan; one that retries a lasting fault gets the same error again).
+/// caller keeps does not hold memory writers need. Any other error — a data file that could
+/// not be opened or read, a table dropped under the scan — ends the scan: later calls return
+/// `None`, so no call after an error returns rows as if the scan were whole (a caller that
+/// drains a scan's errors is not looped forever either); a new scan reads the table again.
 pub struct Scan {
     table: std::sync::Arc<TableInner>,
     /// Asked to flush (seal the largest deltas) when a batch's memory cannot be had: waiting
@@ -116,6 +116,8 @@ pub struct Scan {
     /// for this scan, so a flush that cannot proceed costs the scan one timeout, not one per
     /// batch.
     flush_room_given_up: std::sync::atomic::AtomicBool,
+    /// Set by an error other than `MemoryLimit`: the scan returns nothing more.
+    failed: bool,
 }
 
 impl std::fmt::Debug for Scan {
@@ -180,6 +182,7 @@ impl Scan {
             batch_rows: options.batch_rows,
             partition: None,
             flush_room_given_up: std::sync::atomic::AtomicBool::new(false),
+            failed: false,
         };
         for b in memory {
             let Some(b) = apply_filter(b, scan.filter.as_deref())? else { continue };
@@ -219,6 +222,7 @@ impl Scan {
                 batch_rows: self.batch_rows,
                 partition: Some((index, n)),
                 flush_room_given_up: std::sync::atomic::AtomicBool::new(false),
+                failed: false,
             });
         }
         out
@@ -232,11 +236,11 @@ impl Scan {
     }
 
     /// Opens the next file of the queue: a data file's reader, or a staged file's rows queued
-    /// in memory. On any error nothing of the file is kept — rows it queued are dropped (and
+    /// in memory. On an error nothing of the file is kept — rows it queued are dropped (and
     /// their memory released) and the file goes back to the front of the queue at the same
-    /// row — so the next call tries it again: a refused or failed open loses no file
-    /// (a staged file refused halfway returned half its rows on the retry, trial of
-    /// 2026-12-03).
+    /// row — so a refused open is retried whole by the next call (a staged file refused
+    /// halfway returned half its rows on the retry, trial of 2026-12-03); any other error ends
+    /// the scan ([`Iterator::next`]).
     fn open_next_file(&mut self) -> Result<bool> {
         let Some(f) = self.files.pop_front() else { return Ok(false) };
         let resume_at = self.resume_at.take();
@@ -467,12 +471,19 @@ impl Iterator for Scan {
     type Item = Result<RecordBatch>;
 
     fn next(&mut self) -> Option<Self::Item> {
+        if self.failed {
+            return None;
+        }
         let r = self.next_inner();
         if let Some(Ok(b)) = &r {
             self.counters.add_matched(b.num_rows() as u64);
         }
         match r {
-            Some(Err(e)) => Some(Err(self.explain(e))),
+            Some(Err(e)) => {
+                // A refusal is retried by the next call; any other error ends the scan.
+                self.failed = !e.is_memory_limit();
+                Some(Err(self.explain(e)))
+            }
             other => other,
         }
     }
@@ -605,8 +616,9 @@ impl Scan {
             }
             if let Some((it, _)) = self.current.as_mut() {
                 // Decoded batches are always counted (they were on the heap).
-                // After any error the reader is closed and its file reopened by the next call
-                // where the failed or refused batch starts: a retry loses no row.
+                // After an error the reader is closed, its file to be reopened where the failed
+                // or refused batch starts: a refusal's retry loses no row (any other error
+                // ends the scan).
                 if let Some(r) = it.next() {
                     let Ok(b) = r else {
                         self.close_for_retry(true);

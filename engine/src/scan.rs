@@ -429,16 +429,17 @@ pub fn retained_bytes(batch: &RecordBatch) -> usize {
 /// # Errors
 /// Arrow errors while copying.
 pub fn compact_if_sparse(batch: RecordBatch) -> Result<RecordBatch> {
-    Ok(compact_if_sparse_flag(batch)?.0)
+    Ok(sparse_copy(&batch)?.unwrap_or(batch))
 }
 
-/// [`compact_if_sparse`], saying whether it copied.
-fn compact_if_sparse_flag(batch: RecordBatch) -> Result<(RecordBatch, bool)> {
-    let used = gritdb_storage::batch_bytes(&batch).max(1);
-    if retained_bytes(&batch) < RETAIN_RATIO * used {
-        return Ok((batch, false));
+/// A compact copy of `batch` when it keeps alive at least [`RETAIN_RATIO`] times the bytes it
+/// uses; `None` when it is dense enough to hand out as it is.
+fn sparse_copy(batch: &RecordBatch) -> Result<Option<RecordBatch>> {
+    let used = gritdb_storage::batch_bytes(batch).max(1);
+    if retained_bytes(batch) < RETAIN_RATIO * used {
+        return Ok(None);
     }
-    Ok((copy_out(&batch)?, true))
+    Ok(Some(copy_out(batch)?))
 }
 
 /// A copy of `batch` whose buffers hold exactly its rows.
@@ -480,8 +481,16 @@ impl Iterator for Scan {
         }
         match r {
             Some(Err(e)) => {
-                // A refusal is retried by the next call; any other error ends the scan.
-                self.failed = !e.is_memory_limit();
+                // A refusal is retried by the next call; any other error ends the scan, which
+                // lets go of its reader, queue and files at once.
+                if !e.is_memory_limit() {
+                    self.failed = true;
+                    self.current = None;
+                    self.reader_buffers = None;
+                    self.reader_bytes = 0;
+                    self.memory.clear();
+                    self.files.clear();
+                }
                 Some(Err(self.explain(e)))
             }
             other => other,
@@ -547,12 +556,11 @@ impl Scan {
     }
 
     /// Closes the open file reader, releasing its buffers, and puts its file back at the
-    /// front of the queue, to be reopened at a file row: where the batch it returned last
-    /// starts (`failed: false`: that batch was refused, or the reader's own buffers were and it
-    /// returned none), or where the batch it failed to read starts (`failed: true`).
-    fn close_for_retry(&mut self, failed: bool) {
+    /// front of the queue, to be reopened where the batch it returned last starts (that batch
+    /// was refused, or the reader's own buffers were and it returned none).
+    fn close_for_retry(&mut self) {
         if let Some((reader, file)) = self.current.take() {
-            self.resume_at = Some(if failed { reader.retry_row() } else { reader.resume_row() });
+            self.resume_at = Some(reader.resume_row());
             self.files.push_front(file);
         }
         self.reader_buffers = None;
@@ -598,9 +606,14 @@ impl Scan {
     fn next_inner(&mut self) -> Option<Result<RecordBatch>> {
         loop {
             if let Some(b) = self.memory.pop_front() {
-                let r = compact_if_sparse_flag(b.clone()).and_then(|(out, c)| if c { self.counted(&out) } else { Ok(out) });
+                // Queued batches are counted already; only a compact copy needs its own count.
+                let r = match sparse_copy(&b) {
+                    Ok(None) => return Some(Ok(b)),
+                    Ok(Some(copy)) => self.counted(&copy),
+                    Err(e) => Err(e),
+                };
                 if r.is_err() {
-                    // Returned by the next call instead.
+                    // Refused: the next call returns the batch instead.
                     self.memory.push_front(b);
                 }
                 return Some(r);
@@ -609,24 +622,19 @@ impl Scan {
                 match self.reserve(self.reader_bytes) {
                     Ok(r) => self.reader_buffers = Some(r),
                     Err(e) => {
-                        self.close_for_retry(false);
+                        self.close_for_retry();
                         return Some(Err(e));
                     }
                 }
             }
             if let Some((it, _)) = self.current.as_mut() {
-                // Decoded batches are always counted (they were on the heap).
-                // After an error the reader is closed, its file to be reopened where the failed
-                // or refused batch starts: a refusal's retry loses no row (any other error
-                // ends the scan).
+                // Decoded batches are always counted (they were on the heap). A refused one
+                // closes the reader, its file to be reopened where the batch starts: the retry
+                // loses no row. A read error ends the scan (`next` lets go of everything).
                 if let Some(r) = it.next() {
-                    let Ok(b) = r else {
-                        self.close_for_retry(true);
-                        return Some(r.map_err(Error::from));
-                    };
-                    let counted = compact_if_sparse(b).and_then(|b| self.counted(&b));
-                    if counted.is_err() {
-                        self.close_for_retry(false);
+                    let counted = r.map_err(Error::from).and_then(compact_if_sparse).and_then(|b| self.counted(&b));
+                    if matches!(counted, Err(Error::MemoryLimit { .. })) {
+                        self.close_for_retry();
                     }
                     return Some(counted);
                 }

@@ -642,7 +642,6 @@ pub fn read_file_with(path: &Path, spec: ReadSpec) -> Result<FileReader, Storage
         column_index: md.column_index().is_some(),
         cursor: Cursor { ranges: plan.ranges.clone(), at: 0, offset: 0 },
         returned_from: spec.resume_at.unwrap_or(0),
-        failed_from: spec.resume_at.unwrap_or(0),
         position,
         out_positions: (!identity).then_some(out_positions),
         spec,
@@ -825,8 +824,6 @@ pub struct FileReader {
     cursor: Cursor,
     /// The file row of the first row decoded for the batch returned last ([`Self::resume_row`]).
     returned_from: u64,
-    /// The file row where the decode or filter that failed last started ([`Self::retry_row`]).
-    failed_from: u64,
     /// Table column -> column of the decoded batch.
     position: Vec<usize>,
     /// Decoded columns in output order (`None`: the decoded order is the output order).
@@ -861,14 +858,6 @@ impl FileReader {
     /// and its buffers and reopens there later, losing no row and returning none twice.
     pub fn resume_row(&self) -> u64 {
         self.returned_from
-    }
-
-    /// After [`Iterator::next`] returned an error (a page that could not be read or decoded,
-    /// a filter that could not be evaluated): the file row where the failed batch starts, so
-    /// that a reader reopened there ([`ReadSpec::resume_at`]) tries the same rows again and
-    /// returns nothing twice (the batches before it were returned).
-    pub fn retry_row(&self) -> u64 {
-        self.failed_from
     }
 
     /// True when this reader keeps the file's column index, so its filter prunes pages (the
@@ -929,10 +918,7 @@ impl Iterator for FileReader {
             let from = self.cursor.position();
             let b = match self.inner.as_mut()?.next()? {
                 Ok(b) => b,
-                Err(e) => {
-                    self.failed_from = from;
-                    return Some(Err(StorageError::Arrow(e)));
-                }
+                Err(e) => return Some(Err(StorageError::Arrow(e))),
             };
             match self.filter(&b) {
                 Ok(Some(b)) => {
@@ -940,10 +926,7 @@ impl Iterator for FileReader {
                     return Some(Ok(b));
                 }
                 Ok(None) => {}
-                Err(e) => {
-                    self.failed_from = from;
-                    return Some(Err(e));
-                }
+                Err(e) => return Some(Err(e)),
             }
         }
     }

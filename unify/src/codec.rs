@@ -289,14 +289,14 @@ impl RowCodec {
     /// at any memory limit, not a `MemoryLimit` that raising the limit would not cure.
     /// `keys` are the batch's key bytes. Cheap for usual batches: when even the whole batch's
     /// Arrow memory (`RecordBatch::get_array_memory_size`, at least every value byte) plus one
-    /// row's header, null bitmap, fixed slots and the longest key is within the maximum, no
-    /// row is measured; otherwise each row is, as the write does.
+    /// row's header, null bitmap and fixed slots and all the keys' bytes (`Rows::size`, at
+    /// least the longest key) is within the maximum, no row is measured; otherwise each row
+    /// is, as the write does.
     ///
     /// # Errors
     /// [`UnifyError::RowTooLarge`] naming the first row above the maximum.
     pub fn check_row_sizes(&self, batch: &RecordBatch, keys: &Rows) -> Result<(), UnifyError> {
-        let longest_key = keys.iter().map(|k| k.as_ref().len()).max().unwrap_or(0);
-        let bound = (HEADER + self.bitmap_len + self.fixed_len + longest_key).saturating_add(batch.get_array_memory_size());
+        let bound = (HEADER + self.bitmap_len + self.fixed_len).saturating_add(keys.size()).saturating_add(batch.get_array_memory_size());
         if bound <= self.max_row_bytes {
             return Ok(());
         }

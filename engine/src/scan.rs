@@ -6,7 +6,7 @@ use arrow_buffer::{BooleanBuffer, Buffer, NullBuffer};
 use arrow_data::ArrayData;
 use gritdb_memctl::{Category, MemoryController, MemoryError, Reservation, TableAccount};
 use std::collections::HashMap;
-use gritdb_storage::{BoundFilter, FileReader, FileScan, FilterError, ReadSpec, ScanCounters, ScanFilter, ScanMetrics, ScanSource, StorageError, filter_batch, read_file_with};
+use gritdb_storage::{BoundFilter, FileReader, FileScan, FilterError, ReadSpec, ScanCounters, ScanFilter, ScanMetrics, ScanSource, StorageError, filter_batch, read_file_within};
 use std::collections::VecDeque;
 use std::sync::Arc;
 
@@ -97,13 +97,14 @@ pub struct Scan {
     /// The open file reader, with the file it reads (path, deletion vector, and the guard that
     /// keeps the file on disk) for a reopen.
     current: Option<(FileReader, FileScan)>,
-    /// The open file reader's own buffers (pages, dictionaries) under `scan_buffers`, while
-    /// `current` is open: `reader_bytes` of them ([`gritdb_storage::FileReader::buffer_bytes`]),
-    /// reserved before the reader reads its first page. When that reservation or a decoded
-    /// batch's is refused (after the wait), the reader is closed and its file put back to be
-    /// reopened where the refused batch starts.
+    /// The open file reader's metadata and own buffers (pages, dictionaries) under
+    /// `scan_buffers`, while `current` is open ([`gritdb_storage::FileReader::buffer_bytes`]):
+    /// grown step by step while the file is opened, before each step's allocation
+    /// ([`gritdb_storage::read_file_within`]). A refusal there puts the file back to be opened
+    /// again by the next call; when a decoded batch's reservation is refused (after the wait),
+    /// the reader is closed and its file put back to be reopened where the refused batch
+    /// starts.
     reader_buffers: Option<Reservation>,
-    reader_bytes: usize,
     projection: Option<Vec<usize>>,
     filter: Option<Arc<BoundFilter>>,
     counters: Arc<ScanCounters>,
@@ -175,7 +176,6 @@ impl Scan {
             resume_at: None,
             current: None,
             reader_buffers: None,
-            reader_bytes: 0,
             projection,
             filter,
             counters: Arc::new(ScanCounters::default()),
@@ -215,7 +215,6 @@ impl Scan {
                 resume_at: None,
                 current: None,
                 reader_buffers: None,
-                reader_bytes: 0,
                 projection: self.projection.clone(),
                 filter: self.filter.clone(),
                 counters: Arc::new(ScanCounters::default()),
@@ -275,7 +274,7 @@ impl Scan {
                 }
             }
             ScanSource::File(path) => {
-                let it = read_file_with(path, ReadSpec {
+                let spec = ReadSpec {
                     projection: self.projection.clone(),
                     filter: self.filter.clone(),
                     deleted: Arc::clone(&f.deleted),
@@ -290,10 +289,24 @@ impl Scan {
                     // Row group `g` of file `id` is this scan's when `(g + id) % n == i`: files of one
                     // row group each go to the scans in turn.
                     partition: self.partition.map(|(i, n)| ((i + n - f.id as usize % n) % n, n)),
+                };
+                // The file's metadata is counted while it is parsed, not only once the reader
+                // is open: each step's bytes are reserved before they are allocated
+                // (`read_file_within`), and the reservation then becomes the reader's.
+                let mut r = Reservation::new(&self.table.shared.ctl, Category::ScanBuffers, Some(&self.table.account));
+                let it = read_file_within(path, spec, &mut |total| {
+                    if total > r.size() {
+                        self.waiting_for_memory_raw(total - r.size(), || r.try_resize(total))?;
+                    }
+                    Ok(())
                 })?;
-                // Reserved by `next_inner` before the first page is read; dropped with the reader.
-                self.reader_bytes = it.buffer_bytes();
-                self.reader_buffers = None;
+                let bytes = it.buffer_bytes();
+                if bytes > r.size() {
+                    self.waiting_for_memory(bytes - r.size(), || r.try_resize(bytes))?;
+                } else {
+                    r.shrink(r.size() - bytes);
+                }
+                self.reader_buffers = Some(r);
                 self.current = Some((it, f.clone()));
             }
         }
@@ -487,7 +500,6 @@ impl Iterator for Scan {
                     self.failed = true;
                     self.current = None;
                     self.reader_buffers = None;
-                    self.reader_bytes = 0;
                     self.memory.clear();
                     self.files.clear();
                 }
@@ -506,14 +518,6 @@ impl Scan {
         self.waiting_for_memory(b.get_array_memory_size(), || count_batch(b, &self.table.shared.ctl, Some(&self.table.account)))
     }
 
-    /// `bytes` reserved under `scan_buffers` for this table, waiting for releases like
-    /// [`Self::counted`].
-    fn reserve(&self, bytes: usize) -> Result<Reservation> {
-        let mut r = Reservation::new(&self.table.shared.ctl, Category::ScanBuffers, Some(&self.table.account));
-        self.waiting_for_memory(bytes, || r.try_grow(bytes))?;
-        Ok(r)
-    }
-
     /// `attempt` (to count about `bytes`) until it does not fail for the limit, up to
     /// `backpressure_timeout`; then its `MemoryLimit`. Between tries the engine seals its
     /// largest deltas and queues their flush (as a refused write does) and the scan waits for
@@ -530,7 +534,13 @@ impl Scan {
     /// flushed or the wait runs out, the hard limit alone decides, for the rest of the scan
     /// (a stalled flush cost a scan keeping its batches the whole timeout before every batch:
     /// `breaker_trial3::a_scan_beside_a_stalled_flush_waits_once_not_per_batch`).
-    fn waiting_for_memory<T>(&self, bytes: usize, mut attempt: impl FnMut() -> std::result::Result<T, MemoryError>) -> Result<T> {
+    fn waiting_for_memory<T>(&self, bytes: usize, attempt: impl FnMut() -> std::result::Result<T, MemoryError>) -> Result<T> {
+        self.waiting_for_memory_raw(bytes, attempt).map_err(Error::from)
+    }
+
+    /// [`Self::waiting_for_memory`] with the allocator's error as it is (for the storage
+    /// crate's reservation callback).
+    fn waiting_for_memory_raw<T>(&self, bytes: usize, mut attempt: impl FnMut() -> std::result::Result<T, MemoryError>) -> std::result::Result<T, MemoryError> {
         use std::sync::atomic::Ordering::Relaxed;
         let deadline = crate::engine::deadline_after(self.table.shared.config.backpressure_timeout);
         loop {
@@ -547,10 +557,10 @@ impl Scan {
                     // dropped.
                     self.engine.relieve_pressure(true);
                     if !self.engine.wait_for_memory(deadline) {
-                        return Err(e.into());
+                        return Err(e);
                     }
                 }
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(e),
             }
         }
     }
@@ -564,7 +574,6 @@ impl Scan {
             self.files.push_front(file);
         }
         self.reader_buffers = None;
-        self.reader_bytes = 0;
     }
 
     /// Queues an in-memory batch of the whole table schema (`copied`: its rows are a heap copy,
@@ -618,15 +627,6 @@ impl Scan {
                 }
                 return Some(r);
             }
-            if self.current.is_some() && self.reader_buffers.is_none() && self.reader_bytes > 0 {
-                match self.reserve(self.reader_bytes) {
-                    Ok(r) => self.reader_buffers = Some(r),
-                    Err(e) => {
-                        self.close_for_retry();
-                        return Some(Err(e));
-                    }
-                }
-            }
             if let Some((it, _)) = self.current.as_mut() {
                 // Decoded batches are always counted (they were on the heap). A refused one
                 // closes the reader, its file to be reopened where the batch starts: the retry
@@ -640,7 +640,6 @@ impl Scan {
                 }
                 self.current = None;
                 self.reader_buffers = None;
-                self.reader_bytes = 0;
             }
             match self.open_next_file() {
                 Ok(true) => {}

@@ -24,7 +24,7 @@ use crate::index::encode_keys;
 use crate::manifest::{FileMeta, Manifest};
 use crate::table::{DataFile, FileGuard, TableStore, file_name};
 use crate::vfs::Vfs;
-use crate::write::{WriteOptions, read_file, write_data_file, write_data_file_from};
+use crate::write::{WriteOptions, read_file_reserved, write_data_file, write_data_file_from};
 use arrow_array::UInt32Array;
 use arrow_schema::SchemaRef;
 use gritdb_memctl::{Category, MemoryController, Reservation, TableAccount};
@@ -89,16 +89,15 @@ impl CompactionPlan {
         let mut held = Reservation::new(ctl, Category::BatchBlocks, table);
         let mut parts = Vec::new();
         for (_, path, dv, _) in &self.inputs {
-            // The reader's own page and dictionary buffers, while it is open.
-            let reader = read_file(path, None, Arc::clone(dv), 64 << 10)?;
-            let reader_bytes = reader.buffer_bytes();
-            held.try_grow(reader_bytes)?;
+            // The reader's metadata and own page and dictionary buffers, while it is open
+            // (the metadata reserved before it is parsed).
+            let mut open = Reservation::new(ctl, Category::BatchBlocks, table);
+            let reader = read_file_reserved(path, None, Arc::clone(dv), 64 << 10, &mut open)?;
             for b in reader {
                 let b = b?;
                 held.try_grow(b.get_array_memory_size())?;
                 parts.push(b);
             }
-            held.shrink(reader_bytes);
         }
         // Every copy below is budgeted before it is made (the parts, their concatenation, the
         // key encoding, the sorted copy), and released as soon as it is dropped.
@@ -139,10 +138,10 @@ impl CompactionPlan {
         let mut held = Reservation::new(ctl, Category::BatchBlocks, table);
         let mut rows = 0u64;
         let key_cols = self.key_cols.clone();
-        let reader = read_file(path, None, Arc::clone(dv), 8192)?;
-        // The reader's own page and dictionary buffers count while it is open.
-        let reader_bytes = reader.buffer_bytes();
-        held.try_grow(reader_bytes)?;
+        // The reader's metadata and own page and dictionary buffers count while it is open
+        // (the metadata from before it is parsed).
+        let reader = read_file_reserved(path, None, Arc::clone(dv), 8192, &mut held)?;
+        let reader_bytes = held.size();
         let stream = reader.map(|b| {
             let b = b?;
             held.try_resize(reader_bytes + b.get_array_memory_size() + keys.size())?;

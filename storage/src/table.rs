@@ -349,8 +349,10 @@ impl TableStore {
     pub(crate) fn index_keys_of(&self, path: &Path, rows: u64) -> Result<crate::index::BuildResult, StorageError> {
         let corrupt = |detail: String| StorageError::CorruptFile { path: path.to_path_buf(), detail };
         let file = fs::File::open(path).map_err(io(path))?;
-        let builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| corrupt(e.to_string()))?;
         let mut res = Reservation::new(&self.ctl, Category::KeyIndex, self.account.as_ref());
+        // The footer is counted before it is parsed (`read_file_within`'s estimate).
+        res.try_grow(crate::write::footer_length(&file).saturating_mul(crate::write::FOOTER_MEMORY_FACTOR))?;
+        let builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| corrupt(e.to_string()))?;
         let mut read = self.key_cols.clone();
         read.sort_unstable();
         read.dedup();
@@ -359,7 +361,7 @@ impl TableStore {
             return Err(corrupt(format!("manifest says {rows} rows, file has {in_file}")));
         }
         let groups: Vec<usize> = (0..builder.metadata().num_row_groups()).collect();
-        res.try_grow(crate::write::reader_buffer_bytes(builder.metadata(), &groups, &read).saturating_add(builder.metadata().memory_size()))?;
+        res.try_resize(crate::write::reader_buffer_bytes(builder.metadata(), &groups, &read).saturating_add(builder.metadata().memory_size()))?;
         let mask = ProjectionMask::roots(builder.parquet_schema(), read.iter().copied());
         // Always found: `read` is `key_cols` sorted.
         let order: Vec<usize> = self.key_cols.iter().map(|k| read.binary_search(k).unwrap_or(0)).collect();

@@ -492,6 +492,24 @@ pub fn read_file(
     read_file_with(path, ReadSpec { projection: projection.map(<[usize]>::to_vec), filter: None, deleted, batch_rows, batch_bytes: 0, pruning_budget: usize::MAX, counters: None, resume_at: None, partition: None })
 }
 
+/// [`read_file`] with the reader's memory in `res` (which holds nothing else), grown before each step of the open
+/// allocates (see [`read_file_within`]) and then sized to [`FileReader::buffer_bytes`].
+///
+/// # Errors
+/// As [`read_file`]; [`StorageError::Memory`] when `res` cannot grow (nothing more is read).
+pub fn read_file_reserved(
+    path: &Path,
+    projection: Option<&[usize]>,
+    deleted: Arc<RoaringBitmap>,
+    batch_rows: usize,
+    res: &mut Reservation,
+) -> Result<FileReader, StorageError> {
+    let spec = ReadSpec { projection: projection.map(<[usize]>::to_vec), filter: None, deleted, batch_rows, batch_bytes: 0, pruning_budget: usize::MAX, counters: None, resume_at: None, partition: None };
+    let reader = read_file_within(path, spec, &mut |total| Ok(res.try_resize(total.max(res.size()))?))?;
+    res.try_resize(reader.buffer_bytes())?;
+    Ok(reader)
+}
+
 /// What [`read_file_with`] reads from a data file.
 #[derive(Debug, Clone)]
 pub struct ReadSpec {
@@ -542,7 +560,51 @@ pub struct ReadSpec {
 /// [`StorageError::Io`] when the file cannot be opened, [`StorageError::Parquet`] when it is
 /// not valid Parquet; the iterator yields later decoding errors.
 pub fn read_file_with(path: &Path, spec: ReadSpec) -> Result<FileReader, StorageError> {
+    read_file_within(path, spec, &mut |_| Ok(()))
+}
+
+/// Heap bytes a parsed Parquet footer may take per byte of its Thrift encoding, while it is
+/// decoded: parquet 59's `ParquetMetaData::memory_size` of the result was 3.56–4.23 times the
+/// encoded length on files of 1–400 columns and 1–500 row groups (`Int64` and `Utf8` columns,
+/// this crate's writer properties), plus the encoded bytes themselves, read into one buffer
+/// for the decode.
+pub const FOOTER_MEMORY_FACTOR: usize = 5;
+/// The same for a page index (column index and offset index together) per encoded byte:
+/// 3.4–13.3 times on the files above with more than one column chunk (24 times on a one-chunk
+/// file of a 43-byte index), plus the encoded bytes read for the decode.
+pub const PAGE_INDEX_MEMORY_FACTOR: usize = 15;
+/// The same for an offset index read alone: 2.6–8.0 times on the files above, plus the
+/// encoded bytes.
+pub const OFFSET_INDEX_MEMORY_FACTOR: usize = 9;
+
+/// The encoded length of the Parquet footer of `file` (its last 8 bytes say it), 0 when the
+/// file is too short or does not end in a Parquet footer (the parse that follows reports it).
+pub(crate) fn footer_length(file: &fs::File) -> usize {
+    use std::os::unix::fs::FileExt;
+    let Ok(len) = file.metadata().map(|m| m.len()) else { return 0 };
+    const TAIL: usize = parquet::file::FOOTER_SIZE;
+    let mut tail = [0u8; TAIL];
+    if len < TAIL as u64 || file.read_exact_at(&mut tail, len - TAIL as u64).is_err() {
+        return 0;
+    }
+    parquet::file::metadata::FooterTail::try_new(&tail).map_or(0, |t| t.metadata_length())
+}
+
+/// [`read_file_with`], asking `reserve(total)` for the memory of each step before it is
+/// allocated, so that a file's metadata is counted while it is parsed and not only once the
+/// reader is open: `total` bytes before the footer is decoded (its encoded length times
+/// [`FOOTER_MEMORY_FACTOR`]), then the decoded footer's size plus the page index's encoded
+/// length times [`PAGE_INDEX_MEMORY_FACTOR`] (or [`OFFSET_INDEX_MEMORY_FACTOR`]) before a page
+/// index is read. Each call gives the whole amount wanted so far, not an increment; the last
+/// may be smaller than an earlier one. The caller sizes its reservation to
+/// [`FileReader::buffer_bytes`] afterwards. The column index for page pruning is read only
+/// when its estimate, the decoded footer and the reader's buffers fit `spec.pruning_budget`.
+///
+/// # Errors
+/// As [`read_file_with`], and `reserve`'s error as it is (nothing more is read after it).
+pub fn read_file_within(path: &Path, spec: ReadSpec, reserve: &mut dyn FnMut(usize) -> Result<(), StorageError>) -> Result<FileReader, StorageError> {
     let file = fs::File::open(path).map_err(io(path))?;
+    reserve(footer_length(&file).saturating_mul(FOOTER_MEMORY_FACTOR))?;
     let footer = ParquetMetaDataReader::new().parse_and_finish(&file)?;
     let descr = footer.file_metadata().schema_descr_ptr();
     let width = descr.root_schema().get_fields().len();
@@ -560,23 +622,38 @@ pub fn read_file_with(path: &Path, spec: ReadSpec) -> Result<FileReader, Storage
     // metadata, 7.1 MB with its page index (`breaker_trial3`).
     let byte_arrays = spec.batch_bytes > 0
         && descr.columns().iter().enumerate().any(|(leaf, c)| c.physical_type() == parquet::basic::Type::BYTE_ARRAY && read.binary_search(&descr.get_column_root_idx(leaf)).is_ok());
-    let with_index = |md: parquet::file::metadata::ParquetMetaData, column_index: bool| -> Result<_, StorageError> {
+    // Encoded page-index bytes: (column index + offset index, offset index alone).
+    let (both, offsets) = footer.row_groups().iter().flat_map(|g| g.columns()).fold((0usize, 0usize), |(b, o), c| {
+        let ci = c.column_index_length().map_or(0, |n| usize::try_from(n).unwrap_or(0));
+        let oi = c.offset_index_length().map_or(0, |n| usize::try_from(n).unwrap_or(0));
+        (b.saturating_add(ci).saturating_add(oi), o.saturating_add(oi))
+    });
+    let all: Vec<usize> = (0..footer.num_row_groups()).collect();
+    let with_column_index = || footer.memory_size().saturating_add(both.saturating_mul(PAGE_INDEX_MEMORY_FACTOR));
+    // Page pruning is worth its column index only while it fits the budget (decided before
+    // reading it, from the estimate; checked again on the decoded size below).
+    let pruning = spec.filter.is_some()
+        && spec.pruning_budget > 0
+        && both > offsets
+        && with_column_index().saturating_add(reader_buffer_bytes(&footer, &all, &read)) <= spec.pruning_budget;
+    let with_index = |md: parquet::file::metadata::ParquetMetaData, column_index: bool, reserve: &mut dyn FnMut(usize) -> Result<(), StorageError>| -> Result<_, StorageError> {
         if !column_index && !byte_arrays {
             return Ok(md);
         }
-        let policy = if column_index { PageIndexPolicy::Optional } else { PageIndexPolicy::Skip };
+        let (policy, wanted) = if column_index {
+            (PageIndexPolicy::Optional, both.saturating_mul(PAGE_INDEX_MEMORY_FACTOR))
+        } else {
+            (PageIndexPolicy::Skip, offsets.saturating_mul(OFFSET_INDEX_MEMORY_FACTOR))
+        };
+        reserve(md.memory_size().saturating_add(wanted))?;
         let mut reader = ParquetMetaDataReader::new_with_metadata(md).with_column_index_policy(policy).with_offset_index_policy(PageIndexPolicy::Optional);
         reader.read_page_indexes(&file)?;
         Ok(reader.finish()?)
     };
-    let pruning = spec.filter.is_some() && spec.pruning_budget > 0;
-    let mut md = with_index(footer, pruning)?;
-    if pruning && md.column_index().is_some() {
-        let all: Vec<usize> = (0..md.num_row_groups()).collect();
-        if reader_buffer_bytes(&md, &all, &read).saturating_add(md.memory_size()) > spec.pruning_budget {
-            drop(md);
-            md = with_index(ParquetMetaDataReader::new().parse_and_finish(&file)?, false)?;
-        }
+    let mut md = with_index(footer, pruning, reserve)?;
+    if pruning && md.column_index().is_some() && reader_buffer_bytes(&md, &all, &read).saturating_add(md.memory_size()) > spec.pruning_budget {
+        drop(md);
+        md = with_index(ParquetMetaDataReader::new().parse_and_finish(&file)?, false, reserve)?;
     }
     let metadata = ArrowReaderMetadata::try_new(Arc::new(md), ArrowReaderOptions::new())?;
     let builder = ParquetRecordBatchReaderBuilder::new_with_metadata(file, metadata).with_batch_size(spec.batch_rows.max(1));

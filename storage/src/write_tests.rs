@@ -367,12 +367,17 @@ fn reader_buffer_bytes_count_one_page_per_column_and_the_dictionary() {
     let pruning = read_file_with(&path, filtered.clone()).unwrap();
     assert!(pruning.prunes_pages());
     assert_eq!(pruning.buffer_bytes(), expected(0) + indexed);
-    // A budget one byte short of that: the same filter keeps the footer's metadata only, and
-    // yields the same rows; a budget that holds it exactly prunes pages.
+    // The column index is read only when its estimate (encoded bytes times
+    // PAGE_INDEX_MEMORY_FACTOR), the footer and the reader's buffers fit the budget: a budget
+    // one byte short of that keeps the footer's metadata only, and yields the same rows; a
+    // budget that holds it exactly prunes pages.
+    let encoded: usize = md.row_group(0).columns().iter().map(|c| (c.column_index_length().unwrap() + c.offset_index_length().unwrap()) as usize).sum();
+    let estimate = meta + encoded * PAGE_INDEX_MEMORY_FACTOR;
+    assert!(estimate >= indexed, "the estimate covers the decoded index: {estimate} vs {indexed}");
     let rows = |r: FileReader| r.map(|b| b.unwrap().num_rows()).sum::<usize>();
-    let exact = read_file_with(&path, ReadSpec { pruning_budget: expected(0) + indexed, ..filtered.clone() }).unwrap();
+    let exact = read_file_with(&path, ReadSpec { pruning_budget: expected(0) + estimate, ..filtered.clone() }).unwrap();
     assert!(exact.prunes_pages());
-    let unpruned = read_file_with(&path, ReadSpec { pruning_budget: expected(0) + indexed - 1, ..filtered.clone() }).unwrap();
+    let unpruned = read_file_with(&path, ReadSpec { pruning_budget: expected(0) + estimate - 1, ..filtered.clone() }).unwrap();
     assert!(!unpruned.prunes_pages());
     assert_eq!(unpruned.buffer_bytes(), expected(0) + meta);
     let never = read_file_with(&path, ReadSpec { pruning_budget: 0, ..filtered }).unwrap();
@@ -564,4 +569,129 @@ fn partitioned_readers_return_each_row_once_between_them() {
         let again = keys(read_file_with(&path, ReadSpec { resume_at: Some(at), ..spec(Some((1, 2)), &counters) }).unwrap());
         assert_eq!(again, share[before..].to_vec(), "share 1 of 2 reopened at row {at}: its third batch and the rest");
     }
+}
+
+/// `read_file_within` asks for each step's memory before the step allocates it: the footer's
+/// encoded length times `FOOTER_MEMORY_FACTOR` before the footer is decoded (covering its
+/// decoded size), then the decoded footer plus the page index's estimate before the index is
+/// read (covering the decoded index). A refusal ends the open at that step with the error as
+/// given: a refused footer leaves the file uncounted (nothing was parsed).
+#[test]
+fn a_reader_asks_for_its_metadata_memory_before_parsing_it() {
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir().unwrap();
+    write_data_file(&StdFs, dir.path(), "m.parquet", &batches(), &opts(1), &ctl(), None).unwrap();
+    let path = dir.path().join("m.parquet");
+    let file = fs::File::open(&path).unwrap();
+    let len = file.metadata().unwrap().len();
+    let mut tail = [0u8; 4];
+    file.read_exact_at(&mut tail, len - 8).unwrap();
+    let footer = u32::from_le_bytes(tail) as usize;
+    let plain = ParquetRecordBatchReaderBuilder::try_new(fs::File::open(&path).unwrap()).unwrap().metadata().memory_size();
+    let indexed = ParquetRecordBatchReaderBuilder::try_new_with_options(
+        fs::File::open(&path).unwrap(),
+        parquet::arrow::arrow_reader::ArrowReaderOptions::new().with_page_index_policy(PageIndexPolicy::Optional),
+    )
+    .unwrap()
+    .metadata()
+    .memory_size();
+    let schema = schema();
+    let filter = crate::ScanFilter::compare("k", crate::CompareOp::GtEq, Arc::new(Int64Array::from(vec![100])));
+    let counters = Arc::new(ScanCounters::default());
+    let spec = ReadSpec {
+        projection: None,
+        filter: Some(Arc::new(filter.bind(&schema).unwrap())),
+        deleted: Arc::new(RoaringBitmap::new()),
+        batch_rows: 1_000,
+        batch_bytes: 0,
+        pruning_budget: usize::MAX,
+        counters: Some(Arc::clone(&counters)),
+        resume_at: None,
+        partition: None,
+    };
+    let mut asked = Vec::new();
+    let reader = read_file_within(&path, spec.clone(), &mut |total| {
+        asked.push(total);
+        Ok(())
+    })
+    .unwrap();
+    assert!(reader.prunes_pages());
+    assert_eq!(asked.len(), 2, "{asked:?}");
+    assert_eq!(asked[0], footer * FOOTER_MEMORY_FACTOR);
+    assert!(asked[0] >= plain + footer, "footer estimate {} for {plain} decoded + {footer} read", asked[0]);
+    assert!(asked[1] >= indexed && asked[1] > plain, "index estimate {} for {indexed} decoded", asked[1]);
+    assert!(reader.buffer_bytes() >= indexed);
+    assert_eq!(reader.map(|b| b.unwrap().num_rows()).sum::<usize>(), 15_000 - 100);
+    assert_eq!(counters.snapshot().files_opened, 1);
+    // Refused at the footer: the refusal as given, nothing parsed or counted.
+    let quiet = Arc::new(ScanCounters::default());
+    let mut calls = 0;
+    let refused = read_file_within(&path, ReadSpec { counters: Some(Arc::clone(&quiet)), ..spec.clone() }, &mut |total| {
+        calls += 1;
+        Err(StorageError::Memory(gritdb_memctl::MemoryError::Limit { category: Category::ScanBuffers, requested: total, used: 0, limit: 1, top: Vec::new() }))
+    });
+    assert!(matches!(refused, Err(StorageError::Memory(gritdb_memctl::MemoryError::Limit { requested, .. })) if requested == footer * FOOTER_MEMORY_FACTOR));
+    assert_eq!((calls, quiet.snapshot().files_opened), (1, 0));
+    // Refused at the page index: the same, one step later.
+    let mut calls = 0;
+    let refused = read_file_within(&path, ReadSpec { counters: Some(Arc::clone(&quiet)), ..spec }, &mut |total| {
+        calls += 1;
+        if calls == 2 {
+            return Err(StorageError::Memory(gritdb_memctl::MemoryError::Limit { category: Category::ScanBuffers, requested: total, used: 0, limit: 1, top: Vec::new() }));
+        }
+        Ok(())
+    });
+    assert!(matches!(refused, Err(StorageError::Memory(_))));
+    assert_eq!((calls, quiet.snapshot().files_opened), (2, 0));
+    // Not Parquet: no footer length to estimate from (0 asked), and the parse's error.
+    fs::write(dir.path().join("junk.parquet"), b"not a parquet file at all").unwrap();
+    let mut asked = Vec::new();
+    let junk = read_file_within(&dir.path().join("junk.parquet"), read_spec_plain(), &mut |t| {
+        asked.push(t);
+        Ok(())
+    });
+    assert!(matches!(junk, Err(StorageError::Parquet(_))), "{junk:?}");
+    assert_eq!(asked, vec![0]);
+}
+
+fn read_spec_plain() -> ReadSpec {
+    ReadSpec {
+        projection: None,
+        filter: None,
+        deleted: Arc::new(RoaringBitmap::new()),
+        batch_rows: 1_000,
+        batch_bytes: 0,
+        pruning_budget: usize::MAX,
+        counters: None,
+        resume_at: None,
+        partition: None,
+    }
+}
+
+/// `read_file_reserved` (compaction's reader): the footer's estimate is reserved before the
+/// parse, so a controller without room for it refuses the open with nothing held; with the
+/// room, the reservation ends at the reader's `buffer_bytes` and the rows are all there.
+#[test]
+fn a_reserved_reader_is_refused_before_its_footer_is_parsed() {
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir().unwrap();
+    write_data_file(&StdFs, dir.path(), "r.parquet", &batches(), &opts(1), &ctl(), None).unwrap();
+    let path = dir.path().join("r.parquet");
+    let f = fs::File::open(&path).unwrap();
+    let mut tail = [0u8; 4];
+    f.read_exact_at(&mut tail, f.metadata().unwrap().len() - 8).unwrap();
+    let estimate = u32::from_le_bytes(tail) as usize * FOOTER_MEMORY_FACTOR;
+    let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(64 << 20), ..ControllerConfig::default() }).unwrap();
+    let mut filler = Reservation::new(&ctl, Category::Metadata, None);
+    filler.try_grow((64 << 20) - ctl.used() - estimate + 1).unwrap();
+    let mut res = Reservation::new(&ctl, Category::BatchBlocks, None);
+    match read_file_reserved(&path, None, Arc::new(RoaringBitmap::new()), 1_000, &mut res) {
+        Err(StorageError::Memory(gritdb_memctl::MemoryError::Limit { requested, .. })) => assert_eq!(requested, estimate),
+        other => panic!("{:?}", other.map(|r| r.buffer_bytes())),
+    }
+    assert_eq!((res.size(), ctl.category_bytes(Category::BatchBlocks)), (0, 0));
+    drop(filler);
+    let reader = read_file_reserved(&path, None, Arc::new(RoaringBitmap::new()), 1_000, &mut res).unwrap();
+    assert_eq!(res.size(), reader.buffer_bytes());
+    assert_eq!(reader.map(|b| b.unwrap().num_rows()).sum::<usize>(), 15_000);
 }

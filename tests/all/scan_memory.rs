@@ -557,3 +557,71 @@ fn a_file_that_failed_to_open_ends_the_scan_with_its_error() {
     assert_eq!(engine.memory().category_bytes(Category::ScanBuffers), 0);
     engine.close().unwrap();
 }
+
+/// A data file's footer is reserved before it is parsed (its encoded length, from the file's
+/// last 8 bytes, times `FOOTER_MEMORY_FACTOR`): with less than that free the scan is refused
+/// having parsed nothing (no file counted as opened), holds nothing, and returns every row once
+/// the memory is there. Before, the footer was parsed uncounted and only the open reader
+/// was counted.
+#[test]
+fn a_files_footer_is_reserved_before_it_is_parsed() {
+    use arrow::array::{ArrayRef, AsArray};
+    use arrow::datatypes::{DataType, Field, Int64Type, Schema};
+    use gritdb_memctl::Reservation;
+    use std::os::unix::fs::FileExt;
+    const LIMIT: usize = 256 << 20;
+    const COLS: usize = 150;
+    const ROWS: i64 = 20_000;
+    let dir = tempfile::tempdir().unwrap();
+    let config = EngineConfig::default().memory_limit(LIMIT).flush_batch_bytes(256 << 10).backpressure_timeout(std::time::Duration::from_millis(100));
+    let engine = Engine::open(dir.path(), config).unwrap();
+    let schema = Arc::new(Schema::new((0..=COLS).map(|c| Field::new(format!("c{c}"), DataType::Int64, false)).collect::<Vec<_>>()));
+    let cols: Vec<ArrayRef> = (0..=COLS).map(|c| Arc::new(Int64Array::from_iter_values((0..ROWS).map(|k| k * (c as i64 + 1)))) as ArrayRef).collect();
+    let t = engine.create_table("wide", Arc::clone(&schema), &["c0"]).unwrap();
+    t.insert(&RecordBatch::try_new(schema, cols).unwrap()).unwrap();
+    t.flush().unwrap();
+    assert_eq!(t.stats().unwrap().files, 1);
+    let mut stack = vec![dir.path().to_path_buf()];
+    let mut footer = 0usize;
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "parquet") {
+                let f = std::fs::File::open(&p).unwrap();
+                let mut tail = [0u8; 4];
+                f.read_exact_at(&mut tail, f.metadata().unwrap().len() - 8).unwrap();
+                footer = u32::from_le_bytes(tail) as usize;
+            }
+        }
+    }
+    let estimate = footer * gritdb::FOOTER_MEMORY_FACTOR;
+    assert!(footer > 100_000, "a footer of many row groups and columns: {footer} B");
+    engine.release_cached_memory();
+    let ctl = engine.memory();
+    let scan_bytes = || ctl.category_bytes(Category::ScanBuffers);
+    let mut s = t.scan(ScanOptions::default().projection(["c0", "c7"])).unwrap();
+    // One byte short of the footer's estimate free.
+    let mut hold = Reservation::new(ctl, Category::Metadata, None);
+    hold.try_grow(LIMIT - ctl.used() - estimate + 1).unwrap();
+    for attempt in 0..2 {
+        match s.next() {
+            Some(Err(Error::MemoryLimit { category: Category::ScanBuffers, requested, .. })) => assert_eq!(requested, estimate, "attempt {attempt}"),
+            other => panic!("attempt {attempt}: {:?}", other.map(|b| b.map(|b| b.num_rows()))),
+        }
+        assert_eq!(scan_bytes(), 0, "attempt {attempt}: a refused open holds nothing");
+        assert_eq!(s.metrics().files_opened, 0, "attempt {attempt}: the footer was not parsed");
+    }
+    drop(hold);
+    let (mut rows, mut sum) = (0usize, 0i64);
+    for b in s.by_ref() {
+        let b = b.unwrap();
+        rows += b.num_rows();
+        sum += b.column(1).as_primitive::<Int64Type>().values().iter().sum::<i64>();
+    }
+    assert_eq!((rows, sum), (ROWS as usize, (0..ROWS).map(|k| k * 8).sum::<i64>()));
+    assert_eq!(s.metrics().files_opened, 1);
+    drop(s);
+    assert_eq!(scan_bytes(), 0);
+}

@@ -53,6 +53,16 @@ pub struct EngineConfig {
     pub wal_sync: WalSync,
     /// Group-commit interval of [`WalSync::Relaxed`]. Default 10 ms.
     pub wal_sync_interval: Duration,
+    /// Partitions of a table scan in SQL (`sql` feature: [`crate::Engine::sql`],
+    /// [`crate::Engine::session_context`]): that many threads decode one snapshot of the table
+    /// ([`crate::Table::scan_partitions`]); a scan with a LIMIT reads one. Default 1. Each
+    /// partition holds its own reader and batches, and the operators above get as many
+    /// inputs: a sort of 500,000 rows that spilled within a 64 MiB limit on one partition
+    /// failed on two (`query` refused for a merge, with 19.5 MB of scan batches held:
+    /// `sql::query_memory_spills_or_fails_typed_and_returns_to_the_baseline`). Raise it where
+    /// memory is ample; Q1 at SF 0.1 on 2 partitions: docs/performance.md. At most
+    /// [`crate::MAX_THREADS`].
+    pub sql_scan_partitions: usize,
     /// The file layer data files, deletion vectors and manifests are written through.
     /// Default: the real file system ([`StdFs`]). Tests pass a [`gritdb_storage::FaultFs`].
     pub vfs: Arc<dyn Vfs>,
@@ -73,6 +83,7 @@ impl Default for EngineConfig {
             flush_age: Duration::from_secs(30),
             flush_batch_bytes: 256 << 20,
             vfs: Arc::new(StdFs),
+            sql_scan_partitions: 1,
             wal_sync: WalSync::PerBatch,
             wal_sync_interval: Duration::from_millis(10),
         }
@@ -170,6 +181,14 @@ impl EngineConfig {
     #[must_use]
     pub fn flush_threads(mut self, n: usize) -> Self {
         self.flush_threads = n.max(1);
+        self
+    }
+
+    /// Sets the partitions of a table scan in SQL (at least 1; more than
+    /// [`crate::MAX_THREADS`] is refused at open; see [`Self::sql_scan_partitions`]).
+    #[must_use]
+    pub fn sql_scan_partitions(mut self, n: usize) -> Self {
+        self.sql_scan_partitions = n.max(1);
         self
     }
 

@@ -574,6 +574,7 @@ impl Engine {
             ("writer_threads", config.writer_threads),
             ("flush_threads", config.flush_threads),
             ("background_flush_threads", config.background_flush_threads),
+            ("sql_scan_partitions", config.sql_scan_partitions),
         ] {
             if n > MAX_THREADS {
                 return Err(Error::Config(format!("{name} = {n}: at most {MAX_THREADS} threads")));

@@ -581,8 +581,8 @@ pub const OFFSET_INDEX_MEMORY_FACTOR: usize = 9;
 /// file is too short or does not end in a Parquet footer (the parse that follows reports it).
 pub(crate) fn footer_length(file: &fs::File) -> usize {
     use std::os::unix::fs::FileExt;
-    let Ok(len) = file.metadata().map(|m| m.len()) else { return 0 };
     const TAIL: usize = parquet::file::FOOTER_SIZE;
+    let Ok(len) = file.metadata().map(|m| m.len()) else { return 0 };
     let mut tail = [0u8; TAIL];
     if len < TAIL as u64 || file.read_exact_at(&mut tail, len - TAIL as u64).is_err() {
         return 0;
@@ -623,7 +623,7 @@ pub fn read_file_within(path: &Path, spec: ReadSpec, reserve: &mut dyn FnMut(usi
     let byte_arrays = spec.batch_bytes > 0
         && descr.columns().iter().enumerate().any(|(leaf, c)| c.physical_type() == parquet::basic::Type::BYTE_ARRAY && read.binary_search(&descr.get_column_root_idx(leaf)).is_ok());
     // Encoded page-index bytes: (column index + offset index, offset index alone).
-    let (both, offsets) = footer.row_groups().iter().flat_map(|g| g.columns()).fold((0usize, 0usize), |(b, o), c| {
+    let (both, offsets) = footer.row_groups().iter().flat_map(parquet::file::metadata::RowGroupMetaData::columns).fold((0usize, 0usize), |(b, o), c| {
         let ci = c.column_index_length().map_or(0, |n| usize::try_from(n).unwrap_or(0));
         let oi = c.offset_index_length().map_or(0, |n| usize::try_from(n).unwrap_or(0));
         (b.saturating_add(ci).saturating_add(oi), o.saturating_add(oi))

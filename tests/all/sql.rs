@@ -571,3 +571,60 @@ fn float_columns_compare_with_decimal_constants_in_floating_point() {
         assert_eq!(count(q), want, "{q}");
     }
 }
+
+/// A table scan has `EngineConfig::sql_scan_partitions` partitions over one snapshot
+/// (`Table::scan_partitions`), read on as many threads: every row once whatever the count,
+/// with deletion vectors and in-memory updates, deletes and inserts; a LIMIT reads one
+/// partition. A physical plan executed twice takes a new snapshot the second time and sees
+/// the writes made between.
+#[test]
+fn sql_scans_read_one_snapshot_in_target_partitions() {
+    use gritdb::sql::datafusion::physical_plan::collect;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let sum = layered_sum() + (2_000..6_000).sum::<i64>();
+    for n in 1..=5usize {
+        let dir = tempfile::tempdir().unwrap();
+        let config = EngineConfig::default().memory_limit(64 << 20).sql_scan_partitions(n);
+        let engine = Engine::open(dir.path(), config).unwrap();
+        let t = layered_table(&engine);
+        // More files: row groups of several files for the partitions to share.
+        for from in (2_000..6_000).step_by(1_000) {
+            t.insert(&rows(from..from + 1_000, 1, "e")).unwrap();
+            t.flush().unwrap();
+        }
+        let ctx = engine.session_context().unwrap();
+        let q = |sql: &str| rt.block_on(async { ctx.sql(sql).await.unwrap().collect().await.unwrap() });
+        let explain = q("EXPLAIN SELECT id, v FROM t");
+        let text = arrow::util::pretty::pretty_format_batches(&explain).unwrap().to_string();
+        let label = if n == 1 { "GritScan: table=t, projection=[id, v]\n".to_owned() } else { format!("GritScan: table=t, projection=[id, v], partitions={n}") };
+        assert!(text.contains(label.trim_end()), "n = {n}: {text}");
+        let b = q("SELECT id, v FROM t");
+        let mut ids: Vec<i64> = b.iter().flat_map(|b| b.column(0).as_primitive::<Int64Type>().values().to_vec()).collect();
+        let v: i64 = b.iter().map(|b| b.column(1).as_primitive::<Int64Type>().values().iter().sum::<i64>()).sum();
+        ids.sort_unstable();
+        let want: Vec<i64> = (100..1040).chain(2_000..6_000).collect();
+        assert_eq!(ids, want, "n = {n}: every row once");
+        assert_eq!(v, sum, "n = {n}");
+        assert_eq!(scalar(&q("SELECT count(*) FROM t WHERE s LIKE 'c%'")), 100, "n = {n}");
+        let limited = q("EXPLAIN SELECT id FROM t LIMIT 3");
+        let text = arrow::util::pretty::pretty_format_batches(&limited).unwrap().to_string();
+        assert!(text.contains("GritScan: table=t, projection=[id], limit=3") && !text.contains("limit=3, partitions"), "n = {n}: {text}");
+        assert_eq!(total_rows(&q("SELECT id FROM t LIMIT 3")), 3);
+        // One physical plan (a scan, its partitions merged), executed twice: the second run is
+        // a new snapshot.
+        let plan = rt.block_on(async { ctx.sql("SELECT v FROM t").await.unwrap().create_physical_plan().await.unwrap() });
+        let run = || {
+            let b = rt.block_on(collect(std::sync::Arc::clone(&plan), ctx.task_ctx())).unwrap();
+            (total_rows(&b) as i64, b.iter().map(|b| b.column(0).as_primitive::<Int64Type>().values().iter().sum::<i64>()).sum::<i64>())
+        };
+        assert_eq!(run(), (4_940, sum), "n = {n}");
+        t.insert(&rows([10_000 + n as i64], 1, "f")).unwrap();
+        assert_eq!(run(), (4_941, sum + 10_000 + n as i64), "n = {n}: the second run sees the insert");
+        assert_eq!(scalar(&engine.sql("SELECT count(*) FROM t").unwrap()), 4_941, "n = {n}: Engine::sql");
+        // Result batches that are the scan's own stay counted while held (`b` above).
+        drop((t, plan, b));
+        assert_eq!(settled(&engine).iter().find(|(c, _)| *c == Category::ScanBuffers).map(|(_, b)| *b), Some(0), "n = {n}");
+    }
+    let e = Engine::open(tempfile::tempdir().unwrap().path(), EngineConfig { sql_scan_partitions: gritdb::MAX_THREADS + 1, ..EngineConfig::default() });
+    assert!(matches!(e, Err(Error::Config(ref m)) if m.contains("sql_scan_partitions")), "{:?}", e.err());
+}

@@ -8,8 +8,9 @@
 //!     ▼  catalog `gritdb`, schema `public`: every engine table, resolved at planning time,
 //!        plus the system tables `gritdb_memory`, `gritdb_tables`
 //! TableProvider (one per table) ── projection, limit pushed into Table::scan
-//!     │  GritScan: one partition; the blocking scan iterator runs on a blocking thread
-//!     │  (RecordBatchReceiverStream::spawn_blocking), 2 batches buffered
+//!     │  GritScan: EngineConfig::sql_scan_partitions partitions (default 1) over one
+//!     │  snapshot (Table::scan_partitions; one with a LIMIT); each partition's blocking scan iterator runs on a blocking
+//!     │  thread (RecordBatchReceiverStream::spawn_blocking), 2 batches buffered
 //!     ▼
 //! DataFusion operators ── reservations ──> memory pool over memctl, category `query`
 //!                                          (refusal = ResourcesExhausted: spill or

@@ -32,13 +32,14 @@ const CHANNEL_BATCHES: usize = 2;
 /// Where a producer sends its batches.
 type BatchSender = Sender<datafusion::error::Result<RecordBatch>>;
 
-/// Produces the batches of one partition on a blocking thread, sending them into the sender
-/// (batches of at most the given rows) and recording its figures in the metrics set; returns
-/// when done, on error, or when the receiver is gone (`blocking_send` fails).
-pub(crate) type Producer = dyn Fn(&BatchSender, usize, &ExecutionPlanMetricsSet) -> datafusion::error::Result<()> + Send + Sync;
+/// Produces the batches of one partition (the third argument) on a blocking thread, sending
+/// them into the sender (batches of at most the given rows) and recording its figures in the
+/// metrics set; returns when done, on error, or when the receiver is gone (`blocking_send`
+/// fails).
+pub(crate) type Producer = dyn Fn(&BatchSender, usize, usize, &ExecutionPlanMetricsSet) -> datafusion::error::Result<()> + Send + Sync;
 
-/// A leaf plan with one partition whose batches come from a blocking producer (a table scan,
-/// a system table). The producer runs through `DataFusion`'s
+/// A leaf plan of `partitions` partitions whose batches come from a blocking producer (a
+/// table scan, a system table). The producer runs through `DataFusion`'s
 /// [`RecordBatchReceiverStream::builder`]`.spawn_blocking` (the spawned task is tied to the
 /// stream: dropping the stream stops it at its next batch).
 pub(crate) struct BlockingSourceExec {
@@ -46,6 +47,7 @@ pub(crate) struct BlockingSourceExec {
     label: String,
     schema: SchemaRef,
     producer: Arc<Producer>,
+    partitions: usize,
     properties: Arc<PlanProperties>,
     metrics: ExecutionPlanMetricsSet,
 }
@@ -57,14 +59,15 @@ impl fmt::Debug for BlockingSourceExec {
 }
 
 impl BlockingSourceExec {
-    pub(crate) fn new(label: String, schema: SchemaRef, producer: Arc<Producer>) -> Self {
+    pub(crate) fn new(label: String, schema: SchemaRef, producer: Arc<Producer>, partitions: usize) -> Self {
+        let partitions = partitions.max(1);
         let properties = PlanProperties::new(
             EquivalenceProperties::new(Arc::clone(&schema)),
-            Partitioning::UnknownPartitioning(1),
+            Partitioning::UnknownPartitioning(partitions),
             EmissionType::Incremental,
             Boundedness::Bounded,
         );
-        Self { label, schema, producer, properties: Arc::new(properties), metrics: ExecutionPlanMetricsSet::new() }
+        Self { label, schema, producer, partitions, properties: Arc::new(properties), metrics: ExecutionPlanMetricsSet::new() }
     }
 }
 
@@ -113,10 +116,10 @@ impl ExecutionPlan for BlockingSourceExec {
     }
 
     fn execute(&self, partition: usize, context: Arc<TaskContext>) -> datafusion::error::Result<SendableRecordBatchStream> {
-        if partition != 0 {
+        if partition >= self.partitions {
             return Err(datafusion::error::DataFusionError::Internal(format!(
-                "{} has one partition, asked for partition {partition}",
-                self.label
+                "{} has {} partition(s), asked for partition {partition}",
+                self.label, self.partitions
             )));
         }
         let batch_rows = context.session_config().batch_size().max(1);
@@ -124,7 +127,7 @@ impl ExecutionPlan for BlockingSourceExec {
         let tx = builder.tx();
         let producer = Arc::clone(&self.producer);
         let metrics = self.metrics.clone();
-        builder.spawn_blocking(move || producer(&tx, batch_rows, &metrics));
+        builder.spawn_blocking(move || producer(&tx, batch_rows, partition, &metrics));
         Ok(builder.build())
     }
 
@@ -137,7 +140,10 @@ impl ExecutionPlan for BlockingSourceExec {
 
 /// A gritdb table as a `DataFusion` table: a consistent snapshot (committed files minus
 /// deletion vectors, merged with the sealed and active deltas — [`Table::scan`]) taken when
-/// the query starts reading it, with projection and limit pushed into the scan.
+/// the query starts reading it, with projection and limit pushed into the scan. The scan has
+/// [`crate::EngineConfig::sql_scan_partitions`] partitions (default 1), read on as many
+/// threads: [`Table::scan_partitions`] of one snapshot, taken by the first partition to start
+/// and shared by the others.
 #[derive(Debug)]
 pub(crate) struct TableScanProvider {
     table: Table,
@@ -185,6 +191,8 @@ impl TableProvider for TableScanProvider {
             Some(p) => Arc::new(self.schema.project(p)?),
             None => Arc::clone(&self.schema),
         };
+        // A LIMIT is read by one partition: the others would decode rows it throws away.
+        let partitions = if limit.is_some() { 1 } else { self.table.inner.shared.config.sql_scan_partitions.max(1) };
         let filters: Vec<ScanFilter> = filters.iter().filter_map(|f| translate(f, &self.schema)).collect();
         let filter = match filters.len() {
             0 => None,
@@ -209,14 +217,18 @@ impl TableProvider for TableScanProvider {
         if let Some(n) = limit {
             let _ = write!(label, ", limit={n}");
         }
+        if partitions > 1 {
+            let _ = write!(label, ", partitions={partitions}");
+        }
         let table = self.table.clone();
         let schema = Arc::clone(&out_schema);
-        let producer: Arc<Producer> = Arc::new(move |tx: &BatchSender, batch_rows: usize, metrics: &ExecutionPlanMetricsSet| {
+        let snapshot = Arc::new(SharedSnapshot::default());
+        let producer: Arc<Producer> = Arc::new(move |tx: &BatchSender, batch_rows: usize, partition: usize, metrics: &ExecutionPlanMetricsSet| {
             let mut options = ScanOptions::default().projection(read.clone()).batch_rows(batch_rows);
             if let Some(f) = &filter {
                 options = options.filter(f.clone());
             }
-            let mut scan = table.scan(options).map_err(to_datafusion)?;
+            let mut scan = snapshot.take(partition, || table.scan_partitions(options, partitions)).map_err(to_datafusion)?;
             let result = send_all(&mut scan, &schema, limit, tx);
             let m = scan.metrics();
             for (name, v) in [
@@ -231,7 +243,27 @@ impl TableProvider for TableScanProvider {
             }
             result
         });
-        Ok(Arc::new(BlockingSourceExec::new(label, out_schema, producer)))
+        Ok(Arc::new(BlockingSourceExec::new(label, out_schema, producer, partitions)))
+    }
+}
+
+/// The partition scans of one snapshot of a table, handed to a plan's partitions as they
+/// start: the first to start takes the snapshot (all partitions' scans at once), the others
+/// take theirs from it. A partition started again (the plan executed once more) finds its
+/// scan taken and begins a new snapshot for every partition started after it. Scans not yet
+/// taken are dropped with the plan, releasing their memory.
+#[derive(Default)]
+struct SharedSnapshot(std::sync::Mutex<Vec<Option<crate::Scan>>>);
+
+impl SharedSnapshot {
+    /// Partition `i`'s scan, from the current snapshot or, when that has none left for `i`,
+    /// from a new one made by `scans`.
+    fn take(&self, i: usize, scans: impl FnOnce() -> crate::Result<Vec<crate::Scan>>) -> crate::Result<crate::Scan> {
+        let mut g = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if g.get(i).is_none_or(Option::is_none) {
+            *g = scans()?.into_iter().map(Some).collect();
+        }
+        g.get_mut(i).and_then(Option::take).ok_or_else(|| crate::Error::Config(format!("no scan for partition {i}")))
     }
 }
 
@@ -302,7 +334,7 @@ impl TableProvider for ComputedTable {
         let projection = projection.cloned();
         let compute = Arc::clone(&self.compute);
         let schema = Arc::clone(&out_schema);
-        let producer: Arc<Producer> = Arc::new(move |tx: &BatchSender, _batch_rows: usize, _metrics: &ExecutionPlanMetricsSet| {
+        let producer: Arc<Producer> = Arc::new(move |tx: &BatchSender, _batch_rows: usize, _partition: usize, _metrics: &ExecutionPlanMetricsSet| {
             let batch = compute().map_err(to_datafusion)?;
             let batch = match &projection {
                 Some(p) => batch.project(p)?,
@@ -312,6 +344,6 @@ impl TableProvider for ComputedTable {
             let _ = tx.blocking_send(Ok(batch));
             Ok(())
         });
-        Ok(Arc::new(BlockingSourceExec::new(format!("GritScan: system table={}", self.name), out_schema, producer)))
+        Ok(Arc::new(BlockingSourceExec::new(format!("GritScan: system table={}", self.name), out_schema, producer, 1)))
     }
 }

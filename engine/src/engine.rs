@@ -232,7 +232,7 @@ pub(crate) const DELTA_ROW_OVERHEAD: usize = 64;
 pub(crate) const FLUSH_ROW_OVERHEAD: usize = 16;
 
 pub(crate) struct EngineInner {
-    dir: PathBuf,
+    pub(crate) dir: PathBuf,
     pub(crate) shared: Arc<Shared>,
     tables: RwLock<BTreeMap<String, Arc<TableInner>>>,
     pub(crate) writer: Writer,
@@ -514,9 +514,15 @@ fn clamp_to_ram(bytes: usize) -> usize {
     }
 }
 
+/// Prefix of the system tables' names (`gritdb_memory`, `gritdb_tables` in SQL), reserved
+/// for them ignoring case, as `SQLite` reserves `sqlite_`: a table of such a name would be
+/// shadowed in SQL by the system table, or by one added later.
+pub const RESERVED_TABLE_PREFIX: &str = "gritdb_";
+
 /// Checks a table name: 1..=255 bytes, no `/`, `\`, NUL or control characters, not `.`/`..`
 /// and no `..` inside. (Names never become paths — table directories are named by id — but
-/// these rules keep names portable to tools that do.)
+/// these rules keep names portable to tools that do.) Names starting with
+/// [`RESERVED_TABLE_PREFIX`] (ignoring case) are the system tables'.
 fn validate_name(name: &str) -> Result<()> {
     let bad = |reason| Err(Error::InvalidTableName { name: name.to_owned(), reason });
     if name.is_empty() {
@@ -536,6 +542,9 @@ fn validate_name(name: &str) -> Result<()> {
     }
     if name.trim() != name {
         return bad("starts or ends with whitespace");
+    }
+    if name.get(..RESERVED_TABLE_PREFIX.len()).is_some_and(|p| p.eq_ignore_ascii_case(RESERVED_TABLE_PREFIX)) {
+        return bad("starts with `gritdb_`, reserved for system tables");
     }
     Ok(())
 }

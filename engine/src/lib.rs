@@ -31,7 +31,7 @@ mod table;
 mod writer;
 
 pub use config::{BackgroundPriority, EngineConfig};
-pub use engine::{DEFAULT_DATA_DIR, Engine, MAX_THREADS};
+pub use engine::{DEFAULT_DATA_DIR, Engine, MAX_THREADS, RESERVED_TABLE_PREFIX};
 pub use error::{Error, Result};
 /// The error types [`Error`] wraps ([`Error::Input`], [`Error::Storage`], [`Error::Memory`]),
 /// so a caller can match on their typed fields (e.g. `UnifyError::NullKey { column, row }`).

@@ -675,19 +675,27 @@ impl Table {
     }
 
     /// Row `row`'s primary key as `name=value` pairs (Arrow's display of each value), for
-    /// error messages.
+    /// error messages. A value Arrow cannot display (a `Date32` beyond chrono's range) shows
+    /// as its integer; one longer than [`KEY_TEXT_CHARS`] characters is cut there, with its
+    /// length in bytes after it (a 100 KB key made a 100 KB error message: trial of
+    /// 2026-12-03).
     fn key_text(&self, batch: &RecordBatch, row: usize) -> String {
         let schema = batch.schema();
         let opts = arrow_cast::display::FormatOptions::default().with_null("null");
+        let show = |a: &dyn arrow_array::Array| {
+            arrow_cast::display::ArrayFormatter::try_new(a, &opts).ok().and_then(|f| f.value(row).try_to_string().ok())
+        };
         self.inner
             .codec
             .keys()
             .columns()
             .iter()
             .map(|&c| {
-                let value = arrow_cast::display::ArrayFormatter::try_new(batch.column(c).as_ref(), &opts)
-                    .map_or_else(|_| "?".to_owned(), |f| f.value(row).to_string());
-                format!("{}={value}", schema.field(c).name())
+                let col = batch.column(c);
+                let value = show(col.as_ref())
+                    .or_else(|| arrow_cast::cast(col, &arrow_schema::DataType::Int64).ok().and_then(|a| show(a.as_ref())))
+                    .unwrap_or_else(|| "?".to_owned());
+                format!("{}={}", schema.field(c).name(), cut_text(&value))
             })
             .collect::<Vec<_>>()
             .join(", ")
@@ -977,6 +985,17 @@ fn walk_keys(rows: &arrow_row::Rows, hashes: &[u64], mut seen_before: impl FnMut
 /// Indices of the first occurrence of each distinct key.
 fn unique_rows(rows: &arrow_row::Rows, hashes: &[u64]) -> Vec<usize> {
     walk_keys(rows, hashes, |_, _| false)
+}
+
+/// Characters of one key value an error message shows ([`Table::key_text`]).
+const KEY_TEXT_CHARS: usize = 200;
+
+/// `text` up to [`KEY_TEXT_CHARS`] characters, then `… (N bytes)` when it was longer.
+fn cut_text(text: &str) -> std::borrow::Cow<'_, str> {
+    match text.char_indices().nth(KEY_TEXT_CHARS) {
+        Some((at, _)) => format!("{}… ({} bytes)", &text[..at], text.len()).into(),
+        None => text.into(),
+    }
 }
 
 /// The first pair `(first, row)` of rows with equal keys.

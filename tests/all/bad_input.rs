@@ -146,11 +146,20 @@ fn table_names_and_definitions() {
     let dir = tempfile::tempdir().unwrap();
     let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
     let long = "x".repeat(256);
-    for bad in ["", "a/b", "a\\b", "..", "a..b", "nul\0x", "tab\tx", long.as_str(), " lead"] {
+    // `gritdb_` (any case) is the system tables' prefix: `gritdb_memory` in SQL would
+    // otherwise shadow a user table of that name (trial of 2026-12-03).
+    for bad in ["", "a/b", "a\\b", "..", "a..b", "nul\0x", "tab\tx", long.as_str(), " lead", "gritdb_memory", "GRITDB_TABLES", "Gritdb_events", "gritdb_"] {
         assert!(
             matches!(engine.create_table(bad, composite_schema(), &["k1"]), Err(Error::InvalidTableName { .. })),
             "{bad:?} must be refused"
         );
+    }
+    let err = engine.create_table("gritdb_memory", composite_schema(), &["k1"]).unwrap_err();
+    assert_eq!(err.to_string(), "invalid table name \"gritdb_memory\": starts with `gritdb_`, reserved for system tables");
+    assert!(engine.table_names().is_empty(), "{:?}", engine.table_names());
+    for fine in ["gritdb", "my_gritdb_table", "gritdbx"] {
+        engine.create_table(fine, composite_schema(), &["k1"]).unwrap();
+        engine.drop_table(fine).unwrap();
     }
     engine.create_table("Orders", composite_schema(), &["k1", "k2"]).unwrap();
     // The error names the table that exists when only the case differs.
@@ -509,4 +518,33 @@ fn a_row_above_the_maximum_is_row_too_large_at_any_limit() {
         assert_eq!(t.row_count().unwrap(), 4);
         engine.close().unwrap();
     }
+}
+
+/// An error naming a key shows each value up to 200 characters and then its length (a
+/// 100,000-byte key made a 100 KB message), and a value Arrow cannot display (a `Date32`
+/// beyond chrono's range) as its integer instead of a cast error (trial of 2026-12-03).
+#[test]
+fn errors_show_long_and_undisplayable_keys_briefly() {
+    use arrow::array::{Date32Array, StringArray};
+    use arrow::datatypes::{DataType, Field};
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Utf8, false)]));
+    let t = engine.create_table("long", Arc::clone(&schema), &["k"]).unwrap();
+    let long = "é".repeat(50_000);
+    let b = RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(StringArray::from(vec![long.as_str()]))]).unwrap();
+    t.insert(&b).unwrap();
+    let e = t.insert(&b).unwrap_err();
+    let text = e.to_string();
+    assert!(matches!(e, Error::KeyExists { row: 0, .. }), "{e:?}");
+    assert!(text.contains(&format!("k={}… (100000 bytes)", "é".repeat(200))), "{}", &text[..text.len().min(600)]);
+    assert!(text.len() < 1_000, "{} bytes", text.len());
+    let dates = Arc::new(Schema::new(vec![Field::new("d", DataType::Date32, false)]));
+    let t = engine.create_table("dates", Arc::clone(&dates), &["d"]).unwrap();
+    let b = RecordBatch::try_new(Arc::clone(&dates), vec![Arc::new(Date32Array::from(vec![-807_049_216, 0]))]).unwrap();
+    t.insert(&b).unwrap();
+    let e = t.update(&RecordBatch::try_new(Arc::clone(&dates), vec![Arc::new(Date32Array::from(vec![0, 5]))]).unwrap()).unwrap_err();
+    assert!(e.to_string().contains("d=1970-01-06"), "{e}");
+    let e = t.insert(&RecordBatch::try_new(dates, vec![Arc::new(Date32Array::from(vec![-807_049_216]))]).unwrap()).unwrap_err();
+    assert!(e.to_string().contains("d=-807049216") && !e.to_string().contains("ERROR"), "{e}");
 }

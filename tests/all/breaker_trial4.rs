@@ -1293,6 +1293,7 @@ fn backpressure_timeout_of_duration_max_is_refused_or_works() {
 #[test]
 fn huge_batch_rows_for_scans_and_exports_are_exact() {
     let dir = tempfile::tempdir().unwrap();
+    let out = tempfile::tempdir().unwrap();
     let engine = open(dir.path());
     let t = engine.create_table("t", kv(), &["k"]).unwrap();
     t.insert(&kvb(&(0..30_000).collect::<Vec<_>>(), 0)).unwrap();
@@ -1323,7 +1324,7 @@ fn huge_batch_rows_for_scans_and_exports_are_exact() {
     .iter()
     .enumerate()
     {
-        let path = dir.path().join(format!("out{i}.parquet"));
+        let path = out.path().join(format!("out{i}.parquet"));
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| t.export_parquet_with(&path, o)));
         let stats = r.unwrap_or_else(|p| panic!("export {i}: {}", crate::breaker_trial::panic_text(&*p))).unwrap();
         let _ = stats;

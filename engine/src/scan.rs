@@ -274,6 +274,9 @@ impl Scan {
                 }
             }
             ScanSource::File(path) => {
+                // A file loaded at open is checked against its manifest's checksum before
+                // its first read in this process (a mismatch ends the scan: CorruptFile).
+                f.guard.verify()?;
                 let spec = ReadSpec {
                     projection: self.projection.clone(),
                     filter: self.filter.clone(),

@@ -65,7 +65,7 @@ pub struct CompactionPlan {
     keys: crate::index::KeyBuilder,
     /// The new file's key-index set (taken by [`TableStore::install_compaction`];
     /// `Err(detail)` when its keys are not strictly ascending), rows and bytes.
-    output: Option<(Option<crate::index::BuildResult>, u64, u64)>,
+    output: Option<(Option<crate::index::BuildResult>, u64, crate::write::WrittenFile)>,
     /// The commit renamed its manifest into place (and then failed, or succeeded).
     manifest_renamed: bool,
 }
@@ -83,6 +83,10 @@ impl CompactionPlan {
     /// # Errors
     /// [`StorageError`]; the new file is not visible then.
     pub fn execute(&mut self, opts: &WriteOptions, ctl: &Arc<MemoryController>, table: Option<&TableAccount>) -> Result<(), StorageError> {
+        // A corrupt input must not be rewritten into a new file with a valid checksum.
+        for (_, _, _, guard) in &self.inputs {
+            guard.verify()?;
+        }
         if self.inputs.len() == 1 {
             return self.execute_streaming(opts, ctl, table);
         }
@@ -167,7 +171,7 @@ impl CompactionPlan {
         let Some((_, rows, bytes)) = &self.output else { return Ok(()) };
         let inputs: Vec<u32> = self.inputs();
         self.manifest.files.retain(|f| !inputs.contains(&f.id));
-        self.manifest.files.push(FileMeta { id: self.new_id, name: file_name(self.new_id), rows: *rows, bytes: *bytes, dv: None, deleted: 0 });
+        self.manifest.files.push(FileMeta { id: self.new_id, name: file_name(self.new_id), rows: *rows, bytes: bytes.bytes, dv: None, deleted: 0, crc32: Some(bytes.crc32) });
         self.manifest.files.sort_by_key(|f| f.id);
         self.manifest.write_tracked(self.vfs.as_ref(), &self.dir, &mut self.manifest_renamed)
     }
@@ -322,8 +326,9 @@ impl TableStore {
             }
             self.index.remove_file(*id);
         }
-        let meta = FileMeta { id: plan.new_id, name: file_name(plan.new_id), rows, bytes, dv: None, deleted: 0 };
-        let guard = FileGuard::new(plan.dir.join(&meta.name), &self.vfs);
+        let meta = FileMeta { id: plan.new_id, name: file_name(plan.new_id), rows, bytes: bytes.bytes, dv: None, deleted: 0, crc32: Some(bytes.crc32) };
+        // Written by this process: its bytes are the ones checksummed.
+        let guard = FileGuard::new(plan.dir.join(&meta.name), &self.vfs, None);
         self.files.insert(
             plan.new_id,
             DataFile { meta, pending: None, dv_live: RoaringBitmap::new(), dv_committed: RoaringBitmap::new(), guard },

@@ -28,17 +28,52 @@ pub(crate) struct DataFile {
 }
 
 /// Keeps a data file on disk while scans may read it. Once compaction replaced the file it is
-/// marked obsolete and removed when the last holder (table or scan) lets go.
+/// marked obsolete and removed when the last holder (table or scan) lets go. It also checks
+/// the file against the checksum its manifest recorded, once per process
+/// ([`Self::verify`]).
 #[derive(Debug)]
 pub struct FileGuard {
     path: PathBuf,
     obsolete: std::sync::atomic::AtomicBool,
     vfs: Arc<dyn Vfs>,
+    /// The manifest's CRC-32 of a file loaded at open, until [`Self::verify`] found the file
+    /// matches it; `None` for a file this process wrote, or one already checked, or one whose
+    /// manifest recorded none.
+    unverified_crc32: std::sync::Mutex<Option<u32>>,
 }
 
 impl FileGuard {
-    pub(crate) fn new(path: PathBuf, vfs: &Arc<dyn Vfs>) -> Arc<Self> {
-        Arc::new(Self { path, obsolete: std::sync::atomic::AtomicBool::new(false), vfs: Arc::clone(vfs) })
+    /// `crc32`: the checksum to verify the file against before its first read (a file loaded
+    /// from a manifest); `None` for a file this process writes.
+    pub(crate) fn new(path: PathBuf, vfs: &Arc<dyn Vfs>, crc32: Option<u32>) -> Arc<Self> {
+        Arc::new(Self {
+            path,
+            obsolete: std::sync::atomic::AtomicBool::new(false),
+            vfs: Arc::clone(vfs),
+            unverified_crc32: std::sync::Mutex::new(crc32),
+        })
+    }
+
+    /// Checks the file against its manifest's CRC-32 the first time it is called for a file
+    /// loaded at open (reading the whole file, 16 KiB at a time on the stack); later calls,
+    /// and files this process wrote, return at once. Concurrent first calls may both read.
+    ///
+    /// # Errors
+    /// [`StorageError::CorruptFile`] when the file's bytes do not match (a flipped or lost
+    /// byte, a truncated or replaced file: nothing of it is read then); [`StorageError::Io`]
+    /// when it cannot be read.
+    pub fn verify(&self) -> Result<(), StorageError> {
+        let expected = *self.unverified_crc32.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Some(expected) = expected else { return Ok(()) };
+        let (got, len) = crate::write::file_crc32(&self.path)?;
+        if got != expected {
+            return Err(StorageError::CorruptFile {
+                path: self.path.clone(),
+                detail: format!("checksum mismatch: the manifest recorded CRC-32 {expected:08x}, the file's {len} bytes have {got:08x}"),
+            });
+        }
+        *self.unverified_crc32.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+        Ok(())
     }
 
     pub(crate) fn mark_obsolete(&self) {
@@ -143,6 +178,7 @@ pub struct CommitPlan {
     obsolete: Vec<String>,
     dir: PathBuf,
     written_bytes: u64,
+    written_crc32: Option<u32>,
     vfs: Arc<dyn Vfs>,
 }
 
@@ -153,9 +189,12 @@ impl CommitPlan {
     /// [`StorageError`]; nothing of this commit is visible then (the old manifest stands).
     pub fn execute(&mut self, opts: &WriteOptions, ctl: &Arc<MemoryController>, table: Option<&TableAccount>) -> Result<(), StorageError> {
         if let Some((name, batches)) = &self.data {
-            self.written_bytes = write_data_file(self.vfs.as_ref(), &self.dir, name, batches, opts, ctl, table)?;
+            let written = write_data_file(self.vfs.as_ref(), &self.dir, name, batches, opts, ctl, table)?;
+            self.written_bytes = written.bytes;
+            self.written_crc32 = Some(written.crc32);
             if let Some(f) = self.manifest.files.iter_mut().find(|f| &f.name == name) {
-                f.bytes = self.written_bytes;
+                f.bytes = written.bytes;
+                f.crc32 = Some(written.crc32);
             }
         }
         for (_, name, bm) in &self.dvs {
@@ -318,7 +357,7 @@ impl TableStore {
                 Ok(built) => s.index.install(f.id, built),
                 Err(detail) => return Err(StorageError::CorruptFile { path, detail }),
             }
-            let guard = FileGuard::new(path, &s.vfs);
+            let guard = FileGuard::new(path, &s.vfs, f.crc32);
             s.files.insert(f.id, DataFile { meta: f.clone(), pending: None, dv_live: dv.clone(), dv_committed: dv, guard });
         }
         if let Ok(rd) = fs::read_dir(dir) {
@@ -526,8 +565,8 @@ impl TableStore {
             drop(keys);
             drop(keys_res);
             self.next_file_id += 1;
-            let meta = FileMeta { id, name: file_name(id), rows: put_rows as u64, bytes: 0, dv: None, deleted: 0 };
-            let guard = FileGuard::new(self.dir.join(&meta.name), &self.vfs);
+            let meta = FileMeta { id, name: file_name(id), rows: put_rows as u64, bytes: 0, dv: None, deleted: 0, crc32: None };
+            let guard = FileGuard::new(self.dir.join(&meta.name), &self.vfs, None);
             self.files.insert(
                 id,
                 DataFile { meta, pending: Some(puts), dv_live: RoaringBitmap::new(), dv_committed: RoaringBitmap::new(), guard },
@@ -597,7 +636,7 @@ impl TableStore {
             flushed_seq: self.flushed_seq.max(st.max_seq),
             files,
         };
-        Some(CommitPlan { data, dvs, manifest, obsolete, dir: self.dir.clone(), written_bytes: 0, vfs: Arc::clone(&self.vfs) })
+        Some(CommitPlan { data, dvs, manifest, obsolete, dir: self.dir.clone(), written_bytes: 0, written_crc32: None, vfs: Arc::clone(&self.vfs) })
     }
 
     /// Applies an executed commit plan: the staged file becomes a committed file (its rows
@@ -616,6 +655,7 @@ impl TableStore {
         {
             f.pending = None;
             f.meta.bytes = plan.written_bytes;
+            f.meta.crc32 = plan.written_crc32;
         }
         self.version = plan.manifest.version;
         self.flushed_seq = plan.manifest.flushed_seq;

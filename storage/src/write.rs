@@ -123,10 +123,44 @@ impl CancelToken {
 /// The message of a cancelled write's error.
 const CANCELLED: &str = "write cancelled: the table was dropped";
 
+/// A data file as written: its size and the CRC-32 of its bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WrittenFile {
+    /// File size in bytes.
+    pub bytes: u64,
+    /// CRC-32 (IEEE, `crc32fast`) of the whole file, computed from the bytes as they were
+    /// written (no second read); the manifest records it ([`crate::FileMeta::crc32`]).
+    pub crc32: u32,
+}
+
+/// CRC-32 and length of the file at `path`, read 16 KiB at a time into a stack buffer (no
+/// heap memory outside the limit).
+///
+/// # Errors
+/// [`StorageError::Io`].
+pub fn file_crc32(path: &Path) -> Result<(u32, u64), StorageError> {
+    use std::io::Read as _;
+    let mut f = fs::File::open(path).map_err(io(path))?;
+    let mut h = crc32fast::Hasher::new();
+    let mut buf = [0u8; 16 << 10];
+    let mut len = 0u64;
+    loop {
+        let n = match f.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(StorageError::Io { path: path.to_path_buf(), source: e }),
+        };
+        h.update(&buf[..n]);
+        len += n as u64;
+    }
+    Ok((h.finalize(), len))
+}
+
 /// Writes `batches` (in order, one schema) as the Parquet file `dir/name`: written to `name.tmp`, fsynced, renamed,
 /// directory fsynced, so the file is either absent or complete. The writer's buffers are
 /// reserved under `write_buffers` as they grow (`ArrowWriter::memory_size`).
-/// Returns the file size in bytes.
+/// Returns the file's size and CRC-32.
 ///
 /// # Errors
 /// [`StorageError::Io`], [`StorageError::Parquet`], [`StorageError::Memory`]; the tmp file is
@@ -139,7 +173,7 @@ pub fn write_data_file(
     opts: &WriteOptions,
     ctl: &Arc<MemoryController>,
     table: Option<&TableAccount>,
-) -> Result<u64, StorageError> {
+) -> Result<WrittenFile, StorageError> {
     let schema = batches.first().map(RecordBatch::schema).ok_or_else(|| StorageError::CorruptFile {
         path: dir.join(name),
         detail: "no batch to write".into(),
@@ -162,31 +196,33 @@ pub fn write_data_file_from(
     opts: &WriteOptions,
     ctl: &Arc<MemoryController>,
     table: Option<&TableAccount>,
-) -> Result<u64, StorageError> {
+) -> Result<WrittenFile, StorageError> {
     let tmp = dir.join(format!("{name}.tmp"));
     let dst = dir.join(name);
     let res = (|| {
         let seen = Arc::new(std::sync::Mutex::new(None));
         let cancel = &opts.cancel;
         cancel.check().map_err(io(&tmp))?;
-        let file = Recording { inner: vfs.create(&tmp).map_err(io(&tmp))?, seen: Arc::clone(&seen), cancel: cancel.clone() };
+        let file = Recording { inner: vfs.create(&tmp).map_err(io(&tmp))?, seen: Arc::clone(&seen), cancel: cancel.clone(), crc: crc32fast::Hasher::new() };
         let props = data_file_properties(opts.row_group_rows).build();
         let pq = |e: ParquetError| parquet_io(e, &tmp, &seen);
         // `ArrowWriter` builds the Parquet schema and adds the Arrow schema to the footer's
         // metadata in both paths, so their files are alike.
         let writer = ArrowWriter::try_new(file, Arc::clone(schema), Some(props)).map_err(pq)?;
         let mut buffers = Reservation::new(ctl, Category::WriteBuffers, table);
-        let mut file = if opts.encode_threads > 1 && !schema.fields().is_empty() {
+        let file = if opts.encode_threads > 1 && !schema.fields().is_empty() {
             let (fw, factory) = writer.into_serialized_writer().map_err(pq)?;
             let mut w = ParallelWriter::new(fw, factory, schema, opts.encode_threads);
             write_batches(&mut w, batches, opts, &mut buffers, &tmp).map_err(|e| e.into_storage(&pq))?;
-            w.finish().map_err(pq)?.inner
+            w.finish().map_err(pq)?
         } else {
             let mut w = writer;
             write_batches(&mut w, batches, opts, &mut buffers, &tmp).map_err(|e| e.into_storage(&pq))?;
-            w.into_inner().map_err(pq)?.inner
+            w.into_inner().map_err(pq)?
         };
         drop(buffers);
+        let crc32 = file.crc.finalize();
+        let mut file = file.inner;
         cancel.check().map_err(io(&tmp))?;
         file.sync_all().map_err(io(&tmp))?;
         let size = file.len().map_err(io(&tmp))?;
@@ -194,7 +230,7 @@ pub fn write_data_file_from(
         cancel.check().map_err(io(&tmp))?;
         vfs.rename(&tmp, &dst).map_err(io(&dst))?;
         vfs.sync_dir(dir).map_err(io(dir))?;
-        Ok(size)
+        Ok(WrittenFile { bytes: size, crc32 })
     })();
     if res.is_err() {
         let _ = vfs.remove_file(&tmp);
@@ -1016,6 +1052,8 @@ struct Recording {
     seen: Arc<Seen>,
     /// Checked before every call into the file layer.
     cancel: CancelToken,
+    /// CRC-32 of the bytes written so far (the file is written front to back, once).
+    crc: crc32fast::Hasher,
 }
 
 impl Recording {
@@ -1029,7 +1067,9 @@ impl Recording {
 impl std::io::Write for Recording {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         self.cancel.check().inspect_err(|e| self.note(e))?;
-        self.inner.write(buf).inspect_err(|e| self.note(e))
+        let n = self.inner.write(buf).inspect_err(|e| self.note(e))?;
+        self.crc.update(&buf[..n]);
+        Ok(n)
     }
     fn flush(&mut self) -> std::io::Result<()> {
         self.inner.flush().inspect_err(|e| self.note(e))

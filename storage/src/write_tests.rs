@@ -80,10 +80,13 @@ fn every_thread_count_writes_the_same_file() {
     let mut files = Vec::new();
     for threads in [1, 2, 3, 8] {
         let name = format!("t{threads}.parquet");
-        let size = write_data_file(&StdFs, dir.path(), &name, &input, &opts(threads), &ctl, None).unwrap();
+        let written = write_data_file(&StdFs, dir.path(), &name, &input, &opts(threads), &ctl, None).unwrap();
         assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0, "{threads} threads: writer buffers released");
         let path = dir.path().join(&name);
-        assert_eq!(fs::metadata(&path).unwrap().len(), size);
+        assert_eq!(fs::metadata(&path).unwrap().len(), written.bytes);
+        // The checksum taken from the bytes as written is the file's, on every thread count.
+        assert_eq!(file_crc32(&path).unwrap(), (written.crc32, written.bytes), "{threads} threads");
+        assert_eq!(written.crc32, crc32fast::hash(&fs::read(&path).unwrap()));
         files.push((threads, fs::read(&path).unwrap(), path));
     }
     // Cut by rows (4,000 per group) across input batches of 5,000, 3,333 and 6,667 rows.

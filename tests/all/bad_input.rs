@@ -548,3 +548,77 @@ fn errors_show_long_and_undisplayable_keys_briefly() {
     let e = t.insert(&RecordBatch::try_new(dates, vec![Arc::new(Date32Array::from(vec![-807_049_216]))]).unwrap()).unwrap_err();
     assert!(e.to_string().contains("d=-807049216") && !e.to_string().contains("ERROR"), "{e}");
 }
+
+/// One flipped byte anywhere in a data file is an error, never a silently changed value: the
+/// manifest records each file's CRC-32 and a file loaded at open is checked before its first
+/// read. Before, 55 of 151 flips across a file changed values with no error (trial of
+/// 2026-12-03; arrow-rs writes no page checksums). A file whose manifest has no checksum (an
+/// older manifest) still opens and reads.
+#[test]
+fn a_flipped_byte_in_a_data_file_is_an_error_not_a_changed_value() {
+    let src = tempfile::tempdir().unwrap();
+    let rows: Vec<((i64, i32), Row)> = (0..5_000).map(|k| ((k, 0), (Some(k * 7_919 % 100_003), Some(format!("value {k}"))))).collect();
+    {
+        let engine = Engine::open(src.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+        let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
+        t.insert(&composite_batch(&rows)).unwrap();
+        t.flush().unwrap();
+        drop(t);
+        engine.close().unwrap();
+    }
+    let want: std::collections::BTreeMap<(i64, i32), Row> = rows.into_iter().collect();
+    let file_in = |root: &std::path::Path| {
+        std::fs::read_dir(table_dir(root)).unwrap().flatten().map(|e| e.path()).find(|p| p.extension().is_some_and(|e| e == "parquet")).unwrap()
+    };
+    let manifest = std::fs::read_to_string(table_dir(src.path()).join("manifest.json")).unwrap();
+    assert!(manifest.contains("\"crc32\""), "{manifest}");
+    let len = std::fs::metadata(file_in(src.path())).unwrap().len() as usize;
+    let copy = |to: &std::path::Path| {
+        let out = std::process::Command::new("cp").arg("-a").arg(format!("{}/.", src.path().display())).arg(to).status().unwrap();
+        assert!(out.success());
+    };
+    let (mut at_open, mut at_scan) = (0, 0);
+    for i in 0..40 {
+        let at = i * (len - 1) / 39;
+        let dir = tempfile::tempdir().unwrap();
+        copy(dir.path());
+        let file = file_in(dir.path());
+        let mut bytes = std::fs::read(&file).unwrap();
+        bytes[at] ^= 0x5a;
+        std::fs::write(&file, &bytes).unwrap();
+        let engine = match Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)) {
+            Err(Error::Storage(e)) => {
+                assert!(e.to_string().contains("corrupt data file"), "byte {at}: {e}");
+                at_open += 1;
+                continue;
+            }
+            Err(e) => panic!("byte {at}: {e}"),
+            Ok(e) => e,
+        };
+        let t = engine.table("t").unwrap();
+        match t.scan(ScanOptions::default()).unwrap().collect::<gritdb::Result<Vec<RecordBatch>>>() {
+            Err(Error::Storage(e)) => {
+                assert!(e.to_string().contains("checksum mismatch"), "byte {at}: {e}");
+                at_scan += 1;
+            }
+            Err(e) => panic!("byte {at}: {e}"),
+            Ok(b) => panic!("byte {at} of {len} flipped, and the scan returned {} rows with no error", b.iter().map(RecordBatch::num_rows).sum::<usize>()),
+        }
+        // Checked again by the next scan: still refused (the file was not marked good).
+        assert!(t.scan(ScanOptions::default()).unwrap().any(|b| b.is_err()), "byte {at}: second scan");
+    }
+    assert_eq!(at_open + at_scan, 40);
+    assert!(at_scan > 20, "most flips are in the values, found by the checksum: {at_open} at open, {at_scan} at scan");
+    // A manifest without checksums (written before them) opens and reads as before.
+    let dir = tempfile::tempdir().unwrap();
+    copy(dir.path());
+    let path = table_dir(dir.path()).join("manifest.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut m: serde_json::Value = serde_json::from_str(&text).unwrap();
+    for f in m["files"].as_array_mut().unwrap() {
+        assert!(f.as_object_mut().unwrap().remove("crc32").is_some());
+    }
+    std::fs::write(&path, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    assert_eq!(snapshot(&engine.table("t").unwrap()), want);
+}

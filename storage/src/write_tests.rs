@@ -581,15 +581,10 @@ fn partitioned_readers_return_each_row_once_between_them() {
 /// given: a refused footer leaves the file uncounted (nothing was parsed).
 #[test]
 fn a_reader_asks_for_its_metadata_memory_before_parsing_it() {
-    use std::os::unix::fs::FileExt;
     let dir = tempfile::tempdir().unwrap();
     write_data_file(&StdFs, dir.path(), "m.parquet", &batches(), &opts(1), &ctl(), None).unwrap();
     let path = dir.path().join("m.parquet");
-    let file = fs::File::open(&path).unwrap();
-    let len = file.metadata().unwrap().len();
-    let mut tail = [0u8; 4];
-    file.read_exact_at(&mut tail, len - 8).unwrap();
-    let footer = u32::from_le_bytes(tail) as usize;
+    let footer = encoded_footer_len(&path);
     let plain = ParquetRecordBatchReaderBuilder::try_new(fs::File::open(&path).unwrap()).unwrap().metadata().memory_size();
     let indexed = ParquetRecordBatchReaderBuilder::try_new_with_options(
         fs::File::open(&path).unwrap(),
@@ -601,17 +596,7 @@ fn a_reader_asks_for_its_metadata_memory_before_parsing_it() {
     let schema = schema();
     let filter = crate::ScanFilter::compare("k", crate::CompareOp::GtEq, Arc::new(Int64Array::from(vec![100])));
     let counters = Arc::new(ScanCounters::default());
-    let spec = ReadSpec {
-        projection: None,
-        filter: Some(Arc::new(filter.bind(&schema).unwrap())),
-        deleted: Arc::new(RoaringBitmap::new()),
-        batch_rows: 1_000,
-        batch_bytes: 0,
-        pruning_budget: usize::MAX,
-        counters: Some(Arc::clone(&counters)),
-        resume_at: None,
-        partition: None,
-    };
+    let spec = ReadSpec { filter: Some(Arc::new(filter.bind(&schema).unwrap())), counters: Some(Arc::clone(&counters)), ..read_spec_plain() };
     let mut asked = Vec::new();
     let reader = read_file_within(&path, spec.clone(), &mut |total| {
         asked.push(total);
@@ -676,14 +661,10 @@ fn read_spec_plain() -> ReadSpec {
 /// room, the reservation ends at the reader's `buffer_bytes` and the rows are all there.
 #[test]
 fn a_reserved_reader_is_refused_before_its_footer_is_parsed() {
-    use std::os::unix::fs::FileExt;
     let dir = tempfile::tempdir().unwrap();
     write_data_file(&StdFs, dir.path(), "r.parquet", &batches(), &opts(1), &ctl(), None).unwrap();
     let path = dir.path().join("r.parquet");
-    let f = fs::File::open(&path).unwrap();
-    let mut tail = [0u8; 4];
-    f.read_exact_at(&mut tail, f.metadata().unwrap().len() - 8).unwrap();
-    let estimate = u32::from_le_bytes(tail) as usize * FOOTER_MEMORY_FACTOR;
+    let estimate = encoded_footer_len(&path) * FOOTER_MEMORY_FACTOR;
     let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(64 << 20), ..ControllerConfig::default() }).unwrap();
     let mut filler = Reservation::new(&ctl, Category::Metadata, None);
     filler.try_grow((64 << 20) - ctl.used() - estimate + 1).unwrap();
@@ -697,4 +678,13 @@ fn a_reserved_reader_is_refused_before_its_footer_is_parsed() {
     let reader = read_file_reserved(&path, None, Arc::new(RoaringBitmap::new()), 1_000, &mut res).unwrap();
     assert_eq!(res.size(), reader.buffer_bytes());
     assert_eq!(reader.map(|b| b.unwrap().num_rows()).sum::<usize>(), 15_000);
+}
+
+/// The encoded footer length a Parquet file's last 8 bytes give.
+fn encoded_footer_len(path: &Path) -> usize {
+    use std::os::unix::fs::FileExt;
+    let f = fs::File::open(path).unwrap();
+    let mut tail = [0u8; 4];
+    f.read_exact_at(&mut tail, f.metadata().unwrap().len() - 8).unwrap();
+    u32::from_le_bytes(tail) as usize
 }

@@ -171,7 +171,7 @@ impl CompactionPlan {
         let Some((_, rows, bytes)) = &self.output else { return Ok(()) };
         let inputs: Vec<u32> = self.inputs();
         self.manifest.files.retain(|f| !inputs.contains(&f.id));
-        self.manifest.files.push(FileMeta { id: self.new_id, name: file_name(self.new_id), rows: *rows, bytes: bytes.bytes, dv: None, deleted: 0, crc32: Some(bytes.crc32) });
+        self.manifest.files.push(FileMeta { id: self.new_id, name: file_name(self.new_id), rows: *rows, bytes: bytes.bytes, dv: None, deleted: 0, crc32: Some(bytes.crc32), dv_crc32: None });
         self.manifest.files.sort_by_key(|f| f.id);
         self.manifest.write_tracked(self.vfs.as_ref(), &self.dir, &mut self.manifest_renamed)
     }
@@ -257,7 +257,7 @@ impl TableStore {
             .map(|f| f.meta.clone())
             .collect();
         let manifest = Manifest {
-            format: 1,
+            format: crate::manifest::FORMAT,
             table: self.name.clone(),
             version: self.version + 1,
             schema: self.schema.as_ref().clone(),
@@ -326,7 +326,7 @@ impl TableStore {
             }
             self.index.remove_file(*id);
         }
-        let meta = FileMeta { id: plan.new_id, name: file_name(plan.new_id), rows, bytes: bytes.bytes, dv: None, deleted: 0, crc32: Some(bytes.crc32) };
+        let meta = FileMeta { id: plan.new_id, name: file_name(plan.new_id), rows, bytes: bytes.bytes, dv: None, deleted: 0, crc32: Some(bytes.crc32), dv_crc32: None };
         // Written by this process: its bytes are the ones checksummed.
         let guard = FileGuard::new(plan.dir.join(&meta.name), &self.vfs, None);
         self.files.insert(

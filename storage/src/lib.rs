@@ -2,7 +2,8 @@
 //!
 //! One directory per table:
 //! ```text
-//! <table dir>/manifest.json        the committed state (atomic replace: tmp, fsync, rename, fsync dir)
+//! <table dir>/manifest.json        the committed state (atomic replace: tmp, fsync, rename, fsync dir;
+//!                                  first line: the CRC-32 of the rest, `MANIFEST_CHECKSUM_KEY`)
 //! <table dir>/f000001.parquet      data files (immutable once written)
 //! <table dir>/f000001.dv7          deletion vector of f000001 as of manifest version 7 (roaring)
 //! ```
@@ -34,7 +35,7 @@ pub use compact::{CompactionOptions, CompactionPlan};
 pub use error::StorageError;
 pub use filter::{BoundFilter, CompareOp, FilePlan, FilterError, ScanCounters, ScanFilter, ScanMetrics, filter_batch, keep_rows};
 pub use index::{FileKeys, KeyIndex, Loc};
-pub use manifest::{FileMeta, Manifest, MANIFEST_FILE};
+pub use manifest::{FileMeta, MANIFEST_CHECKSUM_KEY, MANIFEST_FILE, Manifest};
 pub use table::{CommitPlan, FileGuard, FileScan, PutKeyEncoder, PutKeys, ScanSource, Staged, TableStore};
 pub use vfs::{FaultFs, FsOp, StdFs, Vfs, VfsFile, rename_may_have_happened};
 pub use wal::{SEGMENT_BYTES, WAL_DIR, Wal, WalOp, WalRecord, WalSync, decode_segment};

@@ -8,7 +8,20 @@ use std::path::Path;
 
 /// The manifest's file name inside a table directory.
 pub const MANIFEST_FILE: &str = "manifest.json";
-const FORMAT: u32 = 1;
+/// The format this build writes: 2 adds the manifest's own checksum line
+/// ([`MANIFEST_CHECKSUM_KEY`]) and the deletion vectors' checksums ([`FileMeta::dv_crc32`]).
+/// Format-1 manifests (written before 2026-12-04) are still read, unchecked.
+pub(crate) const FORMAT: u32 = 2;
+/// The oldest format this build reads.
+const OLDEST_FORMAT: u32 = 1;
+
+/// The key of the manifest's first line, `  "manifest_crc32": N,`: the CRC-32 (IEEE, as
+/// `crc32fast`) of every byte after that line. The manifest stays plain JSON (the key is one
+/// more field, ignored by a reader that does not check it), and a flipped byte anywhere in it
+/// — a digit of `flushed_seq`, a row count, a file name — is a
+/// [`StorageError::CorruptManifest`] at open instead of a silently different table (a digit
+/// of `flushed_seq` changed would make the write-ahead log skip or replay the wrong records).
+pub const MANIFEST_CHECKSUM_KEY: &str = "manifest_crc32";
 
 /// One data file as committed.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -32,6 +45,12 @@ pub struct FileMeta {
     /// manifests written before it (not checked).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub crc32: Option<u32>,
+    /// CRC-32 (as [`Self::crc32`]) of the deletion-vector file [`Self::dv`] as written,
+    /// checked when the table is opened: a roaring bitmap with a flipped bit still parses,
+    /// as other rows deleted. `None` in format-1 manifests (checked then only against
+    /// [`Self::deleted`] and [`Self::rows`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dv_crc32: Option<u32>,
 }
 
 /// The committed state of a table.
@@ -74,16 +93,33 @@ impl Manifest {
         Self::parse(&text, &path)
     }
 
-    /// Parses and checks manifest bytes (`path` only names the file in errors).
+    /// Parses and checks manifest bytes (`path` only names the file in errors): the checksum
+    /// line ([`MANIFEST_CHECKSUM_KEY`], required from format 2), then the JSON, then the
+    /// entries' consistency.
     ///
     /// # Errors
-    /// [`StorageError::CorruptManifest`] when the bytes do not parse or are inconsistent.
+    /// [`StorageError::CorruptManifest`] when the bytes do not parse, their checksum does not
+    /// match, or they are inconsistent.
     pub fn parse(text: &[u8], path: &Path) -> Result<Self, StorageError> {
         let path = path.to_path_buf();
-        let m: Manifest = serde_json::from_slice(text)
-            .map_err(|e| StorageError::CorruptManifest { path: path.clone(), detail: e.to_string() })?;
-        if m.format != FORMAT {
-            return Err(StorageError::CorruptManifest { path, detail: format!("unknown format {}", m.format) });
+        let corrupt = |detail: String| StorageError::CorruptManifest { path: path.clone(), detail };
+        let checked = match split_checksum(text) {
+            Some((Some(stored), body)) => {
+                let actual = crc32fast::hash(body);
+                if actual != stored {
+                    return Err(corrupt(format!("checksum mismatch: {MANIFEST_CHECKSUM_KEY} {stored}, bytes hash to {actual}")));
+                }
+                true
+            }
+            Some((None, _)) => return Err(corrupt(format!("unreadable {MANIFEST_CHECKSUM_KEY} line"))),
+            None => false,
+        };
+        let m: Manifest = serde_json::from_slice(text).map_err(|e| corrupt(e.to_string()))?;
+        if !(OLDEST_FORMAT..=FORMAT).contains(&m.format) {
+            return Err(corrupt(format!("unknown format {}", m.format)));
+        }
+        if m.format >= 2 && !checked {
+            return Err(corrupt(format!("format {} without its {MANIFEST_CHECKSUM_KEY} line", m.format)));
         }
         for f in &m.files {
             if f.id >= m.next_file_id || f.name.contains('/') || f.deleted > f.rows {
@@ -115,12 +151,37 @@ impl Manifest {
     /// # Errors
     /// As [`Self::write`].
     pub fn write_tracked(&self, vfs: &dyn Vfs, dir: &Path, renamed: &mut bool) -> Result<(), StorageError> {
-        let bytes = serde_json::to_vec_pretty(self).map_err(|e| StorageError::CorruptManifest {
-            path: dir.join(MANIFEST_FILE),
-            detail: e.to_string(),
-        })?;
+        let bytes = self.to_bytes().map_err(|e| StorageError::CorruptManifest { path: dir.join(MANIFEST_FILE), detail: e.to_string() })?;
         write_atomic_tracked(vfs, dir, MANIFEST_FILE, &bytes, renamed)
     }
+
+    /// The manifest as written: pretty JSON whose first field line is the checksum of the
+    /// lines after it ([`MANIFEST_CHECKSUM_KEY`]).
+    ///
+    /// # Errors
+    /// `serde_json`'s, for a schema it cannot serialize.
+    pub fn to_bytes(&self) -> Result<Vec<u8>, serde_json::Error> {
+        let json = serde_json::to_vec_pretty(self)?;
+        // `to_vec_pretty` of a struct starts with "{\n" and has at least one field line.
+        let body = &json[2..];
+        let line = format!("{{\n  \"{MANIFEST_CHECKSUM_KEY}\": {},\n", crc32fast::hash(body));
+        let mut out = Vec::with_capacity(line.len() + body.len());
+        out.extend_from_slice(line.as_bytes());
+        out.extend_from_slice(body);
+        Ok(out)
+    }
+}
+
+/// Splits manifest bytes into the checksum its first line states and the bytes it covers:
+/// `None` when the text has no checksum line (a format-1 manifest, or one damaged there —
+/// then the format check refuses it); `Some((None, _))` when the line is there but its
+/// number does not read.
+fn split_checksum(text: &[u8]) -> Option<(Option<u32>, &[u8])> {
+    let prefix = format!("{{\n  \"{MANIFEST_CHECKSUM_KEY}\": ");
+    let rest = text.strip_prefix(prefix.as_bytes())?;
+    let Some(end) = rest.iter().position(|&b| b == b'\n') else { return Some((None, rest)) };
+    let number = rest[..end].strip_suffix(b",").and_then(|n| std::str::from_utf8(n).ok()).and_then(|n| n.parse::<u32>().ok());
+    Some((number, &rest[end + 1..]))
 }
 
 /// Writes `name` in `dir` atomically (tmp + fsync + rename + fsync dir).
@@ -147,4 +208,86 @@ fn write_atomic_tracked(vfs: &dyn Vfs, dir: &Path, name: &str, bytes: &[u8], ren
         let _ = vfs.remove_file(&tmp);
     }
     res
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow_schema::{DataType, Field};
+
+    fn sample() -> Manifest {
+        let schema = Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", DataType::Utf8, true)]);
+        let mut m = Manifest::new("t", schema, vec!["k".into()]);
+        m.version = 7;
+        m.next_file_id = 3;
+        m.flushed_seq = 123_456;
+        m.files = vec![
+            FileMeta { id: 1, name: "f000001.parquet".into(), rows: 8192, bytes: 70_001, dv: Some("f000001.dv7".into()), deleted: 10, crc32: Some(42), dv_crc32: Some(7) },
+            FileMeta { id: 2, name: "f000002.parquet".into(), rows: 500, bytes: 4_000, dv: None, deleted: 0, crc32: Some(43), dv_crc32: None },
+        ];
+        m
+    }
+
+    /// The written bytes are JSON whose first field is the checksum, and they read back as
+    /// the same manifest.
+    #[test]
+    fn a_written_manifest_reads_back_and_is_plain_json() {
+        let m = sample();
+        let bytes = m.to_bytes().unwrap();
+        let text = std::str::from_utf8(&bytes).unwrap();
+        assert!(text.starts_with("{\n  \"manifest_crc32\": "), "{text}");
+        let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        let body = &bytes[text.find(",\n").unwrap() + 2..];
+        assert_eq!(v[MANIFEST_CHECKSUM_KEY].as_u64(), Some(u64::from(crc32fast::hash(body))));
+        assert_eq!(v["format"].as_u64(), Some(2));
+        assert_eq!(Manifest::parse(&bytes, Path::new("m")).unwrap(), m);
+    }
+
+    /// Every single-bit flip of every byte of a written manifest is refused
+    /// (`CorruptManifest`), wherever it lands: in a value the JSON still parses with (a digit
+    /// of `flushed_seq`, a row count, a file name), in a key, in the checksum line itself.
+    #[test]
+    fn every_flipped_bit_of_a_manifest_is_refused() {
+        let bytes = sample().to_bytes().unwrap();
+        let mut parsed_after_flip = 0;
+        for at in 0..bytes.len() {
+            for bit in 0..8 {
+                let mut b = bytes.clone();
+                b[at] ^= 1 << bit;
+                match Manifest::parse(&b, Path::new("m")) {
+                    Err(StorageError::CorruptManifest { .. }) => {}
+                    other => panic!("byte {at} bit {bit} ({:?}): {other:?}", bytes[at] as char),
+                }
+                parsed_after_flip += usize::from(serde_json::from_slice::<Manifest>(&b).is_ok());
+            }
+        }
+        // Without the checksum many of these flips would have been taken as a table.
+        assert!(parsed_after_flip > bytes.len(), "{parsed_after_flip} flips still parse as JSON");
+    }
+
+    /// A format-1 manifest (before checksums) is read unchecked; a format-2 one without its
+    /// checksum line, or with an unreadable one, is refused.
+    #[test]
+    fn older_manifests_read_and_a_missing_checksum_line_is_refused() {
+        let mut m = sample();
+        m.format = 1;
+        for f in &mut m.files {
+            f.crc32 = None;
+            f.dv_crc32 = None;
+        }
+        let plain = serde_json::to_vec_pretty(&m).unwrap();
+        assert_eq!(Manifest::parse(&plain, Path::new("m")).unwrap(), m);
+        m.format = 2;
+        let plain = serde_json::to_vec_pretty(&m).unwrap();
+        let e = Manifest::parse(&plain, Path::new("m")).unwrap_err();
+        assert!(e.to_string().contains("without its manifest_crc32 line"), "{e}");
+        let mut unreadable = b"{\n  \"manifest_crc32\": x1,\n".to_vec();
+        unreadable.extend_from_slice(&plain[2..]);
+        let e = Manifest::parse(&unreadable, Path::new("m")).unwrap_err();
+        assert!(e.to_string().contains("unreadable manifest_crc32"), "{e}");
+        for cut in [0, 5, 22, 30] {
+            let bytes = sample().to_bytes().unwrap();
+            assert!(matches!(Manifest::parse(&bytes[..cut], Path::new("m")), Err(StorageError::CorruptManifest { .. })), "cut {cut}");
+        }
+    }
 }

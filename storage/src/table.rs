@@ -173,7 +173,8 @@ pub struct FileScan {
 #[derive(Debug)]
 pub struct CommitPlan {
     data: Option<(String, Vec<RecordBatch>)>,
-    dvs: Vec<(u32, String, RoaringBitmap)>,
+    /// Deletion vectors to write: file id, file name, bitmap, and its CRC-32 once written.
+    dvs: Vec<(u32, String, RoaringBitmap, Option<u32>)>,
     manifest: Manifest,
     obsolete: Vec<String>,
     dir: PathBuf,
@@ -197,10 +198,15 @@ impl CommitPlan {
                 f.crc32 = Some(written.crc32);
             }
         }
-        for (_, name, bm) in &self.dvs {
+        for (id, name, bm, crc) in &mut self.dvs {
             let mut bytes = Vec::with_capacity(bm.serialized_size());
-            bm.serialize_into(&mut bytes).map_err(io(self.dir.join(name)))?;
+            bm.serialize_into(&mut bytes).map_err(io(self.dir.join(&*name)))?;
             write_atomic(self.vfs.as_ref(), &self.dir, name, &bytes)?;
+            let hash = crc32fast::hash(&bytes);
+            *crc = Some(hash);
+            if let Some(f) = self.manifest.files.iter_mut().find(|f| f.id == *id) {
+                f.dv_crc32 = Some(hash);
+            }
         }
         self.manifest.write(self.vfs.as_ref(), &self.dir)?;
         for name in &self.obsolete {
@@ -235,6 +241,32 @@ impl std::fmt::Debug for TableStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TableStore").field("name", &self.name).field("files", &self.files.len()).finish_non_exhaustive()
     }
+}
+
+/// Decodes a deletion-vector file's bytes and checks them against the manifest entry of its
+/// data file: the CRC-32 when the manifest has one ([`FileMeta::dv_crc32`]), and always that
+/// the bitmap holds [`FileMeta::deleted`] rows, each below [`FileMeta::rows`] (a damaged
+/// bitmap that still decodes deletes other rows, silently).
+///
+/// # Errors
+/// What is wrong, for [`StorageError::CorruptFile`].
+fn read_deletion_vector(bytes: &[u8], f: &FileMeta) -> Result<RoaringBitmap, String> {
+    if let Some(want) = f.dv_crc32 {
+        let got = crc32fast::hash(bytes);
+        if got != want {
+            return Err(format!("deletion vector checksum mismatch: the manifest has {want}, the bytes hash to {got}"));
+        }
+    }
+    let bm = RoaringBitmap::deserialize_from(bytes).map_err(|e| e.to_string())?;
+    if bm.len() != f.deleted {
+        return Err(format!("deletion vector holds {} rows, the manifest says {}", bm.len(), f.deleted));
+    }
+    if let Some(max) = bm.max()
+        && u64::from(max) >= f.rows
+    {
+        return Err(format!("deletion vector names row {max} of a {}-row file", f.rows));
+    }
+    Ok(bm)
 }
 
 pub(crate) fn file_name(id: u32) -> String {
@@ -347,8 +379,7 @@ impl TableStore {
                     known.insert(name.clone());
                     let p = dir.join(name);
                     let bytes = fs::read(&p).map_err(io(&p))?;
-                    RoaringBitmap::deserialize_from(&bytes[..])
-                        .map_err(|e| StorageError::CorruptFile { path: p.clone(), detail: e.to_string() })?
+                    read_deletion_vector(&bytes, f).map_err(|detail| StorageError::CorruptFile { path: p.clone(), detail })?
                 }
                 None => RoaringBitmap::new(),
             };
@@ -565,7 +596,7 @@ impl TableStore {
             drop(keys);
             drop(keys_res);
             self.next_file_id += 1;
-            let meta = FileMeta { id, name: file_name(id), rows: put_rows as u64, bytes: 0, dv: None, deleted: 0, crc32: None };
+            let meta = FileMeta { id, name: file_name(id), rows: put_rows as u64, bytes: 0, dv: None, deleted: 0, crc32: None, dv_crc32: None };
             let guard = FileGuard::new(self.dir.join(&meta.name), &self.vfs, None);
             self.files.insert(
                 id,
@@ -619,7 +650,8 @@ impl TableStore {
                 }
                 meta.dv = Some(name.clone());
                 meta.deleted = bm.len();
-                dvs.push((*id, name, bm));
+                meta.dv_crc32 = None; // set when written (`CommitPlan::execute`)
+                dvs.push((*id, name, bm, None));
             }
             if is_new {
                 data = f.pending.clone().map(|b| (meta.name.clone(), b));
@@ -627,7 +659,7 @@ impl TableStore {
             files.push(meta);
         }
         let manifest = Manifest {
-            format: 1,
+            format: crate::manifest::FORMAT,
             table: self.name.clone(),
             version: next_version,
             schema: self.schema.as_ref().clone(),
@@ -643,10 +675,11 @@ impl TableStore {
     /// are now read from disk and its in-memory batch is dropped).
     pub fn finish_commit(&mut self, plan: CommitPlan) {
         let Some(st) = self.staged.pop_front() else { return };
-        for (id, name, bm) in plan.dvs {
+        for (id, name, bm, crc) in plan.dvs {
             if let Some(f) = self.files.get_mut(&id) {
                 f.meta.dv = Some(name);
                 f.meta.deleted = bm.len();
+                f.meta.dv_crc32 = crc;
                 f.dv_committed = bm;
             }
         }

@@ -362,7 +362,8 @@ fn two_manifests_naming_one_table_are_refused() {
     let beta = manifests.iter().find(|m| std::fs::read_to_string(m).unwrap().contains("\"beta\"")).unwrap().clone();
     let text = std::fs::read_to_string(&beta).unwrap();
     for renamed in ["\"alpha\"", "\"ALPHA\""] {
-        std::fs::write(&beta, text.replace("\"beta\"", renamed)).unwrap();
+        std::fs::write(&beta, &text).unwrap();
+        edit_manifest(&beta, |m| m.replace("\"beta\"", renamed));
         match Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)) {
             Err(Error::Storage(e)) => assert!(e.to_string().contains("unique ignoring case"), "{renamed}: {e}"),
             other => panic!("{renamed}: expected a corrupt-manifest error, got {other:?}"),
@@ -615,10 +616,101 @@ fn a_flipped_byte_in_a_data_file_is_an_error_not_a_changed_value() {
     let path = table_dir(dir.path()).join("manifest.json");
     let text = std::fs::read_to_string(&path).unwrap();
     let mut m: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let m_obj = m.as_object_mut().unwrap();
+    assert!(m_obj.remove("manifest_crc32").is_some());
+    m_obj.insert("format".into(), 1.into());
     for f in m["files"].as_array_mut().unwrap() {
         assert!(f.as_object_mut().unwrap().remove("crc32").is_some());
     }
     std::fs::write(&path, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
     let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
     assert_eq!(snapshot(&engine.table("t").unwrap()), want);
+}
+
+/// A flipped bit in a manifest or a deletion vector is an error at open, never a silently
+/// different table: the manifest's first line holds the CRC-32 of the rest
+/// (`gritdb_storage::MANIFEST_CHECKSUM_KEY`) and each deletion vector's CRC-32 is in the
+/// manifest. Before, a digit of `flushed_seq` or a row count changed by one bit still parsed,
+/// and a roaring bitmap with a flipped bit still decoded, as other rows deleted. With the files
+/// put back the table opens with its rows; a manifest of format 1 (no checksums) is still read,
+/// and its deletion vectors are held to the manifest's deleted-row count.
+#[test]
+fn a_flipped_bit_in_a_manifest_or_deletion_vector_is_an_error_not_a_changed_table() {
+    let src = tempfile::tempdir().unwrap();
+    let rows: Vec<((i64, i32), Row)> = (0..2_000).map(|k| ((k, 1), (Some(k), None))).collect();
+    {
+        let engine = Engine::open(src.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+        let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
+        t.insert(&composite_batch(&rows)).unwrap();
+        t.flush().unwrap();
+        t.delete(&composite_keys(&(0..2_000).step_by(40).map(|k| (k, 1)).collect::<Vec<_>>())).unwrap();
+        t.flush().unwrap();
+        drop(t);
+        engine.close().unwrap();
+    }
+    let want: std::collections::BTreeMap<(i64, i32), Row> = rows.into_iter().filter(|((k, _), _)| k % 40 != 0).collect();
+    assert_eq!(want.len(), 1_950);
+    let tdir = table_dir(src.path());
+    let manifest = tdir.join("manifest.json");
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    assert!(text.contains("\"dv_crc32\"") && text.contains("\"deleted\": 50"), "{text}");
+    let dv = std::fs::read_dir(&tdir).unwrap().flatten().map(|e| e.path()).find(|p| p.to_string_lossy().contains(".dv")).unwrap();
+    let dv_bytes = std::fs::read(&dv).unwrap();
+    let open = || Engine::open(src.path(), EngineConfig::default().memory_limit(64 << 20));
+    // Bits of values the JSON still parses with: a digit of the checksum, of `flushed_seq`,
+    // of a row count, of the deleted count, a letter of the deletion vector's name.
+    let digit_after = |key: &str| text.find(key).unwrap_or_else(|| panic!("{key} in {text}")) + key.len();
+    for (what, at) in [
+        ("checksum", digit_after("\"manifest_crc32\": ")),
+        ("flushed_seq", digit_after("\"flushed_seq\": ")),
+        ("rows", digit_after("\"rows\": ")),
+        ("deleted", digit_after("\"deleted\": ")),
+        ("dv name", digit_after("\"dv\": \"f")),
+    ] {
+        let mut b = text.clone().into_bytes();
+        b[at] ^= 1;
+        assert!(serde_json::from_slice::<serde_json::Value>(&b).is_ok(), "{what}: the flip still parses as JSON");
+        std::fs::write(&manifest, &b).unwrap();
+        match open() {
+            Err(Error::Storage(e @ gritdb::StorageError::CorruptManifest { .. })) => assert!(e.to_string().contains("checksum mismatch"), "{what}: {e}"),
+            other => panic!("{what}: expected a corrupt-manifest error, got {other:?}"),
+        }
+    }
+    std::fs::write(&manifest, &text).unwrap();
+    let mut refused = 0;
+    for at in 0..dv_bytes.len() {
+        let mut b = dv_bytes.clone();
+        b[at] ^= 0x10;
+        std::fs::write(&dv, &b).unwrap();
+        match open() {
+            Err(Error::Storage(e @ gritdb::StorageError::CorruptFile { .. })) => {
+                assert!(e.to_string().contains("deletion vector checksum mismatch"), "byte {at}: {e}");
+                refused += 1;
+            }
+            other => panic!("deletion vector byte {at}: expected a corrupt-file error, got {other:?}"),
+        }
+    }
+    assert_eq!(refused, dv_bytes.len());
+    std::fs::write(&dv, &dv_bytes).unwrap();
+    let engine = open().unwrap();
+    assert_eq!(snapshot(&engine.table("t").unwrap()), want);
+    engine.close().unwrap();
+    // Format 1: no checksums, but the deletion vector must hold the manifest's deleted rows.
+    edit_manifest(&manifest, |m| {
+        let mut v: serde_json::Value = serde_json::from_str(m).unwrap();
+        v["format"] = 1.into();
+        for f in v["files"].as_array_mut().unwrap() {
+            let f = f.as_object_mut().unwrap();
+            assert!(f.remove("crc32").is_some() && f.remove("dv_crc32").is_some());
+        }
+        serde_json::to_string_pretty(&v).unwrap()
+    });
+    let engine = open().unwrap();
+    assert_eq!(snapshot(&engine.table("t").unwrap()), want);
+    engine.close().unwrap();
+    edit_manifest(&manifest, |m| m.replace("\"deleted\": 50", "\"deleted\": 49"));
+    match open() {
+        Err(Error::Storage(e @ gritdb::StorageError::CorruptFile { .. })) => assert!(e.to_string().contains("holds 50 rows, the manifest says 49"), "{e}"),
+        other => panic!("expected a corrupt-file error, got {other:?}"),
+    }
 }

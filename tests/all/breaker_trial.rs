@@ -13,7 +13,7 @@ use gritdb::memory::Category;
 use gritdb::vfs::FaultFs;
 use gritdb::{Engine, EngineConfig, Error, ScanOptions, StorageError, Table, WalSync};
 use gritdb_memctl::Reservation;
-use gritdb_tests::mix;
+use gritdb_tests::{edit_manifest, mix};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -242,9 +242,12 @@ fn a_manifest_row_count_that_is_wrong_is_a_typed_error() {
         let d = tempfile::tempdir().unwrap();
         copy_dir(src.path(), d.path());
         let tdir = table_dir(d.path());
-        let text = std::fs::read_to_string(tdir.join("manifest.json")).unwrap();
-        assert!(text.contains("\"rows\": 5000"), "manifest: {text}");
-        std::fs::write(tdir.join("manifest.json"), text.replacen("\"rows\": 5000", &format!("\"rows\": {rows}"), 1)).unwrap();
+        // Sealed again (`edit_manifest`): the check behind the manifest's checksum is the one
+        // under test.
+        edit_manifest(&tdir.join("manifest.json"), |text| {
+            assert!(text.contains("\"rows\": 5000"), "manifest: {text}");
+            text.replacen("\"rows\": 5000", &format!("\"rows\": {rows}"), 1)
+        });
         match try_open(d.path(), cfg(64 * MIB)) {
             Err(p) => problems.push(format!("rows {rows}: open panicked: {p}")),
             Ok(Ok(_)) => problems.push(format!("rows {rows}: opened")),

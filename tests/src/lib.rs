@@ -63,3 +63,23 @@ pub fn process_threads() -> Vec<ThreadSched> {
         .map(|s| parse_thread_stat(&s))
         .collect()
 }
+
+/// Rewrites a table's `manifest.json` by hand, as an operator or a broken tool would, and
+/// seals it again with the checksum line the engine writes (`gritdb_storage::Manifest`: the
+/// first line `  "manifest_crc32": N,` holds the CRC-32 of every byte after it), so a test
+/// reaches the checks behind the checksum: `edit` gets and returns the JSON without that
+/// line (starting `{\n`).
+///
+/// # Panics
+/// When the file cannot be read or written, or `edit` returns text not starting `{\n`.
+pub fn edit_manifest(path: &std::path::Path, edit: impl FnOnce(&str) -> String) {
+    let text = std::fs::read_to_string(path).expect("read manifest");
+    let plain = match text.strip_prefix("{\n  \"manifest_crc32\": ") {
+        Some(rest) => format!("{{\n{}", &rest[rest.find('\n').expect("checksum line ends") + 1..]),
+        None => text,
+    };
+    let edited = edit(&plain);
+    let body = edited.strip_prefix("{\n").expect("edited manifest starts with {\\n");
+    let sealed = format!("{{\n  \"manifest_crc32\": {},\n{body}", crc32fast::hash(body.as_bytes()));
+    std::fs::write(path, sealed).expect("write manifest");
+}

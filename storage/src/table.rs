@@ -319,7 +319,8 @@ impl TableStore {
     ///
     /// # Errors
     /// [`StorageError::CorruptManifest`], [`StorageError::CorruptFile`] (missing or truncated
-    /// data file), [`StorageError::Io`], [`StorageError::Memory`].
+    /// data file, a deletion vector whose rows disagree with its manifest entry),
+    /// [`StorageError::Io`], [`StorageError::Memory`].
     #[allow(clippy::needless_pass_by_value)] // the manifest read at open belongs to the table
     pub fn open(
         vfs: Arc<dyn Vfs>,
@@ -347,8 +348,25 @@ impl TableStore {
                     known.insert(name.clone());
                     let p = dir.join(name);
                     let bytes = fs::read(&p).map_err(io(&p))?;
-                    RoaringBitmap::deserialize_from(&bytes[..])
-                        .map_err(|e| StorageError::CorruptFile { path: p.clone(), detail: e.to_string() })?
+                    let dv = RoaringBitmap::deserialize_from(&bytes[..])
+                        .map_err(|e| StorageError::CorruptFile { path: p.clone(), detail: e.to_string() })?;
+                    // The vector carries no checksum of its own; its manifest entry says how
+                    // many rows it holds, and every one is a row of the file. A vector that
+                    // disagrees would bring deleted rows back or hide live ones, and more
+                    // positions than rows underflowed `rows - deleted` (`live_rows`).
+                    if dv.len() != f.deleted || dv.max().is_some_and(|m| u64::from(m) >= f.rows) {
+                        return Err(StorageError::CorruptFile {
+                            path: p,
+                            detail: format!(
+                                "deletion vector holds {} rows (highest {:?}); the manifest says {} of the file's {} rows are deleted",
+                                dv.len(),
+                                dv.max(),
+                                f.deleted,
+                                f.rows
+                            ),
+                        });
+                    }
+                    dv
                 }
                 None => RoaringBitmap::new(),
             };

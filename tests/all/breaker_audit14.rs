@@ -2,15 +2,18 @@
 //! narrowing casts and arithmetic reachable from the public API), each reachable site pinned
 //! by a test of its own here:
 //!
+//! - Decimal types Parquet cannot store (precision 0 or above 38, scale above precision) are
+//!   refused by `create_table`: a `Decimal128(40, 0)` table took rows and then panicked in
+//!   its flush (parquet's decimal writer asserts the value fits 16 bytes).
 //! - A deletion vector on disk that does not agree with its manifest entry (more positions
 //!   than the file has rows, a position past them, a count other than the manifest's) is a
 //!   `CorruptFile` at open: before, `rows - deleted` underflowed (a panic with overflow
 //!   checks, a wrapped row count without) and a lost or moved position silently brought a
 //!   deleted row back.
 
-use arrow::array::{ArrayRef, AsArray, Int64Array, RecordBatch};
+use arrow::array::{Array, ArrayRef, AsArray, Decimal128Array, Int64Array, RecordBatch};
 use arrow::datatypes::{DataType, Field, Int64Type, Schema, SchemaRef};
-use gritdb::{Engine, EngineConfig, Error, ScanOptions, StorageError, Table};
+use gritdb::{Engine, EngineConfig, Error, ScanOptions, StorageError, Table, UnifyError};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -47,6 +50,83 @@ fn kv_rows(t: &Table) -> Vec<(i64, i64)> {
     }
     out.sort_unstable();
     out
+}
+
+// =====================================================================================
+// Decimal types Parquet cannot store
+// =====================================================================================
+
+fn decimal_schema(precision: u8, scale: i8) -> SchemaRef {
+    Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("d", DataType::Decimal128(precision, scale), true)]))
+}
+
+/// A batch of `decimal_schema(precision, scale)`: keys 0..n, `d` = key × 7 (a decimal array
+/// of any declared type: `with_data_type` takes one Arrow's own constructors refuse).
+fn decimal_batch(precision: u8, scale: i8, n: i64) -> RecordBatch {
+    let d = Decimal128Array::from_iter_values((0..n).map(|k| i128::from(k) * 7)).with_data_type(DataType::Decimal128(precision, scale));
+    RecordBatch::try_new(decimal_schema(precision, scale), vec![Arc::new(Int64Array::from_iter_values(0..n)), Arc::new(d)]).unwrap()
+}
+
+/// `Decimal128` columns whose precision is 0 or above 38 (Arrow's `DECIMAL128_MAX_PRECISION`),
+/// or whose scale is above their precision, are refused by `create_table` with
+/// `UnsupportedType` naming the column, and no table is left behind — as a value column and
+/// as a key. Before, `Decimal128(39..=76, _)` was accepted: inserts succeeded, and the flush
+/// panicked in parquet's decimal writer (`chunk_size <= T::BYTE_LENGTH`: a 17-byte
+/// fixed-length value cannot be cut from an `i128`); a scale above the precision was accepted
+/// and every flush then failed (the rows could never reach a file). Decimals at the valid
+/// bounds still go through a flush, a reopen and a scan exactly.
+#[test]
+fn decimal_types_parquet_cannot_store_are_refused_at_create_table() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), cfg()).unwrap();
+    let mut wrong = Vec::new();
+    for (precision, scale) in [(39u8, 0i8), (40, 2), (76, 0), (u8::MAX, 0), (0, 0), (5, 6), (20, 25), (38, 39)] {
+        for key in [&["k"][..], &["k", "d"][..]] {
+            let what = format!("Decimal128({precision}, {scale}) key {key:?}");
+            let created = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<String, Error> {
+                let t = engine.create_table("d", decimal_schema(precision, scale), key)?;
+                let written = t.insert(&decimal_batch(precision, scale, 100));
+                let flushed = t.flush();
+                Ok(format!("created; insert {written:?}, flush {flushed:?}"))
+            }));
+            match created {
+                Ok(Err(Error::Input(UnifyError::UnsupportedType { column, data_type }))) => {
+                    assert_eq!((column.as_str(), &data_type), ("d", &DataType::Decimal128(precision, scale)), "{what}");
+                }
+                Ok(other) => wrong.push(format!("{what}: {other:?}")),
+                Err(p) => wrong.push(format!("{what}: panicked: {}", panic_text(&*p))),
+            }
+            if engine.table_names().iter().any(|n| n == "d") {
+                engine.drop_table("d").unwrap();
+            }
+            assert!(engine.table_names().is_empty(), "{what}: a refused create leaves no table");
+        }
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}");
+    // The bounds that are valid work end to end.
+    let valid = [(1u8, 0i8), (1, 1), (18, 18), (19, 0), (38, 0), (38, 38)];
+    for (i, &(precision, scale)) in valid.iter().enumerate() {
+        let t = engine.create_table(&format!("ok{i}"), decimal_schema(precision, scale), &["k", "d"]).unwrap();
+        // Precision 1 holds one digit: keys 0..=1 (d = 0, 7).
+        let n = if precision == 1 { 2 } else { 100 };
+        assert_eq!(t.insert(&decimal_batch(precision, scale, n)).unwrap(), n as usize);
+        t.flush().unwrap();
+    }
+    engine.close().unwrap();
+    let engine = Engine::open(dir.path(), cfg()).unwrap();
+    for (i, &(precision, scale)) in valid.iter().enumerate() {
+        let t = engine.table(&format!("ok{i}")).unwrap();
+        let n = if precision == 1 { 2 } else { 100 };
+        let mut got: Vec<(i64, i128)> = Vec::new();
+        for b in t.scan(ScanOptions::default()).unwrap() {
+            let b = b.unwrap();
+            assert_eq!(b.column(1).data_type(), &DataType::Decimal128(precision, scale));
+            let d = b.column(1).as_primitive::<arrow::datatypes::Decimal128Type>();
+            got.extend(b.column(0).as_primitive::<Int64Type>().values().iter().zip(d.values().iter()).map(|(k, d)| (*k, *d)));
+        }
+        got.sort_unstable();
+        assert_eq!(got, (0..n).map(|k| (k, i128::from(k) * 7)).collect::<Vec<_>>(), "Decimal128({precision}, {scale})");
+    }
 }
 
 // =====================================================================================

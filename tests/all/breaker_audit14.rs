@@ -14,8 +14,12 @@
 //!   `CorruptWal` (or the schema mismatch it decodes to): arrow-ipc's reader took a damaged
 //!   body length for an allocation (512 GB: the process aborted) and panicked on damaged
 //!   buffer offsets and schema fields.
+//! - A damaged data file is a `CorruptFile` (or a Parquet error), never a panic, at open and
+//!   at scan: the key-index rebuild at open reads a file before its checksum is checked, and
+//!   a manifest of an older build has no checksum, so parquet's decoder met damaged footers
+//!   and pages, and panicked on some.
 
-use arrow::array::{Array, ArrayRef, AsArray, Decimal128Array, Int64Array, RecordBatch};
+use arrow::array::{Array, ArrayRef, AsArray, Decimal128Array, Int64Array, RecordBatch, StringArray};
 use arrow::datatypes::{DataType, Field, Int64Type, Schema, SchemaRef};
 use gritdb::{Engine, EngineConfig, Error, ScanOptions, StorageError, Table, UnifyError};
 use std::path::{Path, PathBuf};
@@ -306,4 +310,112 @@ fn a_damaged_ipc_stream_under_a_valid_wal_checksum_is_corrupt_wal_not_a_panic() 
     assert!(refused > positions.len() / 4, "{refused} refused, {replayed} replayed");
     let engine = Engine::open(src.path(), cfg()).unwrap();
     assert_eq!(kv_rows(&engine.table("t").unwrap()), (0..30).map(|k| (k, k * 10)).collect::<Vec<_>>());
+}
+
+// =====================================================================================
+// Damaged data files reach the Parquet decoder
+// =====================================================================================
+
+/// One data file of 3,000 rows (`k`, `v` with nulls, `s` dictionary-encoded strings with
+/// nulls), closed.
+fn table_with_one_data_file(dir: &Path) {
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("k", DataType::Int64, false),
+        Field::new("v", DataType::Int64, true),
+        Field::new("s", DataType::Utf8, true),
+    ]));
+    let engine = Engine::open(dir, cfg()).unwrap();
+    let t = engine.create_table("t", Arc::clone(&schema), &["k"]).unwrap();
+    let n = 3000i64;
+    let b = RecordBatch::try_new(
+        schema,
+        vec![
+            Arc::new(Int64Array::from_iter_values(0..n)),
+            Arc::new(Int64Array::from_iter((0..n).map(|k| (k % 7 != 0).then_some(k * 31 % 1000)))),
+            Arc::new(StringArray::from_iter((0..n).map(|k| (k % 5 != 0).then(|| format!("s{}", k % 40))))),
+        ],
+    )
+    .unwrap();
+    t.insert(&b).unwrap();
+    t.flush().unwrap();
+    drop(t);
+    engine.close().unwrap();
+}
+
+/// A data file with one byte changed — every byte of its last 700 (footer, page index and
+/// the last pages), and ~120 across the rest — opened and scanned, with the manifest's
+/// checksum and without it (a manifest of an older build): never a panic. With the checksum
+/// every damage is a `CorruptFile` (at open, from the key-index rebuild, or at the scan's
+/// check) or a Parquet error; without it the scan may also return the rows (a changed value
+/// is undetectable then). Before, the key-index rebuild at open — which reads the key column
+/// before the checksum is checked — panicked inside parquet on a damaged footer ("column
+/// start and length should not be negative", "Type <UNKNOWN 28> not supported", "Decoder
+/// for dict should have been set"), and scans of an unchecksummed file panicked too ("offset
+/// + len out of bounds").
+#[test]
+fn a_damaged_data_file_is_an_error_at_open_or_scan_never_a_panic() {
+    let src = tempfile::tempdir().unwrap();
+    table_with_one_data_file(src.path());
+    let file = std::fs::read_dir(table_dir(src.path())).unwrap().flatten().map(|e| e.path()).find(|p| p.extension().is_some_and(|e| e == "parquet")).unwrap();
+    let name = file.file_name().unwrap().to_owned();
+    let original = std::fs::read(&file).unwrap();
+    let len = original.len();
+    let mut positions: Vec<usize> = (0..len).step_by((len / 120).max(1)).collect();
+    positions.extend(len.saturating_sub(700)..len);
+    positions.sort_unstable();
+    positions.dedup();
+    let mut wrong = Vec::new();
+    let mut outcomes = std::collections::BTreeMap::new();
+    for checksum in [true, false] {
+        for (i, &at) in positions.iter().enumerate() {
+            let dir = tempfile::tempdir().unwrap();
+            let status = std::process::Command::new("cp").arg("-a").arg(format!("{}/.", src.path().display())).arg(dir.path()).status().unwrap();
+            assert!(status.success());
+            let tdir = table_dir(dir.path());
+            let mut bytes = original.clone();
+            bytes[at] ^= [0x01u8, 0x80, 0xff][i % 3];
+            std::fs::write(tdir.join(&name), &bytes).unwrap();
+            if !checksum {
+                let path = tdir.join("manifest.json");
+                let mut m: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+                for f in m["files"].as_array_mut().unwrap() {
+                    f.as_object_mut().unwrap().remove("crc32");
+                }
+                std::fs::write(&path, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+            }
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<usize, (&'static str, Error)> {
+                let engine = Engine::open(dir.path(), cfg()).map_err(|e| ("open", e))?;
+                let t = engine.table("t").unwrap();
+                let mut rows = 0;
+                for b in t.scan(ScanOptions::default()).unwrap() {
+                    rows += b.map_err(|e| ("scan", e))?.num_rows();
+                }
+                Ok(rows)
+            }));
+            let what = format!("checksum {checksum}, byte {at} of {len}");
+            let outcome = match r {
+                Err(p) => {
+                    wrong.push(format!("{what}: panicked: {}", panic_text(&*p)));
+                    continue;
+                }
+                Ok(Ok(rows)) if !checksum => format!("rows {}", if rows == 3000 { "all" } else { "other" }),
+                Ok(Ok(rows)) => {
+                    wrong.push(format!("{what}: the checksum let a damaged file be read ({rows} rows)"));
+                    continue;
+                }
+                Ok(Err((step, Error::Storage(StorageError::CorruptFile { path, .. })))) if path == tdir.join(&name) => format!("{step}: corrupt file"),
+                Ok(Err((step, Error::Storage(StorageError::Parquet(_) | StorageError::Arrow(_))))) => format!("{step}: parquet or arrow error"),
+                Ok(Err((step, e))) => {
+                    wrong.push(format!("{what}: {step}: {e:?}"));
+                    continue;
+                }
+            };
+            *outcomes.entry((checksum, outcome)).or_insert(0) += 1;
+        }
+    }
+    assert!(wrong.is_empty(), "{} of {} damaged files: {wrong:#?}", wrong.len(), 2 * positions.len());
+    // Both steps catch damage in both modes.
+    for key in [(true, "open: corrupt file"), (true, "scan: corrupt file"), (false, "open: corrupt file"), (false, "scan: corrupt file")] {
+        assert!(outcomes.contains_key(&(key.0, key.1.to_owned())), "{key:?} never came up: {outcomes:?}");
+    }
 }

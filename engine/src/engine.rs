@@ -788,7 +788,7 @@ impl Engine {
                 shared,
                 tables: RwLock::new(tables),
                 writer,
-                next_table_id: AtomicU64::new(max_id + 1),
+                next_table_id: AtomicU64::new(max_id.saturating_add(1)),
                 closed: AtomicBool::new(false),
                 closing: AtomicBool::new(false),
                 write_gate: RwLock::new(()),

@@ -351,7 +351,8 @@ impl TableStore {
     ///
     /// # Errors
     /// [`StorageError::CorruptManifest`], [`StorageError::CorruptFile`] (missing or truncated
-    /// data file), [`StorageError::Io`], [`StorageError::Memory`].
+    /// data file, a deletion vector whose rows disagree with its manifest entry),
+    /// [`StorageError::Io`], [`StorageError::Memory`].
     #[allow(clippy::needless_pass_by_value)] // the manifest read at open belongs to the table
     pub fn open(
         vfs: Arc<dyn Vfs>,
@@ -417,6 +418,13 @@ impl TableStore {
     /// when the limit has no room for the rebuild; `Ok(Err(detail))` when its keys are not
     /// those of a data file (not strictly ascending, or not `rows` of them).
     pub(crate) fn index_keys_of(&self, path: &Path, rows: u64) -> Result<crate::index::BuildResult, StorageError> {
+        // Read before the file's checksum is verified (that waits for its first scan): a
+        // decoder panic on a damaged file is this file's CorruptFile.
+        crate::write::parquet_guard(path, || self.read_keys_of(path, rows))
+    }
+
+    /// [`Self::index_keys_of`] without its guard against decoder panics.
+    fn read_keys_of(&self, path: &Path, rows: u64) -> Result<crate::index::BuildResult, StorageError> {
         let corrupt = |detail: String| StorageError::CorruptFile { path: path.to_path_buf(), detail };
         let file = fs::File::open(path).map_err(io(path))?;
         let mut res = Reservation::new(&self.ctl, Category::KeyIndex, self.account.as_ref());

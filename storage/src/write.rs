@@ -594,7 +594,9 @@ pub struct ReadSpec {
 ///
 /// # Errors
 /// [`StorageError::Io`] when the file cannot be opened, [`StorageError::Parquet`] when it is
-/// not valid Parquet; the iterator yields later decoding errors.
+/// not valid Parquet, [`StorageError::CorruptFile`] when the Parquet decoder fails on it
+/// (a panic of the decoder, caught); the iterator yields later decoding errors, after which
+/// it ends.
 pub fn read_file_with(path: &Path, spec: ReadSpec) -> Result<FileReader, StorageError> {
     read_file_within(path, spec, &mut |_| Ok(()))
 }
@@ -623,7 +625,27 @@ pub(crate) fn footer_length(file: &fs::File) -> usize {
     if len < TAIL as u64 || file.read_exact_at(&mut tail, len - TAIL as u64).is_err() {
         return 0;
     }
-    parquet::file::metadata::FooterTail::try_new(&tail).map_or(0, |t| t.metadata_length())
+    // A length past the file's own is damage, not a footer to budget for (the parse that
+    // follows reports the file as corrupt, rather than a reservation as a memory limit).
+    parquet::file::metadata::FooterTail::try_new(&tail).map_or(0, |t| t.metadata_length()).min(usize::try_from(len).unwrap_or(usize::MAX))
+}
+
+/// Runs `decode`, a read of the Parquet file `path`, turning a panic of the decoder into
+/// [`StorageError::CorruptFile`]. The parquet crate panics on some damaged files where it
+/// should return an error (a negative column chunk start or length, an unknown type in the
+/// footer, a dictionary page missing: `unimplemented!`s and `expect`s in its footer and page
+/// readers). A data file loaded from a manifest is only checked against its checksum before
+/// its first scan, not before the key-index rebuild at open, and a manifest of an older build
+/// records no checksum at all, so such a file reaches the decoder. `decode` must leave no
+/// shared state half changed when it unwinds: the reads here touch only their own reader.
+pub(crate) fn parquet_guard<T>(path: &Path, decode: impl FnOnce() -> Result<T, StorageError>) -> Result<T, StorageError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(decode)).unwrap_or_else(|p| {
+        let text = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_owned()));
+        Err(StorageError::CorruptFile {
+            path: path.to_path_buf(),
+            detail: format!("the Parquet decoder failed on it: {}", text.unwrap_or_else(|| "panic".into())),
+        })
+    })
 }
 
 /// [`read_file_with`], asking `reserve(total)` for the memory of each step before it is
@@ -639,6 +661,11 @@ pub(crate) fn footer_length(file: &fs::File) -> usize {
 /// # Errors
 /// As [`read_file_with`], and `reserve`'s error as it is (nothing more is read after it).
 pub fn read_file_within(path: &Path, spec: ReadSpec, reserve: &mut dyn FnMut(usize) -> Result<(), StorageError>) -> Result<FileReader, StorageError> {
+    parquet_guard(path, || open_reader(path, spec, reserve))
+}
+
+/// [`read_file_within`] without its guard against decoder panics.
+fn open_reader(path: &Path, spec: ReadSpec, reserve: &mut dyn FnMut(usize) -> Result<(), StorageError>) -> Result<FileReader, StorageError> {
     let file = fs::File::open(path).map_err(io(path))?;
     reserve(footer_length(&file).saturating_mul(FOOTER_MEMORY_FACTOR))?;
     let footer = ParquetMetaDataReader::new().parse_and_finish(&file)?;
@@ -748,6 +775,7 @@ pub fn read_file_within(path: &Path, spec: ReadSpec, reserve: &mut dyn FnMut(usi
     let out_positions: Vec<usize> = out.iter().map(|&c| position[c]).collect();
     let identity = out_positions.iter().copied().eq(0..read.len());
     let mut reader = FileReader {
+        path: path.to_path_buf(),
         inner: None,
         // The reader keeps the file's metadata (the page index too, when loaded) for as long
         // as it is open: parquet's own estimate of its heap bytes.
@@ -929,6 +957,8 @@ impl Cursor {
 /// The batches of one data file ([`read_file_with`]): an iterator of
 /// `Result<RecordBatch, StorageError>`.
 pub struct FileReader {
+    /// The data file (named in errors).
+    path: std::path::PathBuf,
     inner: Option<ParquetRecordBatchReader>,
     /// `reader_buffer_bytes` of what this reader reads.
     buffer_bytes: usize,
@@ -1029,9 +1059,16 @@ impl Iterator for FileReader {
     fn next(&mut self) -> Option<Self::Item> {
         loop {
             let from = self.cursor.position();
-            let b = match self.inner.as_mut()?.next()? {
-                Ok(b) => b,
-                Err(e) => return Some(Err(StorageError::Arrow(e))),
+            let inner = self.inner.as_mut()?;
+            let b = match parquet_guard(&self.path, || Ok(inner.next())) {
+                Ok(None) => return None,
+                Ok(Some(Ok(b))) => b,
+                Ok(Some(Err(e))) => return Some(Err(StorageError::Arrow(e))),
+                Err(e) => {
+                    // A reader whose decoder panicked is in no state to go on.
+                    self.inner = None;
+                    return Some(Err(e));
+                }
             };
             match self.filter(&b) {
                 Ok(Some(b)) => {

@@ -7,6 +7,7 @@ mod accounting;
 mod backpressure;
 mod bad_input;
 mod big_strings;
+mod breaker_audit14;
 mod breaker_flush5;
 mod breaker_encode6;
 mod breaker_reopen;

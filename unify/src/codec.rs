@@ -51,10 +51,14 @@ impl ColKind {
             | DataType::Time64(_)
             | DataType::Timestamp(_, _)
             | DataType::Duration(_) => ColKind::Fixed(8),
-            // Parquet cannot store a negative decimal scale: refuse it up front rather than
-            // accept rows that could never be flushed.
-            DataType::Decimal128(precision, scale) if *scale >= 0 && *precision <= 18 => ColKind::Decimal64,
-            DataType::Decimal128(_, scale) if *scale >= 0 => ColKind::Fixed(16),
+            // Parquet cannot store a negative decimal scale, a scale above the precision or a
+            // precision outside 1..=38 (Arrow's own rule for `Decimal128`, which its
+            // `DataType` does not enforce: parquet's writer asserts on a 39-digit column and
+            // panicked the flush): refuse them up front rather than accept rows that could
+            // never be flushed.
+            DataType::Decimal128(precision, scale) if !decimal128_storable(*precision, *scale) => return None,
+            DataType::Decimal128(precision, _) if *precision <= 18 => ColKind::Decimal64,
+            DataType::Decimal128(..) => ColKind::Fixed(16),
             DataType::Utf8 | DataType::Binary => ColKind::Off32,
             DataType::LargeUtf8 | DataType::LargeBinary => ColKind::Off64,
             DataType::Utf8View | DataType::BinaryView => ColKind::View,
@@ -75,6 +79,12 @@ impl ColKind {
     pub(crate) fn is_var(self) -> bool {
         matches!(self, ColKind::Off32 | ColKind::Off64 | ColKind::View)
     }
+}
+
+/// Whether a `Decimal128(precision, scale)` column can be stored: precision 1..=38
+/// ([`arrow_schema::DECIMAL128_MAX_PRECISION`]) and scale 0..=precision.
+fn decimal128_storable(precision: u8, scale: i8) -> bool {
+    (1..=arrow_schema::DECIMAL128_MAX_PRECISION).contains(&precision) && u8::try_from(scale).is_ok_and(|s| s <= precision)
 }
 
 /// Key columns made canonical for key identity: in `Float16`/`Float32`/`Float64` columns,

@@ -262,7 +262,7 @@ mod tests {
             }
         }
         // Without the checksum many of these flips would have been taken as a table.
-        assert!(parsed_after_flip > bytes.len(), "{parsed_after_flip} flips still parse as JSON");
+        assert!(parsed_after_flip >= 100, "{parsed_after_flip} flips still parse as JSON");
     }
 
     /// A format-1 manifest (before checksums) is read unchecked; a format-2 one without its

@@ -618,13 +618,25 @@ impl Engine {
             .truncate(false)
             .open(&lock_path)
             .map_err(io(&lock_path))?;
-        match lock_file.try_lock() {
-            Ok(()) => {}
-            Err(fs::TryLockError::WouldBlock) => {
-                let holder = fs::read_to_string(&lock_path).unwrap_or_default().trim().to_owned();
-                return Err(Error::Locked { path: lock_path, holder: format!("pid {holder}") });
+        // A lock recorded by this very process may be held only by a child it is forking:
+        // between `fork` and `exec` the child shares the lock's open file description (std
+        // opens it close-on-exec, which ends only at `exec`), so an engine closed and reopened
+        // while another thread spawns a process saw `Locked` by its own pid (a fresh-clone
+        // trial of 2026-12-04, one run in two). Such a lock is retried for up to 2 s.
+        let deadline = std::time::Instant::now() + Duration::from_secs(2);
+        loop {
+            match lock_file.try_lock() {
+                Ok(()) => break,
+                Err(fs::TryLockError::WouldBlock) => {
+                    let holder = fs::read_to_string(&lock_path).unwrap_or_default().trim().to_owned();
+                    if holder == std::process::id().to_string() && std::time::Instant::now() < deadline {
+                        std::thread::sleep(Duration::from_millis(10));
+                        continue;
+                    }
+                    return Err(Error::Locked { path: lock_path, holder: format!("pid {holder}") });
+                }
+                Err(fs::TryLockError::Error(e)) => return Err(Error::Io { path: lock_path, source: e }),
             }
-            Err(fs::TryLockError::Error(e)) => return Err(Error::Io { path: lock_path, source: e }),
         }
         lock_file.set_len(0).and_then(|()| write!(lock_file, "{}", std::process::id())).map_err(io(&lock_path))?;
 

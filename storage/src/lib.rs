@@ -3,7 +3,8 @@
 //! One directory per table:
 //! ```text
 //! <table dir>/manifest.json        the committed state (atomic replace: tmp, fsync, rename, fsync dir;
-//!                                  first line: the CRC-32 of the rest, `MANIFEST_CHECKSUM_KEY`)
+//!                                  first field line, the file's second: the CRC-32 of the
+//!                                  bytes after it, `MANIFEST_CHECKSUM_KEY`)
 //! <table dir>/f000001.parquet      data files (immutable once written)
 //! <table dir>/f000001.dv7          deletion vector of f000001 as of manifest version 7 (roaring)
 //! ```

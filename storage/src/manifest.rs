@@ -15,8 +15,10 @@ pub(crate) const FORMAT: u32 = 2;
 /// The oldest format this build reads.
 const OLDEST_FORMAT: u32 = 1;
 
-/// The key of the manifest's first line, `  "manifest_crc32": N,`: the CRC-32 (IEEE, as
-/// `crc32fast`) of every byte after that line. The manifest stays plain JSON (the key is one
+/// The key of the manifest's first field line — the file's second line, right after the
+/// `{` line — `  "manifest_crc32": N,`: `N` is the CRC-32 (IEEE, as `crc32fast` and
+/// Python's `zlib.crc32`) of every byte after that line's newline, to the end of the file.
+/// The manifest stays plain JSON (the key is one
 /// more field, ignored by a reader that does not check it), and a flipped byte anywhere in it
 /// — a digit of `flushed_seq`, a row count, a file name — is a
 /// [`StorageError::CorruptManifest`] at open instead of a silently different table (a digit
@@ -172,7 +174,8 @@ impl Manifest {
     }
 }
 
-/// Splits manifest bytes into the checksum its first line states and the bytes it covers:
+/// Splits manifest bytes into the checksum its first field line (the file's second line)
+/// states and the bytes it covers:
 /// `None` when the text has no checksum line (a format-1 manifest, or one damaged there —
 /// then the format check refuses it); `Some((None, _))` when the line is there but its
 /// number does not read.

@@ -628,7 +628,7 @@ fn a_flipped_byte_in_a_data_file_is_an_error_not_a_changed_value() {
 }
 
 /// A flipped bit in a manifest or a deletion vector is an error at open, never a silently
-/// different table: the manifest's first line holds the CRC-32 of the rest
+/// different table: the manifest's first field line (its second line) holds the CRC-32 of the rest
 /// (`gritdb_storage::MANIFEST_CHECKSUM_KEY`) and each deletion vector's CRC-32 is in the
 /// manifest. Before, a digit of `flushed_seq` or a row count changed by one bit still parsed,
 /// and a roaring bitmap with a flipped bit still decoded, as other rows deleted. With the files

@@ -66,7 +66,8 @@ pub fn process_threads() -> Vec<ThreadSched> {
 
 /// Rewrites a table's `manifest.json` by hand, as an operator or a broken tool would, and
 /// seals it again with the checksum line the engine writes (`gritdb_storage::Manifest`: the
-/// first line `  "manifest_crc32": N,` holds the CRC-32 of every byte after it), so a test
+/// first field line, the file's second, `  "manifest_crc32": N,` holds the CRC-32 of every
+/// byte after it), so a test
 /// reaches the checks behind the checksum: `edit` gets and returns the JSON without that
 /// line (starting `{\n`).
 ///

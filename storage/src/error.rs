@@ -1,7 +1,7 @@
 use arrow_schema::ArrowError;
 use gritdb_memctl::MemoryError;
 use parquet::errors::ParquetError;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Errors of the storage layer.
 #[derive(Debug, thiserror::Error)]
@@ -16,8 +16,16 @@ pub enum StorageError {
         #[source]
         source: std::io::Error,
     },
-    /// The manifest cannot be parsed or is inconsistent.
-    #[error("corrupt manifest {}: {detail}. The table cannot be opened; restore the directory from a backup", path.display())]
+    /// A table's manifest cannot be parsed, fails its checksum, or is inconsistent. Manifests
+    /// are read only when the engine opens its data directory, and one refused manifest
+    /// refuses the whole open: the text says so and names the file; `detail` says what is
+    /// wrong and, for a checksum that does not verify, how to reseal a manifest edited on
+    /// purpose.
+    #[error(
+        "corrupt manifest {}: {detail}. The engine does not open its data directory{} while one of its table manifests is refused; \
+         restore this manifest from a backup",
+        path.display(), data_dir_of(path)
+    )]
     CorruptManifest {
         /// The manifest path.
         path: PathBuf,
@@ -51,6 +59,18 @@ pub enum StorageError {
     /// No memory budget for index or writer buffers.
     #[error(transparent)]
     Memory(#[from] MemoryError),
+}
+
+/// " <data dir>" for a manifest at `<data dir>/tables/t<id>/manifest.json`, else "" (a path
+/// of another shape, as in tests and the fuzzer).
+fn data_dir_of(manifest: &Path) -> String {
+    let table_dir = manifest.parent();
+    match table_dir.and_then(Path::parent) {
+        Some(tables) if tables.file_name().is_some_and(|n| n == "tables") => {
+            tables.parent().map_or_else(String::new, |d| format!(" {}", d.display()))
+        }
+        _ => String::new(),
+    }
 }
 
 pub(crate) fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> StorageError {

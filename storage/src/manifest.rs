@@ -101,7 +101,10 @@ impl Manifest {
     ///
     /// # Errors
     /// [`StorageError::CorruptManifest`] when the bytes do not parse, their checksum does not
-    /// match, or they are inconsistent.
+    /// match, or they are inconsistent. A format-2 manifest whose second line is not the
+    /// checksum line is refused in one of two words: the key missing altogether, or present
+    /// elsewhere (the file was re-formatted, and the checksum, over exact bytes, cannot be
+    /// verified).
     pub fn parse(text: &[u8], path: &Path) -> Result<Self, StorageError> {
         let path = path.to_path_buf();
         let corrupt = |detail: String| StorageError::CorruptManifest { path: path.clone(), detail };
@@ -109,11 +112,20 @@ impl Manifest {
             Some((Some(stored), body)) => {
                 let actual = crc32fast::hash(body);
                 if actual != stored {
-                    return Err(corrupt(format!("checksum mismatch: {MANIFEST_CHECKSUM_KEY} {stored}, bytes hash to {actual}")));
+                    return Err(corrupt(format!(
+                        "checksum mismatch: {MANIFEST_CHECKSUM_KEY} is {stored}, the bytes after its line hash to {actual}, so they are \
+                         not the bytes the engine wrote (damage, or an edit or re-format that was not resealed). If you edited it on \
+                         purpose, reseal it ({RESEAL_DOC})"
+                    )));
                 }
                 true
             }
-            Some((None, _)) => return Err(corrupt(format!("unreadable {MANIFEST_CHECKSUM_KEY} line"))),
+            Some((None, _)) => {
+                return Err(corrupt(format!(
+                    "unreadable {MANIFEST_CHECKSUM_KEY} line: the file's second line must be `  \"{MANIFEST_CHECKSUM_KEY}\": N,` (N a \
+                     decimal CRC-32, a newline right after the comma). If you edited it on purpose, reseal it ({RESEAL_DOC})"
+                )));
+            }
             None => false,
         };
         let m: Manifest = serde_json::from_slice(text).map_err(|e| corrupt(e.to_string()))?;
@@ -121,7 +133,7 @@ impl Manifest {
             return Err(corrupt(format!("unknown format {}", m.format)));
         }
         if m.format >= 2 && !checked {
-            return Err(corrupt(format!("format {} without its {MANIFEST_CHECKSUM_KEY} line", m.format)));
+            return Err(corrupt(unchecked_detail(text, m.format)));
         }
         for f in &m.files {
             if f.id >= m.next_file_id || f.name.contains('/') || f.deleted > f.rows {
@@ -140,7 +152,8 @@ impl Manifest {
     /// `manifest.json`, fsync the directory.
     ///
     /// # Errors
-    /// [`StorageError::Io`]; the previous manifest stays in place and the tmp file is removed.
+    /// [`StorageError::Io`]; [`StorageError::Arrow`] (`JsonError`) when the schema does not
+    /// serialize. The previous manifest stays in place and the tmp file is removed.
     pub fn write(&self, vfs: &dyn Vfs, dir: &Path) -> Result<(), StorageError> {
         self.write_tracked(vfs, dir, &mut false)
     }
@@ -153,7 +166,10 @@ impl Manifest {
     /// # Errors
     /// As [`Self::write`].
     pub fn write_tracked(&self, vfs: &dyn Vfs, dir: &Path, renamed: &mut bool) -> Result<(), StorageError> {
-        let bytes = self.to_bytes().map_err(|e| StorageError::CorruptManifest { path: dir.join(MANIFEST_FILE), detail: e.to_string() })?;
+        // Not a corrupt manifest (nothing was read): the schema did not serialize.
+        let bytes = self
+            .to_bytes()
+            .map_err(|e| arrow_schema::ArrowError::JsonError(format!("manifest of table {} for {}: {e}", self.table, dir.display())))?;
         write_atomic_tracked(vfs, dir, MANIFEST_FILE, &bytes, renamed)
     }
 
@@ -171,6 +187,30 @@ impl Manifest {
         out.extend_from_slice(line.as_bytes());
         out.extend_from_slice(body);
         Ok(out)
+    }
+}
+
+/// Where the docs show how to reseal a hand-edited manifest, for error texts.
+const RESEAL_DOC: &str = "docs/architecture.md, section \"On disk\"";
+
+/// Why a manifest of `format` (2 or later) whose bytes do not start with the checksum line is
+/// refused: the key missing altogether, or present but not where the format puts it (the
+/// file was re-formatted: the checksum covers exact bytes, so it cannot be verified).
+fn unchecked_detail(text: &[u8], format: u32) -> String {
+    let present = serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(text).is_ok_and(|m| m.contains_key(MANIFEST_CHECKSUM_KEY));
+    let line = format!("`  \"{MANIFEST_CHECKSUM_KEY}\": N,` on the file's second line, right after the `{{` line");
+    if present {
+        format!(
+            "format {format}: its {MANIFEST_CHECKSUM_KEY} key is present but not as {line}, so the file was re-formatted (compacted \
+             onto one line, re-indented, keys re-ordered or CRLF line ends, as `jq -c` or `json.dump` do). The checksum covers \
+             the exact bytes the engine wrote, so re-formatted bytes cannot be verified and are not read: put back the file the \
+             engine wrote, or reseal this one ({RESEAL_DOC})"
+        )
+    } else {
+        format!(
+            "format {format} without its {MANIFEST_CHECKSUM_KEY} checksum: the key is missing (it must be {line}). If the file \
+             was edited on purpose, reseal it ({RESEAL_DOC})"
+        )
     }
 }
 
@@ -283,14 +323,64 @@ mod tests {
         m.format = 2;
         let plain = serde_json::to_vec_pretty(&m).unwrap();
         let e = Manifest::parse(&plain, Path::new("m")).unwrap_err();
-        assert!(e.to_string().contains("without its manifest_crc32 line"), "{e}");
+        assert!(matches!(e, StorageError::CorruptManifest { .. }), "{e:?}");
+        assert!(e.to_string().contains("format 2 without its manifest_crc32 checksum: the key is missing"), "{e}");
+        assert!(e.to_string().contains("reseal it (docs/architecture.md"), "{e}");
         let mut unreadable = b"{\n  \"manifest_crc32\": x1,\n".to_vec();
         unreadable.extend_from_slice(&plain[2..]);
         let e = Manifest::parse(&unreadable, Path::new("m")).unwrap_err();
-        assert!(e.to_string().contains("unreadable manifest_crc32"), "{e}");
+        assert!(matches!(e, StorageError::CorruptManifest { .. }), "{e:?}");
+        assert!(e.to_string().contains("unreadable manifest_crc32 line"), "{e}");
         for cut in [0, 5, 22, 30] {
             let bytes = sample().to_bytes().unwrap();
             assert!(matches!(Manifest::parse(&bytes[..cut], Path::new("m")), Err(StorageError::CorruptManifest { .. })), "cut {cut}");
         }
+    }
+
+    /// A manifest re-formatted by a tool (compacted onto one line as `jq -c` does, re-indented
+    /// as `json.dump(indent=4)`, or with CRLF line ends) keeps its `manifest_crc32` key but
+    /// not the line the checksum is defined on: it is refused as re-formatted, distinct from a
+    /// key missing altogether and from a checksum mismatch; the checksum itself still equals
+    /// the original's. A manifest that kept the layout but gained a trailing newline (as
+    /// `jq .` writes) is a checksum mismatch.
+    #[test]
+    fn a_reformatted_manifest_is_refused_as_reformatted() {
+        let bytes = sample().to_bytes().unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+        let mut indented = Vec::new();
+        let fmt = serde_json::ser::PrettyFormatter::with_indent(b"    ");
+        serde::Serialize::serialize(&v, &mut serde_json::Serializer::with_formatter(&mut indented, fmt)).unwrap();
+        let crlf = String::from_utf8(bytes.clone()).unwrap().replace('\n', "\r\n").into_bytes();
+        for (what, text) in [("compact", serde_json::to_vec(&v).unwrap()), ("indent 4", indented), ("crlf", crlf)] {
+            let e = Manifest::parse(&text, Path::new("m")).unwrap_err();
+            assert!(matches!(e, StorageError::CorruptManifest { .. }), "{what}: {e:?}");
+            let msg = e.to_string();
+            for part in ["manifest_crc32 key is present but not as", "so the file was re-formatted", "cannot be verified", "reseal this one (docs/architecture.md"] {
+                assert!(msg.contains(part), "{what}: {part:?} not in {msg}");
+            }
+            assert!(!msg.contains("missing") && !msg.contains("mismatch"), "{what}: {msg}");
+        }
+        let mut trailing = bytes.clone();
+        trailing.push(b'\n');
+        let e = Manifest::parse(&trailing, Path::new("m")).unwrap_err();
+        assert!(matches!(e, StorageError::CorruptManifest { .. }), "{e:?}");
+        assert!(e.to_string().contains("checksum mismatch: manifest_crc32 is"), "{e}");
+        assert!(e.to_string().contains("not the bytes the engine wrote"), "{e}");
+    }
+
+    /// A manifest is read only when the engine opens its data directory, and one refused
+    /// manifest refuses the whole open: the text says so, naming the data directory of a
+    /// manifest at `<data dir>/tables/t<id>/manifest.json` and the file.
+    #[test]
+    fn a_corrupt_manifest_says_the_data_directory_does_not_open() {
+        let path = Path::new("/srv/data/tables/t3/manifest.json");
+        let e = Manifest::parse(b"{", path).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.starts_with("corrupt manifest /srv/data/tables/t3/manifest.json: "), "{msg}");
+        assert!(msg.contains("The engine does not open its data directory /srv/data while one of its table manifests is refused"), "{msg}");
+        assert!(msg.ends_with("restore this manifest from a backup"), "{msg}");
+        assert!(!msg.contains("The table cannot be opened"), "{msg}");
+        let other = Manifest::parse(b"{", Path::new("m")).unwrap_err().to_string();
+        assert!(other.contains("The engine does not open its data directory while"), "{other}");
     }
 }

@@ -714,3 +714,52 @@ fn a_flipped_bit_in_a_manifest_or_deletion_vector_is_an_error_not_a_changed_tabl
         other => panic!("expected a corrupt-file error, got {other:?}"),
     }
 }
+
+/// A format-2 manifest whose checksum cannot be verified is refused at open, and the message
+/// says which of three things is wrong, names the manifest and says that the whole data
+/// directory does not open (manifests are read only there): re-formatted (compacted onto one
+/// line, as `jq -c` or `json.dump` write it: the key is there but not on the second line),
+/// the key missing, or a hand edit not resealed (checksum mismatch). Put back, it opens.
+#[test]
+fn a_reformatted_unsealed_or_unchecksummed_manifest_is_refused_saying_which() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = || EngineConfig::default().memory_limit(64 << 20);
+    {
+        let engine = Engine::open(dir.path(), config()).unwrap();
+        let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
+        t.insert(&composite_batch(&[((1, 1), (Some(1), None))])).unwrap();
+        t.flush().unwrap();
+        drop(t);
+        engine.close().unwrap();
+    }
+    let manifest = table_dir(dir.path()).join("manifest.json");
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    let value: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let mut no_key = value.clone();
+    no_key.as_object_mut().unwrap().remove("manifest_crc32").unwrap();
+    let cases = [
+        ("compacted", serde_json::to_string(&value).unwrap(), "its manifest_crc32 key is present but not as `  \"manifest_crc32\": N,` on the file's second line"),
+        ("key removed", serde_json::to_string_pretty(&no_key).unwrap(), "format 2 without its manifest_crc32 checksum: the key is missing"),
+        ("edited, not resealed", text.replace("\"version\": 2", "\"version\": 3"), "checksum mismatch: manifest_crc32 is "),
+    ];
+    for (what, bytes, fragment) in cases {
+        assert_ne!(bytes, text, "{what}");
+        std::fs::write(&manifest, &bytes).unwrap();
+        match Engine::open(dir.path(), config()) {
+            Err(Error::Storage(e @ gritdb::StorageError::CorruptManifest { .. })) => {
+                let gritdb::StorageError::CorruptManifest { path, detail } = &e else { unreachable!() };
+                assert_eq!(path, &manifest, "{what}");
+                assert!(detail.contains(fragment), "{what}: {fragment:?} not in {detail}");
+                assert!(detail.contains("reseal"), "{what}: {detail}");
+                let msg = e.to_string();
+                let whole = format!("The engine does not open its data directory {} while one of its table manifests is refused", dir.path().display());
+                assert!(msg.contains(&whole), "{what}: {msg}");
+                assert!(msg.contains(&manifest.display().to_string()), "{what}: {msg}");
+            }
+            other => panic!("{what}: expected CorruptManifest, got {other:?}"),
+        }
+    }
+    std::fs::write(&manifest, &text).unwrap();
+    let engine = Engine::open(dir.path(), config()).unwrap();
+    assert_eq!(engine.table("t").unwrap().row_count().unwrap(), 1);
+}

@@ -32,7 +32,12 @@ pub enum StorageError {
         /// What is wrong.
         detail: String,
     },
-    /// A data file cannot be read as the manifest says it should.
+    /// A data file or deletion vector cannot be read as the manifest says it should (or, at
+    /// a flush or compaction, a file about to be written has keys out of order). For damage
+    /// found on disk `detail` ends with what it means and what to do: found when the engine
+    /// opens, the data directory does not open; found by a read, that table's reads and
+    /// compactions of the file fail and other tables are unaffected; either way, restore the
+    /// file from a backup.
     #[error("corrupt data file {}: {detail}", path.display())]
     CorruptFile {
         /// The data file path.
@@ -59,6 +64,24 @@ pub enum StorageError {
     /// No memory budget for index or writer buffers.
     #[error(transparent)]
     Memory(#[from] MemoryError),
+}
+
+/// What to do about data file damage only bytes from a backup undo.
+const RESTORE: &str = "restore the file from a backup (data and deletion-vector files never change once written)";
+
+/// A [`StorageError::CorruptFile`] `detail` for damage to a file of table `table` found while
+/// the engine opens it, with what that means and what to do.
+pub(crate) fn damaged_at_open(table: &str, detail: &str) -> String {
+    format!("{detail}. Table `{table}`'s files are read when the engine opens, so the engine does not open its data directory while this file is damaged: {RESTORE}")
+}
+
+/// A [`StorageError::CorruptFile`] `detail` for damage to a committed data file found by a
+/// read (a scan, or a compaction's), with what that means and what to do.
+pub(crate) fn damaged_at_read(detail: &str) -> String {
+    format!(
+        "{detail}. Scans of this table that reach the file fail, and so do flushes that compact it (Engine::degraded_tables then lists \
+         the table); other tables are unaffected. To read it whole again, {RESTORE}"
+    )
 }
 
 /// " <data dir>" for a manifest at `<data dir>/tables/t<id>/manifest.json`, else "" (a path

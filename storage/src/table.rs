@@ -1,4 +1,4 @@
-use crate::error::{StorageError, io};
+use crate::error::{StorageError, damaged_at_open, io};
 use crate::index::{KeyIndex, Loc, encode_keys, key_converter};
 use crate::manifest::{FileMeta, MANIFEST_FILE, Manifest, write_atomic};
 use crate::vfs::Vfs;
@@ -69,7 +69,9 @@ impl FileGuard {
         if got != expected {
             return Err(StorageError::CorruptFile {
                 path: self.path.clone(),
-                detail: format!("checksum mismatch: the manifest recorded CRC-32 {expected:08x}, the file's {len} bytes have {got:08x}"),
+                detail: crate::error::damaged_at_read(&format!(
+                    "checksum mismatch: the manifest recorded CRC-32 {expected:08x}, the file's {len} bytes have {got:08x}"
+                )),
             });
         }
         *self.unverified_crc32.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
@@ -350,9 +352,9 @@ impl TableStore {
     /// from the key columns of every data file, and removes files the manifest does not name.
     ///
     /// # Errors
-    /// [`StorageError::CorruptManifest`], [`StorageError::CorruptFile`] (missing or truncated
-    /// data file, a deletion vector whose rows disagree with its manifest entry),
-    /// [`StorageError::Io`], [`StorageError::Memory`].
+    /// [`StorageError::CorruptManifest`], [`StorageError::CorruptFile`] (a truncated or
+    /// damaged data file, a deletion vector whose bytes or rows disagree with its manifest
+    /// entry), [`StorageError::Io`], [`StorageError::Memory`].
     #[allow(clippy::needless_pass_by_value)] // the manifest read at open belongs to the table
     pub fn open(
         vfs: Arc<dyn Vfs>,
@@ -380,14 +382,19 @@ impl TableStore {
                     known.insert(name.clone());
                     let p = dir.join(name);
                     let bytes = fs::read(&p).map_err(io(&p))?;
-                    read_deletion_vector(&bytes, f).map_err(|detail| StorageError::CorruptFile { path: p.clone(), detail })?
+                    read_deletion_vector(&bytes, f)
+                        .map_err(|detail| StorageError::CorruptFile { path: p.clone(), detail: damaged_at_open(&s.name, &detail) })?
                 }
                 None => RoaringBitmap::new(),
             };
             let path = dir.join(&f.name);
-            match s.index_keys_of(&path, f.rows)? {
+            let built = s.index_keys_of(&path, f.rows).map_err(|e| match e {
+                StorageError::CorruptFile { path, detail } => StorageError::CorruptFile { detail: damaged_at_open(&s.name, &detail), path },
+                e => e,
+            })?;
+            match built {
                 Ok(built) => s.index.install(f.id, built),
-                Err(detail) => return Err(StorageError::CorruptFile { path, detail }),
+                Err(detail) => return Err(StorageError::CorruptFile { detail: damaged_at_open(&s.name, &detail), path }),
             }
             let guard = FileGuard::new(path, &s.vfs, f.crc32);
             s.files.insert(f.id, DataFile { meta: f.clone(), pending: None, dv_live: dv.clone(), dv_committed: dv, guard });

@@ -661,7 +661,11 @@ pub(crate) fn parquet_guard<T>(path: &Path, decode: impl FnOnce() -> Result<T, S
 /// # Errors
 /// As [`read_file_with`], and `reserve`'s error as it is (nothing more is read after it).
 pub fn read_file_within(path: &Path, spec: ReadSpec, reserve: &mut dyn FnMut(usize) -> Result<(), StorageError>) -> Result<FileReader, StorageError> {
-    parquet_guard(path, || open_reader(path, spec, reserve))
+    // Readers of committed files are scans and compactions: a damaged file's error says so.
+    parquet_guard(path, || open_reader(path, spec, reserve)).map_err(|e| match e {
+        StorageError::CorruptFile { path, detail } => StorageError::CorruptFile { detail: crate::error::damaged_at_read(&detail), path },
+        e => e,
+    })
 }
 
 /// [`read_file_within`] without its guard against decoder panics.

@@ -283,7 +283,17 @@ fn truncated_data_file_is_a_typed_error() {
     let len = std::fs::metadata(&file).unwrap().len();
     std::fs::OpenOptions::new().write(true).open(&file).unwrap().set_len(len / 2).unwrap();
     match Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)) {
-        Err(Error::Storage(e)) => assert!(e.to_string().contains("corrupt data file"), "{e}"),
+        Err(Error::Storage(e @ gritdb::StorageError::CorruptFile { .. })) => {
+            let gritdb::StorageError::CorruptFile { path, .. } = &e else { unreachable!() };
+            assert_eq!(path, &file);
+            let msg = e.to_string();
+            assert!(msg.contains("corrupt data file"), "{msg}");
+            // What that means and what to do.
+            assert!(
+                msg.contains("Table `t`'s files are read when the engine opens, so the engine does not open its data directory while this file is damaged: restore the file from a backup"),
+                "{msg}"
+            );
+        }
         other => panic!("expected a corrupt-file error, got {other:?}"),
     }
 }
@@ -685,6 +695,7 @@ fn a_flipped_bit_in_a_manifest_or_deletion_vector_is_an_error_not_a_changed_tabl
         match open() {
             Err(Error::Storage(e @ gritdb::StorageError::CorruptFile { .. })) => {
                 assert!(e.to_string().contains("deletion vector checksum mismatch"), "byte {at}: {e}");
+                assert!(e.to_string().contains("the engine does not open its data directory while this file is damaged: restore the file from a backup"), "byte {at}: {e}");
                 refused += 1;
             }
             other => panic!("deletion vector byte {at}: expected a corrupt-file error, got {other:?}"),
@@ -762,4 +773,97 @@ fn a_reformatted_unsealed_or_unchecksummed_manifest_is_refused_saying_which() {
     std::fs::write(&manifest, &text).unwrap();
     let engine = Engine::open(dir.path(), config()).unwrap();
     assert_eq!(engine.table("t").unwrap().row_count().unwrap(), 1);
+}
+
+/// The directory of table `name` (the one whose manifest names it).
+fn dir_of_table(root: &std::path::Path, name: &str) -> std::path::PathBuf {
+    let want = format!("\"table\": \"{name}\"");
+    std::fs::read_dir(root.join("tables"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|d| std::fs::read_to_string(d.join("manifest.json")).is_ok_and(|m| m.contains(&want)))
+        .unwrap_or_else(|| panic!("no manifest names table {name}"))
+}
+
+/// The one file of `dir` with extension `ext` (`parquet`, `dv<version>` by prefix).
+fn file_with_ext(dir: &std::path::Path, ext: &str) -> std::path::PathBuf {
+    let found: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e.to_string_lossy().starts_with(ext)))
+        .collect();
+    assert_eq!(found.len(), 1, "{ext} in {}: {found:?}", dir.display());
+    found.into_iter().next().unwrap()
+}
+
+/// A data file damaged in its values (found by its checksum at the first scan, not at open)
+/// is a `CorruptFile` naming it whose text says what still works and what to do — and what it
+/// says holds: the table's scans fail, another table reads and writes, this table still takes
+/// writes, a flush that compacts the file fails and `degraded_tables` lists the table.
+#[test]
+fn a_damaged_data_file_found_by_a_read_says_what_still_works_and_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = || EngineConfig::default().memory_limit(64 << 20);
+    let rows = |from: i64| (from..from + 2_000).map(|k| ((k, 0), (Some(k), Some(format!("value {k}"))))).collect::<Vec<_>>();
+    {
+        let engine = Engine::open(dir.path(), config()).unwrap();
+        for (name, from) in [("t", 0), ("u", 10_000)] {
+            let t = engine.create_table(name, composite_schema(), &["k1", "k2"]).unwrap();
+            t.insert(&composite_batch(&rows(from))).unwrap();
+            t.flush().unwrap();
+        }
+        engine.close().unwrap();
+    }
+    let file = file_with_ext(&dir_of_table(dir.path(), "t"), "parquet");
+    let good = std::fs::read(&file).unwrap();
+    // A flipped byte the open does not read (it reads only the key columns): the first of
+    // these that still opens.
+    let engine = (1..40)
+        .find_map(|i| {
+            let mut bad = good.clone();
+            bad[i * good.len() / 40] ^= 0x5a;
+            std::fs::write(&file, &bad).unwrap();
+            Engine::open(dir.path(), config()).ok()
+        })
+        .expect("a flip that the open does not see");
+    let t = engine.table("t").unwrap();
+    let check = |e: &gritdb::StorageError, what: &str| {
+        let gritdb::StorageError::CorruptFile { path, detail } = e else { panic!("{what}: expected CorruptFile, got {e:?}") };
+        assert_eq!(path, &file, "{what}");
+        for part in [
+            "checksum mismatch",
+            "Scans of this table that reach the file fail, and so do flushes that compact it (Engine::degraded_tables then lists the table); other tables are unaffected",
+            "restore the file from a backup",
+        ] {
+            assert!(detail.contains(part), "{what}: {part:?} not in {detail}");
+        }
+    };
+    match t.scan(ScanOptions::default()).unwrap().collect::<gritdb::Result<Vec<RecordBatch>>>() {
+        Err(Error::Storage(e)) => check(&e, "scan"),
+        other => panic!("scan: expected CorruptFile, got {:?}", other.map(|b| b.len())),
+    }
+    // Other tables are unaffected: read, written, flushed.
+    let u = engine.table("u").unwrap();
+    assert_eq!(snapshot(&u).len(), 2_000);
+    u.insert(&composite_batch(&rows(20_000))).unwrap();
+    u.flush().unwrap();
+    assert_eq!(snapshot(&u).len(), 4_000);
+    // This table still takes writes; a flush that compacts the file (a fifth of its rows
+    // deleted) fails with the same error, and the table shows as degraded.
+    t.delete(&composite_keys(&(0..400).map(|k| (k, 0)).collect::<Vec<_>>())).unwrap();
+    match t.flush() {
+        Err(Error::Storage(e)) => check(&e, "flush"),
+        other => panic!("flush: expected CorruptFile, got {other:?}"),
+    }
+    let degraded = engine.degraded_tables();
+    assert!(degraded.len() == 1 && degraded[0].0 == "t" && degraded[0].1.contains("checksum mismatch"), "{degraded:?}");
+    assert!(engine.degraded_tables().iter().all(|(n, _)| n != "u"));
+    // Restored from the backup (the bytes as written), it reads and compacts again.
+    std::fs::write(&file, &good).unwrap();
+    t.flush().unwrap();
+    assert!(engine.degraded_tables().is_empty());
+    assert_eq!(snapshot(&t).len(), 1_600);
+    engine.close().unwrap();
 }

@@ -78,9 +78,11 @@ const SNAPSHOT_BATCH_BYTES: usize = 256 << 20;
 /// open file reader is closed with its buffers (reopened at the same file row,
 /// [`gritdb_storage::FileReader::resume_row`], when the scan goes on), so a refused scan the
 /// caller keeps does not hold memory writers need. Any other error — a data file that could
-/// not be opened or read, a table dropped under the scan — ends the scan: later calls return
-/// `None`, so no call after an error returns rows as if the scan were whole (a caller that
-/// drains a scan's errors is not looped forever either); a new scan reads the table again.
+/// not be opened or read (`StorageError::MissingFile` when it was removed outside the engine,
+/// `StorageError::CorruptFile` when damaged), a table dropped under the scan — ends the scan:
+/// later calls return `None`, so no call after an error returns rows as if the scan were
+/// whole (a caller that drains a scan's errors is not looped forever either); a new scan
+/// reads the table again.
 pub struct Scan {
     table: std::sync::Arc<TableInner>,
     /// Asked to flush (seal the largest deltas) when a batch's memory cannot be had: waiting
@@ -248,6 +250,11 @@ impl Scan {
             Ok(()) => Ok(true),
             Err(e) => {
                 self.memory.truncate(queued);
+                // A committed file removed outside the engine is named with its table.
+                let e = match (e, &f.source) {
+                    (Error::Storage(e), ScanSource::File(path)) => Error::Storage(e.or_missing_file(path, &self.table.name)),
+                    (e, _) => e,
+                };
                 self.files.push_front(f);
                 self.resume_at = resume_at;
                 Err(e)

@@ -81,8 +81,21 @@ impl CompactionPlan {
     /// ([`crate::FileReader::buffer_bytes`]), are reserved under `batch_blocks` while held.
     ///
     /// # Errors
-    /// [`StorageError`]; the new file is not visible then.
+    /// [`StorageError`] ([`StorageError::MissingFile`] for an input that is not on disk); the
+    /// new file is not visible then.
     pub fn execute(&mut self, opts: &WriteOptions, ctl: &Arc<MemoryController>, table: Option<&TableAccount>) -> Result<(), StorageError> {
+        // An input removed outside the engine is named with its table.
+        self.execute_inner(opts, ctl, table).map_err(|e| match &e {
+            StorageError::Io { path, .. } => match self.inputs.iter().find(|i| &i.1 == path) {
+                Some(input) => e.or_missing_file(&input.1, &self.manifest.table),
+                None => e,
+            },
+            _ => e,
+        })
+    }
+
+    /// [`Self::execute`] without naming a missing input's table.
+    fn execute_inner(&mut self, opts: &WriteOptions, ctl: &Arc<MemoryController>, table: Option<&TableAccount>) -> Result<(), StorageError> {
         // A corrupt input must not be rewritten into a new file with a valid checksum.
         for (_, _, _, guard) in &self.inputs {
             guard.verify()?;

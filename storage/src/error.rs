@@ -45,6 +45,21 @@ pub enum StorageError {
         /// What is wrong.
         detail: String,
     },
+    /// A data file or deletion vector the table's manifest lists is not on disk (deleted or
+    /// moved outside the engine): at open, instead of a bare "not found" I/O error, and by a
+    /// scan or compaction of a file removed while the engine runs.
+    #[error(
+        "table `{table}`: {} is listed in the table's manifest but missing (deleted or moved outside the engine). Until it is back \
+         the engine does not open this data directory, and an engine already open fails the table's scans and compactions that \
+         need it (other tables are unaffected): {RESTORE}",
+        path.display()
+    )]
+    MissingFile {
+        /// The missing file.
+        path: PathBuf,
+        /// The table whose manifest lists it.
+        table: String,
+    },
     /// A write-ahead-log record is damaged somewhere other than a torn tail.
     #[error("corrupt write-ahead log {} at byte {offset}: {detail}. Acknowledged writes after this point cannot be recovered automatically; move the file aside to open without them", path.display())]
     CorruptWal {
@@ -64,6 +79,21 @@ pub enum StorageError {
     /// No memory budget for index or writer buffers.
     #[error(transparent)]
     Memory(#[from] MemoryError),
+}
+
+impl StorageError {
+    /// `self`, or [`StorageError::MissingFile`] naming `table` when `self` is an I/O error
+    /// "not found" on `path` itself (a file `table`'s manifest lists). Other errors, and a
+    /// "not found" on another path (a missing directory met while writing), are kept.
+    #[must_use]
+    pub fn or_missing_file(self, path: &Path, table: &str) -> Self {
+        match self {
+            StorageError::Io { path: p, source } if p == path && source.kind() == std::io::ErrorKind::NotFound => {
+                StorageError::MissingFile { path: p, table: table.to_owned() }
+            }
+            e => e,
+        }
+    }
 }
 
 /// What to do about data file damage only bytes from a backup undo.

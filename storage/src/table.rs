@@ -354,7 +354,8 @@ impl TableStore {
     /// # Errors
     /// [`StorageError::CorruptManifest`], [`StorageError::CorruptFile`] (a truncated or
     /// damaged data file, a deletion vector whose bytes or rows disagree with its manifest
-    /// entry), [`StorageError::Io`], [`StorageError::Memory`].
+    /// entry), [`StorageError::MissingFile`] (a file the manifest lists is not there),
+    /// [`StorageError::Io`], [`StorageError::Memory`].
     #[allow(clippy::needless_pass_by_value)] // the manifest read at open belongs to the table
     pub fn open(
         vfs: Arc<dyn Vfs>,
@@ -381,7 +382,7 @@ impl TableStore {
                 Some(name) => {
                     known.insert(name.clone());
                     let p = dir.join(name);
-                    let bytes = fs::read(&p).map_err(io(&p))?;
+                    let bytes = fs::read(&p).map_err(|e| StorageError::Io { path: p.clone(), source: e }.or_missing_file(&p, &s.name))?;
                     read_deletion_vector(&bytes, f)
                         .map_err(|detail| StorageError::CorruptFile { path: p.clone(), detail: damaged_at_open(&s.name, &detail) })?
                 }
@@ -390,7 +391,7 @@ impl TableStore {
             let path = dir.join(&f.name);
             let built = s.index_keys_of(&path, f.rows).map_err(|e| match e {
                 StorageError::CorruptFile { path, detail } => StorageError::CorruptFile { detail: damaged_at_open(&s.name, &detail), path },
-                e => e,
+                e => e.or_missing_file(&path, &s.name),
             })?;
             match built {
                 Ok(built) => s.index.install(f.id, built),

@@ -867,3 +867,63 @@ fn a_damaged_data_file_found_by_a_read_says_what_still_works_and_what_to_do() {
     assert_eq!(snapshot(&t).len(), 1_600);
     engine.close().unwrap();
 }
+
+/// A data file or deletion vector the manifest lists but that is not on disk is
+/// `StorageError::MissingFile`, naming the file and its table — at open (before, a bare "not
+/// found" I/O error), by a scan and by a compaction of a file removed while the engine runs —
+/// and the text says what that stops and what to do. Put back, everything reads again.
+#[test]
+fn a_file_the_manifest_lists_but_missing_is_missing_file_naming_it_and_its_table() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = || EngineConfig::default().memory_limit(64 << 20);
+    {
+        let engine = Engine::open(dir.path(), config()).unwrap();
+        let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
+        t.insert(&composite_batch(&(0..2_000).map(|k| ((k, 1), (Some(k), None))).collect::<Vec<_>>())).unwrap();
+        t.flush().unwrap();
+        // 50 of 2,000 rows deleted: a deletion vector, and no compaction (under 10%).
+        t.delete(&composite_keys(&(0..2_000).step_by(40).map(|k| (k, 1)).collect::<Vec<_>>())).unwrap();
+        t.flush().unwrap();
+        drop(t);
+        engine.close().unwrap();
+    }
+    let tdir = dir_of_table(dir.path(), "t");
+    let (data, dv) = (file_with_ext(&tdir, "parquet"), file_with_ext(&tdir, "dv"));
+    let aside = |p: &std::path::Path| p.with_extension("aside");
+    let check = |e: &gritdb::StorageError, file: &std::path::Path, what: &str| {
+        let gritdb::StorageError::MissingFile { path, table } = e else { panic!("{what}: expected MissingFile, got {e:?}") };
+        assert_eq!((path.as_path(), table.as_str()), (file, "t"), "{what}");
+        let msg = e.to_string();
+        for part in [
+            format!("table `t`: {} is listed in the table's manifest but missing", file.display()),
+            "Until it is back the engine does not open this data directory, and an engine already open fails the table's scans and compactions that need it (other tables are unaffected): restore the file from a backup".to_owned(),
+        ] {
+            assert!(msg.contains(&part), "{what}: {part:?} not in {msg}");
+        }
+    };
+    for (what, file) in [("deletion vector", &dv), ("data file", &data)] {
+        std::fs::rename(file, aside(file)).unwrap();
+        match Engine::open(dir.path(), config()) {
+            Err(Error::Storage(e)) => check(&e, file, what),
+            other => panic!("{what}: expected MissingFile, got {other:?}"),
+        }
+        std::fs::rename(aside(file), file).unwrap();
+    }
+    let engine = Engine::open(dir.path(), config()).unwrap();
+    let t = engine.table("t").unwrap();
+    std::fs::rename(&data, aside(&data)).unwrap();
+    match t.scan(ScanOptions::default()).unwrap().collect::<gritdb::Result<Vec<RecordBatch>>>() {
+        Err(Error::Storage(e)) => check(&e, &data, "scan"),
+        other => panic!("scan: expected MissingFile, got {:?}", other.map(|b| b.len())),
+    }
+    // A flush that compacts it (a fifth of its rows deleted) fails alike.
+    t.delete(&composite_keys(&(1..2_000).step_by(5).map(|k| (k, 1)).collect::<Vec<_>>())).unwrap();
+    match t.flush() {
+        Err(Error::Storage(e)) => check(&e, &data, "flush"),
+        other => panic!("flush: expected MissingFile, got {other:?}"),
+    }
+    std::fs::rename(aside(&data), &data).unwrap();
+    t.flush().unwrap();
+    assert_eq!(snapshot(&t).len(), 2_000 - 50 - 400);
+    engine.close().unwrap();
+}

@@ -184,8 +184,8 @@ fn table_with_a_deletion_vector(dir: &Path) -> (PathBuf, Vec<u32>) {
 /// more positions than the file has rows (before: `live_rows` computed `1000 - 1500`, a panic
 /// with overflow checks and a wrapped `file_rows` without), a position past the file's rows,
 /// one position fewer (before: a deleted row came back, silently), one more. The untouched
-/// vector opens with the 950 live rows; a truncated or missing one stays the typed error it
-/// was.
+/// vector opens with the 950 live rows; a truncated one stays the typed error it was, a
+/// missing one is `MissingFile` naming it and its table.
 #[test]
 fn a_deletion_vector_that_disagrees_with_its_manifest_is_corrupt_at_open() {
     let src = tempfile::tempdir().unwrap();
@@ -222,7 +222,7 @@ fn a_deletion_vector_that_disagrees_with_its_manifest_is_corrupt_at_open() {
             Ok(format!("opened: file_rows {}, rows scanned {}", stats.file_rows, kv_rows(&t).len()))
         }));
         match (what, opened) {
-            ("missing", Ok(Err(Error::Storage(StorageError::Io { path: p, .. })))) if p == path => {}
+            ("missing", Ok(Err(Error::Storage(StorageError::MissingFile { path: p, table })))) if p == path && table == "t" => {}
             (_, Ok(Err(Error::Storage(StorageError::CorruptFile { path: p, .. })))) if p == path => {}
             (_, Ok(other)) => wrong.push(format!("{what}: {other:?}")),
             (_, Err(p)) => wrong.push(format!("{what}: panicked: {}", panic_text(&*p))),

@@ -191,7 +191,7 @@ impl Manifest {
 }
 
 /// Where the docs show how to reseal a hand-edited manifest, for error texts.
-const RESEAL_DOC: &str = "docs/architecture.md, section \"On disk\"";
+const RESEAL_DOC: &str = "docs/architecture.md, \"Resealing a hand-edited manifest\"";
 
 /// Why a manifest of `format` (2 or later) whose bytes do not start with the checksum line is
 /// refused: the key missing altogether, or present but not where the format puts it (the

@@ -715,6 +715,23 @@ fn a_flipped_bit_in_a_manifest_or_deletion_vector_is_an_error_not_a_changed_tabl
     }
 }
 
+/// `max_row_bytes` above `u32::MAX` is refused at open (a row's lengths and offsets are `u32`
+/// in the row format, and would wrap for a longer row), before anything is created on disk;
+/// `u32::MAX` itself opens.
+#[test]
+fn max_row_bytes_above_u32_max_is_refused_at_open() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("db");
+    let limit = u32::MAX as usize;
+    match Engine::open(&dir, EngineConfig::default().memory_limit(64 << 20).max_row_bytes(limit + 1)) {
+        Err(Error::Config(m)) => assert_eq!(m, "max_row_bytes = 4294967296: at most 4294967295 (u32::MAX; a row's lengths and offsets are u32 in the row format)"),
+        other => panic!("{other:?}"),
+    }
+    assert!(!dir.exists());
+    let engine = Engine::open(&dir, EngineConfig::default().memory_limit(64 << 20).max_row_bytes(limit)).unwrap();
+    engine.close().unwrap();
+}
+
 /// Runs `work` on a thread with a stack of `bytes` (scoped: it may borrow).
 fn on_stack<T: Send>(bytes: usize, work: impl FnOnce() -> T + Send) -> T {
     std::thread::scope(|s| std::thread::Builder::new().stack_size(bytes).spawn_scoped(s, work).unwrap().join().unwrap())

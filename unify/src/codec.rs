@@ -140,6 +140,12 @@ fn check_type_depth(column: &str, t: &DataType) -> Result<(), UnifyError> {
     Ok(())
 }
 
+/// Largest row the row format can hold, and so the largest `max_row_bytes` a [`RowCodec`]
+/// takes (a larger one is taken as this): a row's key length and the end offsets of its
+/// variable-length values are `u32`s in the row, and so is a row's length in its row block
+/// ([`gritdb_memctl::MAX_ROW_LEN`]). A larger row would wrap them silently.
+pub const MAX_ROW_BYTES: usize = gritdb_memctl::MAX_ROW_LEN;
+
 /// Whether a `Decimal128(precision, scale)` column can be stored: precision 1..=38
 /// ([`arrow_schema::DECIMAL128_MAX_PRECISION`]) and scale 0..=precision.
 fn decimal128_storable(precision: u8, scale: i8) -> bool {
@@ -255,7 +261,8 @@ pub struct RowCodec {
 
 impl RowCodec {
     /// A codec for `schema` with primary-key columns `key_columns` (indices), refusing rows
-    /// that encode to more than `max_row_bytes`.
+    /// that encode to more than `max_row_bytes` (at most [`MAX_ROW_BYTES`]: a larger value is
+    /// taken as that).
     ///
     /// # Errors
     /// [`UnifyError::UnsupportedType`] for a column type outside the supported list;
@@ -264,6 +271,7 @@ impl RowCodec {
         for f in schema.fields() {
             check_type_depth(f.name(), f.data_type())?;
         }
+        let max_row_bytes = max_row_bytes.min(MAX_ROW_BYTES);
         let mut kinds = Vec::with_capacity(schema.fields().len());
         let mut slot_offsets = Vec::with_capacity(schema.fields().len());
         let bitmap_len = schema.fields().len().div_ceil(8);
@@ -949,5 +957,15 @@ mod tests {
         assert_eq!(validated.0, Err(want.to_owned()));
         assert_eq!(validated.1, Err(want.to_owned()));
         on_stack(256 << 20, move || drop(deep));
+    }
+
+    /// `max_row_bytes` above what the row format's `u32` lengths hold is taken as that
+    /// maximum, so no accepted row can wrap a length or offset.
+    #[test]
+    fn max_row_bytes_is_capped_at_u32_max() {
+        let s: SchemaRef = Arc::new(arrow_schema::Schema::new(vec![Field::new("k", DataType::Int64, false)]));
+        assert_eq!(RowCodec::new(Arc::clone(&s), &[0], usize::MAX).expect("codec").max_row_bytes, u32::MAX as usize);
+        assert_eq!(RowCodec::new(s, &[0], 1 << 20).expect("codec").max_row_bytes, 1 << 20);
+        assert_eq!(MAX_ROW_BYTES, u32::MAX as usize);
     }
 }

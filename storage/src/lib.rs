@@ -33,7 +33,7 @@ mod write;
 pub use bytes::batch_bytes;
 pub use compact::{CompactionOptions, CompactionPlan};
 pub use error::StorageError;
-pub use filter::{BoundFilter, CompareOp, FilePlan, FilterError, ScanCounters, ScanFilter, ScanMetrics, filter_batch, keep_rows};
+pub use filter::{BoundFilter, CompareOp, FilePlan, FilterError, MAX_FILTER_DEPTH, ScanCounters, ScanFilter, ScanMetrics, filter_batch, keep_rows};
 pub use index::{FileKeys, KeyIndex, Loc};
 pub use manifest::{FileMeta, MANIFEST_CHECKSUM_KEY, MANIFEST_FILE, Manifest};
 pub use table::{CommitPlan, FileGuard, FileScan, PutKeyEncoder, PutKeys, ScanSource, Staged, TableStore};

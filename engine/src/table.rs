@@ -374,6 +374,13 @@ impl TableInner {
                     todo.extend(part.halves());
                     continue;
                 }
+                // More rows than one data file can hold (`u32` row numbers): each half of the
+                // keys goes into a file of its own.
+                Err(Error::Storage(gritdb_storage::StorageError::FileTooLarge { rows, .. })) if part.modulus < MAX_FLUSH_PARTS => {
+                    tracing::info!(table = %self.name, rows, parts = part.modulus * 2, "flush: more rows than one data file holds; writing the delta as several files");
+                    todo.extend(part.halves());
+                    continue;
+                }
                 other => other?,
             };
             let last = todo.is_empty();

@@ -34,7 +34,7 @@ pub use bytes::batch_bytes;
 pub use compact::{CompactionOptions, CompactionPlan};
 pub use error::StorageError;
 pub use filter::{BoundFilter, CompareOp, FilePlan, FilterError, MAX_FILTER_DEPTH, ScanCounters, ScanFilter, ScanMetrics, filter_batch, keep_rows};
-pub use index::{FileKeys, KeyIndex, Loc};
+pub use index::{FileKeys, KeyIndex, Loc, MAX_FILE_ROWS};
 pub use manifest::{FileMeta, MANIFEST_CHECKSUM_KEY, MANIFEST_FILE, Manifest};
 pub use table::{CommitPlan, FileGuard, FileScan, PutKeyEncoder, PutKeys, ScanSource, Staged, TableStore};
 pub use vfs::{FaultFs, FsOp, StdFs, Vfs, VfsFile, rename_may_have_happened};

@@ -755,7 +755,14 @@ impl Engine {
                     need += sizes[at + len];
                     len += 1;
                 }
-                let part = WalRecord { op: rec.op, table: rec.table, first_seq: seq, last_seq: rec.last_seq, batch: rec.batch.slice(at, len) };
+                let part = WalRecord {
+                    op: rec.op,
+                    table: rec.table,
+                    first_seq: seq,
+                    last_seq: rec.last_seq,
+                    batch: rec.batch.slice(at, len),
+                    position: rec.position.clone(),
+                };
                 // Replay keeps the flush headroom free, as writes do (backpressure): when the
                 // slice would take memory past the write soft limit, the largest tables'
                 // deltas are flushed inline first. Else a log written under a larger limit

@@ -790,6 +790,11 @@ mod tests {
         words.sort();
         let rows = conv.convert_columns(&[Arc::new(StringArray::from(words.clone())) as ArrayRef]).expect("enc");
         idx.add_file(7, std::slice::from_ref(&rows)).expect("budget").expect("sorted");
+        // Accounting: 10 bytes of arrow-row encoding per 6-character key (a sentinel and one
+        // 8-byte mini block with its continuation byte), a 4-byte end offset (no high-bit
+        // steps below 4 GiB), and 5,000 bloom bits in 64-byte blocks (10).
+        assert_eq!(rows.iter().map(|r| r.as_ref().len()).collect::<std::collections::BTreeSet<_>>(), [10].into());
+        assert_eq!(idx.bytes(), 500 * (10 + 4) + 10 * 64);
         for (i, r) in rows.iter().enumerate() {
             assert_eq!(idx.find(r.as_ref(), |_| false), Some(Loc { file: 7, row: i as u32 }));
         }

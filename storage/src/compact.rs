@@ -250,7 +250,8 @@ impl TableStore {
                 }
             }
         }
-        if inputs.is_empty() || (inputs.len() == 1 && worst.is_none()) {
+        // No file id left (see `TableStore::stage_keyed`): no compaction.
+        if inputs.is_empty() || (inputs.len() == 1 && worst.is_none()) || self.next_file_id == u32::MAX {
             return None;
         }
         let new_id = self.next_file_id;

@@ -52,6 +52,14 @@ pub enum StorageError {
         /// [`crate::MAX_FILE_ROWS`].
         max_rows: u64,
     },
+    /// The table has used every data file id (`u32`; one per flush and compaction, never
+    /// reused): a flush that would write a file is refused rather than wrap onto a live file's
+    /// id and name. Export the table and load it into a new one.
+    #[error("table `{table}` has used all {} data file ids; export it (Table::export_parquet) and load it into a new table", u32::MAX - 1)]
+    FileIdsExhausted {
+        /// The table.
+        table: String,
+    },
     /// Parquet encoding or decoding failed.
     #[error("parquet error: {0}")]
     Parquet(#[from] ParquetError),

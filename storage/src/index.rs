@@ -870,7 +870,7 @@ mod tests {
         let b = idx.builder();
         assert!(matches!(
             b.start(MAX_FILE_ROWS + 1).map(|_| ()),
-            Err(StorageError::FileTooLarge { rows, max_rows }) if rows == 1 << 32 && max_rows == u32::MAX as u64
+            Err(StorageError::FileTooLarge { rows, max_rows }) if rows == 1 << 32 && max_rows == u64::from(u32::MAX)
         ));
         assert_eq!(ctl.used(), 0);
         assert!(matches!(b.start(MAX_FILE_ROWS).map(|_| ()), Err(StorageError::Memory(_))));

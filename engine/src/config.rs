@@ -10,7 +10,9 @@ pub struct EngineConfig {
     /// Chunk size of row blocks in bytes (power of two, 4 KiB..=64 MiB). Default 64 KiB.
     pub chunk_size: usize,
     /// Largest encoded row accepted, in bytes. Rows above a chunk but under this get a
-    /// dedicated (counted) allocation. Default 16 MiB. A write with a row above it is
+    /// dedicated (counted) allocation. Default 16 MiB; at most `u32::MAX` bytes (a row's
+    /// lengths and offsets are `u32`s in the row format: more is [`crate::Error::Config`] at
+    /// open). A write with a row above it is
     /// `Error::Input(UnifyError::RowTooLarge)` at any memory limit, checked before the write
     /// asks for memory (nothing is applied).
     pub max_row_bytes: usize,

@@ -579,6 +579,16 @@ impl Engine {
         if config.max_row_bytes == 0 {
             return Err(Error::Config("max_row_bytes must be positive".into()));
         }
+        // The row format stores a row's lengths and offsets as `u32`s: a larger row would
+        // wrap them (the codec takes a larger maximum as this one; refused here so the
+        // setting is never silently lowered).
+        if config.max_row_bytes > gritdb_unify::MAX_ROW_BYTES {
+            return Err(Error::Config(format!(
+                "max_row_bytes = {}: at most {} (u32::MAX; a row's lengths and offsets are u32 in the row format)",
+                config.max_row_bytes,
+                gritdb_unify::MAX_ROW_BYTES
+            )));
+        }
         for (name, n) in [
             ("writer_threads", config.writer_threads),
             ("flush_threads", config.flush_threads),
@@ -745,7 +755,14 @@ impl Engine {
                     need += sizes[at + len];
                     len += 1;
                 }
-                let part = WalRecord { op: rec.op, table: rec.table, first_seq: seq, last_seq: rec.last_seq, batch: rec.batch.slice(at, len) };
+                let part = WalRecord {
+                    op: rec.op,
+                    table: rec.table,
+                    first_seq: seq,
+                    last_seq: rec.last_seq,
+                    batch: rec.batch.slice(at, len),
+                    position: rec.position.clone(),
+                };
                 // Replay keeps the flush headroom free, as writes do (backpressure): when the
                 // slice would take memory past the write soft limit, the largest tables'
                 // deltas are flushed inline first. Else a log written under a larger limit

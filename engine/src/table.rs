@@ -227,23 +227,32 @@ impl TableInner {
     ///
     /// Returns the sequence numbers the record used: its rows for a put, its applied deletes
     /// (keys that existed) for a delete — so the caller can replay a record in slices.
+    ///
+    /// A record that does not fit the table — columns, types, nulls or values it refuses, or a
+    /// row above this engine's `max_row_bytes` — is [`gritdb_storage::StorageError::CorruptWal`]
+    /// naming the record's segment and offset ([`Self::unreplayable`]); memory and I/O errors
+    /// of the flushes it causes stay what they are.
     pub(crate) fn replay(&self, rec: &WalRecord) -> Result<u64> {
         for attempt in 0..2 {
             let res = {
                 let mut g = self.state()?;
                 let Some(st) = g.as_mut() else { return Ok(0) };
+                let bad = |e: Error| self.unreplayable(rec, &e);
                 let res = match rec.op {
                     WalOp::Put => {
                         // Records log view columns as offset columns: back to the table's types.
-                        let batch = rec.batch_as(self.codec.schema())?;
-                        self.codec.validate(&batch)?;
-                        let keys = self.codec.keys().encode_batch(&batch)?;
-                        st.active.apply_puts(&batch, &keys, rec.first_seq, || Ok::<(), Error>(())).map(|()| batch.num_rows() as u64)
+                        let batch = rec.batch_as(self.codec.schema()).map_err(|e| bad(e.into()))?;
+                        self.codec.validate(&batch).map_err(|e| bad(e.into()))?;
+                        let keys = self.codec.keys().encode_batch(&batch).map_err(|e| bad(e.into()))?;
+                        st.active
+                            .apply_puts(&batch, &keys, rec.first_seq, || Ok::<(), Error>(()))
+                            .map(|()| batch.num_rows() as u64)
+                            .map_err(|e| if matches!(e, Error::Input(gritdb_unify::UnifyError::RowTooLarge { .. })) { bad(e) } else { e })
                     }
                     WalOp::Delete => {
-                        let batch = rec.batch_as(&st.active.key_schema())?;
-                        self.codec.validate_keys(&batch)?;
-                        let keys = self.codec.keys().encode_key_columns(batch.columns())?;
+                        let batch = rec.batch_as(&st.active.key_schema()).map_err(|e| bad(e.into()))?;
+                        self.codec.validate_keys(&batch).map_err(|e| bad(e.into()))?;
+                        let keys = self.codec.keys().encode_key_columns(batch.columns()).map_err(|e| bad(e.into()))?;
                         let hashes = gritdb_unify::hash_keys(&keys);
                         let items: Vec<(usize, bool)> = unique_rows(&keys, &hashes)
                             .into_iter()
@@ -275,6 +284,26 @@ impl TableInner {
             }
         }
         Ok(0)
+    }
+
+    /// The error for a WAL record of this table that cannot be replayed into it: the log's
+    /// `CorruptWal` naming the record's segment and offset, with `e` (what the table refused)
+    /// as the detail. Before, a record whose column name or type was damaged under a valid
+    /// checksum surfaced at `Engine::open` as a bare `SchemaMismatch`, naming no file.
+    fn unreplayable(&self, rec: &WalRecord, e: &Error) -> Error {
+        let what = match rec.op {
+            WalOp::Put => "put",
+            WalOp::Delete => "delete",
+        };
+        let hint = if matches!(e, Error::Input(gritdb_unify::UnifyError::RowTooLarge { .. })) {
+            " (the record was written with a larger EngineConfig::max_row_bytes: reopen with one at least this large to replay it)"
+        } else {
+            ""
+        };
+        Error::Storage(rec.position.corrupt(format!(
+            "{what} record of table `{}` (id {}, sequence numbers {}..={}) cannot be replayed into the table: {e}{hint}",
+            self.name, rec.table, rec.first_seq, rec.last_seq
+        )))
     }
 
     /// Seals the active delta and flushes every sealed delta, on the caller's thread
@@ -371,6 +400,13 @@ impl TableInner {
             let (keyed, batches) = match converted {
                 Err(e) if e.is_memory_limit() && part.modulus < MAX_FLUSH_PARTS => {
                     tracing::info!(table = %self.name, parts = part.modulus * 2, "flush: no memory to convert the delta at once; converting it in parts");
+                    todo.extend(part.halves());
+                    continue;
+                }
+                // More rows than one data file can hold (`u32` row numbers): each half of the
+                // keys goes into a file of its own.
+                Err(Error::Storage(gritdb_storage::StorageError::FileTooLarge { rows, .. })) if part.modulus < MAX_FLUSH_PARTS => {
+                    tracing::info!(table = %self.name, rows, parts = part.modulus * 2, "flush: more rows than one data file holds; writing the delta as several files");
                     todo.extend(part.halves());
                     continue;
                 }

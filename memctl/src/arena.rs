@@ -32,6 +32,19 @@ pub struct RowAt {
     offset: u32,
 }
 
+/// Longest row a [`RowArena`] holds: a row's offset in its block and its length are `u32`s in
+/// [`RowRef`] (12 bytes a row in the delta store's key map), so a longer one would wrap.
+/// [`RowArena::alloc`] and [`RowArena::prepare`] refuse longer rows with
+/// [`MemoryError::RowTooLong`].
+pub const MAX_ROW_LEN: usize = u32::MAX as usize;
+
+fn check_row_len(len: usize) -> Result<(), MemoryError> {
+    if len > MAX_ROW_LEN {
+        return Err(MemoryError::RowTooLong { bytes: len, max: MAX_ROW_LEN });
+    }
+    Ok(())
+}
+
 impl RowAt {
     /// The row starting here, `len` bytes long. `len` must be the length the row was
     /// allocated with: [`RowArena::get`] of a longer one panics past its block's end, or
@@ -199,6 +212,7 @@ impl RowArena {
         let mut oversize = 0usize;
         let mut oversize_rows = 0usize;
         for len in sizes {
+            check_row_len(len)?;
             if len > chunk {
                 oversize += len;
                 oversize_rows += 1;
@@ -342,6 +356,8 @@ impl RowArena {
     /// dedicated allocation for a row larger than a chunk.
     #[inline(never)]
     fn alloc_slow(&mut self, len: usize) -> Result<(RowRef, &mut [u8]), MemoryError> {
+        // Only here: a row in the active chunk (the fast path) is shorter than a chunk.
+        check_row_len(len)?;
         self.reserve_blocks(1)?;
         let id = if len > self.ctl.chunk_size() {
             if self.prepaid_oversize >= len {
@@ -554,5 +570,25 @@ mod tests {
         // Sorting sorted rows changes nothing.
         RowAt::sort_within_blocks(&mut rows);
         assert_eq!(rows, expected);
+    }
+
+    /// A row longer than `u32::MAX` bytes is refused before anything is budgeted or
+    /// allocated (its offset and length in `RowRef` would wrap): by `alloc` and by `prepare`,
+    /// and the arena holds nothing afterwards. One byte less is not refused by the length
+    /// check (it fails on the 1 MiB limit instead).
+    #[test]
+    fn rows_longer_than_u32_max_are_refused_typed() {
+        use super::{MAX_ROW_LEN, RowArena};
+        use crate::{ControllerConfig, MemoryController, MemoryError};
+        let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(1 << 20), ..ControllerConfig::default() }).expect("config");
+        let mut arena = RowArena::new(&ctl, None);
+        let too_long = u32::MAX as usize + 1;
+        assert_eq!(MAX_ROW_LEN, u32::MAX as usize);
+        assert_eq!(arena.alloc(too_long).map(|_| ()), Err(MemoryError::RowTooLong { bytes: too_long, max: MAX_ROW_LEN }));
+        assert_eq!(arena.prepare([10, too_long]), Err(MemoryError::RowTooLong { bytes: too_long, max: MAX_ROW_LEN }));
+        assert_eq!(arena.bytes(), 0);
+        assert_eq!(ctl.used(), 0);
+        assert!(matches!(arena.alloc(MAX_ROW_LEN).map(|_| ()), Err(MemoryError::Limit { requested, .. }) if requested == MAX_ROW_LEN));
+        assert!(matches!(arena.prepare([MAX_ROW_LEN]), Err(MemoryError::Limit { .. })));
     }
 }

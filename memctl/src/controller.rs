@@ -79,6 +79,15 @@ pub enum MemoryError {
     /// A configuration value is out of range.
     #[error("invalid memory configuration: {0}")]
     Config(String),
+    /// A row longer than [`crate::MAX_ROW_LEN`] was asked of a [`crate::RowArena`]: a row's
+    /// offset and length are `u32`s in its [`crate::RowRef`], and would wrap.
+    #[error("a row of {bytes} bytes is longer than the {max} bytes a row block can hold")]
+    RowTooLong {
+        /// Bytes asked for.
+        bytes: usize,
+        /// [`crate::MAX_ROW_LEN`].
+        max: usize,
+    },
     /// A failure injected by the `fault-injection` test hook.
     #[error("injected allocation failure (fault-injection hook) for {category}")]
     Injected {

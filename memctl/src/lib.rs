@@ -117,7 +117,7 @@ mod process;
 mod report;
 mod spin;
 
-pub use arena::{ArenaMark, RowArena, RowAt, RowRef};
+pub use arena::{ArenaMark, MAX_ROW_LEN, RowArena, RowAt, RowRef};
 pub use batch::BatchBlock;
 pub use category::Category;
 pub use controller::{

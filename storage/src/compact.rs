@@ -41,7 +41,8 @@ pub struct CompactionOptions {
     pub small_file_rows: u64,
     /// Small files are merged once there are this many. Default 4.
     pub small_files_trigger: usize,
-    /// Largest number of live rows one compaction rewrites (bounds its memory). Default 1 Mi.
+    /// Largest number of live rows one compaction rewrites (bounds its memory). Default 1 Mi;
+    /// at most [`crate::MAX_FILE_ROWS`] (a larger value is taken as that).
     pub max_rows: u64,
 }
 
@@ -127,6 +128,8 @@ impl CompactionPlan {
         held.try_grow(all.num_rows() * 32)?;
         let keys = encode_keys(&conv, &all, &self.key_cols)?;
         held.try_resize(all.get_array_memory_size() + keys.size())?;
+        // Row numbers are `u32`s here (the `take` indices) and in the file's key set.
+        crate::index::check_file_rows(all.num_rows())?;
         let mut order: Vec<u32> = (0..all.num_rows() as u32).collect();
         order.sort_unstable_by(|a, b| keys.row(*a as usize).cmp(&keys.row(*b as usize)));
         held.try_grow(all.get_array_memory_size() + keys.size())?;
@@ -211,13 +214,15 @@ impl TableStore {
         if !self.staged.is_empty() {
             return None;
         }
+        // The output is one data file: never more rows than a file can hold.
+        let max_rows = opts.max_rows.min(crate::MAX_FILE_ROWS as u64);
         let live = |f: &DataFile| f.meta.rows - f.dv_live.len();
         let committed: Vec<&DataFile> = self.files.values().filter(|f| f.pending.is_none()).collect();
         let mut inputs: Vec<u32> = Vec::new();
         let worst = committed
             .iter()
             .filter(|f| {
-                f.meta.rows > 0 && live(f) <= opts.max_rows && f.dv_live.len() as f64 >= opts.deleted_fraction * f.meta.rows as f64
+                f.meta.rows > 0 && live(f) <= max_rows && f.dv_live.len() as f64 >= opts.deleted_fraction * f.meta.rows as f64
             })
             .max_by(|a, b| {
                 let fa = a.dv_live.len() as f64 / a.meta.rows as f64;
@@ -244,7 +249,7 @@ impl TableStore {
                 total = 0;
             }
             for f in small {
-                if total + live(f) > opts.max_rows || bytes + f.meta.bytes > budget {
+                if total + live(f) > max_rows || bytes + f.meta.bytes > budget {
                     break;
                 }
                 total += live(f);
@@ -258,7 +263,8 @@ impl TableStore {
                 }
             }
         }
-        if inputs.is_empty() || (inputs.len() == 1 && worst.is_none()) {
+        // No file id left (see `TableStore::stage_keyed`): no compaction.
+        if inputs.is_empty() || (inputs.len() == 1 && worst.is_none()) || self.next_file_id == u32::MAX {
             return None;
         }
         let new_id = self.next_file_id;

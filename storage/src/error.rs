@@ -70,6 +70,24 @@ pub enum StorageError {
         /// What is wrong.
         detail: String,
     },
+    /// A data file would hold more rows than a file can ([`crate::MAX_FILE_ROWS`]: a key's
+    /// row and the rows of a deletion vector are `u32`s). Refused before anything is written;
+    /// the engine's flush then writes the rows as several files.
+    #[error("a data file of {rows} rows is more than the {max_rows} rows a file can hold")]
+    FileTooLarge {
+        /// Rows the file would hold.
+        rows: u64,
+        /// [`crate::MAX_FILE_ROWS`].
+        max_rows: u64,
+    },
+    /// The table has used every data file id (`u32`; one per flush and compaction, never
+    /// reused): a flush that would write a file is refused rather than wrap onto a live file's
+    /// id and name. Export the table and load it into a new one.
+    #[error("table `{table}` has used all {} data file ids; export it (Table::export_parquet) and load it into a new table", u32::MAX - 1)]
+    FileIdsExhausted {
+        /// The table.
+        table: String,
+    },
     /// Parquet encoding or decoding failed.
     #[error("parquet error: {0}")]
     Parquet(#[from] ParquetError),

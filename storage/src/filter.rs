@@ -13,6 +13,13 @@
 //! when its statistics prove that no row in it can make the predicate true. Float columns
 //! are not pruned by statistics (Parquet's float statistics leave out `NaN` and blur the sign
 //! of zero, which the total order distinguishes); they are filtered row by row.
+//!
+//! Nesting is bounded: a filter nested more than [`MAX_FILTER_DEPTH`] levels deep is refused
+//! by [`ScanFilter::bind`] ([`FilterError::TooDeep`]), measured without recursion before any
+//! recursive walk, because binding, evaluation and pruning recurse once per level (a filter
+//! nested 100,000 deep overflowed the stack and aborted the process). Dropping, cloning and
+//! formatting a filter of any depth are safe too: drop and clone walk the tree with a heap
+//! stack, and `Display` / `Debug` stop at that depth.
 
 use arrow_array::{Array, ArrayRef, BooleanArray, RecordBatch, Scalar, UInt64Array, new_empty_array};
 use arrow_buffer::BooleanBuffer;
@@ -70,7 +77,9 @@ impl std::fmt::Display for CompareOp {
 /// ]);
 /// assert_eq!(f.to_string(), "(id >= 100 AND name IS NOT NULL)");
 /// ```
-#[derive(Debug, Clone)]
+///
+/// At most [`MAX_FILTER_DEPTH`] levels of nesting bind ([`FilterError::TooDeep`] beyond);
+/// `And` and `Or` take any number of parts, so a long chain of one operator is one level.
 #[non_exhaustive]
 pub enum ScanFilter {
     /// `column <op> value`. `value` is a one-element Arrow array (the literal). Its type must
@@ -94,6 +103,127 @@ pub enum ScanFilter {
     And(Vec<ScanFilter>),
     /// True when some part is true (an empty list is false).
     Or(Vec<ScanFilter>),
+}
+
+/// Deepest [`ScanFilter`] nesting [`ScanFilter::bind`] accepts: a leaf is depth 1, an `And` or
+/// `Or` one more than its deepest part.
+///
+/// Why 128: binding, evaluating and pruning a filter recurse once per level, about 1.0, 0.4
+/// and 1.3 KiB of stack a level in the `ci` profile (measured: a filter 256 deep needed 267,
+/// 107 and 327 KiB; one 128 deep 139, 59 and 171 KiB), and a scan runs on whatever thread
+/// the caller has — a spawned thread or a tokio worker gets 2 MiB by default, and a SQL
+/// query's operators already use some of it. 128 levels stay under a tenth of that in the
+/// `ci` profile, leaving room for unoptimised builds, whose frames are several times larger
+/// (`filter::depth_tests::a_filter_at_the_limit_runs_in_512_kib_of_stack`). Real predicates
+/// are wide, not deep: `And` / `Or` take any number of parts (`a = 1 OR a = 2 OR ...` is one
+/// level however long, and the SQL translation flattens chains of one operator the same
+/// way), so only alternations of AND and OR nest. (`DuckDB`'s `max_expression_depth`
+/// defaults to 1,000 for the same purpose, with a larger stack; sqlparser's recursion limit
+/// is 50.)
+pub const MAX_FILTER_DEPTH: usize = 128;
+
+impl ScanFilter {
+    /// Nesting depth: 1 for a comparison or null test, one more than the deepest part for
+    /// `And` / `Or` (an empty one counts as a leaf). Computed with a heap stack, not recursion,
+    /// so it is safe on a filter of any depth.
+    pub fn depth(&self) -> usize {
+        let mut deepest = 0;
+        let mut todo = vec![(self, 1usize)];
+        while let Some((f, d)) = todo.pop() {
+            deepest = deepest.max(d);
+            if let Self::And(parts) | Self::Or(parts) = f {
+                todo.extend(parts.iter().map(|p| (p, d + 1)));
+            }
+        }
+        deepest
+    }
+
+    /// `column <op> value`, `column IS NULL` or `column IS NOT NULL` copied; `None` for
+    /// `And` / `Or`.
+    fn clone_leaf(&self) -> Option<Self> {
+        Some(match self {
+            Self::Compare { column, op, value } => Self::Compare { column: column.clone(), op: *op, value: Arc::clone(value) },
+            Self::IsNull(c) => Self::IsNull(c.clone()),
+            Self::IsNotNull(c) => Self::IsNotNull(c.clone()),
+            Self::And(_) | Self::Or(_) => return None,
+        })
+    }
+}
+
+/// Drops the parts with a heap stack: the derived drop recursed once per level, and a filter
+/// nested 1,000,000 deep overflowed an 8 MiB stack being dropped.
+impl Drop for ScanFilter {
+    fn drop(&mut self) {
+        let mut todo = match self {
+            Self::And(parts) | Self::Or(parts) if !parts.is_empty() => std::mem::take(parts),
+            _ => return,
+        };
+        while let Some(mut f) = todo.pop() {
+            if let Self::And(parts) | Self::Or(parts) = &mut f {
+                todo.append(parts);
+            }
+            // `f` drops here with no parts left: no recursion.
+        }
+    }
+}
+
+/// Copies with a heap stack (see [`Drop`]): a derived clone recursed once per level.
+impl Clone for ScanFilter {
+    fn clone(&self) -> Self {
+        enum Step<'a> {
+            Visit(&'a ScanFilter),
+            /// Gather the last `n` copies into an `And` (true) or `Or` (false).
+            Build(bool, usize),
+        }
+        let mut todo = vec![Step::Visit(self)];
+        let mut done: Vec<ScanFilter> = Vec::new();
+        while let Some(step) = todo.pop() {
+            match step {
+                Step::Visit(f) => match f {
+                    Self::And(parts) | Self::Or(parts) => {
+                        todo.push(Step::Build(matches!(f, Self::And(_)), parts.len()));
+                        // Reversed onto the stack: the first part is copied first.
+                        todo.extend(parts.iter().rev().map(Step::Visit));
+                    }
+                    leaf => done.extend(leaf.clone_leaf()),
+                },
+                Step::Build(and, n) => {
+                    let parts = done.split_off(done.len() - n);
+                    done.push(if and { Self::And(parts) } else { Self::Or(parts) });
+                }
+            }
+        }
+        done.pop().expect("the root's copy") // infallible: every visit leaves one copy
+    }
+}
+
+/// The variants' fields, as a derived `Debug` shows them, down to [`MAX_FILTER_DEPTH`] levels
+/// (deeper parts show as `..`): a derived `Debug` recursed once per level without bound.
+impl std::fmt::Debug for ScanFilter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        struct At<'a>(&'a ScanFilter, usize);
+        impl std::fmt::Debug for At<'_> {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                let At(filter, depth) = *self;
+                match filter {
+                    ScanFilter::Compare { column, op, value } => {
+                        f.debug_struct("Compare").field("column", column).field("op", op).field("value", value).finish()
+                    }
+                    ScanFilter::IsNull(c) => f.debug_tuple("IsNull").field(c).finish(),
+                    ScanFilter::IsNotNull(c) => f.debug_tuple("IsNotNull").field(c).finish(),
+                    ScanFilter::And(parts) | ScanFilter::Or(parts) => {
+                        let name = if matches!(filter, ScanFilter::And(_)) { "And" } else { "Or" };
+                        if depth >= MAX_FILTER_DEPTH && !parts.is_empty() {
+                            return write!(f, "{name}([..])");
+                        }
+                        let list: Vec<At<'_>> = parts.iter().map(|p| At(p, depth + 1)).collect();
+                        f.debug_tuple(name).field(&list).finish()
+                    }
+                }
+            }
+        }
+        At(self, 1).fmt(f)
+    }
 }
 
 impl ScanFilter {
@@ -128,8 +258,14 @@ impl ScanFilter {
     /// [`FilterError::ColumnNotFound`] for a column not in `schema`;
     /// [`FilterError::NotComparable`] for a literal that is not one element, or whose type
     /// cannot be compared with the column's (see [`ScanFilter::Compare`]), or a column type
-    /// that has no ordering (nested types).
+    /// that has no ordering (nested types); [`FilterError::TooDeep`] for a filter nested more
+    /// than [`MAX_FILTER_DEPTH`] levels (checked first, without recursion).
     pub fn bind(&self, schema: &Schema) -> Result<BoundFilter, FilterError> {
+        // Every walk below recurses once per level: the depth is measured first, iteratively.
+        let depth = self.depth();
+        if depth > MAX_FILTER_DEPTH {
+            return Err(FilterError::TooDeep { depth, limit: MAX_FILTER_DEPTH });
+        }
         let expr = bind(self, schema)?;
         let mut columns = Vec::new();
         expr.columns(&mut columns);
@@ -146,7 +282,8 @@ impl ScanFilter {
 /// displayed shows as `?`.
 fn value_text(value: &ArrayRef) -> String {
     use arrow_cast::display::{ArrayFormatter, FormatOptions};
-    if value.len() != 1 {
+    // arrow-cast's formatter of a nested type recurses once per level.
+    if value.len() != 1 || type_depth(value.data_type()) > MAX_LITERAL_TYPE_DEPTH {
         return "?".to_owned();
     }
     let opts = FormatOptions::default().with_null("NULL");
@@ -165,36 +302,44 @@ fn value_text(value: &ArrayRef) -> String {
     "?".to_owned()
 }
 
+/// SQL-like text, e.g. `(id >= 100 AND name IS NOT NULL)`, down to [`MAX_FILTER_DEPTH`]
+/// levels: deeper parts show as `(...)`, so formatting a filter of any depth is safe.
 impl std::fmt::Display for ScanFilter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let list = |f: &mut std::fmt::Formatter<'_>, parts: &[ScanFilter], sep: &str, empty: &str| {
-            if parts.is_empty() {
-                return f.write_str(empty);
-            }
-            f.write_str("(")?;
-            for (i, p) in parts.iter().enumerate() {
-                if i > 0 {
-                    write!(f, " {sep} ")?;
+        fn write(filter: &ScanFilter, f: &mut std::fmt::Formatter<'_>, depth: usize) -> std::fmt::Result {
+            let list = |f: &mut std::fmt::Formatter<'_>, parts: &[ScanFilter], sep: &str, empty: &str| {
+                if parts.is_empty() {
+                    return f.write_str(empty);
                 }
-                write!(f, "{p}")?;
+                if depth >= MAX_FILTER_DEPTH {
+                    return f.write_str("(...)");
+                }
+                f.write_str("(")?;
+                for (i, p) in parts.iter().enumerate() {
+                    if i > 0 {
+                        write!(f, " {sep} ")?;
+                    }
+                    write(p, f, depth + 1)?;
+                }
+                f.write_str(")")
+            };
+            match filter {
+                ScanFilter::Compare { column, op, value } => {
+                    let v = value_text(value);
+                    let v = if matches!(value.data_type(), DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View) && value.is_valid(0) {
+                        format!("'{v}'")
+                    } else {
+                        v
+                    };
+                    write!(f, "{column} {op} {v}")
+                }
+                ScanFilter::IsNull(c) => write!(f, "{c} IS NULL"),
+                ScanFilter::IsNotNull(c) => write!(f, "{c} IS NOT NULL"),
+                ScanFilter::And(p) => list(f, p, "AND", "TRUE"),
+                ScanFilter::Or(p) => list(f, p, "OR", "FALSE"),
             }
-            f.write_str(")")
-        };
-        match self {
-            Self::Compare { column, op, value } => {
-                let v = value_text(value);
-                let v = if matches!(value.data_type(), DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View) && value.is_valid(0) {
-                    format!("'{v}'")
-                } else {
-                    v
-                };
-                write!(f, "{column} {op} {v}")
-            }
-            Self::IsNull(c) => write!(f, "{c} IS NULL"),
-            Self::IsNotNull(c) => write!(f, "{c} IS NOT NULL"),
-            Self::And(p) => list(f, p, "AND", "TRUE"),
-            Self::Or(p) => list(f, p, "OR", "FALSE"),
         }
+        write(self, f, 1)
     }
 }
 
@@ -217,6 +362,15 @@ pub enum FilterError {
         column_type: DataType,
         /// What is wrong, and what would work.
         detail: String,
+    },
+    /// The filter nests deeper than [`MAX_FILTER_DEPTH`] (binding, evaluation and pruning
+    /// recurse once per level). Flatten chains of one operator into one `And` / `Or` list.
+    #[error("the filter is nested {depth} levels deep, more than the {limit} a scan accepts; put a chain of ANDs (or ORs) into one And (Or) of many parts")]
+    TooDeep {
+        /// The filter's depth ([`ScanFilter::depth`]).
+        depth: usize,
+        /// [`MAX_FILTER_DEPTH`].
+        limit: usize,
     },
 }
 
@@ -256,6 +410,34 @@ fn family(t: &DataType) -> Family {
     }
 }
 
+/// Deepest literal type [`ScanFilter::bind`] looks at (and `Display` shows): a type nested
+/// deeper is refused before anything formats or compares it, since Arrow's `Display`,
+/// `PartialEq` and formatters of a `DataType` recurse once per level. No nested type can be
+/// compared with a column anyway. The same bound as `gritdb_unify::MAX_TYPE_DEPTH`.
+const MAX_LITERAL_TYPE_DEPTH: usize = 64;
+
+/// Nesting depth of an Arrow type (1 for a flat type), walked with a heap stack.
+///
+/// SAME-RULE: `gritdb_unify::type_depth` measures column types the same way.
+fn type_depth(t: &DataType) -> usize {
+    let mut deepest = 0;
+    let mut todo = vec![(t, 1usize)];
+    while let Some((t, d)) = todo.pop() {
+        deepest = deepest.max(d);
+        match t {
+            DataType::List(f) | DataType::LargeList(f) | DataType::ListView(f) | DataType::LargeListView(f) | DataType::FixedSizeList(f, _) | DataType::Map(f, _) => {
+                todo.push((f.data_type(), d + 1));
+            }
+            DataType::Struct(fields) => todo.extend(fields.iter().map(|f| (f.data_type(), d + 1))),
+            DataType::Union(fields, _) => todo.extend(fields.iter().map(|(_, f)| (f.data_type(), d + 1))),
+            DataType::Dictionary(k, v) => todo.extend([(k.as_ref(), d + 1), (v.as_ref(), d + 1)]),
+            DataType::RunEndEncoded(r, v) => todo.extend([(r.data_type(), d + 1), (v.data_type(), d + 1)]),
+            _ => {}
+        }
+    }
+    deepest
+}
+
 fn bind(f: &ScanFilter, schema: &Schema) -> Result<Expr, FilterError> {
     let col = |name: &str| schema.index_of(name).map_err(|_| FilterError::ColumnNotFound { column: name.to_owned() });
     Ok(match f {
@@ -263,6 +445,12 @@ fn bind(f: &ScanFilter, schema: &Schema) -> Result<Expr, FilterError> {
             let i = col(column)?;
             let ty = schema.field(i).data_type();
             let bad = |detail: String| FilterError::NotComparable { column: column.clone(), column_type: ty.clone(), detail };
+            let depth = type_depth(value.data_type());
+            if depth > MAX_LITERAL_TYPE_DEPTH {
+                return Err(bad(format!(
+                    "the literal's type is nested {depth} levels deep (more than {MAX_LITERAL_TYPE_DEPTH}); pass a literal of type {ty}"
+                )));
+            }
             if value.len() != 1 {
                 return Err(bad(format!("the literal must be an array of one element, not {}", value.len())));
             }
@@ -720,5 +908,140 @@ mod display_tests {
         let berlin = cmp(Arc::new(TimestampSecondArray::from(vec![at]).with_timezone("Europe/Berlin")));
         assert!(["t >= 2023-11-14T22:13:20Z (Europe/Berlin)", "t >= 2023-11-14T23:13:20+01:00"].contains(&berlin.as_str()), "{berlin}");
         assert_eq!(cmp(Arc::new(Int64Array::from(vec![Some(1), Some(2)]))), "t >= ?");
+    }
+}
+
+#[cfg(test)]
+mod depth_tests {
+    use super::*;
+    use arrow_array::Int64Array;
+    use arrow_schema::Field;
+
+    fn cmp(op: CompareOp, v: i64) -> ScanFilter {
+        ScanFilter::compare("k", op, Arc::new(Int64Array::from(vec![v])))
+    }
+
+    /// A filter `depth` levels deep: `k >= 500` at the bottom, then levels alternating
+    /// `Or([below, k = level])` and `And([below, k < 900])`; and the same predicate as a model.
+    fn nested(depth: usize) -> (ScanFilter, impl Fn(i64) -> bool) {
+        let mut f = cmp(CompareOp::GtEq, 500);
+        for level in 1..depth {
+            f = if level % 2 == 1 { ScanFilter::Or(vec![f, cmp(CompareOp::Eq, level as i64)]) } else { ScanFilter::And(vec![f, cmp(CompareOp::Lt, 900)]) };
+        }
+        let model = move |k: i64| {
+            let mut r = k >= 500;
+            for level in 1..depth {
+                r = if level % 2 == 1 { r || k == level as i64 } else { r && k < 900 };
+            }
+            r
+        };
+        (f, model)
+    }
+
+    /// A chain of single-part `And`s and `Or`s `depth` levels deep, built without recursion.
+    fn chain(depth: usize) -> ScanFilter {
+        let mut f = ScanFilter::is_null("k");
+        for level in 1..depth {
+            f = if level % 2 == 0 { ScanFilter::And(vec![f]) } else { ScanFilter::Or(vec![f]) };
+        }
+        f
+    }
+
+    fn on_stack<T: Send + 'static>(bytes: usize, work: impl FnOnce() -> T + Send + 'static) -> T {
+        std::thread::Builder::new().stack_size(bytes).spawn(work).expect("spawn").join().expect("no panic")
+    }
+
+    /// A filter nested 1,000,000 deep on a thread with the default 2 MiB stack: its depth is
+    /// measured, `bind` refuses it typed (before any recursive walk), it clones, formats
+    /// (cut at the limit) and drops without overflowing the stack. Before, `bind` recursed
+    /// once per level and so did the derived drop: a stack overflow aborted the process.
+    #[test]
+    fn a_filter_a_million_deep_is_refused_typed_and_clones_formats_and_drops() {
+        let schema = Schema::new(vec![Field::new("k", DataType::Int64, true)]);
+        on_stack(2 << 20, move || {
+            let f = chain(1_000_000);
+            assert_eq!(f.depth(), 1_000_000);
+            assert_eq!(f.bind(&schema).map(|_| ()), Err(FilterError::TooDeep { depth: 1_000_000, limit: MAX_FILTER_DEPTH }));
+            let copy = f.clone();
+            assert_eq!(copy.depth(), 1_000_000);
+            let text = copy.to_string();
+            assert_eq!(text.matches('(').count(), MAX_FILTER_DEPTH, "{}", &text[..200]);
+            assert!(text.ends_with(&")".repeat(MAX_FILTER_DEPTH)));
+            assert!(text.contains("(...)"));
+            let debug = format!("{copy:?}");
+            assert!(debug.starts_with("And([Or([And([") || debug.starts_with("Or([And([Or(["), "{}", &debug[..60]);
+            assert!(debug.contains("([..])"));
+            assert!(debug.len() < 20 * MAX_FILTER_DEPTH, "{} bytes", debug.len());
+            drop(copy);
+            drop(f);
+            // Wide filters are not deep: 1,000,000 parts in one `Or` are depth 2.
+            let wide = ScanFilter::or((0..1_000_000).map(|v| cmp(CompareOp::Eq, v)));
+            assert_eq!(wide.depth(), 2);
+            assert!(wide.bind(&schema).is_ok());
+        });
+    }
+
+    /// The limit itself: depth 128 binds, 129 does not; `depth` counts a leaf as 1 and an
+    /// empty `And` as a leaf.
+    #[test]
+    fn the_limit_is_exact() {
+        let schema = Schema::new(vec![Field::new("k", DataType::Int64, true)]);
+        assert_eq!(cmp(CompareOp::Eq, 1).depth(), 1);
+        assert_eq!(ScanFilter::and([]).depth(), 1);
+        assert_eq!(ScanFilter::and([ScanFilter::or([]), cmp(CompareOp::Eq, 1)]).depth(), 2);
+        assert_eq!(chain(MAX_FILTER_DEPTH).depth(), MAX_FILTER_DEPTH);
+        assert!(chain(MAX_FILTER_DEPTH).bind(&schema).is_ok());
+        assert_eq!(chain(MAX_FILTER_DEPTH + 1).bind(&schema).map(|_| ()), Err(FilterError::TooDeep { depth: MAX_FILTER_DEPTH + 1, limit: MAX_FILTER_DEPTH }));
+        // The depth is checked before the columns: an unknown column deeper down is not reached.
+        let mut f = ScanFilter::is_null("nope");
+        for _ in 0..MAX_FILTER_DEPTH {
+            f = ScanFilter::and([f]);
+        }
+        assert_eq!(f.bind(&schema).map(|_| ()), Err(FilterError::TooDeep { depth: MAX_FILTER_DEPTH + 1, limit: MAX_FILTER_DEPTH }));
+        // Clone keeps structure and order.
+        let (f, _) = nested(5);
+        assert_eq!(f.clone().to_string(), f.to_string());
+        assert_eq!(f.to_string(), "((((k >= 500 OR k = 1) AND k < 900) OR k = 3) AND k < 900)");
+    }
+
+    /// A filter at the limit binds, evaluates exactly and plans a Parquet file (row-group and
+    /// page statistics) on a thread with 512 KiB of stack, a quarter of a spawned thread's
+    /// default (it needs 171 KiB in the `ci` profile; an unoptimised build gets the whole
+    /// default 2 MiB): the documented headroom of [`MAX_FILTER_DEPTH`].
+    #[test]
+    fn a_filter_at_the_limit_runs_in_512_kib_of_stack() {
+        let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, true)]));
+        let batch = RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int64Array::from_iter_values(0..1_000))]).expect("batch");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("f.parquet");
+        {
+            let props = parquet::file::properties::WriterProperties::builder().set_max_row_group_row_count(Some(100)).set_data_page_row_count_limit(10).set_write_batch_size(10).build();
+            let mut w = parquet::arrow::ArrowWriter::try_new(std::fs::File::create(&path).expect("create"), Arc::clone(&schema), Some(props)).expect("writer");
+            w.write(&batch).expect("write");
+            w.close().expect("close");
+        }
+        let file = std::fs::File::open(&path).expect("open");
+        let md = parquet::file::metadata::ParquetMetaDataReader::new()
+            .with_column_index_policy(parquet::file::metadata::PageIndexPolicy::Required)
+            .with_offset_index_policy(parquet::file::metadata::PageIndexPolicy::Required)
+            .parse_and_finish(&file)
+            .expect("metadata");
+        let stack = if cfg!(debug_assertions) { 2 << 20 } else { 512 << 10 };
+        let (plan, matched) = on_stack(stack, move || {
+            let (f, model) = nested(MAX_FILTER_DEPTH);
+            assert_eq!(f.depth(), MAX_FILTER_DEPTH);
+            let bound = f.bind(&schema).expect("binds at the limit");
+            let keep = bound.evaluate(&batch, &|c| c).expect("evaluates");
+            let want: Vec<bool> = (0..1_000).map(&model).collect();
+            assert_eq!(keep.iter().collect::<Vec<bool>>(), want);
+            (bound.plan(&md, &schema), keep.count_set_bits())
+        });
+        // Rows 1, 3, ..., 127 and 500..900: groups 2, 3, 4 (200..500) and 9 (900..) pruned;
+        // in group 1 only the pages of 100..130 are read.
+        assert_eq!(matched, 64 + 400);
+        assert_eq!(plan.row_groups, vec![0, 1, 5, 6, 7, 8]);
+        assert_eq!(plan.pruned_row_groups, 4);
+        assert_eq!(plan.pruned_page_rows, 70);
+        assert_eq!(plan.ranges.iter().map(|r| r.end - r.start).sum::<u64>(), 130 + 400);
     }
 }

@@ -8,6 +8,12 @@ use std::cmp::Ordering;
 use std::hash::BuildHasher;
 use std::sync::Arc;
 
+/// Most rows one data file may hold: a key's row is a `u32` in [`Loc`], and deletion vectors
+/// are roaring bitmaps of `u32` row numbers. [`KeyBuilder::start`] refuses a larger file's key
+/// set with [`StorageError::FileTooLarge`] before anything is allocated, and a flush then
+/// writes the delta as several files (the engine's flush in parts).
+pub const MAX_FILE_ROWS: usize = u32::MAX as usize;
+
 /// Where a key's row is: data file id and row position in that file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Loc {
@@ -23,7 +29,8 @@ pub struct Loc {
 /// dates, decimals, ...) every column's encoding is one validity byte followed by the value
 /// bytes; primary keys are never null, so the validity byte is always the same and is
 /// dropped: two `Int64` columns take 16 bytes instead of 18. Other keys keep their full
-/// encoding plus a `u32` end offset per key. Dropping a constant byte keeps memcmp order.
+/// encoding plus a `u32` end offset per key ([`KeyEnds`]: the offsets' high bits are kept
+/// apart, so a file's key bytes may pass 4 GiB). Dropping a constant byte keeps memcmp order.
 #[derive(Debug, Clone)]
 pub(crate) enum KeyLayout {
     /// Widths of each fixed-width column's value (without its validity byte).
@@ -100,13 +107,63 @@ fn key_u128(key: &[u8]) -> u128 {
     }
 }
 
+/// End offsets of a file's variable-width keys in its key bytes: the low 32 bits of each
+/// (4 bytes a key), and, apart, the keys at which the high bits step up — one entry per 4 GiB
+/// of key bytes, none below. The offsets were `u32` alone, and a file whose key bytes passed
+/// 4 GiB (a million 4 KiB keys: a compaction's merge can write one) wrapped them silently:
+/// lookups then compared the wrong bytes. Full `u64` offsets would cost 4 more bytes per key
+/// (a 10-character string key is 19 bytes of arrow-row encoding: 23 → 27 bytes a row); this
+/// costs nothing below 4 GiB.
+#[derive(Debug, Default)]
+struct KeyEnds {
+    low: Vec<u32>,
+    /// `steps[j]`: the first key whose end offset is at least `(j + 1) << 32`.
+    steps: Vec<usize>,
+}
+
+impl KeyEnds {
+    /// Appends the end offset of the next key (offsets never decrease).
+    fn push(&mut self, end: usize) {
+        let i = self.low.len();
+        let high = end >> 32;
+        if high > self.steps.len() {
+            self.steps.reserve_exact(high - self.steps.len());
+            self.steps.resize(high, i);
+        }
+        // The low 32 bits; the high ones are in `steps`.
+        self.low.push(end as u32);
+    }
+
+    /// End offset of key `i`.
+    #[inline]
+    fn get(&self, i: usize) -> usize {
+        let high = if self.steps.is_empty() { 0 } else { self.steps.partition_point(|&s| s <= i) };
+        (high << 32) | self.low[i] as usize
+    }
+
+    fn reserve_exact(&mut self, keys: usize) {
+        self.low.reserve_exact(keys);
+    }
+
+    /// Heap bytes held (capacities).
+    fn bytes(&self) -> usize {
+        self.low.capacity() * 4 + self.steps.capacity() * std::mem::size_of::<usize>()
+    }
+
+    /// Bytes pushing keys whose end offsets run up to `end` adds to a store with `self`'s
+    /// offsets: 4 per key, and a step per 4 GiB boundary passed.
+    fn growth(&self, keys: usize, end: usize) -> usize {
+        4 * keys + (end >> 32).saturating_sub(self.steps.len()) * std::mem::size_of::<usize>()
+    }
+}
+
 /// The primary keys of one data file in row order — which is key order, because every data
 /// file is written sorted by key — plus a blocked bloom filter (10 bits per key, 7 probes in
 /// one 64-byte block, about 1% false positives; see [`bloom_bits`]).
 #[derive(Debug, Default)]
 pub struct FileKeys {
     data: Vec<u8>,
-    ends: Vec<u32>,
+    ends: KeyEnds,
     width: usize,
     len: usize,
     bloom: Vec<BloomBlock>,
@@ -125,7 +182,7 @@ struct FileKeysBuilder<'a> {
     /// Rows announced (fixed-width keys: the store's slots).
     rows: usize,
     data: Vec<u8>,
-    ends: Vec<u32>,
+    ends: KeyEnds,
     len: usize,
 }
 
@@ -133,19 +190,23 @@ impl<'a> FileKeysBuilder<'a> {
     fn new(layout: &'a KeyLayout, rows: usize) -> Self {
         let width = layout.width().unwrap_or(0);
         let data = if width > 0 { vec![0u8; rows * width] } else { Vec::new() };
-        let ends = Vec::new();
+        let ends = KeyEnds::default();
         Self { layout, width, rows, data, ends, len: 0 }
     }
 
     /// Bytes a push of `part` adds to the store (0 for fixed-width keys: sized up front).
     fn growth(&self, part: &Rows) -> usize {
-        if self.width > 0 { 0 } else { part.iter().map(|r| r.data().len()).sum::<usize>() + 4 * part.num_rows() }
+        if self.width > 0 {
+            return 0;
+        }
+        let bytes = part.iter().map(|r| r.data().len()).sum::<usize>();
+        bytes + self.ends.growth(part.num_rows(), self.data.len() + bytes)
     }
 
     /// Bytes a push may copy while the store grows (the old buffers live beside the new ones
     /// for that moment): the variable-width store so far, 0 for fixed-width keys.
     fn moving(&self) -> usize {
-        if self.width > 0 { 0 } else { self.data.len() + 4 * self.ends.len() }
+        if self.width > 0 { 0 } else { self.data.len() + self.ends.bytes() }
     }
 
     /// Appends the next keys, in row order.
@@ -166,7 +227,7 @@ impl<'a> FileKeysBuilder<'a> {
             self.ends.reserve_exact(part.num_rows());
             for key in part {
                 self.data.extend_from_slice(key.data());
-                self.ends.push(self.data.len() as u32);
+                self.ends.push(self.data.len());
             }
         }
         self.len += part.num_rows();
@@ -212,8 +273,8 @@ impl FileKeys {
         if self.width > 0 {
             &self.data[i * self.width..(i + 1) * self.width]
         } else {
-            let start = if i == 0 { 0 } else { self.ends[i - 1] as usize };
-            &self.data[start..self.ends[i] as usize]
+            let start = if i == 0 { 0 } else { self.ends.get(i - 1) };
+            &self.data[start..self.ends.get(i)]
         }
     }
 
@@ -284,7 +345,7 @@ impl FileKeys {
 
     /// Heap bytes held (capacities: key bytes, offsets, bloom filter).
     pub fn bytes(&self) -> usize {
-        self.data.capacity() + self.ends.capacity() * 4 + self.bloom.capacity() * std::mem::size_of::<BloomBlock>()
+        self.data.capacity() + self.ends.bytes() + self.bloom.capacity() * std::mem::size_of::<BloomBlock>()
     }
 }
 
@@ -451,12 +512,22 @@ impl KeyBuilder {
     /// filter are budgeted here, variable-width keys as each part is pushed.
     ///
     /// # Errors
-    /// [`StorageError::Memory`].
+    /// [`StorageError::Memory`]; [`StorageError::FileTooLarge`] for more than
+    /// [`MAX_FILE_ROWS`] rows (checked before anything is budgeted or allocated).
     pub(crate) fn start(&self, rows: usize) -> Result<KeySetBuild<'_>, StorageError> {
+        check_file_rows(rows)?;
         let mut res = Reservation::new(&self.ctl, Category::KeyIndex, self.table.as_ref());
         res.try_grow(self.width.map_or(0, |w| rows.saturating_mul(w)).saturating_add(bloom_blocks(rows).saturating_mul(std::mem::size_of::<BloomBlock>())))?;
         Ok(KeySetBuild { keys: FileKeysBuilder::new(&self.layout, rows), res })
     }
+}
+
+/// [`StorageError::FileTooLarge`] for a data file of more than [`MAX_FILE_ROWS`] rows.
+pub(crate) fn check_file_rows(rows: usize) -> Result<(), StorageError> {
+    if rows > MAX_FILE_ROWS {
+        return Err(StorageError::FileTooLarge { rows: rows as u64, max_rows: MAX_FILE_ROWS as u64 });
+    }
+    Ok(())
 }
 
 /// A key set being built by [`KeyBuilder::start`], budgeted under `key_index` as it grows.
@@ -719,6 +790,11 @@ mod tests {
         words.sort();
         let rows = conv.convert_columns(&[Arc::new(StringArray::from(words.clone())) as ArrayRef]).expect("enc");
         idx.add_file(7, std::slice::from_ref(&rows)).expect("budget").expect("sorted");
+        // Accounting: 10 bytes of arrow-row encoding per 6-character key (a sentinel and one
+        // 8-byte mini block with its continuation byte), a 4-byte end offset (no high-bit
+        // steps below 4 GiB), and 5,000 bloom bits in 64-byte blocks (10).
+        assert_eq!(rows.iter().map(|r| r.as_ref().len()).collect::<std::collections::BTreeSet<_>>(), [10].into());
+        assert_eq!(idx.bytes(), 500 * (10 + 4) + 10 * 64);
         for (i, r) in rows.iter().enumerate() {
             assert_eq!(idx.find(r.as_ref(), |_| false), Some(Loc { file: 7, row: i as u32 }));
         }
@@ -751,6 +827,54 @@ mod tests {
         }
         idx.add_file(2, &[words(&["", "a", "ab", "b"])]).expect("budget").expect("a prefix sorts first");
         assert_eq!(idx.find(words(&["ab"]).row(0).as_ref(), |_| false), Some(Loc { file: 2, row: 2 }));
+    }
+
+    /// Variable-width key offsets past 4 GiB keep their high bits: every end offset comes back
+    /// as pushed across one, two and three 4 GiB boundaries (one key crossing two at once), and
+    /// the bytes held grow by one step entry per boundary, as `growth` budgets. Before, the
+    /// offsets were `as u32` and wrapped silently past 4 GiB of key bytes in one file.
+    #[test]
+    fn key_end_offsets_past_4_gib_do_not_wrap() {
+        const G4: usize = 1 << 32;
+        let ends = [0, 7, 19, G4 - 1, G4, G4 + 1, G4 + 5, 2 * G4 + 3, 4 * G4 + 1, 4 * G4 + 100, 4 * G4 + 100, 5 * G4];
+        let mut e = KeyEnds::default();
+        let mut budget = 0;
+        for (i, &end) in ends.iter().enumerate() {
+            budget += e.growth(1, end);
+            e.push(end);
+            assert_eq!(e.get(i), end, "key {i}");
+        }
+        for (i, &end) in ends.iter().enumerate() {
+            assert_eq!(e.get(i), end, "key {i} after all pushes");
+        }
+        assert_eq!(e.steps, vec![4, 7, 8, 8, 11]);
+        assert_eq!(budget, 4 * ends.len() + 5 * std::mem::size_of::<usize>());
+        // Below 4 GiB no step is held: 4 bytes a key, as before.
+        let mut small = KeyEnds::default();
+        small.reserve_exact(3);
+        for end in [5, 10, u32::MAX as usize] {
+            assert_eq!(small.growth(1, end), 4);
+            small.push(end);
+        }
+        assert_eq!(small.bytes(), 12);
+        assert_eq!(small.get(2), u32::MAX as usize);
+    }
+
+    /// A key set of more rows than a file can hold (`u32` rows in `Loc` and in deletion
+    /// vectors) is refused typed by `start`, before anything is budgeted or allocated; one row
+    /// less is not refused for its row count (it fails on the 1 GiB limit instead).
+    #[test]
+    fn a_key_set_of_more_than_u32_max_rows_is_refused() {
+        let ctl = ctl();
+        let idx = KeyIndex::new(&ctl, None, &[DataType::Int64]);
+        let b = idx.builder();
+        assert!(matches!(
+            b.start(MAX_FILE_ROWS + 1).map(|_| ()),
+            Err(StorageError::FileTooLarge { rows, max_rows }) if rows == 1 << 32 && max_rows == u64::from(u32::MAX)
+        ));
+        assert_eq!(ctl.used(), 0);
+        assert!(matches!(b.start(MAX_FILE_ROWS).map(|_| ()), Err(StorageError::Memory(_))));
+        assert!(check_file_rows(MAX_FILE_ROWS).is_ok());
     }
 
     /// `key_u128` orders and compares keys of one width as memcmp does, for every width 1..=16.

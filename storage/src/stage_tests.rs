@@ -146,3 +146,43 @@ fn compaction_builds_its_key_set_in_execute() {
     assert_eq!((s.files.len(), s.index().rows()), (1, 6000));
     assert_eq!(key_index(&c), s.index().bytes());
 }
+
+/// File ids are `u32`s and were incremented unchecked: after 2^32 - 1 flushes and compactions
+/// of one table the next id wrapped to 0 and on to the ids (and file names) of live files.
+/// The last id is never handed out: staging a file then is `FileIdsExhausted`, nothing
+/// changes, and no compaction is planned (with one id left, two small files are); a stage
+/// without puts (deletes only) still works.
+#[test]
+fn file_ids_never_wrap() {
+    let dir = tempfile::tempdir().expect("dir");
+    let ctl = ctl();
+    let mut s = store(dir.path(), &ctl, "t");
+    let opts = CompactionOptions { small_file_rows: 1 << 20, small_files_trigger: 2, ..CompactionOptions::default() };
+    s.next_file_id = u32::MAX - 2;
+    for (i, keys) in [0..10, 10..20].into_iter().enumerate() {
+        s.stage(&[rows(keys)], &no_deletes(), i as u64 + 1).expect("stage");
+        let mut plan = s.plan_commit().expect("staged");
+        plan.execute(&WriteOptions::default(), &ctl, None).expect("write");
+        s.finish_commit(plan);
+    }
+    assert_eq!(s.next_file_id, u32::MAX);
+    assert!(s.plan_compaction(&opts).is_none(), "no id for the merged file");
+    let (rows_before, bytes_before) = (s.index().rows(), s.index().bytes());
+    match s.stage(&[rows(20..30)], &no_deletes(), 3) {
+        Err(StorageError::FileIdsExhausted { table }) => assert_eq!(table, "t"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!((s.index().rows(), s.index().bytes(), s.next_file_id), (rows_before, bytes_before, u32::MAX));
+    let deletes = RecordBatch::try_new(key_schema(), vec![Arc::new(Int64Array::from(vec![3]))]).expect("keys");
+    s.stage(&[], &deletes, 4).expect("a stage without puts writes no file");
+    // One id back (as if it were free): the same two files are merged.
+    let mut s2 = store(dir.path(), &ctl, "u");
+    s2.next_file_id = u32::MAX - 3;
+    for (i, keys) in [0..10, 10..20].into_iter().enumerate() {
+        s2.stage(&[rows(keys)], &no_deletes(), i as u64 + 1).expect("stage");
+        let mut plan = s2.plan_commit().expect("staged");
+        plan.execute(&WriteOptions::default(), &ctl, None).expect("write");
+        s2.finish_commit(plan);
+    }
+    assert!(s2.plan_compaction(&opts).is_some(), "u32::MAX - 1 is the last id handed out");
+}

@@ -592,6 +592,11 @@ impl TableStore {
         if put_rows == 0 && delete_keys.num_rows() == 0 && max_seq <= self.staged.back().map_or(self.flushed_seq, |s| s.max_seq.max(self.flushed_seq)) {
             return Ok(None);
         }
+        // File ids are `u32`s (names, key-index locations, the manifest): the last one is
+        // never handed out, so `next_file_id` cannot wrap onto a live file's id (and name).
+        if put_rows > 0 && self.next_file_id == u32::MAX {
+            return Err(StorageError::FileIdsExhausted { table: self.name.clone() });
+        }
         let del_rows = self.conv.convert_columns(&crate::index::canonical_key_columns(delete_keys.columns().to_vec()))?;
         let file_id = (put_rows > 0).then_some(self.next_file_id);
         let mut additions = Vec::new();

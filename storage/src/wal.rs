@@ -84,6 +84,26 @@ pub struct WalRecord {
     pub last_seq: u64,
     /// Rows (put) or key columns (delete).
     pub batch: RecordBatch,
+    /// Where the record is in the log, for errors about it ([`WalPosition::corrupt`]).
+    pub position: WalPosition,
+}
+
+/// Where a WAL record lies: its segment file and the byte offset of its frame in it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WalPosition {
+    /// The segment file (empty for records of [`decode_segment`], which reads bytes).
+    pub segment: PathBuf,
+    /// Byte offset of the record's frame (its length field) in the segment.
+    pub offset: u64,
+}
+
+impl WalPosition {
+    /// [`StorageError::CorruptWal`] naming this record: what a record whose checksum holds but
+    /// whose contents cannot be replayed (columns or values that do not fit its table) is, so
+    /// the error names the segment and offset to look at, as every other damage does.
+    pub fn corrupt(&self, detail: impl Into<String>) -> StorageError {
+        corrupt(&self.segment, self.offset, detail)
+    }
 }
 
 struct Segment {
@@ -713,7 +733,8 @@ fn read_segment<E: From<StorageError>>(
             }
             return Err(corrupt(path, at as u64, "checksum mismatch with records after it").into());
         }
-        let rec = decode(payload).map_err(|d| E::from(corrupt(path, at as u64, d)))?;
+        let position = WalPosition { segment: path.to_path_buf(), offset: at as u64 };
+        let rec = decode(payload, position).map_err(|d| E::from(corrupt(path, at as u64, d)))?;
         let e = seg.max_seq.entry(rec.table).or_insert(0);
         *e = (*e).max(rec.last_seq);
         replay(rec)?;
@@ -883,7 +904,7 @@ fn record_shaped_at_any_offset(data: &[u8], from: usize) -> bool {
     (from..data.len()).any(|q| whole_record_at(data, q))
 }
 
-fn decode(payload: &[u8]) -> Result<WalRecord, String> {
+fn decode(payload: &[u8], position: WalPosition) -> Result<WalRecord, String> {
     if payload.len() < PAYLOAD_HEADER {
         return Err("record shorter than its header".into());
     }
@@ -922,7 +943,7 @@ fn decode(payload: &[u8]) -> Result<WalRecord, String> {
         let text = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_owned()));
         format!("the record's Arrow IPC stream cannot be decoded: {}", text.unwrap_or_else(|| "the decoder panicked".into()))
     })??;
-    Ok(WalRecord { op, table, first_seq, last_seq, batch })
+    Ok(WalRecord { op, table, first_seq, last_seq, batch, position })
 }
 
 /// Decodes one WAL segment's bytes without side effects, for fuzzing and inspection: returns
@@ -943,7 +964,7 @@ pub fn decode_segment(data: &[u8]) -> Result<Vec<WalRecord>, (usize, String)> {
         if crc32fast::hash(payload) != crc {
             return Err((at, "checksum mismatch".into()));
         }
-        out.push(decode(payload).map_err(|d| (at, d))?);
+        out.push(decode(payload, WalPosition { segment: PathBuf::new(), offset: at as u64 }).map_err(|d| (at, d))?);
         at += HEADER + len;
     }
     Ok(out)
@@ -1043,7 +1064,14 @@ mod tests {
         let got = Arc::new(Schema::new(vec![Field::new("s", DataType::Binary, true)]));
         let want = Schema::new(vec![Field::new("s", DataType::Utf8View, true)]);
         let bad = BinaryArray::from_iter_values([&b"ok"[..], &[0xff, 0xfe][..]]);
-        let rec = WalRecord { op: WalOp::Put, table: 1, first_seq: 1, last_seq: 2, batch: RecordBatch::try_new(got, vec![Arc::new(bad)]).unwrap() };
+        let rec = WalRecord {
+            op: WalOp::Put,
+            table: 1,
+            first_seq: 1,
+            last_seq: 2,
+            batch: RecordBatch::try_new(got, vec![Arc::new(bad)]).unwrap(),
+            position: WalPosition { segment: PathBuf::new(), offset: 0 },
+        };
         assert!(matches!(rec.batch_as(&want), Err(StorageError::Arrow(_))));
     }
 

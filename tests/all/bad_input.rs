@@ -993,3 +993,58 @@ fn the_documented_reseal_snippet_reseals_a_hand_edited_manifest() {
     assert_eq!(snapshot(&engine.table("renamed").unwrap()).len(), 2);
     engine.close().unwrap();
 }
+
+/// `max_row_bytes` above `u32::MAX` is refused at open (a row's lengths and offsets are `u32`
+/// in the row format, and would wrap for a longer row), before anything is created on disk;
+/// `u32::MAX` itself opens.
+#[test]
+fn max_row_bytes_above_u32_max_is_refused_at_open() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("db");
+    let limit = u32::MAX as usize;
+    match Engine::open(&dir, EngineConfig::default().memory_limit(64 << 20).max_row_bytes(limit + 1)) {
+        Err(Error::Config(m)) => assert_eq!(m, "max_row_bytes = 4294967296: at most 4294967295 (u32::MAX; a row's lengths and offsets are u32 in the row format)"),
+        other => panic!("{other:?}"),
+    }
+    assert!(!dir.exists());
+    let engine = Engine::open(&dir, EngineConfig::default().memory_limit(64 << 20).max_row_bytes(limit)).unwrap();
+    engine.close().unwrap();
+}
+
+/// Runs `work` on a thread with a stack of `bytes` (scoped: it may borrow).
+fn on_stack<T: Send>(bytes: usize, work: impl FnOnce() -> T + Send) -> T {
+    std::thread::scope(|s| std::thread::Builder::new().stack_size(bytes).spawn_scoped(s, work).unwrap().join().unwrap())
+}
+
+/// A column type nested 10,000 levels deep (`List` of `List` of ...) is `TypeTooDeep` at
+/// `create_table` and in a write's batch, on a thread with the default 2 MiB stack: the type
+/// is never formatted (Arrow's `Display` of it recursed once per level: the write's
+/// `SchemaMismatch` message overflowed the stack). Nothing changes.
+#[test]
+fn a_deeply_nested_column_type_is_refused_typed() {
+    let (_d, engine, t) = setup();
+    let before = snapshot(&t);
+    // Built and dropped on a large stack: Arrow's own constructors and drops of it recurse.
+    let deep = on_stack(256 << 20, || {
+        let mut ty = DataType::Int64;
+        for _ in 1..10_000 {
+            ty = DataType::List(Arc::new(Field::new("item", ty, true)));
+        }
+        let mut fields: Vec<Field> = composite_schema().fields().iter().map(|f| f.as_ref().clone()).collect();
+        fields[3] = Field::new("s", ty.clone(), true);
+        let schema = Arc::new(Schema::new(fields));
+        let flat = composite_batch(&[((9, 9), (Some(90), None))]);
+        let cols = vec![Arc::clone(flat.column(0)), Arc::clone(flat.column(1)), Arc::clone(flat.column(2)), arrow::array::new_null_array(&ty, 1)];
+        RecordBatch::try_new(schema, cols).unwrap()
+    });
+    let too_deep = |e: &Error| matches!(e, Error::Input(gritdb::UnifyError::TypeTooDeep { column, depth: 10_000, limit: 64 }) if column == "s");
+    let (created, inserted, upserted) = on_stack(2 << 20, || {
+        (engine.create_table("deep", deep.schema(), &["k1"]).map(|_| ()), t.insert(&deep), t.upsert(&deep))
+    });
+    assert!(too_deep(&created.unwrap_err()));
+    assert!(too_deep(&inserted.unwrap_err()));
+    assert!(too_deep(&upserted.unwrap_err()));
+    assert_eq!(engine.table_names(), vec!["t".to_owned()]);
+    assert_eq!(snapshot(&t), before);
+    on_stack(256 << 20, move || drop(deep));
+}

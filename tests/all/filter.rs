@@ -293,3 +293,78 @@ fn bad_filters_are_typed_errors() {
     // Nothing changed: the table scans as before.
     assert_eq!(collect(t.scan(ScanOptions::default()).unwrap()).len(), 100);
 }
+
+/// Runs `work` on a thread with a stack of `bytes` (scoped: it may borrow).
+fn on_stack<T: Send>(bytes: usize, work: impl FnOnce() -> T + Send) -> T {
+    std::thread::scope(|s| std::thread::Builder::new().stack_size(bytes).spawn_scoped(s, work).unwrap().join().unwrap())
+}
+
+/// Nesting past `MAX_FILTER_DEPTH` is `InvalidFilter(TooDeep)` at scan creation, on a thread
+/// with the default 2 MiB stack, for a filter 1,000,000 levels deep — which the scan options
+/// then drop without overflowing the stack (before: a stack overflow aborted the process, in
+/// the filter's bind and again in its drop). At the limit a filter scans exactly, from files
+/// and deltas alike; one level more is refused. A literal of a type nested 10,000 deep is
+/// `NotComparable` without the type being formatted.
+#[test]
+fn filters_nested_past_the_limit_are_refused_typed() {
+    use gritdb::MAX_FILTER_DEPTH;
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    let t = engine.create_table("d", schema(), &["id"]).unwrap();
+    let rows: Vec<(i64, R)> = (0..1000).map(|id| (id, row(id, 0))).collect();
+    t.insert(&batch(&rows[..600])).unwrap();
+    t.flush().unwrap();
+    t.insert(&batch(&rows[600..])).unwrap();
+    let model: BTreeMap<i64, R> = rows.into_iter().collect();
+    let id = |op: CompareOp, v: i64| cmp("id", op, lit(Int64Array::from(vec![v])));
+    // `id >= 500` at the bottom, then levels alternating `Or([below, id = level])` and
+    // `And([below, id < 900])`: ids 1, 3, ..., and 500..900.
+    let nested = |depth: usize| {
+        let mut f = id(CompareOp::GtEq, 500);
+        for level in 1..depth {
+            f = if level % 2 == 1 { ScanFilter::or([f, id(CompareOp::Eq, level as i64)]) } else { ScanFilter::and([f, id(CompareOp::Lt, 900)]) };
+        }
+        f
+    };
+    let at_limit = collect(t.scan(ScanOptions::default().filter(nested(MAX_FILTER_DEPTH))).unwrap());
+    let want: Vec<i64> = model.keys().copied().filter(|&k| (500..900).contains(&k) || (k % 2 == 1 && k < MAX_FILTER_DEPTH as i64)).collect();
+    assert_eq!(at_limit.keys().copied().collect::<Vec<_>>(), want);
+    let too_deep = |e: &Error, want: usize| {
+        matches!(e, Error::InvalidFilter { table, source: FilterError::TooDeep { depth, limit } } if table == "d" && *depth == want && *limit == MAX_FILTER_DEPTH)
+    };
+    let e = t.scan(ScanOptions::default().filter(nested(MAX_FILTER_DEPTH + 1))).unwrap_err();
+    assert!(too_deep(&e, MAX_FILTER_DEPTH + 1), "{e:?}");
+    let e = on_stack(2 << 20, || {
+        let mut f = ScanFilter::is_null("id");
+        for _ in 1..1_000_000 {
+            f = ScanFilter::and([ScanFilter::or([f])]);
+        }
+        let options = ScanOptions::default().filter(f);
+        let copy = options.clone();
+        let e = t.scan(options).unwrap_err();
+        drop(copy);
+        e
+    });
+    assert!(too_deep(&e, 1_999_999), "{e:?}");
+    assert_eq!(
+        e.to_string(),
+        format!("invalid scan filter for table `d`: the filter is nested 1999999 levels deep, more than the {MAX_FILTER_DEPTH} a scan accepts; put a chain of ANDs (or ORs) into one And (Or) of many parts")
+    );
+    // A literal of a deeply nested type: built and dropped on a large stack (Arrow's own
+    // constructors and drops of it recurse), refused on a normal one.
+    let deep_literal = on_stack(256 << 20, || {
+        let mut ty = DataType::Int64;
+        for _ in 1..10_000 {
+            ty = DataType::List(Arc::new(Field::new("item", ty, true)));
+        }
+        arrow::array::new_null_array(&ty, 1)
+    });
+    let e = on_stack(2 << 20, || t.scan(ScanOptions::default().filter(cmp("id", CompareOp::Eq, Arc::clone(&deep_literal)))).unwrap_err());
+    assert!(matches!(&e, Error::InvalidFilter { source: FilterError::NotComparable { column, .. }, .. } if column == "id"), "{e:?}");
+    assert_eq!(
+        e.to_string(),
+        "invalid scan filter for table `d`: filter on column `id` (Int64): the literal's type is nested 10000 levels deep (more than 64); pass a literal of type Int64"
+    );
+    on_stack(256 << 20, move || drop(deep_literal));
+    assert_eq!(collect(t.scan(ScanOptions::default()).unwrap()), model);
+}

@@ -628,3 +628,25 @@ fn sql_scans_read_one_snapshot_in_target_partitions() {
     let e = Engine::open(tempfile::tempdir().unwrap().path(), EngineConfig { sql_scan_partitions: gritdb::MAX_THREADS + 1, ..EngineConfig::default() });
     assert!(matches!(e, Err(Error::Config(ref m)) if m.contains("sql_scan_partitions")), "{:?}", e.err());
 }
+
+/// A WHERE clause of 1,000 ORs (of ranges: `DataFusion` makes a chain of equalities an
+/// `IN` list, which is not pushed), which the SQL parser builds as a tree 1,000 deep, is
+/// pushed into the scan as one `Or` of 1,000 parts (the translation walks the chain with a
+/// heap stack and flattens it; it recursed once per OR into a filter 1,000 deep, past
+/// `MAX_FILTER_DEPTH`) and returns the matching rows. (`DataFusion` itself overflows a 2 MiB
+/// stack cloning a chain of about 2,000: its `Expr::clone` recurses.)
+#[test]
+fn sql_pushes_a_long_or_chain_as_one_flat_filter() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path(), 64 << 20);
+    let t = engine.create_table("t", schema(), &["id"]).unwrap();
+    t.insert(&rows(0..10_000, 1, "a")).unwrap();
+    t.flush().unwrap();
+    let ranges: Vec<String> = (0..1_000).map(|i| format!("id > {} AND id < {}", i * 3 - 1, i * 3 + 1)).collect();
+    let q = format!("SELECT count(*) FROM t WHERE {}", ranges.join(" OR "));
+    let b = engine.sql(&format!("EXPLAIN {q}")).unwrap();
+    let plan: String = (0..b[0].num_rows()).map(|i| b[0].column(1).as_string::<i32>().value(i).to_owned() + "\n").collect();
+    assert!(plan.contains("filter=((id > -1 AND id < 1) OR (id > 2 AND id < 4) OR (id > 5 AND id < 7) OR "), "{}", &plan[..plan.len().min(3000)]);
+    assert!(plan.contains(" OR (id > 2996 AND id < 2998))"), "the whole chain is one flat Or");
+    assert_eq!(scalar(&engine.sql(&q).unwrap()), 1_000);
+}

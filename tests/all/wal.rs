@@ -332,3 +332,80 @@ fn relaxed_group_commit_failure_refuses_writes_until_reopen() {
     let want: BTreeMap<_, _> = (0..acknowledged).step_by(10).flat_map(|from| rows(from, 10, "r")).collect();
     assert_eq!(got, want);
 }
+
+/// Two put records (`amount_column` an `Int64`): the second one's column name is changed in
+/// its Arrow IPC schema, `amount_column` → `amount_colXmn`, and its checksum recomputed, so
+/// the log reads it as a whole, valid record for a table it does not fit. `Engine::open` is
+/// `CorruptWal` naming the segment and the record's offset, with the table's refusal as the
+/// detail. Before, it was a bare `Error::Input(SchemaMismatch)` naming no file. The segment
+/// restored, the directory opens with every row.
+#[test]
+fn a_record_whose_column_name_is_damaged_under_a_valid_checksum_is_corrupt_wal_naming_the_segment() {
+    use arrow::array::{Int64Array, RecordBatch};
+    use arrow::datatypes::{DataType, Field, Schema};
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().unwrap();
+    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("amount_column", DataType::Int64, true)]));
+    let batch = |from: i64| {
+        RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int64Array::from_iter_values(from..from + 10)), Arc::new(Int64Array::from_iter_values(from..from + 10))]).unwrap()
+    };
+    {
+        let engine = Engine::open(dir.path(), config()).unwrap();
+        let t = engine.create_table("t", Arc::clone(&schema), &["k"]).unwrap();
+        t.insert(&batch(0)).unwrap();
+        t.insert(&batch(10)).unwrap();
+        // Dropped without a flush: both records stay in the log.
+    }
+    let seg_path = dir.path().join("wal").join("wal-00000001.log");
+    let seg = std::fs::read(&seg_path).unwrap();
+    let a_len = 8 + u32::from_le_bytes(seg[..4].try_into().unwrap()) as usize;
+    let b_len = 8 + u32::from_le_bytes(seg[a_len..a_len + 4].try_into().unwrap()) as usize;
+    assert_eq!(a_len + b_len, seg.len(), "two records");
+    let mut damaged = seg.clone();
+    let name = b"amount_column";
+    let at = a_len + damaged[a_len..].windows(name.len()).position(|w| w == name).expect("the column name in record b");
+    damaged[at + 10] = b'X';
+    let crc = crc32fast::hash(&damaged[a_len + 8..]);
+    damaged[a_len + 4..a_len + 8].copy_from_slice(&crc.to_le_bytes());
+    std::fs::write(&seg_path, &damaged).unwrap();
+    match Engine::open(dir.path(), config()) {
+        Err(Error::Storage(gritdb::StorageError::CorruptWal { path, offset, detail })) => {
+            assert_eq!(path, seg_path);
+            assert_eq!(offset, a_len as u64);
+            assert_eq!(
+                detail,
+                "put record of table `t` (id 1, sequence numbers 11..=20) cannot be replayed into the table: \
+                 schema mismatch: column 1 is `amount_colXmn`, expected `amount_column` (Int64)"
+            );
+        }
+        other => panic!("expected CorruptWal naming {}: {other:?}", seg_path.display()),
+    }
+    std::fs::write(&seg_path, &seg).unwrap();
+    let engine = Engine::open(dir.path(), config()).unwrap();
+    assert_eq!(engine.table("t").unwrap().row_count().unwrap(), 20);
+}
+
+/// A record holding a row above this engine's `max_row_bytes` (written under a larger one) is
+/// `CorruptWal` naming its segment and offset at open, with a detail that says so and what
+/// to do; reopened with the larger maximum, every row is back.
+#[test]
+fn a_record_above_max_row_bytes_names_its_segment_and_the_setting() {
+    let dir = tempfile::tempdir().unwrap();
+    let big = "x".repeat(100_000);
+    {
+        let engine = Engine::open(dir.path(), config()).unwrap();
+        let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
+        t.insert(&composite_batch(&[((1, 0), (Some(1), Some(big.clone())))])).unwrap();
+    }
+    let seg_path = dir.path().join("wal").join("wal-00000001.log");
+    match Engine::open(dir.path(), config().max_row_bytes(10_000)) {
+        Err(Error::Storage(gritdb::StorageError::CorruptWal { path, offset, detail })) => {
+            assert_eq!((path, offset), (seg_path, 0));
+            assert!(detail.starts_with("put record of table `t` (id 1, sequence numbers 1..=1) cannot be replayed into the table: row 0 encodes to "), "{detail}");
+            assert!(detail.ends_with("reopen with one at least this large to replay it)"), "{detail}");
+        }
+        other => panic!("expected CorruptWal: {other:?}"),
+    }
+    let engine = Engine::open(dir.path(), config()).unwrap();
+    assert_eq!(engine.table("t").unwrap().row_count().unwrap(), 1);
+}

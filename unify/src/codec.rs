@@ -81,6 +81,71 @@ impl ColKind {
     }
 }
 
+/// Deepest column type [`RowCodec::new`] and [`RowCodec::validate`] look at: a type nested
+/// deeper is [`UnifyError::TypeTooDeep`] before anything formats or compares it (Arrow's
+/// `Display`, `Debug` and `PartialEq` of a `DataType` recurse once per level). No nested type
+/// is a supported column type, so the bound only decides which error a nested type gets;
+/// 64 is the flatbuffer verifier's default depth in arrow-ipc, beyond which no Arrow IPC
+/// stream (the WAL's format) can carry a schema anyway.
+pub const MAX_TYPE_DEPTH: usize = 64;
+
+/// Nesting depth of an Arrow type: 1 for a flat type, one more than its deepest child for
+/// lists, structs, maps, unions, dictionaries and run-end encoded types. Walked with a heap
+/// stack, so it is safe on a type of any depth.
+///
+/// SAME-RULE: `gritdb_storage`'s filter module measures literal types the same way.
+pub fn type_depth(t: &DataType) -> usize {
+    let nested = |t: &DataType| {
+        matches!(
+            t,
+            DataType::List(_)
+                | DataType::LargeList(_)
+                | DataType::ListView(_)
+                | DataType::LargeListView(_)
+                | DataType::FixedSizeList(..)
+                | DataType::Map(..)
+                | DataType::Struct(_)
+                | DataType::Union(..)
+                | DataType::Dictionary(..)
+                | DataType::RunEndEncoded(..)
+        )
+    };
+    if !nested(t) {
+        return 1;
+    }
+    let mut deepest = 1;
+    let mut todo = vec![(t, 1usize)];
+    while let Some((t, d)) = todo.pop() {
+        deepest = deepest.max(d);
+        match t {
+            DataType::List(f) | DataType::LargeList(f) | DataType::ListView(f) | DataType::LargeListView(f) | DataType::FixedSizeList(f, _) | DataType::Map(f, _) => {
+                todo.push((f.data_type(), d + 1));
+            }
+            DataType::Struct(fields) => todo.extend(fields.iter().map(|f| (f.data_type(), d + 1))),
+            DataType::Union(fields, _) => todo.extend(fields.iter().map(|(_, f)| (f.data_type(), d + 1))),
+            DataType::Dictionary(k, v) => todo.extend([(k.as_ref(), d + 1), (v.as_ref(), d + 1)]),
+            DataType::RunEndEncoded(r, v) => todo.extend([(r.data_type(), d + 1), (v.data_type(), d + 1)]),
+            _ => {}
+        }
+    }
+    deepest
+}
+
+/// [`UnifyError::TypeTooDeep`] for a column whose type nests deeper than [`MAX_TYPE_DEPTH`].
+fn check_type_depth(column: &str, t: &DataType) -> Result<(), UnifyError> {
+    let depth = type_depth(t);
+    if depth > MAX_TYPE_DEPTH {
+        return Err(UnifyError::TypeTooDeep { column: column.to_owned(), depth, limit: MAX_TYPE_DEPTH });
+    }
+    Ok(())
+}
+
+/// Largest row the row format can hold, and so the largest `max_row_bytes` a [`RowCodec`]
+/// takes (a larger one is taken as this): a row's key length and the end offsets of its
+/// variable-length values are `u32`s in the row, and so is a row's length in its row block
+/// ([`gritdb_memctl::MAX_ROW_LEN`]). A larger row would wrap them silently.
+pub const MAX_ROW_BYTES: usize = gritdb_memctl::MAX_ROW_LEN;
+
 /// Whether a `Decimal128(precision, scale)` column can be stored: precision 1..=38
 /// ([`arrow_schema::DECIMAL128_MAX_PRECISION`]) and scale 0..=precision.
 fn decimal128_storable(precision: u8, scale: i8) -> bool {
@@ -196,11 +261,17 @@ pub struct RowCodec {
 
 impl RowCodec {
     /// A codec for `schema` with primary-key columns `key_columns` (indices), refusing rows
-    /// that encode to more than `max_row_bytes`.
+    /// that encode to more than `max_row_bytes` (at most [`MAX_ROW_BYTES`]: a larger value is
+    /// taken as that).
     ///
     /// # Errors
-    /// [`UnifyError::UnsupportedType`] for a column type outside the supported list.
+    /// [`UnifyError::UnsupportedType`] for a column type outside the supported list;
+    /// [`UnifyError::TypeTooDeep`] for one nested deeper than [`MAX_TYPE_DEPTH`] (checked first).
     pub fn new(schema: SchemaRef, key_columns: &[usize], max_row_bytes: usize) -> Result<Self, UnifyError> {
+        for f in schema.fields() {
+            check_type_depth(f.name(), f.data_type())?;
+        }
+        let max_row_bytes = max_row_bytes.min(MAX_ROW_BYTES);
         let mut kinds = Vec::with_capacity(schema.fields().len());
         let mut slot_offsets = Vec::with_capacity(schema.fields().len());
         let bitmap_len = schema.fields().len().div_ceil(8);
@@ -252,7 +323,8 @@ impl RowCodec {
     ///
     /// # Errors
     /// [`UnifyError::SchemaMismatch`], [`UnifyError::NullKey`], [`UnifyError::NullInNonNullable`],
-    /// [`UnifyError::ValueOutOfRange`].
+    /// [`UnifyError::ValueOutOfRange`]; [`UnifyError::TypeTooDeep`] for a batch column whose
+    /// type nests deeper than [`MAX_TYPE_DEPTH`].
     pub fn validate(&self, batch: &RecordBatch) -> Result<(), UnifyError> {
         let want = self.schema.fields();
         let got = batch.schema();
@@ -279,7 +351,7 @@ impl RowCodec {
     /// Checks a batch that holds only the key columns (for delete).
     ///
     /// # Errors
-    /// [`UnifyError::SchemaMismatch`], [`UnifyError::NullKey`].
+    /// [`UnifyError::SchemaMismatch`], [`UnifyError::NullKey`], [`UnifyError::TypeTooDeep`].
     pub fn validate_keys(&self, batch: &RecordBatch) -> Result<(), UnifyError> {
         let want = self.keys.columns.iter().map(|&i| self.schema.field(i));
         let got = batch.schema();
@@ -507,6 +579,10 @@ fn check_columns<'a>(
 ) -> Result<(), UnifyError> {
     let want: Vec<_> = want.collect();
     let got: Vec<_> = got.collect();
+    // Before a type is compared or formatted below (both recurse once per level of nesting).
+    for (name, dt) in &got {
+        check_type_depth(name, dt)?;
+    }
     for (i, (name, dt)) in want.iter().enumerate() {
         match got.get(i) {
             None => {
@@ -812,5 +888,84 @@ mod tests {
                 assert!(check_decimal_precision(&f, &no_nulls).is_err(), "precision {p}, value {v}, no nulls");
             }
         }
+    }
+
+    /// A `List` of a `List` of ... `Int64`, `depth` levels deep (built without recursion).
+    fn deep_list(depth: usize) -> DataType {
+        let mut t = DataType::Int64;
+        for _ in 1..depth {
+            t = DataType::List(Arc::new(Field::new("item", t, true)));
+        }
+        t
+    }
+
+    /// Runs `work` on a thread with a stack of `bytes`.
+    fn on_stack<T: Send + 'static>(bytes: usize, work: impl FnOnce() -> T + Send + 'static) -> T {
+        std::thread::Builder::new().stack_size(bytes).spawn(work).expect("spawn").join().expect("no panic")
+    }
+
+    /// `type_depth` counts levels of every nested kind; a flat type is 1.
+    #[test]
+    fn type_depth_counts_levels() {
+        assert_eq!(type_depth(&DataType::Utf8), 1);
+        assert_eq!(type_depth(&deep_list(3)), 3);
+        let item = |t: DataType| Arc::new(Field::new("item", t, true));
+        let st = DataType::Struct(vec![Field::new("a", DataType::Int8, true), Field::new("b", deep_list(4), true)].into());
+        assert_eq!(type_depth(&st), 5);
+        assert_eq!(type_depth(&DataType::LargeList(item(st.clone()))), 6);
+        assert_eq!(type_depth(&DataType::FixedSizeList(item(st.clone()), 2)), 6);
+        assert_eq!(type_depth(&DataType::Dictionary(Box::new(DataType::Int32), Box::new(deep_list(2)))), 3);
+        let entries = DataType::Struct(vec![Field::new("k", DataType::Utf8, false), Field::new("v", st, true)].into());
+        assert_eq!(type_depth(&DataType::Map(Arc::new(Field::new("entries", entries, false)), false)), 7);
+    }
+
+    /// A column type nested past `MAX_TYPE_DEPTH` is `TypeTooDeep` at `RowCodec::new` (the
+    /// table's create) and at `validate` (a write's batch), on a thread with the default 2 MiB
+    /// stack, for a type 10,000 levels deep: nothing formats or compares it. Before, the
+    /// write's `SchemaMismatch` message formatted the type (Arrow's `Display` recurses once per
+    /// level) and overflowed the stack. At the limit a nested type is still the plain
+    /// `UnsupportedType`. (The deep type is built and dropped on a thread with a large stack:
+    /// Arrow's own constructors and drops of it recurse.)
+    #[test]
+    fn a_deeply_nested_column_type_is_refused_typed_not_formatted() {
+        let schema = |t: DataType| -> SchemaRef { Arc::new(arrow_schema::Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", t, true)])) };
+        assert!(matches!(
+            RowCodec::new(schema(deep_list(MAX_TYPE_DEPTH)), &[0], 1 << 20),
+            Err(UnifyError::UnsupportedType { column, .. }) if column == "v"
+        ));
+        assert!(matches!(
+            RowCodec::new(schema(deep_list(MAX_TYPE_DEPTH + 1)), &[0], 1 << 20),
+            Err(UnifyError::TypeTooDeep { column, depth, limit }) if column == "v" && depth == MAX_TYPE_DEPTH + 1 && limit == MAX_TYPE_DEPTH
+        ));
+        let deep = on_stack(256 << 20, move || {
+            let t = deep_list(10_000);
+            let batch = RecordBatch::try_new(schema(t.clone()), vec![Arc::new(arrow_array::Int64Array::from(Vec::<i64>::new())), arrow_array::new_empty_array(&t)]).expect("batch");
+            (schema(t), batch)
+        });
+        let deep = Arc::new(deep);
+        let shared = Arc::clone(&deep);
+        let (created, validated) = on_stack(2 << 20, move || {
+            let created = RowCodec::new(Arc::clone(&shared.0), &[0], 1 << 20).map(|_| ());
+            let table = RowCodec::new(schema(DataType::Int64), &[0], 1 << 20).expect("flat table");
+            let validated = table.validate(&shared.1);
+            let keys_validated = table.validate_keys(&shared.1.project(&[1]).expect("project"));
+            drop(shared);
+            (created.map_err(|e| e.to_string()), (validated.map_err(|e| e.to_string()), keys_validated.map_err(|e| e.to_string())))
+        });
+        let want = "column `v` has a type nested 10000 levels deep, more than 64; nested types are not supported";
+        assert_eq!(created, Err(want.to_owned()));
+        assert_eq!(validated.0, Err(want.to_owned()));
+        assert_eq!(validated.1, Err(want.to_owned()));
+        on_stack(256 << 20, move || drop(deep));
+    }
+
+    /// `max_row_bytes` above what the row format's `u32` lengths hold is taken as that
+    /// maximum, so no accepted row can wrap a length or offset.
+    #[test]
+    fn max_row_bytes_is_capped_at_u32_max() {
+        let s: SchemaRef = Arc::new(arrow_schema::Schema::new(vec![Field::new("k", DataType::Int64, false)]));
+        assert_eq!(RowCodec::new(Arc::clone(&s), &[0], usize::MAX).expect("codec").max_row_bytes, u32::MAX as usize);
+        assert_eq!(RowCodec::new(s, &[0], 1 << 20).expect("codec").max_row_bytes, 1 << 20);
+        assert_eq!(MAX_ROW_BYTES, u32::MAX as usize);
     }
 }

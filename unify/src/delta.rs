@@ -974,8 +974,17 @@ impl DeltaStore {
                     }
                 }
             }
+            // Offsets past what the column's layout holds were written wrapped above: `i32`
+            // offsets, and the `u32` buffer offsets of views. Never with the engine's batch
+            // sizes (at most 1 GiB, or one row of at most `u32::MAX` bytes), but `max_bytes`
+            // is the caller's.
             for (j, kind) in kinds.iter().enumerate() {
-                if *kind == ColKind::Off32 && i32::try_from(var_off[j]).is_err() {
+                let overflow = match kind {
+                    ColKind::Off32 => i32::try_from(var_off[j]).is_err(),
+                    ColKind::View => u32::try_from(var_off[j]).is_err(),
+                    _ => false,
+                };
+                if overflow {
                     return Err(UnifyError::Arrow(arrow_schema::ArrowError::OffsetOverflowError(var_off[j])));
                 }
             }

@@ -14,6 +14,20 @@ pub enum UnifyError {
         /// Its type.
         data_type: DataType,
     },
+    /// A column type nests deeper than [`crate::MAX_TYPE_DEPTH`] levels (a `List` of a
+    /// `Struct` of ... ). No nested type is a supported column type; this is the refusal of
+    /// one too deep to be shown in an error message, since formatting (and comparing) an Arrow
+    /// `DataType` recurses once per level: a type nested 100,000 deep aborted the process
+    /// being formatted into [`UnifyError::SchemaMismatch`].
+    #[error("column `{column}` has a type nested {depth} levels deep, more than {limit}; nested types are not supported")]
+    TypeTooDeep {
+        /// Column name.
+        column: String,
+        /// Nesting depth of its type ([`crate::type_depth`]).
+        depth: usize,
+        /// [`crate::MAX_TYPE_DEPTH`].
+        limit: usize,
+    },
     /// The batch's schema does not match the table's.
     #[error("schema mismatch: {detail}")]
     SchemaMismatch {

@@ -7,6 +7,13 @@
 //! stays with `DataFusion` only. A translated filter must also bind to the table schema (the
 //! literal's type comparable with the column's), else it is not pushed.
 //!
+//! A chain of one operator (`a OR b OR c ...`, which the SQL parser builds as a tree as deep as
+//! the chain is long) becomes one `Or` (`And`) of all its parts, walked with a heap stack: only
+//! alternations of `AND` and `OR` nest. A filter that would still nest deeper than
+//! [`MAX_FILTER_DEPTH`] − 1 levels (one level is kept for the `And` that joins a scan's pushed
+//! filters) is not pushed, and the translation stops descending there, so its recursion is
+//! bounded by that depth however deep the expression is.
+//!
 //! Comparisons of float columns are never pushed: gritdb's [`ScanFilter`] compares floats by
 //! IEEE 754 total order (`-0.0 < 0.0`), `DataFusion`'s filter as `PostgreSQL` does (`-0.0 =
 //! 0.0`, NaN above every number; measured), and a pushed filter is applied by both (`DataFusion` keeps its own
@@ -15,13 +22,19 @@
 //! statistics either (see `gritdb_storage::filter`), so nothing is lost by leaving them to
 //! `DataFusion`.
 
-use crate::{CompareOp, ScanFilter};
+use crate::{CompareOp, MAX_FILTER_DEPTH, ScanFilter};
 use arrow_schema::{DataType, Schema};
 use datafusion::logical_expr::{BinaryExpr, Expr, Operator};
 
+/// Deepest filter pushed: the scan joins its pushed filters in one more `And`.
+const MAX_PUSHED_DEPTH: usize = MAX_FILTER_DEPTH - 1;
+
 /// The [`ScanFilter`] equivalent to `expr` on `schema`, if there is one.
 pub(crate) fn translate(expr: &Expr, schema: &Schema) -> Option<ScanFilter> {
-    let f = to_scan_filter(expr, schema)?;
+    let f = to_scan_filter(expr, schema, 1)?;
+    if f.depth() > MAX_PUSHED_DEPTH {
+        return None;
+    }
     f.bind(schema).ok()?;
     Some(f)
 }
@@ -31,13 +44,27 @@ fn float_column(name: &str, schema: &Schema) -> bool {
     schema.field_with_name(name).is_ok_and(|f| matches!(f.data_type(), DataType::Float16 | DataType::Float32 | DataType::Float64))
 }
 
-fn to_scan_filter(expr: &Expr, schema: &Schema) -> Option<ScanFilter> {
+/// `expr` at nesting level `depth` of the filter being built (1: the root).
+fn to_scan_filter(expr: &Expr, schema: &Schema, depth: usize) -> Option<ScanFilter> {
+    if depth > MAX_PUSHED_DEPTH {
+        return None;
+    }
     match expr {
-        Expr::BinaryExpr(BinaryExpr { left, op: Operator::And, right }) => {
-            Some(ScanFilter::and([to_scan_filter(left, schema)?, to_scan_filter(right, schema)?]))
-        }
-        Expr::BinaryExpr(BinaryExpr { left, op: Operator::Or, right }) => {
-            Some(ScanFilter::or([to_scan_filter(left, schema)?, to_scan_filter(right, schema)?]))
+        Expr::BinaryExpr(BinaryExpr { op: chain @ (Operator::And | Operator::Or), .. }) => {
+            // The whole chain of this operator, left to right, with a heap stack: its parts
+            // are the operands that are not this operator (`a AND (b AND c)` is three parts).
+            let mut parts = Vec::new();
+            let mut todo = vec![expr];
+            while let Some(e) = todo.pop() {
+                match e {
+                    Expr::BinaryExpr(BinaryExpr { left, op, right }) if op == chain => {
+                        todo.push(right);
+                        todo.push(left);
+                    }
+                    part => parts.push(to_scan_filter(part, schema, depth + 1)?),
+                }
+            }
+            Some(if *chain == Operator::And { ScanFilter::and(parts) } else { ScanFilter::or(parts) })
         }
         Expr::BinaryExpr(BinaryExpr { left, op, right }) => {
             let op = compare_op(*op)?;
@@ -133,5 +160,55 @@ mod tests {
         assert_eq!(t(&col("x").between(lit(0.0f64), lit(1.0f64))), None);
         assert_eq!(t(&col("id").eq(lit(1i64)).and(col("x").eq(lit(0.0f64)))), None);
         assert_eq!(t(&col("x").is_null()).as_deref(), Some("x IS NULL"));
+    }
+
+    fn on_stack<T: Send + 'static>(bytes: usize, work: impl FnOnce() -> T + Send + 'static) -> T {
+        std::thread::Builder::new().stack_size(bytes).spawn(work).expect("spawn").join().expect("no panic")
+    }
+
+    /// A chain of 100,000 ORs (left-deep, as the SQL parser builds `a OR b OR c ...`) is one
+    /// `Or` of 100,000 parts (depth 2), translated on a thread with 256 KiB of stack: the
+    /// chain is walked with a heap stack. Before, the translation recursed once per OR and
+    /// overflowed the stack. ANDs and ORs alternating past the depth limit are not pushed
+    /// (left to `DataFusion`), with the recursion cut at the limit; at the limit they are.
+    /// (`DataFusion`'s own expressions are built and dropped on a large stack: its drop of a
+    /// deep `Expr` recurses.)
+    #[test]
+    fn long_chains_are_flattened_and_deep_nesting_is_not_pushed() {
+        let exprs = on_stack(512 << 20, || {
+            let mut chain = col("id").eq(lit(0i64));
+            for i in 1..100_000i64 {
+                chain = chain.or(col("id").eq(lit(i)));
+            }
+            let alternating = |depth: usize| {
+                let mut e = col("id").gt_eq(lit(500i64));
+                for level in 1..depth {
+                    e = if level % 2 == 1 { e.or(col("id").eq(lit(level as i64))) } else { e.and(col("s").is_not_null()) };
+                }
+                e
+            };
+            std::sync::Arc::new((chain, alternating(MAX_PUSHED_DEPTH), alternating(MAX_PUSHED_DEPTH + 1), alternating(100_000)))
+        });
+        let shared = std::sync::Arc::clone(&exprs);
+        let (chain, at_limit, past, far) = on_stack(256 << 10, move || {
+            let (chain, at_limit, past, far) = &*shared;
+            let t = |e: &Expr| translate(e, &schema()).map(|f| (f.depth(), f.to_string().len()));
+            (translate(chain, &schema()), t(at_limit), t(past), t(far))
+        });
+        let chain = chain.expect("a chain of ORs is pushed");
+        assert_eq!(chain.depth(), 2);
+        let ScanFilter::Or(parts) = &chain else { panic!("{}", &chain.to_string()[..100]) };
+        assert_eq!(parts.len(), 100_000);
+        assert_eq!(parts[0].to_string(), "id = 0");
+        assert_eq!(parts[99_999].to_string(), "id = 99999");
+        assert_eq!(at_limit.map(|(d, _)| d), Some(MAX_PUSHED_DEPTH));
+        assert_eq!(past, None);
+        assert_eq!(far, None);
+        // `a AND (b AND c)` and `(a AND b) AND c` are one AND of three parts.
+        let three = |e: &Expr| t(e).expect("pushed");
+        assert_eq!(three(&col("id").gt(lit(1i64)).and(col("id").lt(lit(9i64)).and(col("s").is_null()))), "(id > 1 AND id < 9 AND s IS NULL)");
+        assert_eq!(three(&col("id").gt(lit(1i64)).and(col("id").lt(lit(9i64))).and(col("s").is_null())), "(id > 1 AND id < 9 AND s IS NULL)");
+        assert_eq!(three(&col("id").gt(lit(1i64)).or(col("id").lt(lit(9i64)).and(col("s").is_null()))), "(id > 1 OR (id < 9 AND s IS NULL))");
+        on_stack(512 << 20, move || drop(exprs));
     }
 }

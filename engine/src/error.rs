@@ -123,7 +123,7 @@ pub enum Error {
         source: std::io::Error,
     },
     /// The data directory is already opened by another engine.
-    #[error("data directory {} is locked by another gritdb engine ({holder}); close it first", path.display())]
+    #[error("data directory {} is locked by another gritdb engine (the lock file names {holder}, the last process that took it); close it first", path.display())]
     Locked {
         /// The lock file.
         path: PathBuf,

@@ -138,7 +138,7 @@ fn data_dir_of(manifest: &Path) -> String {
     let table_dir = manifest.parent();
     match table_dir.and_then(Path::parent) {
         Some(tables) if tables.file_name().is_some_and(|n| n == "tables") => {
-            tables.parent().map_or_else(String::new, |d| format!(" {}", d.display()))
+            tables.parent().map_or_else(String::new, |d| format!(" `{}`", d.display()))
         }
         _ => String::new(),
     }

@@ -377,7 +377,7 @@ mod tests {
         let e = Manifest::parse(b"{", path).unwrap_err();
         let msg = e.to_string();
         assert!(msg.starts_with("corrupt manifest /srv/data/tables/t3/manifest.json: "), "{msg}");
-        assert!(msg.contains("The engine does not open its data directory /srv/data while one of its table manifests is refused"), "{msg}");
+        assert!(msg.contains("The engine does not open its data directory `/srv/data` while one of its table manifests is refused"), "{msg}");
         assert!(msg.ends_with("restore this manifest from a backup"), "{msg}");
         assert!(!msg.contains("The table cannot be opened"), "{msg}");
         let other = Manifest::parse(b"{", Path::new("m")).unwrap_err().to_string();

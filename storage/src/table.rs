@@ -70,7 +70,7 @@ impl FileGuard {
             return Err(StorageError::CorruptFile {
                 path: self.path.clone(),
                 detail: crate::error::damaged_at_read(&format!(
-                    "checksum mismatch: the manifest recorded CRC-32 {expected:08x}, the file's {len} bytes have {got:08x}"
+                    "checksum mismatch: the manifest recorded CRC-32 {expected}, the file's {len} bytes have {got}"
                 )),
             });
         }

@@ -763,7 +763,7 @@ fn a_reformatted_unsealed_or_unchecksummed_manifest_is_refused_saying_which() {
                 assert!(detail.contains(fragment), "{what}: {fragment:?} not in {detail}");
                 assert!(detail.contains("reseal"), "{what}: {detail}");
                 let msg = e.to_string();
-                let whole = format!("The engine does not open its data directory {} while one of its table manifests is refused", dir.path().display());
+                let whole = format!("The engine does not open its data directory `{}` while one of its table manifests is refused", dir.path().display());
                 assert!(msg.contains(&whole), "{what}: {msg}");
                 assert!(msg.contains(&manifest.display().to_string()), "{what}: {msg}");
             }

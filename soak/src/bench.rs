@@ -556,7 +556,7 @@ fn fresh_dir(args: &BenchArgs) -> Result<(PathBuf, bool)> {
 pub fn run_cli(args: &BenchArgs) -> Result<bool> {
     ensure!(args.runs >= 1, "--runs must be at least 1");
     if let Some(script) = &args.duckdb {
-        ensure!(script.is_file(), "--duckdb {}: no such file (the peer script is shared/peers/duckdb_ingest.py)", script.display());
+        ensure!(script.is_file(), "--duckdb {}: no such file (the peer script is shared/peers/duckdb_ingest.py of the workspace around the repository, /work/shared/peers/duckdb_ingest.py on the machine it was written on; a relative path is taken from the current directory)", script.display());
     }
     let (dir, temporary) = fresh_dir(args)?;
     let result = run(args, &dir, temporary);

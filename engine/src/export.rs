@@ -4,7 +4,7 @@
 //! gritdb's own data files are Parquet too, but a table's live rows are "files minus deletion
 //! vectors, merged with the in-memory deltas", which no other engine knows how to apply. An
 //! export writes exactly what [`Table::scan`] returns into one plain Parquet file (Arrow schema
-//! embedded, Snappy pages, column statistics), so pyarrow, `DuckDB`, Spark or `DataFusion` read
+//! embedded, Snappy pages ([`crate::EXPORT_COMPRESSION`]), column statistics), so pyarrow, `DuckDB`, Spark or `DataFusion` read
 //! the same rows gritdb does.
 //!
 //! ```text
@@ -272,6 +272,7 @@ impl Table {
         let file = vfs.create(tmp).map_err(|source| ExportError::Io { path: tmp.to_path_buf(), source })?;
         let sink = Sink { inner: file, seen: Arc::clone(&seen) };
         let props = gritdb_storage::data_file_properties(options.row_group_rows)
+            .set_compression(gritdb_storage::EXPORT_COMPRESSION)
             .set_created_by(format!("gritdb version {}", env!("CARGO_PKG_VERSION")))
             .build();
         let pq = |e: ParquetError| parquet_error(e, tmp, &seen);

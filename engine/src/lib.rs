@@ -44,7 +44,7 @@ pub use gritdb_storage::{CompareOp, FilterError, MAX_FILTER_DEPTH, ScanFilter, S
 pub use table::{Table, TableStats};
 /// The Parquet writer settings of gritdb's data files and exports, for a caller that writes
 /// files to compare with or load into gritdb's (the bench's raw-writer baseline does).
-pub use gritdb_storage::{DICTIONARY_PAGE_BYTES, data_file_properties};
+pub use gritdb_storage::{DATA_FILE_COMPRESSION, DICTIONARY_PAGE_BYTES, EXPORT_COMPRESSION, data_file_properties};
 /// What a scan reserves for a data file's metadata before parsing it, per encoded byte
 /// (docs/memory.md, "Not accounted").
 pub use gritdb_storage::{FOOTER_MEMORY_FACTOR, OFFSET_INDEX_MEMORY_FACTOR, PAGE_INDEX_MEMORY_FACTOR};

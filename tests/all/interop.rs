@@ -484,3 +484,51 @@ fn export_streams_in_row_groups_cut_by_bytes() {
     assert_eq!(file_totals(&out.path().join("whole.parquet")).0, expected);
     engine.close().unwrap();
 }
+
+/// Every column chunk's codec in the Parquet file at `path`, deduplicated.
+fn codecs(path: &Path) -> Vec<gritdb::parquet::basic::Compression> {
+    let reader = gritdb::parquet::file::reader::SerializedFileReader::new(std::fs::File::open(path).unwrap()).unwrap();
+    let meta = gritdb::parquet::file::reader::FileReader::metadata(&reader);
+    let mut out: Vec<_> = meta.row_groups().iter().flat_map(|g| g.columns().iter().map(|c| c.compression())).collect();
+    out.dedup();
+    out
+}
+
+/// Data files are written with `DATA_FILE_COMPRESSION` (`LZ4_RAW`, for the scan's decode
+/// speed) and exports with `EXPORT_COMPRESSION` (Snappy, for readers older than `LZ4_RAW`);
+/// the rows read back are the same either way.
+#[test]
+fn data_files_are_lz4_raw_and_exports_snappy() {
+    use gritdb::parquet::basic::Compression;
+    assert_eq!((gritdb::DATA_FILE_COMPRESSION, gritdb::EXPORT_COMPRESSION), (Compression::LZ4_RAW, Compression::SNAPPY));
+    let dir = tempfile::tempdir().unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(256 << 20)).unwrap();
+    let t = lineitem_table(&engine, &lineitem());
+    t.flush().unwrap();
+    let expected = scan_totals(&t);
+    assert_eq!(expected.count, 60_175);
+    let files: Vec<PathBuf> = walk(dir.path()).into_iter().filter(|p| p.extension().is_some_and(|e| e == "parquet")).collect();
+    assert!(!files.is_empty(), "a flush writes a data file");
+    let mut in_files = Totals { count: 0, quantity: 0, price: 0 };
+    for f in &files {
+        assert_eq!(codecs(f), [Compression::LZ4_RAW], "{}", f.display());
+        let (part, _) = file_totals(f);
+        (in_files.count, in_files.quantity, in_files.price) = (in_files.count + part.count, in_files.quantity + part.quantity, in_files.price + part.price);
+    }
+    assert_eq!(in_files, expected, "the data files hold the table (no deletes)");
+    let path = out.path().join("t.parquet");
+    t.export_parquet(&path).unwrap();
+    assert_eq!(codecs(&path), [Compression::SNAPPY]);
+    assert_eq!(file_totals(&path).0, expected);
+    engine.close().unwrap();
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() { out.extend(walk(&p)) } else { out.push(p) }
+    }
+    out
+}

@@ -434,9 +434,9 @@ fn count_sum(table: &Table) -> Result<(u64, i128)> {
 /// in the list of coded pairs). Longer strings fall back to comparing the strings. The sums go
 /// into per-group accumulators indexed by the group, without a branch on the group: TPC-H's
 /// groups change every few rows (an order's lines have random dates), so the previous "same
-/// group as the last row" test mispredicted often. When every value of both columns in a batch
-/// is one byte long (TPC-H's flags), the two bytes index a dense table of 65,536 groups instead,
-/// with no hash and no compare. History: comparing every row's strings with every group's took
+/// group as the last row" test mispredicted often. A row whose two values are each one byte
+/// long in `Utf8View` columns (TPC-H's flags) finds its group in a dense table of 65,536
+/// entries indexed by the two bytes instead, with no hash and no compare. History: comparing every row's strings with every group's took
 /// 7 of Q1's 15 ms at SF 0.1; the last-row test and a search took 4–6 ms of 11–19
 /// (docs/performance.md, fourteenth pass); the dense table takes the aggregation from 3.5 to
 /// 2.6 ms (twentieth pass).
@@ -457,7 +457,8 @@ pub fn q1(batches: impl IntoIterator<Item = Result<RecordBatch>>) -> Result<Vec<
     // (flag code, status code) of each group with short strings, and the group's index.
     let mut coded: Vec<((u64, u64), usize)> = Vec::new();
     // The group of each pair of one-byte values (flag byte << 8 | status byte), `NO_GROUP`
-    // until the pair is first seen. 256 KiB, allocated once per call.
+    // until the pair is first seen. 256 KiB, allocated once per call. A one-byte string is
+    // ASCII, so no byte pair of two distinct pairs of strings is the same.
     let mut dense = vec![NO_GROUP; 1 << 16];
     let find = |groups: &mut Vec<Q1Group>, acc: &mut Vec<[([i128; 3], u64); LANES]>, f: &str, s: &str| {
         groups.iter().position(|g| g.returnflag == f && g.linestatus == s).unwrap_or_else(|| {
@@ -478,52 +479,56 @@ pub fn q1(batches: impl IntoIterator<Item = Result<RecordBatch>>) -> Result<Vec<
         let price = decimal(col("l_extendedprice")?.as_ref(), "l_extendedprice")?;
         let disc = decimal(col("l_discount")?.as_ref(), "l_discount")?;
         let (qty, price, disc) = (qty.values(), price.values(), disc.values());
-        if let Some((fv, sv)) = one_byte_views(flag, status) {
-            // Every value of both columns is one byte long (TPC-H's flags): the pair of bytes
-            // indexes a dense table of groups, with no hash and no compare (Q1's aggregation
-            // in 2.6 ms against 3.5 ms with the slots below at SF 0.1, twentieth pass).
-            for (i, (&f, &s)) in fv.iter().zip(sv).enumerate() {
-                let pair = usize::from((f >> 32) as u8) << 8 | usize::from((s >> 32) as u8);
-                let mut g = dense[pair];
-                if g == NO_GROUP {
-                    g = u32::try_from(find(&mut groups, &mut acc, flag.value(i), status.value(i))).context("more than 2^32 groups")?;
-                    dense[pair] = g;
-                }
-                let (sums, count) = &mut acc[g as usize][i % LANES];
-                sums[0] += qty[i];
-                sums[1] += price[i];
-                sums[2] += disc[i];
-                *count += 1;
-            }
-            continue;
-        }
-        for i in 0..b.num_rows() {
-            let g = match (flag.short_code(i), status.short_code(i)) {
-                (Some(f), Some(s)) => {
-                    let slot = &mut slots[slot_of(f, s)];
-                    if slot.0 == (f, s) {
-                        slot.1
-                    } else {
-                        let g = if let Some(&(_, g)) = coded.iter().find(|c| c.0 == (f, s)) {
-                            g
-                        } else {
-                            let g = find(&mut groups, &mut acc, flag.value(i), status.value(i));
-                            coded.push(((f, s), g));
-                            g
-                        };
-                        if slot.0 == EMPTY {
-                            *slot = ((f, s), g);
-                        }
+        // The group of row `i` through the slots (any strings).
+        let mut slot_group = |groups: &mut Vec<Q1Group>, acc: &mut Vec<[([i128; 3], u64); LANES]>, i: usize| match (flag.short_code(i), status.short_code(i)) {
+            (Some(f), Some(s)) => {
+                let slot = &mut slots[slot_of(f, s)];
+                if slot.0 == (f, s) {
+                    slot.1
+                } else {
+                    let g = if let Some(&(_, g)) = coded.iter().find(|c| c.0 == (f, s)) {
                         g
+                    } else {
+                        let g = find(groups, acc, flag.value(i), status.value(i));
+                        coded.push(((f, s), g));
+                        g
+                    };
+                    if slot.0 == EMPTY {
+                        *slot = ((f, s), g);
                     }
+                    g
                 }
-                _ => find(&mut groups, &mut acc, flag.value(i), status.value(i)),
-            };
+            }
+            _ => find(groups, acc, flag.value(i), status.value(i)),
+        };
+        let mut add = |acc: &mut Vec<[([i128; 3], u64); LANES]>, g: usize, i: usize| {
             let (sums, count) = &mut acc[g][i % LANES];
             sums[0] += qty[i];
             sums[1] += price[i];
             sums[2] += disc[i];
             *count += 1;
+        };
+        if let (Strs::View(f), Strs::View(s)) = (flag, status) {
+            for (i, (&fv, &sv)) in f.views().iter().zip(s.views().iter()).enumerate() {
+                let g = if (fv as u32 ^ 1) | (sv as u32 ^ 1) == 0 {
+                    // Both values one byte long (TPC-H's flags): the pair of bytes indexes the
+                    // dense table, with no hash and no compare (Q1's aggregation in 2.6 ms
+                    // against 3.5 ms through the slots at SF 0.1, twentieth pass).
+                    let pair = usize::from((fv >> 32) as u8) << 8 | usize::from((sv >> 32) as u8);
+                    if dense[pair] == NO_GROUP {
+                        dense[pair] = u32::try_from(find(&mut groups, &mut acc, f.value(i), s.value(i))).context("more than 2^32 groups")?;
+                    }
+                    dense[pair] as usize
+                } else {
+                    slot_group(&mut groups, &mut acc, i)
+                };
+                add(&mut acc, g, i);
+            }
+        } else {
+            for i in 0..b.num_rows() {
+                let g = slot_group(&mut groups, &mut acc, i);
+                add(&mut acc, g, i);
+            }
         }
     }
     for (g, lanes) in groups.iter_mut().zip(acc) {
@@ -533,15 +538,6 @@ pub fn q1(batches: impl IntoIterator<Item = Result<RecordBatch>>) -> Result<Vec<
     }
     groups.sort_by(|a, b| (&a.returnflag, &a.linestatus).cmp(&(&b.returnflag, &b.linestatus)));
     Ok(groups)
-}
-
-/// The views of two `Utf8View` columns whose every value is exactly one byte long (the byte
-/// is then the view's fifth byte), or `None`. Nulls are one-byte views too only if their view
-/// says so; callers of [`q1`] read non-null columns.
-fn one_byte_views<'a>(a: Strs<'a>, b: Strs<'a>) -> Option<(&'a [u128], &'a [u128])> {
-    let (Strs::View(a), Strs::View(b)) = (a, b) else { return None };
-    let one = |v: &[u128]| v.iter().all(|&x| x as u32 == 1);
-    (one(a.views()) && one(b.views())).then(|| (&a.views()[..], &b.views()[..]))
 }
 
 /// [`q1`] over `threads` partitions of one snapshot of `table` (`Table::scan_partitions`),
@@ -1265,10 +1261,10 @@ mod tests {
         assert_eq!(got, want);
     }
 
-    /// Batches whose flags are all one byte (the dense table) and batches that are not (empty
-    /// and longer strings, `Utf8`, through the slots) find the same groups: each pair's sums
-    /// and count are those of the rows, whichever path saw it first. A sliced batch reads its
-    /// own views only.
+    /// Rows whose flags are both one byte (the dense table) and rows that are not (empty and
+    /// longer strings in the same batch, `Utf8` batches: through the slots) find the same
+    /// groups: each pair's sums and count are those of its rows, whichever path saw it first.
+    /// A sliced batch reads its own views only.
     #[test]
     fn q1_dense_pairs_and_slot_pairs_agree() {
         use arrow::array::{ArrayRef, Decimal128Array, StringArray, StringViewArray};
@@ -1300,9 +1296,6 @@ mod tests {
             batch(false, &one, &["O", "F", "Z"], 900, 11),
             batch(true, &["N", "A", "Q"], &["F", "Z"], 2_000, 5).slice(17, 1_500),
         ];
-        assert!(one_byte_views(Strs::of(input[0].column(0).as_ref()).unwrap(), Strs::of(input[0].column(1).as_ref()).unwrap()).is_some());
-        assert!(one_byte_views(Strs::of(input[1].column(0).as_ref()).unwrap(), Strs::of(input[1].column(1).as_ref()).unwrap()).is_none());
-        assert!(one_byte_views(Strs::of(input[3].column(0).as_ref()).unwrap(), Strs::of(input[3].column(1).as_ref()).unwrap()).is_some());
         let mut want: std::collections::BTreeMap<(String, String), (i128, i128, i128, u64)> = std::collections::BTreeMap::new();
         for batch in &input {
             let (flag, status) = (Strs::of(batch.column(0).as_ref()).unwrap(), Strs::of(batch.column(1).as_ref()).unwrap());

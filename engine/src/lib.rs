@@ -32,7 +32,7 @@ mod writer;
 
 pub use config::{BackgroundPriority, EngineConfig};
 pub use engine::{DEFAULT_DATA_DIR, Engine, MAX_THREADS, RESERVED_TABLE_PREFIX};
-pub use error::{Error, Result};
+pub use error::{DataDirFound, Error, Result};
 /// The error types [`Error`] wraps ([`Error::Input`], [`Error::Storage`], [`Error::Memory`]),
 /// so a caller can match on their typed fields (e.g. `UnifyError::NullKey { column, row }`).
 pub use gritdb_memctl::MemoryError;

@@ -190,7 +190,10 @@ fn data_dir_problems_and_exclusive_lock() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("a-file");
     std::fs::write(&file, b"x").unwrap();
-    assert!(matches!(Engine::open(&file, EngineConfig::default()), Err(Error::Io { .. })));
+    assert!(matches!(
+        Engine::open(&file, EngineConfig::default()),
+        Err(Error::NotADataDir { found: gritdb::DataDirFound::NotADirectory, .. })
+    ));
     let data = dir.path().join("data");
     let first = Engine::open(&data, EngineConfig::default().memory_limit(64 << 20)).unwrap();
     match Engine::open(&data, EngineConfig::default().memory_limit(64 << 20)) {

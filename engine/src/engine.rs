@@ -1071,8 +1071,11 @@ impl Engine {
         Ok(())
     }
 
-    /// Tables whose last flush failed, with the error text: the engine is degraded while this
-    /// is not empty (rows stay in memory and are served; flushes are retried).
+    /// Tables whose last flush failed, or whose compaction after a committed flush failed
+    /// (the text then begins with [`crate::COMPACTION_FAILED`]; the flush returned `Ok` and
+    /// its rows are durable), with the error text: the engine is degraded while this is not
+    /// empty (rows not yet committed stay in memory and are served; flushes and compactions
+    /// are retried by the next flush).
     pub fn degraded_tables(&self) -> Vec<(String, String)> {
         self.inner
             .all_tables()

@@ -41,7 +41,7 @@ pub use gritdb_unify::UnifyError;
 pub use export::{ExportError, ExportOptions, ExportStats};
 pub use scan::{RETAIN_RATIO, Scan, ScanOptions, compact_if_sparse, retained_bytes};
 pub use gritdb_storage::{CompareOp, FilterError, MAX_FILTER_DEPTH, ScanFilter, ScanMetrics, WalSync};
-pub use table::{Table, TableStats};
+pub use table::{COMPACTION_FAILED, Table, TableStats};
 /// The Parquet writer settings of gritdb's data files and exports, for a caller that writes
 /// files to compare with or load into gritdb's (the bench's raw-writer baseline does).
 pub use gritdb_storage::{DICTIONARY_PAGE_BYTES, data_file_properties};

@@ -62,6 +62,9 @@ enum Open {
     Angle,
     /// The `(` of `NULLABLE(`, `LOWCARDINALITY(`, `MAP(`, `TUPLE(`, `NESTED(`: a nested type.
     TypeParen,
+    /// `CASE`, closed by `END`: `WHEN`, `THEN` and `ELSE` separate its parts as commas do
+    /// (its branches are siblings), so a `CASE` of 10,000 branches is shallow.
+    Case,
 }
 
 #[derive(Clone, Copy, Default)]
@@ -110,8 +113,9 @@ pub(crate) struct TokenDepth {
 /// Scans `tokens` without recursion for [`TokenDepth`]. Within a bracketed group, a tree
 /// built from a comma-separated part is at most as deep as the part's tokens plus its deepest
 /// inner group (commas only ever separate siblings: select items, arguments, list elements);
-/// a chain of set operations spans commas and is added on top. `(`, `[`, `{` and the `<` of
-/// `ARRAY<`, `STRUCT<` and `MAP<` open groups.
+/// a chain of set operations spans commas and is added on top. `(`, `[`, `{`, the `<` of
+/// `ARRAY<`, `STRUCT<` and `MAP<`, and `CASE` (to its `END`, parts separated by `WHEN`,
+/// `THEN`, `ELSE`) open groups.
 pub(crate) fn token_depth(tokens: &[Token]) -> TokenDepth {
     let mut levels = vec![Level::default()];
     let mut previous_word = Keyword::NoKeyword;
@@ -192,6 +196,27 @@ pub(crate) fn token_depth(tokens: &[Token]) -> TokenDepth {
                 }
             }
             Token::Comma => top(&mut levels).end_part(),
+            Token::Word(w) if w.quote_style.is_none() && w.keyword == Keyword::CASE => {
+                top(&mut levels).part += 1;
+                levels.push(Level {
+                    open: Open::Case,
+                    start: seen,
+                    ..Level::default()
+                });
+            }
+            Token::Word(w)
+                if matches!(w.keyword, Keyword::WHEN | Keyword::THEN | Keyword::ELSE)
+                    && levels.last().is_some_and(|l| l.open == Open::Case) =>
+            {
+                top(&mut levels).end_part();
+            }
+            Token::Word(w)
+                if w.keyword == Keyword::END
+                    && levels.len() > 1
+                    && levels.last().is_some_and(|l| l.open == Open::Case) =>
+            {
+                close(&mut levels, &mut types_open);
+            }
             token => {
                 let level = top(&mut levels);
                 level.part += 1;
@@ -461,6 +486,28 @@ mod tests {
                 &sql[..sql.len().min(80)]
             );
         }
+        // A CASE of 10,000 branches is flat: its branches are siblings.
+        let branches = format!(
+            "SELECT CASE {} ELSE 0 END FROM t",
+            (0..10_000)
+                .map(|i| format!("WHEN a + 1 = {i} THEN {i}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+        assert!(tokens(&branches) < 20, "{}", tokens(&branches));
+        // ... and a deep path through one stays counted: the chain before the CASE, the CASE,
+        // the chain inside its condition.
+        let through = format!(
+            "SELECT {} + CASE WHEN {} = 1 THEN 1 END FROM t",
+            vec!["a"; 500].join(" + "),
+            vec!["b"; 500].join(" + ")
+        );
+        assert!(
+            tokens(&through) >= depth(&through).unwrap(),
+            "{} < {:?}",
+            tokens(&through),
+            depth(&through)
+        );
         // A flat list stays shallow for the token bound too.
         assert!(
             tokens(&format!(

@@ -68,6 +68,12 @@ pub struct EngineConfig {
     /// The file layer data files, deletion vectors and manifests are written through.
     /// Default: the real file system ([`StdFs`]). Tests pass a [`gritdb_storage::FaultFs`].
     pub vfs: Arc<dyn Vfs>,
+    /// Whether [`crate::Engine::open`] creates a data directory that does not exist (with its
+    /// missing parents). Default `true`; with `false` a missing directory is
+    /// [`crate::Error::NotADataDir`] (`found:` [`crate::DataDirFound::Missing`]), as `RocksDB`'s
+    /// `create_if_missing = false` refuses. An existing directory is opened either way when it
+    /// is empty or a gritdb data directory, and refused when it holds anything else.
+    pub create_if_missing: bool,
 }
 
 impl Default for EngineConfig {
@@ -88,6 +94,7 @@ impl Default for EngineConfig {
             sql_scan_partitions: 1,
             wal_sync: WalSync::PerBatch,
             wal_sync_interval: Duration::from_millis(10),
+            create_if_missing: true,
         }
     }
 }
@@ -191,6 +198,13 @@ impl EngineConfig {
     #[must_use]
     pub fn sql_scan_partitions(mut self, n: usize) -> Self {
         self.sql_scan_partitions = n.max(1);
+        self
+    }
+
+    /// Sets whether a missing data directory is created (see [`Self::create_if_missing`]).
+    #[must_use]
+    pub fn create_if_missing(mut self, create: bool) -> Self {
+        self.create_if_missing = create;
         self
     }
 

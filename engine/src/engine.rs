@@ -1,5 +1,5 @@
 use crate::config::EngineConfig;
-use crate::error::{Error, Result, io};
+use crate::error::{DataDirFound, Error, Result, io};
 use crate::table::{Table, TableInner, lock};
 use crate::writer::Writer;
 use arrow_schema::SchemaRef;
@@ -549,6 +549,51 @@ fn validate_name(name: &str) -> Result<()> {
     Ok(())
 }
 
+/// Entries of a directory that do not make it someone else's: `lost+found`, which `mkfs`
+/// leaves at the root of a new ext2/3/4 file system (a data directory on its own volume).
+const IGNORED_ENTRIES: [&str; 1] = ["lost+found"];
+
+/// Names a foreign directory's error lists (the rest are counted).
+const LISTED_ENTRIES: usize = 5;
+
+/// Refuses a path [`Engine::open`] must not use as its data directory: a missing one when
+/// `create` is off, something other than a directory, or a directory that holds entries but
+/// neither of the two entries every gritdb data directory has had since the first format:
+/// the `LOCK` file (created first at every open) and the `tables/` directory. An empty
+/// directory is a new data directory.
+fn check_data_dir(dir: &Path, create: bool) -> Result<()> {
+    let refuse = |found| Err(Error::NotADataDir { path: dir.to_path_buf(), found });
+    let meta = match fs::metadata(dir) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return if create { Ok(()) } else { refuse(DataDirFound::Missing) };
+        }
+        Err(e) => return Err(Error::Io { path: dir.to_path_buf(), source: e }),
+    };
+    if !meta.is_dir() {
+        return refuse(DataDirFound::NotADirectory);
+    }
+    let mut names = Vec::new();
+    for entry in fs::read_dir(dir).map_err(io(dir))? {
+        let entry = entry.map_err(io(dir))?;
+        let name = entry.file_name();
+        let is = |kind: fn(&fs::FileType) -> bool| entry.file_type().is_ok_and(|t| kind(&t));
+        if (name == "LOCK" && is(fs::FileType::is_file)) || (name == "tables" && is(fs::FileType::is_dir)) {
+            return Ok(());
+        }
+        if !IGNORED_ENTRIES.iter().any(|i| name == *i) {
+            names.push(name.to_string_lossy().into_owned());
+        }
+    }
+    if names.is_empty() {
+        return Ok(());
+    }
+    names.sort();
+    let total = names.len();
+    names.truncate(LISTED_ENTRIES);
+    refuse(DataDirFound::Foreign { entries: names, total })
+}
+
 /// The registry key for a table name: the exact name, else the one name equal to it ignoring
 /// case. `create_table` refuses names equal ignoring case, so the match is unique; SQL (which
 /// folds unquoted identifiers to lower case) and the Rust API find the same table.
@@ -561,15 +606,21 @@ fn resolve_name(tables: &BTreeMap<String, Arc<TableInner>>, name: &str) -> Optio
 }
 
 impl Engine {
-    /// Opens (creating if needed) the data directory `dir`.
+    /// Opens the data directory `dir`: an existing gritdb data directory, an empty directory,
+    /// or a path that does not exist yet (created with its parents unless
+    /// [`EngineConfig::create_if_missing`] is off).
+    ///
+    /// A directory that holds anything else (no `LOCK` file, no `tables/` directory: someone
+    /// else's files) is refused and left as it was, nothing created in it.
     ///
     /// Takes an exclusive lock on `dir/LOCK`, removes leftovers of interrupted drops and
     /// creates, and opens every table (manifest, deletion vectors, key index).
     ///
     /// # Errors
-    /// [`Error::Io`] when `dir` cannot be created or is not a directory or not writable,
-    /// [`Error::Locked`] when another engine holds it, [`Error::Config`] for a bad
-    /// configuration, [`Error::Storage`] for a corrupt table.
+    /// [`Error::NotADataDir`] when `dir` is missing and may not be created, is not a
+    /// directory, or is a non-empty directory that is not gritdb's; [`Error::Io`] when `dir`
+    /// cannot be read, created or written; [`Error::Locked`] when another engine holds it,
+    /// [`Error::Config`] for a bad configuration, [`Error::Storage`] for a corrupt table.
     pub fn open(dir: impl AsRef<Path>, config: EngineConfig) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
         if dir.as_os_str().is_empty() {
@@ -613,12 +664,9 @@ impl Engine {
             chunk_size: config.chunk_size,
             ..ControllerConfig::default()
         })?;
-        if dir.exists() && !dir.is_dir() {
-            return Err(Error::Io {
-                path: dir.clone(),
-                source: std::io::Error::new(std::io::ErrorKind::NotADirectory, "data dir path is a file"),
-            });
-        }
+        // Nothing is created in a directory that is not gritdb's, nor a directory the config
+        // does not allow to create (before: any directory was taken and written into).
+        check_data_dir(&dir, config.create_if_missing)?;
         fs::create_dir_all(&dir).map_err(io(&dir))?;
         let lock_path = dir.join("LOCK");
         let mut lock_file = fs::OpenOptions::new()
@@ -1023,8 +1071,11 @@ impl Engine {
         Ok(())
     }
 
-    /// Tables whose last flush failed, with the error text: the engine is degraded while this
-    /// is not empty (rows stay in memory and are served; flushes are retried).
+    /// Tables whose last flush failed, or whose compaction after a committed flush failed
+    /// (the text then begins with [`crate::COMPACTION_FAILED`]; the flush returned `Ok` and
+    /// its rows are durable), with the error text: the engine is degraded while this is not
+    /// empty (rows not yet committed stay in memory and are served; flushes and compactions
+    /// are retried by the next flush).
     pub fn degraded_tables(&self) -> Vec<(String, String)> {
         self.inner
             .all_tables()

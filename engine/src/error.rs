@@ -122,6 +122,15 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// [`crate::Engine::open`] refused the path as a data directory, and left it as it was
+    /// (nothing created in it: no `LOCK`, no `tables/`).
+    #[error("{} is not a gritdb data directory: {found}", path.display())]
+    NotADataDir {
+        /// The path given to `Engine::open`.
+        path: PathBuf,
+        /// What is there instead.
+        found: DataDirFound,
+    },
     /// The data directory is already opened by another engine.
     #[error("data directory {} is locked by another gritdb engine (the lock file names {holder}, the last process that took it); close it first", path.display())]
     Locked {
@@ -148,6 +157,46 @@ pub enum Error {
         #[source]
         source: Box<datafusion::error::DataFusionError>,
     },
+}
+
+/// What [`Error::NotADataDir`] found at the path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DataDirFound {
+    /// Nothing: the path does not exist, and [`crate::EngineConfig::create_if_missing`] is
+    /// off.
+    Missing,
+    /// A file (or anything else that is not a directory).
+    NotADirectory,
+    /// A directory with entries but neither the `LOCK` file nor the `tables/` directory every
+    /// gritdb data directory has: someone else's files.
+    Foreign {
+        /// The first entry names in sorted order (at most 5).
+        entries: Vec<String>,
+        /// How many entries the directory holds (`lost+found` is not counted).
+        total: usize,
+    },
+}
+
+impl std::fmt::Display for DataDirFound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DataDirFound::Missing => {
+                f.write_str("it does not exist, and EngineConfig::create_if_missing is off (turn it on to create the directory)")
+            }
+            DataDirFound::NotADirectory => f.write_str("it is a file, not a directory"),
+            DataDirFound::Foreign { entries, total } => {
+                let listed = entries.iter().map(|e| format!("`{e}`")).collect::<Vec<_>>().join(", ");
+                let more = total.saturating_sub(entries.len());
+                let more = if more > 0 { format!(" and {more} more") } else { String::new() };
+                write!(
+                    f,
+                    "the directory is not empty ({listed}{more}) and has no `LOCK` file or `tables/` directory of a gritdb data directory; \
+                     nothing was created in it. Give a new or empty directory, or an existing gritdb data directory"
+                )
+            }
+        }
+    }
 }
 
 fn top_list(top: &[Consumer]) -> String {

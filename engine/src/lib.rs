@@ -32,7 +32,7 @@ mod writer;
 
 pub use config::{BackgroundPriority, EngineConfig};
 pub use engine::{DEFAULT_DATA_DIR, Engine, MAX_THREADS, RESERVED_TABLE_PREFIX};
-pub use error::{Error, Result};
+pub use error::{DataDirFound, Error, Result};
 /// The error types [`Error`] wraps ([`Error::Input`], [`Error::Storage`], [`Error::Memory`]),
 /// so a caller can match on their typed fields (e.g. `UnifyError::NullKey { column, row }`).
 pub use gritdb_memctl::MemoryError;
@@ -41,7 +41,7 @@ pub use gritdb_unify::UnifyError;
 pub use export::{ExportError, ExportOptions, ExportStats};
 pub use scan::{RETAIN_RATIO, Scan, ScanOptions, compact_if_sparse, retained_bytes};
 pub use gritdb_storage::{CompareOp, FilterError, MAX_FILTER_DEPTH, ScanFilter, ScanMetrics, WalSync};
-pub use table::{Table, TableStats};
+pub use table::{COMPACTION_FAILED, Table, TableStats};
 /// The Parquet writer settings of gritdb's data files and exports, for a caller that writes
 /// files to compare with or load into gritdb's (the bench's raw-writer baseline does).
 pub use gritdb_storage::{DATA_FILE_COMPRESSION, DICTIONARY_PAGE_BYTES, EXPORT_COMPRESSION, data_file_properties};

@@ -348,17 +348,25 @@ impl TableInner {
                 None => break, // the table was dropped
             }
         }
-        // A compaction's I/O error fails the flush like a commit's does (the disk is in
-        // trouble: the table shows as degraded), though the flushed rows are committed; a
-        // later flush retries it. A flush that gets this far with no error ends the degraded
-        // state.
+        // Every row this flush took is committed (manifest durable) by now: the flush has
+        // succeeded, whatever the compaction after it does. A compaction that fails (I/O, a
+        // damaged input file) leaves the committed files as they were; it is reported where
+        // failures of background work are — a warning, `Table::stats().last_flush_error` and
+        // `Engine::degraded_tables` — and retried by the next flush. (Before, its error was
+        // the flush's, and a caller retried or gave up on rows that were already durable.) A
+        // flush that gets this far with no error ends the degraded state.
         let compacted = self.compact(4, threads);
-        if let Ok(mut g) = self.state()
-            && let Some(st) = g.as_mut()
-        {
-            st.last_flush_error = compacted.as_ref().err().map(ToString::to_string);
+        match (lock(&self.state).as_mut(), compacted) {
+            (Some(st), Ok(())) => st.last_flush_error = None,
+            (Some(st), Err(e)) => {
+                tracing::warn!(table = %self.name, error = %e, "compaction failed after a flush committed; the flushed rows are durable, the compaction is retried by the next flush");
+                st.last_flush_error = Some(format!("{COMPACTION_FAILED}{e}"));
+            }
+            // The table was dropped meanwhile, its compaction stopped by the drop: the drop's
+            // error, as the flush's rows are gone with the table.
+            (None, Err(e)) => return Err(e),
+            (None, Ok(())) => {}
         }
-        compacted?;
         Ok(rows)
     }
 
@@ -525,6 +533,10 @@ impl TableInner {
         }
     }
 }
+
+/// How [`TableStats::last_flush_error`] and `Engine::degraded_tables` begin the error of a
+/// compaction that failed after its flush committed (the flush itself returned `Ok`).
+pub const COMPACTION_FAILED: &str = "compaction after a committed flush failed (the flushed rows are durable; retried by the next flush): ";
 
 /// A handle to one table. Cheap to clone; every method is thread-safe.
 ///
@@ -873,9 +885,15 @@ impl Table {
     /// and its rows are not counted, so after a steady load this is often 0 (or only the
     /// rows of the last, unsealed delta) although everything is durable when it returns.
     ///
+    /// A compaction that runs after the commit (merging small files, rewriting files with
+    /// many deleted rows) and fails does not fail the flush: its rows are durable when it
+    /// returns `Ok`. The compaction's failure is logged, shown in
+    /// [`TableStats::last_flush_error`] and `Engine::degraded_tables` (beginning with
+    /// [`COMPACTION_FAILED`]) and retried by the next flush.
+    ///
     /// # Errors
-    /// [`Error::Storage`] on I/O failure (the rows stay in memory and are retried by the next
-    /// flush), [`Error::MemoryLimit`].
+    /// [`Error::Storage`] on I/O failure of the commit (the rows stay in memory and are
+    /// retried by the next flush), [`Error::MemoryLimit`].
     pub fn flush(&self) -> Result<u64> {
         {
             let mut g = self.inner.state()?;
@@ -986,7 +1004,10 @@ pub struct TableStats {
     /// Manifest version of the last commit.
     pub manifest_version: u64,
     /// The error of the last flush (background or called) if it failed: a data file, deletion
-    /// vector, manifest or compaction write. Cleared by the next flush that succeeds.
+    /// vector or manifest write (the flush returned that error; its rows stay in memory), or
+    /// the compaction after a flush that committed (the text begins with
+    /// [`COMPACTION_FAILED`]; the flush returned `Ok`, its rows are durable). Cleared by the
+    /// next flush that commits and compacts without error.
     pub last_flush_error: Option<String>,
 }
 

@@ -127,8 +127,8 @@ pub(crate) fn damaged_at_open(table: &str, detail: &str) -> String {
 /// read (a scan, or a compaction's), with what that means and what to do.
 pub(crate) fn damaged_at_read(detail: &str) -> String {
     format!(
-        "{detail}. Scans of this table that reach the file fail, and so do flushes that compact it (Engine::degraded_tables then lists \
-         the table); other tables are unaffected. To read it whole again, {RESTORE}"
+        "{detail}. Scans of this table that reach the file fail, and so do the compactions that read it (Engine::degraded_tables then \
+         lists the table); other tables are unaffected. To read it whole again, {RESTORE}"
     )
 }
 

@@ -111,6 +111,8 @@ pub enum FsOp {
 struct FaultState {
     fail_at: Option<(u64, i32)>,
     fail_all: Option<i32>,
+    /// Operations on paths containing this fail with the errno (`None`: none).
+    fail_paths: Option<(String, i32)>,
     stall: bool,
     /// Only paths containing this are stalled (`None`: all).
     stall_filter: Option<String>,
@@ -152,6 +154,13 @@ impl FaultFs {
     /// Makes every write-side operation fail with `errno` until [`Self::heal`].
     pub fn fail_all(&self, errno: i32) {
         self.lock().fail_all = Some(errno);
+    }
+
+    /// Makes every write-side operation on a path containing `pattern` fail with `errno`
+    /// until [`Self::heal`] (for example the name of the file a compaction will write, to
+    /// fail it and nothing before it).
+    pub fn fail_paths(&self, pattern: &str, errno: i32) {
+        self.lock().fail_paths = Some((pattern.to_owned(), errno));
     }
 
     /// Blocks every following write and fsync until [`Self::heal`].
@@ -199,6 +208,11 @@ impl FaultFs {
         }
         if let Some(errno) = s.fail_all {
             return Err(io::Error::from_raw_os_error(errno));
+        }
+        if let Some((pattern, errno)) = &s.fail_paths
+            && path.to_string_lossy().contains(pattern.as_str())
+        {
+            return Err(io::Error::from_raw_os_error(*errno));
         }
         if let Some((at, errno)) = s.fail_at
             && at == step

@@ -277,3 +277,73 @@ fn flushes_in_flight_counts_a_background_flush_until_it_commits() {
     wait_until("the flush to commit", || engine.flushes_in_flight() == 0);
     assert_eq!((t.stats().unwrap().files, t.row_count().unwrap()), (1, 1_000));
 }
+
+/// A flush whose commit succeeded and whose compaction after it fails returns `Ok`: its rows
+/// are committed in files (they read back after a reopen without the write-ahead log). The
+/// compaction's failure is reported where background failures are: the table is in
+/// `Engine::degraded_tables` and its `last_flush_error`, both beginning with
+/// `gritdb::COMPACTION_FAILED`; the next flush retries the compaction and clears them.
+/// Before, the flush returned the compaction's I/O error although its rows were durable.
+#[test]
+fn a_compaction_failure_after_a_committed_flush_is_not_the_flushs_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let fs = FaultFs::new();
+    let config = || EngineConfig::default().memory_limit(64 << 20).flush_age(Duration::from_hours(1));
+    let engine = Engine::open(dir.path(), config().vfs(Arc::new(fs.clone()))).unwrap();
+    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
+    for f in 0..3 {
+        t.insert(&composite_batch(&rows(f * 10_000, 10_000))).unwrap();
+        t.flush().unwrap();
+    }
+    assert_eq!(t.stats().unwrap().files, 3);
+    // The fourth flush commits f000004; the merge of the four small files after it would
+    // write f000005: every write to that file fails (EIO).
+    t.insert(&composite_batch(&rows(30_000, 10_000))).unwrap();
+    t.delete(&composite_keys(&[(5, 0), (10_005, 0)])).unwrap();
+    fs.fail_paths("f000005", libc::EIO);
+    let mut model: std::collections::BTreeMap<_, _> = rows(0, 40_000).into_iter().collect();
+    model.remove(&(5, 0));
+    model.remove(&(10_005, 0));
+    assert_eq!(t.flush().unwrap(), 10_000, "the flush committed its rows and says so");
+    let stats = t.stats().unwrap();
+    assert_eq!((stats.files, stats.sealed_deltas, stats.active_delta_bytes), (4, 0, 0), "committed, not compacted: {stats:?}");
+    let error = stats.last_flush_error.expect("the compaction's failure is recorded");
+    assert!(error.starts_with(gritdb::COMPACTION_FAILED) && error.contains("I/O error"), "{error}");
+    assert_eq!(engine.degraded_tables(), vec![("t".to_owned(), error)]);
+    assert!(tmp_files(dir.path()).is_empty(), "{:?}", tmp_files(dir.path()));
+    assert_eq!(collect_composite(t.scan(ScanOptions::default()).unwrap()), model);
+    // Durable: the rows are in committed files, not only in the write-ahead log.
+    drop(t);
+    drop(engine);
+    let copy = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(dir.path().join("tables")).unwrap() {
+        let table = entry.unwrap().path();
+        let to = copy.path().join("tables").join(table.file_name().unwrap());
+        std::fs::create_dir_all(&to).unwrap();
+        for f in std::fs::read_dir(&table).unwrap() {
+            let f = f.unwrap().path();
+            std::fs::copy(&f, to.join(f.file_name().unwrap())).unwrap();
+        }
+    }
+    let engine = Engine::open(copy.path(), config()).unwrap();
+    assert_eq!(collect_composite(engine.table("t").unwrap().scan(ScanOptions::default()).unwrap()), model, "without the log");
+    drop(engine);
+    // The fault gone, the next flush (nothing new) compacts and clears the record.
+    fs.heal();
+    let engine = Engine::open(dir.path(), config().vfs(Arc::new(fs.clone()))).unwrap();
+    let t = engine.table("t").unwrap();
+    assert!(engine.degraded_tables().is_empty(), "a reopen starts clean");
+    fs.fail_paths("f000005", libc::EIO);
+    t.flush().unwrap();
+    assert_eq!(engine.degraded_tables().len(), 1, "retried by the next flush, failed again");
+    fs.heal();
+    t.flush().unwrap();
+    let stats = t.stats().unwrap();
+    assert!(stats.last_flush_error.is_none() && engine.degraded_tables().is_empty(), "{stats:?}");
+    assert!(stats.files < 4, "compacted: {stats:?}");
+    assert_eq!(collect_composite(t.scan(ScanOptions::default()).unwrap()), model);
+    drop(t);
+    engine.close().unwrap();
+    let engine = Engine::open(dir.path(), config()).unwrap();
+    assert_eq!(collect_composite(engine.table("t").unwrap().scan(ScanOptions::default()).unwrap()), model);
+}

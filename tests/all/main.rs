@@ -29,6 +29,7 @@ mod breaker_trial6;
 mod compaction;
 mod crash;
 mod create_drop;
+mod data_dir;
 mod drop_faults;
 mod drop_flush;
 mod faults;

@@ -650,3 +650,118 @@ fn sql_pushes_a_long_or_chain_as_one_flat_filter() {
     assert!(plan.contains(" OR (id > 2996 AND id < 2998))"), "the whole chain is one flat Or");
     assert_eq!(scalar(&engine.sql(&q).unwrap()), 1_000);
 }
+
+/// `n` terms `term(i)` joined by `op`.
+fn chain(n: usize, op: &str, term: impl Fn(usize) -> String) -> String {
+    (0..n).map(term).collect::<Vec<_>>().join(op)
+}
+
+/// A statement of `Error::Sql { kind: TooDeep }`, whose text names the limit and a rewrite.
+fn assert_too_deep(r: gritdb::Result<Vec<RecordBatch>>, what: &str) {
+    match r {
+        Err(e @ Error::Sql { kind: SqlErrorKind::TooDeep, .. }) => {
+            let text = e.to_string();
+            assert!(text.contains(&format!("more than the {} gritdb plans", gritdb::sql::MAX_DEPTH)), "{what}: {text}");
+            assert!(text.contains("IN (v1, v2, ...)"), "{what}: {text}");
+        }
+        other => panic!("{what}: expected TooDeep, got {:?}", other.map(|b| total_rows(&b))),
+    }
+}
+
+/// Deep statements run or are refused typed; none overflows a stack, also when the caller's
+/// thread has only 256 KiB of it (every statement runs on the engine's SQL runtime, whose
+/// threads have `gritdb::sql::STACK_BYTES`). Before, a WHERE clause of 2,000 ORs overflowed
+/// a 2 MiB stack inside `DataFusion`'s planner and aborted the process; so did 3,000 ANDs or
+/// `+`s, 3,000 casts, 3,000 UNIONs and 1,000 joins (measured on the caller's thread, and
+/// for ANDs and `+` on the `gritdb-sql` workers that evaluated them).
+#[test]
+fn deep_sql_runs_or_is_refused_typed_and_never_overflows_the_stack() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Arc::new(open(dir.path(), 128 << 20));
+    let t = engine.create_table("t", schema(), &["id"]).unwrap();
+    t.insert(&rows(0..10_000, 1, "a")).unwrap();
+    t.flush().unwrap();
+    let e = Arc::clone(&engine);
+    std::thread::Builder::new()
+        .stack_size(256 << 10)
+        .spawn(move || {
+            let engine = e;
+            let or = |n: usize| format!("SELECT count(*) FROM t WHERE {}", chain(n, " OR ", |i| format!("id = {i}")));
+            // 1,000 ORs run; the same chain at the limit runs (depth: the query, 1,997
+            // ORs, the `=` and its operand is exactly `MAX_DEPTH`), one more is refused.
+            assert_eq!(scalar(&engine.sql(&or(1_000)).unwrap()), 1_000);
+            let limit = gritdb::sql::MAX_DEPTH;
+            assert_eq!(scalar(&engine.sql(&or(limit - 2)).unwrap()), (limit - 2) as i64);
+            assert_too_deep(engine.sql(&or(limit - 1)), "one OR past the limit");
+            // 10,000 ORs: measured on the parsed tree; 100,000: on the tokens, never parsed.
+            assert_too_deep(engine.sql(&or(10_000)), "10,000 ORs");
+            assert_too_deep(engine.sql(&or(100_000)), "100,000 ORs");
+            assert_too_deep(engine.sql(&format!("EXPLAIN {}", or(10_000))), "EXPLAIN of 10,000 ORs");
+            // The rewrite the error proposes runs.
+            let list = format!("SELECT count(*) FROM t WHERE id IN ({})", chain(10_000, ", ", |i| i.to_string()));
+            assert_eq!(scalar(&engine.sql(&list).unwrap()), 10_000);
+            // ANDs, and `+` evaluated per row (DataFusion's physical expressions recurse per level).
+            let and = |n: usize| format!("SELECT count(*) FROM t WHERE {}", chain(n, " AND ", |i| format!("id <> {}", 20_000 + i)));
+            assert_eq!(scalar(&engine.sql(&and(1_000)).unwrap()), 10_000);
+            assert_too_deep(engine.sql(&and(10_000)), "10,000 ANDs");
+            let plus = |n: usize| format!("SELECT sum({}) FROM t", chain(n, " + ", |_| "v".to_owned()));
+            assert_eq!(scalar(&engine.sql(&plus(1_000)).unwrap()), 1_000 * (0..10_000i64).sum::<i64>());
+            assert_too_deep(engine.sql(&plus(10_000)), "a chain of 10,000 `+`");
+            let casts = |n: usize| format!("SELECT sum(id{}) FROM t", "::bigint".repeat(n));
+            assert_eq!(scalar(&engine.sql(&casts(1_000)).unwrap()), (0..10_000i64).sum::<i64>());
+            assert_too_deep(engine.sql(&casts(10_000)), "10,000 casts");
+            // Parentheses, function calls and CASE nest through the parser's recursion, which
+            // stops at 50 levels: a syntax error (for CASE, the parser's message names the
+            // token where it gave up, not the limit).
+            let case = |n: usize| format!("SELECT sum({}id{}) FROM t", "CASE WHEN id < 0 THEN 0 ELSE ".repeat(n), " END".repeat(n));
+            for (what, q, says) in [
+                ("10,000 parentheses", format!("SELECT count(*) FROM t WHERE {}id > 0{}", "(".repeat(10_000), ")".repeat(10_000)), "RecursionLimitExceeded"),
+                ("10,000 nested calls", format!("SELECT sum({}id{}) FROM t", "abs(".repeat(10_000), ")".repeat(10_000)), "RecursionLimitExceeded"),
+                ("10,000 nested CASEs", case(10_000), "Expected"),
+            ] {
+                match engine.sql(&q) {
+                    Err(e @ Error::Sql { kind: SqlErrorKind::Syntax, .. }) => assert!(e.to_string().contains(says), "{what}: {e}"),
+                    other => panic!("{what}: expected a syntax error, got {:?}", other.map(|b| total_rows(&b))),
+                }
+            }
+            assert_eq!(scalar(&engine.sql(&case(40)).unwrap()), (0..10_000i64).sum::<i64>());
+            // A CASE of 5,000 branches is flat (its branches are siblings): it runs.
+            let branches = format!("SELECT sum(CASE {} ELSE 0 END) FROM t", chain(5_000, " ", |i| format!("WHEN id = {i} THEN 1")));
+            assert_eq!(scalar(&engine.sql(&branches).unwrap()), 5_000);
+            // Many UNIONs: a set operation per level of the plan.
+            let unions = |n: usize| chain(n, " UNION ALL ", |i| format!("SELECT {i} AS x"));
+            assert_eq!(total_rows(&engine.sql(&unions(500)).unwrap()), 500);
+            assert_too_deep(engine.sql(&unions(5_000)), "5,000 UNION ALLs");
+            assert_too_deep(engine.sql(&chain(5_000, " UNION ", |i| format!("SELECT id FROM t WHERE id = {i}"))), "5,000 UNIONs of scans");
+            // Joins and CTEs are flat lists in the syntax tree and a left-deep plan.
+            let joins = format!("SELECT count(*) FROM t a0 {}", chain(3_000, " ", |i| format!("JOIN t a{} ON a{}.id = a0.id", i + 1, i + 1)));
+            assert_too_deep(engine.sql(&joins), "3,000 joins");
+            let ctes = format!("WITH c0 AS (SELECT id FROM t), {} SELECT count(*) FROM c3000", chain(3_000, ", ", |i| format!("c{} AS (SELECT id FROM c{i})", i + 1)));
+            assert_too_deep(engine.sql(&ctes), "3,000 chained CTEs");
+            // Nested types are parsed by unguarded recursion: bounded on the tokens, at
+            // `gritdb_unify::MAX_TYPE_DEPTH` (64) levels, as column types are.
+            let types = |n: usize| format!("SELECT CAST(NULL AS {}BIGINT{})", "ARRAY<".repeat(n), ">".repeat(n));
+            assert_too_deep(engine.sql(&types(100_000)), "an ARRAY type nested 100,000 deep");
+            assert_eq!(total_rows(&engine.sql(&types(64)).unwrap()), 1);
+            for q in [types(65), format!("SELECT CAST(NULL AS BIGINT{})", "[]".repeat(65))] {
+                match engine.sql(&q) {
+                    Err(e @ Error::Sql { kind: SqlErrorKind::TooDeep, .. }) => assert!(e.to_string().contains("nests data types 65 levels deep"), "{e}"),
+                    other => panic!("a type nested 65 deep: expected TooDeep, got {:?}", other.map(|b| total_rows(&b))),
+                }
+            }
+        })
+        .unwrap()
+        .join()
+        .expect("no panic, no overflow");
+    // Async code: refused the same way, and a deep chain within the limit runs, also on a
+    // current-thread runtime (the statement runs on the engine's runtime).
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let q = format!("SELECT count(*) FROM t WHERE {}", chain(1_500, " OR ", |i| format!("id = {i}")));
+        assert_eq!(scalar(&engine.sql_async(&q).await.unwrap()), 1_500);
+        let q = format!("SELECT count(*) FROM t WHERE {}", chain(10_000, " OR ", |i| format!("id = {i}")));
+        assert_too_deep(engine.sql_async(&q).await, "sql_async, 10,000 ORs");
+    });
+    // The engine still answers.
+    assert_eq!(scalar(&engine.sql("SELECT count(*) FROM t").unwrap()), 10_000);
+}

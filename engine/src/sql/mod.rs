@@ -1,8 +1,8 @@
 //! SQL over gritdb tables through `DataFusion` (the `sql` cargo feature).
 //!
 //! ```text
-//! Engine::sql("SELECT ...")            (blocking; the engine's own "gritdb-sql" runtime)
-//! Engine::sql_async("SELECT ...")      (on the caller's tokio runtime)
+//! Engine::sql("SELECT ...")            (blocking) ─┐ a task on the engine's own "gritdb-sql"
+//! Engine::sql_async("SELECT ...")      (awaited)  ─┘ runtime (64 MiB stacks; depth bounded)
 //! Engine::session_context()            (a DataFusion SessionContext for DataFrames)
 //!     │
 //!     ▼  catalog `gritdb`, schema `public`: every engine table, resolved at planning time,
@@ -22,12 +22,14 @@
 
 mod coerce;
 mod catalog;
+mod depth;
 mod filter;
 mod pool;
 mod provider;
 mod system;
 
 pub use datafusion;
+pub use depth::{JOIN_LEVELS, MAX_DEPTH, MAX_TOKEN_DEPTH, STACK_BYTES};
 
 use crate::engine::{Engine, EngineInner};
 use crate::error::{Error, Result};
@@ -72,8 +74,15 @@ pub enum SqlErrorKind {
     NotSupported,
     /// The query failed while running (e.g. a cast of a bad value, division by zero).
     Execution,
-    /// An internal `DataFusion` error (a bug; please report it with the query).
+    /// An internal `DataFusion` error (a bug; please report it with the query), or a panic
+    /// while the query ran.
     Internal,
+    /// The statement nests deeper than [`MAX_DEPTH`] levels (each operator of a chain
+    /// `a OR b OR ...`, function call, `CASE`, subquery, set operation, joined table; see
+    /// `docs/sql.md`): refused before planning, which recurses once per level. Rewrite it
+    /// shallower: `x = 1 OR x = 2 OR ...` as `x IN (1, 2, ...)`, many `UNION ALL` branches of
+    /// constants as one `VALUES` list.
+    TooDeep,
 }
 
 impl std::fmt::Display for SqlErrorKind {
@@ -85,6 +94,7 @@ impl std::fmt::Display for SqlErrorKind {
             SqlErrorKind::NotSupported => "not supported",
             SqlErrorKind::Execution => "execution error",
             SqlErrorKind::Internal => "internal error",
+            SqlErrorKind::TooDeep => "statement too deeply nested",
         })
     }
 }
@@ -141,9 +151,12 @@ impl SqlState {
             return Ok(rt.handle().clone());
         }
         let threads = std::thread::available_parallelism().map_or(2, std::num::NonZero::get);
+        // Planning, optimizing and evaluating recurse once per level of a statement: every
+        // statement runs on these threads (`Self::spawn`), with a stack for `MAX_DEPTH` levels.
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(threads)
             .thread_name("gritdb-sql")
+            .thread_stack_size(STACK_BYTES)
             .enable_all()
             .build()
             .map_err(|e| Error::Io { path: "tokio runtime (gritdb-sql)".into(), source: e })?;
@@ -152,14 +165,33 @@ impl SqlState {
         Ok(handle)
     }
 
-    /// Plans and runs one read-only statement on the current tokio runtime.
+    /// Runs one statement as a task on the engine's SQL runtime ([`Self::run`] on its
+    /// threads, which have the stack deep statements need), aborted when the returned future
+    /// is dropped.
+    fn spawn(self: &Arc<Self>, query: &str) -> Result<QueryTask> {
+        let handle = self.runtime()?;
+        let (state, query) = (Arc::clone(self), query.to_owned());
+        // The runtime is the engine's own, shut down with it (clippy.toml); the task is
+        // aborted when its `QueryTask` is dropped.
+        #[allow(clippy::disallowed_methods)]
+        let task = handle.spawn(async move { state.run(&query).await });
+        Ok(QueryTask(task))
+    }
+
+    /// Plans and runs one read-only statement on the current tokio runtime (the engine's SQL
+    /// runtime: [`Self::spawn`]).
     async fn run(&self, query: &str) -> Result<Vec<RecordBatch>> {
         let err = |e| sql_error(e, &self.last_refusal);
         let state = self.ctx.state();
         let dialect = state.config().options().sql_parser.dialect;
+        // Bounded on the tokens before the parser builds a tree it would recurse into.
+        check_token_depth(query, dialect)?;
         // Any failure to get one statement out of the text (parser error, none, several).
         let statement = state.sql_to_statement(query, &dialect).map_err(|e| Error::Sql { kind: SqlErrorKind::Syntax, source: Box::new(e) })?;
         check_read_only(&statement)?;
+        if let Err(at_least) = depth::statement_depth(&statement, MAX_DEPTH) {
+            return Err(too_deep(&format!("nests at least {at_least} levels, more than the {MAX_DEPTH} gritdb plans")));
+        }
         let plan = state.statement_to_plan(statement).await.map_err(err)?;
         datafusion::execution::context::SQLOptions::new()
             .with_allow_ddl(false)
@@ -170,6 +202,73 @@ impl SqlState {
         let df = self.ctx.execute_logical_plan(plan).await.map_err(err)?;
         df.collect().await.map_err(err)
     }
+}
+
+/// A running [`SqlState::spawn`]ed statement: its answer, or a typed error when it panicked
+/// or the engine shut its runtime down. Dropping it aborts the statement.
+struct QueryTask(tokio::task::JoinHandle<Result<Vec<RecordBatch>>>);
+
+impl std::future::Future for QueryTask {
+    type Output = Result<Vec<RecordBatch>>;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        std::pin::Pin::new(&mut self.0).poll(cx).map(|joined| match joined {
+            Ok(answer) => answer,
+            Err(e) if e.is_panic() => {
+                let panic = e.into_panic();
+                let what = panic.downcast_ref::<&str>().map(|s| (*s).to_owned()).or_else(|| panic.downcast_ref::<String>().cloned());
+                Err(Error::Sql {
+                    kind: SqlErrorKind::Internal,
+                    source: Box::new(DataFusionError::Internal(format!("the query panicked: {}", what.as_deref().unwrap_or("(no message)")))),
+                })
+            }
+            Err(_) => Err(Error::Closed("engine (the query was stopped by its shutdown)".into())),
+        })
+    }
+}
+
+impl Drop for QueryTask {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// `Error::Sql { kind: TooDeep }` saying what was found against which limit, and how to
+/// rewrite.
+fn too_deep(found: &str) -> Error {
+    Error::Sql {
+        kind: SqlErrorKind::TooDeep,
+        source: Box::new(DataFusionError::Plan(format!(
+            "the statement {found} (planning recurses once per level: each operator of a chain like `a OR b OR c`, \
+             function call, CASE, subquery, UNION, joined table and CTE is one); write long OR chains of one column as \
+             `col IN (v1, v2, ...)`, many UNION ALL branches of constants as one VALUES list, or split the statement"
+        ))),
+    }
+}
+
+/// Refuses, before parsing, a text whose tokens could make a syntax tree deeper than the
+/// parser and the tree's drop may recurse ([`depth::token_depth`] above [`MAX_TOKEN_DEPTH`]),
+/// or that nests data types deeper than [`gritdb_unify::MAX_TYPE_DEPTH`] (the parser builds
+/// them by unguarded recursion, and Arrow recurses through nested types). A text that does
+/// not tokenize is left to the parser's error.
+fn check_token_depth(query: &str, dialect: datafusion::common::config::Dialect) -> Result<()> {
+    let Some(dialect) = datafusion::sql::sqlparser::dialect::dialect_from_str(dialect) else { return Ok(()) };
+    let Ok(tokens) = datafusion::sql::sqlparser::tokenizer::Tokenizer::new(dialect.as_ref(), query).tokenize() else { return Ok(()) };
+    let found = depth::token_depth(&tokens);
+    if found.depth > MAX_TOKEN_DEPTH {
+        return Err(too_deep(&format!(
+            "has tokens that could nest up to {} levels (a text that could nest more than {MAX_TOKEN_DEPTH} is not parsed), more than the {MAX_DEPTH} gritdb plans",
+            found.depth
+        )));
+    }
+    if found.type_depth > gritdb_unify::MAX_TYPE_DEPTH {
+        return Err(too_deep(&format!(
+            "nests data types {} levels deep (`ARRAY<..>`, `STRUCT<..>`, `INT[]`), more than the {} gritdb plans",
+            found.type_depth,
+            gritdb_unify::MAX_TYPE_DEPTH
+        )));
+    }
+    Ok(())
 }
 
 /// A session over the engine's catalog and memory pool.
@@ -356,33 +455,30 @@ impl Engine {
     /// memory (category `query`) under the engine's limit; past what a query may use they
     /// spill (sorts, aggregates) or the query fails with [`Error::MemoryLimit`].
     ///
-    /// The query runs on the engine's own runtime (threads `gritdb-sql`, one per core, built
-    /// at the first call). Called from inside a tokio runtime it runs on a helper thread and
-    /// still blocks the caller: in async code use [`Engine::sql_async`].
+    /// The statement (parsing, planning, execution) runs as a task on the engine's own
+    /// runtime (threads `gritdb-sql`, one per core, [`STACK_BYTES`] of stack each, built at
+    /// the first call); the calling thread only waits, so its own stack does not matter. A
+    /// statement nested deeper than [`MAX_DEPTH`] levels is refused before planning
+    /// (`docs/sql.md`, "Deep statements"). Called from inside a tokio runtime it works too,
+    /// but blocks that worker: in async code use [`Engine::sql_async`].
     ///
     /// # Errors
     /// [`Error::Sql`] with [`SqlErrorKind`] `Syntax` (not SQL, several statements),
     /// `UnknownColumn`, `Plan`, `NotSupported` (statements that write or change settings),
-    /// `Execution`; [`Error::TableNotFound`] for an unknown table; [`Error::MemoryLimit`]
+    /// `TooDeep` (nested past [`MAX_DEPTH`]), `Execution`, `Internal` (also a panic while the
+    /// statement ran); [`Error::TableNotFound`] for an unknown table; [`Error::MemoryLimit`]
     /// when the query's operators cannot get memory and cannot spill; [`Error::Storage`]
     /// and other engine errors from the scans; [`Error::Closed`].
     pub fn sql(&self, query: &str) -> Result<Vec<RecordBatch>> {
         let state = self.inner.sql_state()?;
-        let handle = state.runtime()?;
-        if tokio::runtime::Handle::try_current().is_err() {
-            return handle.block_on(state.run(query));
-        }
-        // Inside a runtime a thread may not block on another runtime: use a helper thread.
-        std::thread::scope(|s| s.spawn(|| handle.block_on(state.run(query))).join()).unwrap_or_else(|_| {
-            Err(Error::Sql {
-                kind: SqlErrorKind::Internal,
-                source: Box::new(DataFusionError::Internal("the query thread panicked".into())),
-            })
-        })
+        // The statement runs on the engine's runtime; this thread only waits (also a tokio
+        // worker: `futures`' executor is not tokio's, so it may block one).
+        futures::executor::block_on(state.spawn(query)?)
     }
 
-    /// [`Engine::sql`] for async code: runs on the caller's tokio runtime (scans run on its
-    /// blocking threads).
+    /// [`Engine::sql`] for async code: awaits the statement, which runs on the engine's SQL
+    /// runtime (not the caller's: its threads have the stack deep statements need). Dropping
+    /// the future stops the statement.
     ///
     /// # Errors
     /// As [`Engine::sql`]; [`Error::Config`] when not polled inside a tokio runtime.
@@ -391,7 +487,7 @@ impl Engine {
             return Err(Error::Config("Engine::sql_async must run inside a tokio runtime; use Engine::sql from synchronous code".into()));
         }
         let state = self.inner.sql_state()?;
-        state.run(query).await
+        state.spawn(query)?.await
     }
 
     /// A new `DataFusion` [`SessionContext`] over this engine: catalog `gritdb`, schema
@@ -406,5 +502,30 @@ impl Engine {
     pub fn session_context(&self) -> Result<SessionContext> {
         let state = self.inner.sql_state()?;
         new_context(&state.engine, self.inner.shared.ctl.limit(), Arc::clone(&state.env)).map_err(|e| sql_error(e, &state.last_refusal))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A statement that panics on the SQL runtime is `Error::Sql { kind: Internal }` naming
+    /// the panic, not a panic of the caller; one stopped by the runtime's shutdown is
+    /// `Error::Closed`.
+    #[test]
+    #[allow(clippy::disallowed_methods)] // a runtime of the test's own
+    fn a_panicking_or_stopped_query_is_a_typed_error() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).build().unwrap();
+        let task = QueryTask(rt.spawn(async {
+            assert!(std::hint::black_box(false), "boom in the planner");
+            Ok(Vec::new())
+        }));
+        match futures::executor::block_on(task) {
+            Err(Error::Sql { kind: SqlErrorKind::Internal, source }) => assert!(source.to_string().contains("the query panicked: boom in the planner"), "{source}"),
+            other => panic!("expected Internal, got {other:?}"),
+        }
+        let task = QueryTask(rt.spawn(std::future::pending::<Result<Vec<RecordBatch>>>()));
+        rt.shutdown_background();
+        assert!(matches!(futures::executor::block_on(task), Err(Error::Closed(_))));
     }
 }

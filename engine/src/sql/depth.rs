@@ -1,0 +1,600 @@
+//! How deep a SQL statement nests, measured before `DataFusion` plans it.
+//!
+//! `DataFusion`'s planner, optimizer and physical expressions recurse once per level of a
+//! statement's expression and plan trees, and parts of them (derived `Clone`, `Drop`,
+//! `PartialEq` and `Hash` of `Expr`, `PhysicalExpr::evaluate`) are not covered by its
+//! `recursive_protection`: a `WHERE` clause of 2,000 `OR`s overflowed a 2 MiB stack and
+//! aborted the process. The SQL parser's recursion limit (50) bounds parentheses, function
+//! calls, `CASE` and subqueries, but not chains it builds in a loop: `a OR b OR c ...`,
+//! `a + b + ...`, `x::t::t ...`, `IS NULL IS NULL ...`, `UNION` after `UNION`, nor what
+//! `DataFusion` nests from flat lists (a join of many tables, a chain of CTEs).
+//!
+//! So [`Engine::sql`](crate::Engine::sql) runs every statement on the engine's SQL runtime,
+//! whose threads have [`STACK_BYTES`] of stack, and refuses, before planning, one that nests
+//! deeper than [`MAX_DEPTH`] levels with `Error::Sql { kind: SqlErrorKind::TooDeep, .. }`:
+//!
+//! 1. [`token_depth`], on the tokens (a loop, no recursion): an upper bound of the depth of
+//!    any syntax tree the parser can build from them. Above [`MAX_TOKEN_DEPTH`] the text is
+//!    not parsed at all, so the parser's own unguarded recursion (nested `ARRAY<...>` types)
+//!    and the recursive drop of the syntax tree stay within the stack.
+//! 2. [`statement_depth`], on the syntax tree: the nesting counted as `docs/sql.md` says
+//!    (each expression node, each query, each set operation of a chain, each table joined
+//!    beyond the first, each CTE of a `WITH`). It walks the tree with the parser's visitor,
+//!    which recurses, but stops one level past [`MAX_DEPTH`], so its recursion is bounded too.
+
+use datafusion::sql::parser::Statement as DfStatement;
+use datafusion::sql::sqlparser::ast::{
+    Expr, Query, Select, SetExpr, Statement, TableFactor, Visit, Visitor,
+};
+use datafusion::sql::sqlparser::keywords::Keyword;
+use datafusion::sql::sqlparser::tokenizer::Token;
+use std::ops::ControlFlow;
+
+/// The deepest statement [`Engine::sql`](crate::Engine::sql) plans (see the module docs and
+/// `docs/sql.md` for what counts as a level). Deeper is `Error::Sql { kind:
+/// SqlErrorKind::TooDeep, .. }`.
+pub const MAX_DEPTH: usize = 2_000;
+
+/// Above this bound on the tokens ([`token_depth`]) a statement is refused unparsed: its
+/// syntax tree could be too deep to parse and drop safely. Far above [`MAX_DEPTH`], since the
+/// bound counts every token on a path (`id = 1 OR ...` is 4 tokens a level).
+pub const MAX_TOKEN_DEPTH: usize = 16 * MAX_DEPTH;
+
+/// Levels each table joined beyond the first counts for: planning a join takes about four
+/// times the stack of an expression level (measured in the `ci` profile: 7 KiB a join, 1.3 to
+/// 1.75 KiB an expression level), so [`MAX_DEPTH`] bounds the stack either way.
+pub const JOIN_LEVELS: usize = 4;
+
+/// Stack of each thread of the engine's SQL runtime (planning and execution), sized so a
+/// statement [`MAX_DEPTH`] deep fits with room to spare (docs/sql.md has the measurements).
+/// Address space only: pages are touched as deep as a query recurses.
+pub const STACK_BYTES: usize = 64 << 20;
+
+/// What opened a group of the token scan.
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
+enum Open {
+    /// The outermost level, `(`, `{`.
+    #[default]
+    Plain,
+    /// `[`: a subscript, an array literal or, empty or holding a size, an array type `INT[]`.
+    Bracket,
+    /// The `<` of `ARRAY<`, `STRUCT<`, `MAP<`: a nested type, closed by `>` or half a `>>`.
+    Angle,
+    /// The `(` of `NULLABLE(`, `LOWCARDINALITY(`, `MAP(`, `TUPLE(`, `NESTED(`: a nested type.
+    TypeParen,
+    /// `CASE`, closed by `END`: `WHEN`, `THEN` and `ELSE` separate its parts as commas do
+    /// (its branches are siblings), so a `CASE` of 10,000 branches is shallow.
+    Case,
+}
+
+#[derive(Clone, Copy, Default)]
+struct Level {
+    open: Open,
+    /// Tokens of the current comma-separated part at this level.
+    part: usize,
+    /// The deepest bracketed group closed inside the current part.
+    child: usize,
+    /// The deepest part of this level so far.
+    deepest: usize,
+    /// `UNION` / `INTERSECT` / `EXCEPT` at this level (a chain spans commas).
+    set_ops: usize,
+    /// Tokens scanned when the group opened (the group's own tokens are those after it: an
+    /// array type's `[]` holds none or a size).
+    start: usize,
+    /// For `[`: the run of array-type brackets (`INT[][]`) right before it.
+    run_before: usize,
+    /// For `[`: nothing but a number in it so far (`[]`, `[3]`: an array type's brackets).
+    sized: bool,
+}
+
+impl Level {
+    fn end_part(&mut self) {
+        self.deepest = self.deepest.max(self.part + self.child);
+        self.part = 0;
+        self.child = 0;
+    }
+
+    fn depth(mut self) -> usize {
+        self.end_part();
+        self.set_ops + self.deepest + 1
+    }
+}
+
+/// Bounds [`token_depth`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TokenDepth {
+    /// An upper bound of the depth of any syntax tree the parser builds from the tokens.
+    pub(crate) depth: usize,
+    /// The deepest nesting of data types: open `ARRAY<` / `STRUCT<` / `MAP<` and
+    /// `NULLABLE(`-like groups plus a run of array brackets `[]` (`INT[][]` is 2).
+    pub(crate) type_depth: usize,
+}
+
+/// Scans `tokens` without recursion for [`TokenDepth`]. Within a bracketed group, a tree
+/// built from a comma-separated part is at most as deep as the part's tokens plus its deepest
+/// inner group (commas only ever separate siblings: select items, arguments, list elements);
+/// a chain of set operations spans commas and is added on top. `(`, `[`, `{`, the `<` of
+/// `ARRAY<`, `STRUCT<` and `MAP<`, and `CASE` (to its `END`, parts separated by `WHEN`,
+/// `THEN`, `ELSE`) open groups.
+pub(crate) fn token_depth(tokens: &[Token]) -> TokenDepth {
+    let mut levels = vec![Level::default()];
+    let mut previous_word = Keyword::NoKeyword;
+    // Open type groups, the current run of array-type brackets, and the deepest sum.
+    let (mut types_open, mut run, mut type_depth) = (0usize, 0usize, 0usize);
+    let mut seen = 0usize;
+    for token in tokens {
+        if matches!(token, Token::Whitespace(_) | Token::EOF) {
+            continue;
+        }
+        seen += 1;
+        let word_before = std::mem::replace(&mut previous_word, Keyword::NoKeyword);
+        let run_before = std::mem::take(&mut run);
+        let angle_open = levels.len() > 1 && levels.last().is_some_and(|l| l.open == Open::Angle);
+        match token {
+            Token::LParen
+                if matches!(
+                    word_before,
+                    Keyword::NULLABLE
+                        | Keyword::LOWCARDINALITY
+                        | Keyword::MAP
+                        | Keyword::TUPLE
+                        | Keyword::NESTED
+                ) =>
+            {
+                types_open += 1;
+                type_depth = type_depth.max(types_open);
+                levels.push(Level {
+                    open: Open::TypeParen,
+                    start: seen,
+                    ..Level::default()
+                });
+            }
+            Token::Lt if matches!(word_before, Keyword::ARRAY | Keyword::STRUCT | Keyword::MAP) => {
+                types_open += 1;
+                type_depth = type_depth.max(types_open);
+                levels.push(Level {
+                    open: Open::Angle,
+                    start: seen,
+                    ..Level::default()
+                });
+            }
+            Token::LParen | Token::LBrace => levels.push(Level {
+                start: seen,
+                ..Level::default()
+            }),
+            Token::LBracket => levels.push(Level {
+                open: Open::Bracket,
+                start: seen,
+                run_before,
+                sized: true,
+                ..Level::default()
+            }),
+            Token::Gt if angle_open => {
+                close(&mut levels, &mut types_open);
+            }
+            Token::ShiftRight if angle_open => {
+                close(&mut levels, &mut types_open);
+                if levels.len() > 1 && levels.last().is_some_and(|l| l.open == Open::Angle) {
+                    close(&mut levels, &mut types_open);
+                }
+            }
+            Token::RParen | Token::RBracket | Token::RBrace if levels.len() > 1 => {
+                if let Some(Level {
+                    open: Open::Bracket,
+                    start,
+                    run_before,
+                    sized: true,
+                    ..
+                }) = close(&mut levels, &mut types_open)
+                    && seen - start <= 2
+                {
+                    // `[]` or `[3]` (the closing bracket is the last token seen): an array
+                    // type (or a subscript by a number), one level deeper than the run of such
+                    // brackets before it.
+                    run = run_before + 1;
+                    type_depth = type_depth.max(types_open + run);
+                }
+            }
+            Token::Comma => top(&mut levels).end_part(),
+            Token::Word(w) if w.quote_style.is_none() && w.keyword == Keyword::CASE => {
+                top(&mut levels).part += 1;
+                levels.push(Level {
+                    open: Open::Case,
+                    start: seen,
+                    ..Level::default()
+                });
+            }
+            Token::Word(w)
+                if matches!(w.keyword, Keyword::WHEN | Keyword::THEN | Keyword::ELSE)
+                    && levels.last().is_some_and(|l| l.open == Open::Case) =>
+            {
+                top(&mut levels).end_part();
+            }
+            Token::Word(w)
+                if w.keyword == Keyword::END
+                    && levels.len() > 1
+                    && levels.last().is_some_and(|l| l.open == Open::Case) =>
+            {
+                close(&mut levels, &mut types_open);
+            }
+            token => {
+                let level = top(&mut levels);
+                level.part += 1;
+                level.sized &= matches!(token, Token::Number(..));
+                if let Token::Word(w) = token {
+                    previous_word = w.keyword;
+                    if matches!(
+                        w.keyword,
+                        Keyword::UNION | Keyword::INTERSECT | Keyword::EXCEPT | Keyword::MINUS
+                    ) {
+                        level.set_ops += 1;
+                    }
+                }
+            }
+        }
+    }
+    // Groups left open (the parser refuses the text) count as closed at the end.
+    while close(&mut levels, &mut types_open).is_some() {}
+    TokenDepth {
+        depth: levels.pop().map_or(0, Level::depth),
+        type_depth,
+    }
+}
+
+fn top(levels: &mut [Level]) -> &mut Level {
+    levels
+        .last_mut()
+        .expect("the outermost level is never closed")
+}
+
+/// Closes the innermost group and returns it: its depth goes to the enclosing part, the
+/// brackets count as a token of it.
+fn close(levels: &mut Vec<Level>, types_open: &mut usize) -> Option<Level> {
+    if levels.len() < 2 {
+        return None;
+    }
+    let inner = levels.pop()?;
+    if matches!(inner.open, Open::Angle | Open::TypeParen) {
+        *types_open -= 1;
+    }
+    let outer = top(levels);
+    outer.part += 1;
+    outer.child = outer.child.max(inner.depth());
+    Some(inner)
+}
+
+/// Walks a syntax tree counting levels; breaks once past the limit.
+struct Depth {
+    current: usize,
+    deepest: usize,
+    limit: usize,
+    /// Levels each open node added, popped by its `post_visit`.
+    added: Vec<usize>,
+}
+
+impl Depth {
+    fn enter(&mut self, levels: usize) -> ControlFlow<()> {
+        self.current += levels;
+        self.added.push(levels);
+        self.deepest = self.deepest.max(self.current);
+        if self.current > self.limit {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
+        }
+    }
+
+    fn leave(&mut self) -> ControlFlow<()> {
+        self.current -= self.added.pop().unwrap_or(0);
+        ControlFlow::Continue(())
+    }
+}
+
+/// The depth of a set-operation tree (`a UNION b UNION c` is 2 deep), walked with a heap
+/// stack: the visitor would recurse down such a chain without calling back.
+fn set_operation_depth(body: &SetExpr) -> usize {
+    let mut deepest = 0;
+    let mut todo = vec![(body, 0usize)];
+    while let Some((set, depth)) = todo.pop() {
+        deepest = deepest.max(depth);
+        if let SetExpr::SetOperation { left, right, .. } = set {
+            todo.push((left, depth + 1));
+            todo.push((right, depth + 1));
+        }
+    }
+    deepest
+}
+
+impl Visitor for Depth {
+    type Break = ();
+
+    fn pre_visit_query(&mut self, query: &Query) -> ControlFlow<()> {
+        // Each CTE may read the one before it: `DataFusion` nests their plans.
+        let ctes = query.with.as_ref().map_or(0, |w| w.cte_tables.len());
+        self.enter(1 + ctes + set_operation_depth(&query.body))
+    }
+
+    fn post_visit_query(&mut self, _: &Query) -> ControlFlow<()> {
+        self.leave()
+    }
+
+    fn pre_visit_select(&mut self, select: &Select) -> ControlFlow<()> {
+        // `FROM a, b JOIN c` is a left-deep tree of joins in the plan.
+        let relations: usize = select.from.iter().map(|t| 1 + t.joins.len()).sum();
+        self.enter(relations.saturating_sub(1) * JOIN_LEVELS)
+    }
+
+    fn post_visit_select(&mut self, _: &Select) -> ControlFlow<()> {
+        self.leave()
+    }
+
+    fn pre_visit_table_factor(&mut self, factor: &TableFactor) -> ControlFlow<()> {
+        self.enter(match factor {
+            TableFactor::NestedJoin {
+                table_with_joins, ..
+            } => table_with_joins.joins.len() * JOIN_LEVELS,
+            _ => 0,
+        })
+    }
+
+    fn post_visit_table_factor(&mut self, _: &TableFactor) -> ControlFlow<()> {
+        self.leave()
+    }
+
+    fn pre_visit_expr(&mut self, expr: &Expr) -> ControlFlow<()> {
+        // Field accesses `a.b.c[1]` are one node here and one level each in `DataFusion`
+        // (counted from the second name on, though `t.col` is a qualified column).
+        self.enter(
+            1 + match expr {
+                Expr::CompoundIdentifier(parts) => parts.len().saturating_sub(1),
+                Expr::CompoundFieldAccess { access_chain, .. } => access_chain.len(),
+                _ => 0,
+            },
+        )
+    }
+
+    fn post_visit_expr(&mut self, _: &Expr) -> ControlFlow<()> {
+        self.leave()
+    }
+}
+
+/// The nesting depth of `statement` when it is at most `limit`, else `Err` with at least
+/// `limit + 1` (the walk stops there, so its recursion is bounded by the limit).
+pub(crate) fn statement_depth(statement: &DfStatement, limit: usize) -> Result<usize, usize> {
+    let mut statement = statement;
+    let sql: &Statement = loop {
+        match statement {
+            DfStatement::Statement(s) => break s,
+            DfStatement::Explain(e) => statement = &e.statement,
+            // Statements gritdb refuses anyway (`check_read_only`): nothing is planned.
+            _ => return Ok(0),
+        }
+    };
+    let mut depth = Depth {
+        current: 0,
+        deepest: 0,
+        limit,
+        added: Vec::new(),
+    };
+    match sql.visit(&mut depth) {
+        ControlFlow::Continue(()) => Ok(depth.deepest),
+        ControlFlow::Break(()) => Err(depth.deepest),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use datafusion::sql::parser::DFParserBuilder;
+    use datafusion::sql::sqlparser::dialect::GenericDialect;
+    use datafusion::sql::sqlparser::tokenizer::Tokenizer;
+
+    fn scan(sql: &str) -> TokenDepth {
+        token_depth(&Tokenizer::new(&GenericDialect {}, sql).tokenize().unwrap())
+    }
+
+    fn tokens(sql: &str) -> usize {
+        scan(sql).depth
+    }
+
+    fn depth(sql: &str) -> Result<usize, usize> {
+        let statement = DFParserBuilder::new(sql)
+            .build()
+            .unwrap()
+            .parse_statement()
+            .unwrap();
+        statement_depth(&statement, 10_000)
+    }
+
+    /// Each form that nests counts as `docs/sql.md` says, and the token bound is never below
+    /// the tree's depth.
+    #[test]
+    fn depth_counts_each_level_and_the_token_bound_is_above_it() {
+        let or = |n: usize| {
+            format!(
+                "SELECT * FROM t WHERE {}",
+                (0..n)
+                    .map(|i| format!("id = {i}"))
+                    .collect::<Vec<_>>()
+                    .join(" OR ")
+            )
+        };
+        let cases = [
+            // query 1 + `=` 1 + its operand 1
+            ("SELECT * FROM t WHERE id = 1".to_owned(), 3),
+            // 9 ORs on the left spine: 1 + 9 + 2
+            (or(10), 12),
+            (or(100), 102),
+            ("SELECT a + b + c + d FROM t".to_owned(), 5),
+            ("SELECT ((((a)))) FROM t".to_owned(), 6),
+            (
+                "SELECT CASE WHEN a = 1 THEN CASE WHEN b = 2 THEN 1 END END FROM t".to_owned(),
+                5,
+            ),
+            ("SELECT abs(abs(abs(a))) FROM t".to_owned(), 5),
+            // three set operations on the left spine of four selects
+            (
+                "SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 UNION ALL SELECT 4".to_owned(),
+                5,
+            ),
+            // each table joined beyond the first: `JOIN_LEVELS`
+            (
+                "SELECT 1 FROM a JOIN b ON a.x = b.x JOIN c ON a.x = c.x".to_owned(),
+                1 + 2 * JOIN_LEVELS + 3,
+            ),
+            (
+                "SELECT 1 FROM a, b, c, d".to_owned(),
+                1 + 3 * JOIN_LEVELS + 1,
+            ),
+            (
+                "SELECT 1 FROM (a JOIN b ON true) JOIN c ON true".to_owned(),
+                1 + 2 * JOIN_LEVELS + 1,
+            ),
+            (
+                "WITH a AS (SELECT 1), b AS (SELECT * FROM a) SELECT * FROM b".to_owned(),
+                5,
+            ),
+            // query, IN, subquery, `>`, operand
+            (
+                "SELECT * FROM t WHERE id IN (SELECT id FROM u WHERE id > 1)".to_owned(),
+                5,
+            ),
+            ("EXPLAIN SELECT a::bigint::bigint FROM t".to_owned(), 4),
+            // a flat list: the query, the list, its elements
+            (
+                format!(
+                    "SELECT * FROM t WHERE id IN ({})",
+                    (0..10_000)
+                        .map(|i| i.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+                3,
+            ),
+        ];
+        for (sql, want) in cases {
+            let got = depth(&sql).unwrap();
+            assert_eq!(got, want, "{}", &sql[..sql.len().min(80)]);
+            // The token bound is of the syntax tree, where a join is one level, not `JOIN_LEVELS`.
+            let joins = sql.matches(" JOIN ").count()
+                + sql.matches(", ").count() * usize::from(sql.contains("FROM a,"));
+            let tree = got - joins * (JOIN_LEVELS - 1);
+            assert!(
+                tokens(&sql) >= tree,
+                "token bound {} < tree depth {tree}: {}",
+                tokens(&sql),
+                &sql[..sql.len().min(80)]
+            );
+        }
+        // A CASE of 10,000 branches is flat: its branches are siblings.
+        let branches = format!(
+            "SELECT CASE {} ELSE 0 END FROM t",
+            (0..10_000)
+                .map(|i| format!("WHEN a + 1 = {i} THEN {i}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+        assert!(tokens(&branches) < 20, "{}", tokens(&branches));
+        // ... and a deep path through one stays counted: the chain before the CASE, the CASE,
+        // the chain inside its condition.
+        let through = format!(
+            "SELECT {} + CASE WHEN {} = 1 THEN 1 END FROM t",
+            vec!["a"; 500].join(" + "),
+            vec!["b"; 500].join(" + ")
+        );
+        assert!(
+            tokens(&through) >= depth(&through).unwrap(),
+            "{} < {:?}",
+            tokens(&through),
+            depth(&through)
+        );
+        // A flat list stays shallow for the token bound too.
+        assert!(
+            tokens(&format!(
+                "SELECT {} FROM t",
+                (0..10_000)
+                    .map(|i| format!("a + {i}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )) < 10
+        );
+    }
+
+    /// Past the limit the walk stops one level past it, so a chain of 100,000 ORs is measured
+    /// (and refused) within a bounded recursion; nested array types count on tokens.
+    #[test]
+    fn the_walk_stops_past_the_limit() {
+        let sql = format!(
+            "SELECT * FROM t WHERE {}",
+            (0..100_000)
+                .map(|i| format!("id = {i}"))
+                .collect::<Vec<_>>()
+                .join(" OR ")
+        );
+        let statement = DFParserBuilder::new(sql.as_str())
+            .build()
+            .unwrap()
+            .parse_statement()
+            .unwrap();
+        assert_eq!(statement_depth(&statement, 1_000), Err(1_001));
+        // Dropped on a large stack: the parser's tree of 100,000 levels drops recursively.
+        std::thread::Builder::new()
+            .stack_size(256 << 20)
+            .spawn(move || drop(statement))
+            .unwrap()
+            .join()
+            .unwrap();
+        assert!(tokens(&sql) > 100_000);
+        // Type brackets `ARRAY<...>` nest (`>>` closes two), as `(` does: 3 a level (the word,
+        // the brackets and the level), not 1 per `<` or `>` of the text.
+        for closing in [">".repeat(100), ">>".repeat(50), "> ".repeat(100)] {
+            let nested = format!("SELECT CAST(NULL AS {}INT{closing})", "ARRAY<".repeat(100));
+            assert_eq!(tokens(&nested), 308, "{closing}");
+        }
+        let comparisons = format!(
+            "SELECT {} FROM t",
+            (0..1_000)
+                .map(|i| format!("a < {i}, b > {i}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        assert!(tokens(&comparisons) < 10, "comparisons are not brackets");
+        assert_eq!(scan(&comparisons).type_depth, 0);
+    }
+
+    /// Data types nest by `ARRAY<`, `STRUCT<`, `MAP<`, `NULLABLE(`-like groups and runs of
+    /// array brackets, together; a subscript or an array literal of several elements is no
+    /// type.
+    #[test]
+    fn type_depth_counts_nested_types() {
+        let types = |sql: &str| scan(sql).type_depth;
+        assert_eq!(types("SELECT CAST(x AS INT)"), 0);
+        assert_eq!(types("SELECT CAST(x AS ARRAY<INT>)"), 1);
+        assert_eq!(types("SELECT CAST(x AS ARRAY<ARRAY<INT>>)"), 2);
+        assert_eq!(
+            types("SELECT CAST(x AS STRUCT<a ARRAY<INT[][]>, b INT>)"),
+            4
+        );
+        assert_eq!(types("SELECT CAST(x AS INT[3][3][])"), 3);
+        assert_eq!(types("SELECT CAST(x AS NULLABLE(NULLABLE(INT)))"), 2);
+        assert_eq!(
+            types(&format!(
+                "SELECT CAST(x AS {}INT{})",
+                "ARRAY<".repeat(65),
+                ">".repeat(65)
+            )),
+            65
+        );
+        assert_eq!(
+            types(&format!("SELECT CAST(x AS INT{})", "[]".repeat(100))),
+            100
+        );
+        // A subscript chain by numbers `a[1][2]` looks like sized array brackets (and counts);
+        // lists and other subscripts do not.
+        assert_eq!(
+            types("SELECT a[1][2], [1, 2, 3], b[i + 1], c['x']['y'] FROM t"),
+            2
+        );
+        assert_eq!(types("SELECT ARRAY[1, 2], ARRAY[[1, 2], [3, 4]] FROM t"), 0);
+    }
+}

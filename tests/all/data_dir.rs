@@ -1,0 +1,249 @@
+//! What `Engine::open` takes as its data directory: a gritdb data directory, an empty
+//! directory or a new path (unless `EngineConfig::create_if_missing` is off); never someone
+//! else's non-empty directory, nor a file — those are `Error::NotADataDir`, left as they were.
+
+use gritdb::{DataDirFound, Engine, EngineConfig, Error, ScanOptions};
+use gritdb_tests::*;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+fn config() -> EngineConfig {
+    EngineConfig::default().memory_limit(64 << 20)
+}
+
+fn rows(from: i64, n: i64) -> Vec<((i64, i32), Row)> {
+    (from..from + n)
+        .map(|k| ((k, 0), (Some(k), Some(format!("row-{k}")))))
+        .collect()
+}
+
+/// Every entry under `dir` (itself included): kind, bytes of files, permissions and
+/// modification time, so "left as it was" is checked byte for byte and stamp for stamp.
+fn tree(dir: &Path) -> BTreeMap<PathBuf, (String, Vec<u8>, u32, std::time::SystemTime)> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut out = BTreeMap::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(p) = todo.pop() {
+        let meta = std::fs::symlink_metadata(&p).unwrap();
+        let (kind, bytes) = if meta.is_dir() {
+            todo.extend(std::fs::read_dir(&p).unwrap().map(|e| e.unwrap().path()));
+            ("dir", Vec::new())
+        } else {
+            ("file", std::fs::read(&p).unwrap())
+        };
+        out.insert(
+            p.strip_prefix(dir).unwrap().to_path_buf(),
+            (
+                kind.to_owned(),
+                bytes,
+                meta.permissions().mode(),
+                meta.modified().unwrap(),
+            ),
+        );
+    }
+    out
+}
+
+fn expect_refused(r: gritdb::Result<Engine>, path: &Path) -> DataDirFound {
+    match r {
+        Err(Error::NotADataDir { path: p, found }) => {
+            assert_eq!(p, path);
+            found
+        }
+        Err(e) => panic!("expected NotADataDir, got {e:?}"),
+        Ok(_) => panic!("expected NotADataDir, the engine opened {}", path.display()),
+    }
+}
+
+/// An empty directory and a new path (with its parents) are new data directories; a data
+/// directory reopens with its rows, also one copied without its `LOCK` file (a backup
+/// restored) and one holding only the `LOCK` of a first open killed before it made
+/// `tables/`.
+#[test]
+fn open_takes_an_empty_dir_a_new_path_and_a_gritdb_data_dir() {
+    let root = tempfile::tempdir().unwrap();
+    let empty = root.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    drop(Engine::open(&empty, config()).unwrap());
+    assert!(empty.join("LOCK").is_file() && empty.join("tables").is_dir());
+
+    let new = root.path().join("a/b/new");
+    let engine = Engine::open(&new, config()).unwrap();
+    let t = engine
+        .create_table("t", composite_schema(), &["k1", "k2"])
+        .unwrap();
+    t.insert(&composite_batch(&rows(0, 1_000))).unwrap();
+    t.flush().unwrap();
+    t.insert(&composite_batch(&rows(1_000, 10))).unwrap(); // only in the write-ahead log
+    drop(t);
+    engine.close().unwrap();
+    let want: BTreeMap<_, _> = rows(0, 1_010).into_iter().collect();
+    let read = |dir: &Path, config: EngineConfig| {
+        let engine = Engine::open(dir, config).unwrap();
+        let got = collect_composite(
+            engine
+                .table("t")
+                .unwrap()
+                .scan(ScanOptions::default())
+                .unwrap(),
+        );
+        engine.close().unwrap();
+        got
+    };
+    assert_eq!(read(&new, config()), want);
+    assert_eq!(
+        read(&new, config().create_if_missing(false)),
+        want,
+        "an existing data dir needs no creating"
+    );
+
+    // Copied without its LOCK file.
+    let copy = root.path().join("copy");
+    copy_tree(&new, &copy);
+    std::fs::remove_file(copy.join("LOCK")).unwrap();
+    assert_eq!(read(&copy, config().create_if_missing(false)), want);
+
+    // A LOCK file alone: the first open of it was killed before it created `tables/`.
+    let killed = root.path().join("killed");
+    std::fs::create_dir(&killed).unwrap();
+    std::fs::write(killed.join("LOCK"), "12345").unwrap();
+    let engine = Engine::open(&killed, config()).unwrap();
+    assert!(engine.table_names().is_empty());
+    drop(engine);
+
+    // `lost+found` (the root of a new ext4 volume) does not make a directory someone else's.
+    let volume = root.path().join("volume");
+    std::fs::create_dir_all(volume.join("lost+found")).unwrap();
+    drop(Engine::open(&volume, config()).unwrap());
+    assert!(volume.join("lost+found").is_dir() && volume.join("tables").is_dir());
+}
+
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_dir() {
+            copy_tree(&e.path(), &to.join(e.file_name()));
+        } else {
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+    }
+}
+
+/// With `create_if_missing(false)` a missing path is refused and nothing is created: not the
+/// directory, not its parents.
+#[test]
+fn create_if_missing_off_refuses_a_missing_dir_and_creates_nothing() {
+    let root = tempfile::tempdir().unwrap();
+    let before = tree(root.path());
+    let missing = root.path().join("parent/data");
+    let found = expect_refused(
+        Engine::open(&missing, config().create_if_missing(false)),
+        &missing,
+    );
+    assert_eq!(found, DataDirFound::Missing);
+    assert_eq!(tree(root.path()), before, "nothing created");
+    let text = Engine::open(&missing, config().create_if_missing(false))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        text.contains(&missing.display().to_string())
+            && text.contains("does not exist")
+            && text.contains("create_if_missing"),
+        "{text}"
+    );
+    assert!(EngineConfig::default().create_if_missing, "on by default");
+    // On (the default), the same path is created.
+    drop(Engine::open(&missing, config()).unwrap());
+    assert!(missing.join("LOCK").is_file());
+}
+
+/// A non-empty directory with no `LOCK` file and no `tables/` directory (a home directory, a
+/// project) is refused with its path and what it holds, and left byte for byte and stamp for
+/// stamp as it was: no `LOCK`, no `tables/`, `wal/` or `trash/`. Before, `Engine::open` took
+/// it and created its files among the others.
+#[test]
+fn a_non_empty_foreign_dir_is_refused_and_left_as_it_was() {
+    let root = tempfile::tempdir().unwrap();
+    let home = root.path().join("home");
+    std::fs::create_dir_all(home.join("src/deeper")).unwrap();
+    for (name, bytes) in [
+        ("notes.txt", &b"my notes"[..]),
+        (".bashrc", b"export X=1"),
+        ("src/main.rs", b"fn main() {}"),
+        ("src/deeper/data.bin", &[0u8, 1, 2, 255]),
+        ("Cargo.toml", b"[package]"),
+        ("wal", b"not a gritdb log"),
+        ("trash", b"a file named like gritdb's directory"),
+    ] {
+        std::fs::write(home.join(name), bytes).unwrap();
+    }
+    let before = tree(&home);
+    for create in [true, false] {
+        let found = expect_refused(
+            Engine::open(&home, config().create_if_missing(create)),
+            &home,
+        );
+        // Sorted names, the first five of six.
+        assert_eq!(
+            found,
+            DataDirFound::Foreign {
+                entries: [".bashrc", "Cargo.toml", "notes.txt", "src", "trash"]
+                    .map(String::from)
+                    .to_vec(),
+                total: 6
+            }
+        );
+        assert_eq!(
+            tree(&home),
+            before,
+            "create_if_missing {create}: the directory changed"
+        );
+    }
+    let text = Engine::open(&home, config()).unwrap_err().to_string();
+    let shown = home.display().to_string();
+    for part in [
+        shown.as_str(),
+        "is not a gritdb data directory",
+        "`.bashrc`",
+        "and 1 more",
+        "no `LOCK` file or `tables/` directory",
+        "nothing was created in it",
+    ] {
+        assert!(text.contains(part), "{part:?} not in {text}");
+    }
+    // A `LOCK` that is a directory, or `tables` that is a file, is no gritdb marker either.
+    let odd = root.path().join("odd");
+    std::fs::create_dir_all(odd.join("LOCK")).unwrap();
+    std::fs::write(odd.join("tables"), b"").unwrap();
+    let before = tree(&odd);
+    assert!(matches!(
+        expect_refused(Engine::open(&odd, config()), &odd),
+        DataDirFound::Foreign { total: 2, .. }
+    ));
+    assert_eq!(tree(&odd), before);
+}
+
+/// A file given as the data directory is refused and left unchanged.
+#[test]
+fn a_file_as_the_data_dir_is_refused() {
+    let root = tempfile::tempdir().unwrap();
+    let file = root.path().join("data.db");
+    std::fs::write(&file, b"somebody's database").unwrap();
+    let before = tree(root.path());
+    for create in [true, false] {
+        assert_eq!(
+            expect_refused(
+                Engine::open(&file, config().create_if_missing(create)),
+                &file
+            ),
+            DataDirFound::NotADirectory
+        );
+    }
+    assert_eq!(tree(root.path()), before);
+    let text = Engine::open(&file, config()).unwrap_err().to_string();
+    assert!(
+        text.contains("data.db") && text.contains("is a file"),
+        "{text}"
+    );
+}

@@ -8,6 +8,9 @@
 //!
 //! - `row_encode/apply_puts`: encode every row of the batch into a fresh delta (one bump
 //!   allocation per row, key map install); throughput in rows.
+//! - `row_encode/upsert_existing`: an upsert of 8,192 keys a delta of 524,288 rows holds (the
+//!   bench workload's upsert): each install replaces a row in a key map and row blocks larger
+//!   than the caches.
 //! - `key_encode/encode_batch`: the `arrow-row` key bytes of the batch.
 //! - `key_lookup/{hit,miss}`: [`DeltaStore::get`] of every key of the batch against a delta
 //!   holding it (hit) or holding other keys (miss).
@@ -143,6 +146,35 @@ fn key_lookup(c: &mut Criterion) {
     g.finish();
 }
 
+/// An upsert of one batch of keys a large delta already holds (the bench workload's upsert:
+/// 64 batches, 524,288 rows, about SF 0.1's lineitem; every key of one batch replaced, a
+/// different batch each iteration), so each row's install finds an existing entry in a key
+/// map and row blocks far larger than the caches.
+fn upsert_existing(c: &mut Criterion) {
+    let ctl = controller();
+    let mut d = DeltaStore::new(codec(), &ctl, None);
+    let batches: Vec<RecordBatch> = (0..64).map(batch).collect();
+    for (i, b) in batches.iter().enumerate() {
+        put(&mut d, b, (i * ROWS) as u64 + 1);
+    }
+    let keys: Vec<_> = batches.iter().map(|b| d.codec().keys().encode_batch(b).expect("encodable keys")).collect();
+    let mut seq = (64 * ROWS) as u64 + 1;
+    let mut next = 0usize;
+    let mut g = c.benchmark_group("row_encode");
+    g.throughput(Throughput::Elements(ROWS as u64));
+    g.bench_function("upsert_existing", |bench| {
+        bench.iter(|| {
+            // A different batch each time (every 23rd of 64, all in turn), so its entries and
+            // rows are not in the caches from the iteration before.
+            next = (next + 23) % 64;
+            d.apply_puts(&batches[next], &keys[next], seq, || Ok::<(), UnifyError>(())).expect("within the limit");
+            seq += ROWS as u64;
+            assert_eq!(d.len(), 64 * ROWS);
+        });
+    });
+    g.finish();
+}
+
 fn to_batches(c: &mut Criterion) {
     let ctl = controller();
     let mut d = DeltaStore::new(codec(), &ctl, None);
@@ -183,5 +215,5 @@ fn config() -> Criterion {
     Criterion::default().sample_size(20).measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(500))
 }
 
-criterion_group! { name = benches; config = config(); targets = row_encode, key_lookup, to_batches }
+criterion_group! { name = benches; config = config(); targets = row_encode, upsert_existing, key_lookup, to_batches }
 criterion_main!(benches);

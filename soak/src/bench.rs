@@ -671,7 +671,7 @@ const FIRST_RUN: [&str; 1] = ["vmhwm_bytes"];
 /// One result from several runs of the same input: each number is the median over the runs
 /// (the mean of the two middle values for an even count), except the memory figures of
 /// [`WORST_OF_RUNS`], which take the largest, and those of [`FIRST_RUN`]; `min` and `max` of
-/// the rates and ratios go to [`BenchResult::spread`]. Integer fields stay integers (a median
+/// the rates, ratios and times in ms (Q1) go to [`BenchResult::spread`]. Integer fields stay integers (a median
 /// is rounded).
 ///
 /// # Errors
@@ -711,7 +711,7 @@ pub fn summarize(runs: &[BenchResult]) -> Result<BenchResult> {
         xs.sort_by(f64::total_cmp);
         let n = xs.len();
         let pick = if WORST_OF_RUNS.contains(&key.as_str()) { xs[n - 1] } else { f64::midpoint(xs[(n - 1) / 2], xs[n / 2]) };
-        if key.ends_with("_per_s") || key.contains("_vs_") {
+        if key.ends_with("_per_s") || key.contains("_vs_") || key.ends_with("_ms") {
             spread.insert(key.clone(), [xs[0], xs[n - 1]]);
         }
         let integer = values.iter().all(|m| m.get(key).is_some_and(|v| v.is_i64() || v.is_u64()));
@@ -998,7 +998,7 @@ fn print_table(r: &BenchResult, groups: &[Q1Group]) {
         );
     }
     println!("{:<26} {:>18.3} s {:>14.2} s {:>9.2}x", "durable (flush)", r.durable_s, d.durable_s, d.durable_s / r.durable_s);
-    println!("{:<26} {:>17.1} ms {:>13.0} ms {:>9.2}x", "Q1", r.q1_ms, d.q1_ms, d.q1_ms / r.q1_ms);
+    println!("{:<26} {:>17.1} ms {:>13.1} ms {:>9.2}x{}", "Q1", r.q1_ms, d.q1_ms, d.q1_ms / r.q1_ms, range("q1_ms", 1.0));
     println!("{:<26} {:>17.1} ms   (gritdb on {} threads, scan_partitions; not the peer comparison)", "Q1, partitioned", r.q1_parallel_ms, r.q1_threads);
     if let Some(ms) = r.sql_q1_ms {
         println!("{:<26} {:>17.1} ms {:>13.0} ms {:>9.2}x", "Q1 through SQL (TPC-H)", ms, d.q1_ms, d.q1_ms / ms);
@@ -1097,6 +1097,7 @@ mod tests {
             sum_quantity: 13_875_088.0,
             insert_rows_per_s: insert,
             scan_vs_raw_read: insert / 2e6,
+            q1_ms: insert / 1e5,
             vmhwm_bytes: vmhwm,
             rss_above_base_bytes: rss,
             allocations_per_row: alloc,
@@ -1148,6 +1149,7 @@ mod tests {
         assert_eq!(r.scan_vs_raw_read, 1.0);
         assert_eq!(r.spread["insert_rows_per_s"], [1.5e6, 2.6e6]);
         assert_eq!(r.spread["scan_vs_raw_read"], [0.75, 1.3]);
+        assert_eq!((r.q1_ms, r.spread["q1_ms"]), (20.0, [15.0, 26.0]), "times: the median, with their range");
         assert_eq!(r.rss_above_base_bytes, 90, "memory: the worst run");
         assert_eq!(r.allocations_per_row, Some(0.05));
         assert_eq!(r.vmhwm_bytes, 700, "the peak after run 1, not the process's later peak");

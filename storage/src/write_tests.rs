@@ -296,7 +296,7 @@ fn read_cap_counts_dictionary_encoded_values_whole() {
 /// dictionary page as stored and decoded (scaled by the chunk's compression ratio) and the
 /// 8 KiB header buffer; both columns read count both; nothing for a reader that reads no row
 /// group. `k` (60,000 distinct `Int64`) and `s` (four 3,000-byte strings, whose dictionary
-/// page LZ4 stores in a few hundred bytes) are both dictionary-encoded by the default
+/// page Snappy stores in a few hundred bytes) are both dictionary-encoded by the default
 /// writer; `s` counts at least its 12,000 decoded dictionary bytes.
 #[test]
 fn reader_buffer_bytes_count_one_page_per_column_and_the_dictionary() {

@@ -11,7 +11,7 @@
 //!     bytes per row, nothing flushed meanwhile), then one flush of all rows (flush rows/s)
 //!     then, on a third engine with WalSync::Relaxed (group commit), insert all again: the
 //!     insert rate without an fsync per call
-//!  3. plain ArrowWriter (LZ4_RAW, the engine's row-group cut, fsync) and
+//!  3. plain ArrowWriter (SNAPPY, the engine's row-group cut, fsync) and
 //!     ParquetRecordBatchReader over the same batches: the physical limits
 //!  4. the naive store (baseline.rs): the same insert / upsert / delete
 //! ```
@@ -234,7 +234,7 @@ pub struct BenchResult {
     pub rss_above_base_bytes: i64,
     /// Peak RSS after Q1.
     pub vmhwm_bytes: u64,
-    /// Plain `ArrowWriter` (the engine's data-file properties: `LZ4_RAW`, fsync) over the same batches.
+    /// Plain `ArrowWriter` (the engine's data-file properties: Snappy, fsync) over the same batches.
     pub raw_write_rows_per_s: f64,
     /// The engine's flush of all rows from memory to a committed file (phase 2).
     pub flush_rows_per_s: f64,
@@ -501,7 +501,7 @@ pub fn q1(batches: impl IntoIterator<Item = Result<RecordBatch>>) -> Result<Vec<
             }
             _ => find(groups, acc, flag.value(i), status.value(i)),
         };
-        let mut add = |acc: &mut Vec<[([i128; 3], u64); LANES]>, g: usize, i: usize| {
+        let add = |acc: &mut Vec<[([i128; 3], u64); LANES]>, g: usize, i: usize| {
             let (sums, count) = &mut acc[g][i % LANES];
             sums[0] += qty[i];
             sums[1] += price[i];
@@ -861,7 +861,7 @@ fn measure(args: &BenchArgs, batches: &[RecordBatch], dir: &Path) -> Result<(Ben
     let t = Instant::now();
     {
         let file = std::fs::File::create(&raw)?;
-        // The engine's writer settings (LZ4_RAW, its dictionary page limit), so flush/raw
+        // The engine's writer settings (SNAPPY, its dictionary page limit), so flush/raw
         // compares the engine's work around the writer, not two writer configurations.
         let props = gritdb::data_file_properties(1 << 20).build();
         let mut w = ArrowWriter::try_new(file, schema.clone(), Some(props))?;
@@ -1018,7 +1018,7 @@ fn print_table(r: &BenchResult, groups: &[Q1Group]) {
     }
     println!("RSS above base {:.1} MiB; VmHWM {:.1} MiB", mib(r.rss_above_base_bytes as f64), mib(r.vmhwm_bytes as f64));
     println!("{:<26} {:>20} {:>20} {:>9}", "physical limit", "raw", "gritdb", "ratio");
-    println!("{:<26} {:>20} {:>20} {:>9.2}{}", "write (LZ4_RAW) vs flush", mrows(r.raw_write_rows_per_s), mrows(r.flush_rows_per_s), r.flush_vs_raw_write, range("flush_vs_raw_write", 1.0));
+    println!("{:<26} {:>20} {:>20} {:>9.2}{}", "write (SNAPPY) vs flush", mrows(r.raw_write_rows_per_s), mrows(r.flush_rows_per_s), r.flush_vs_raw_write, range("flush_vs_raw_write", 1.0));
     println!("{:<26} {:>20} {:>20} {:>9.2}{}", "read vs full scan", mrows(r.raw_read_rows_per_s), mrows(r.scan_rows_per_s), r.scan_vs_raw_read, range("scan_vs_raw_read", 1.0));
     println!(
         "{:<26} {:>20} {:>20} {:>9.2}   ({:.1} WAL bytes/row)",
@@ -1216,38 +1216,37 @@ mod tests {
         assert!(payload_bytes(&b) > 100 * n);
     }
 
-    /// The grouping by short-string codes gives the groups (and sums) that comparing the
-    /// strings gives: `Utf8View` and `Utf8` columns, strings of 0–4 bytes (coded) and longer
-    /// (compared), a 4-byte string and its 5-byte extension, across batches.
-    #[test]
-    fn q1_groups_by_short_codes_as_by_strings() {
+    /// A Q1 input batch of `rows` rows: flags cycling through `flags`, statuses through
+    /// `statuses` every two rows, as `Utf8View` (`view`) or `Utf8` columns; quantity `i + salt`,
+    /// price `7i + salt`, discount `3i + salt` (unscaled `Decimal128(15, 2)`).
+    fn q1_batch(view: bool, flags: &[&str], statuses: &[&str], rows: usize, salt: i128) -> RecordBatch {
         use arrow::array::{ArrayRef, Decimal128Array, StringArray, StringViewArray};
         use arrow::datatypes::{Field, Schema};
         use std::sync::Arc;
-        let flag_values = ["A", "R", "", "NNNN", "NNNNN", "A"];
-        let status_values = ["F", "O", "F", "F", "F", "O"];
-        let batch = |view: bool, rows: usize, salt: i128| {
-            let f: Vec<&str> = (0..rows).map(|i| flag_values[i % flag_values.len()]).collect();
-            let s: Vec<&str> = (0..rows).map(|i| status_values[(i / 2) % status_values.len()]).collect();
-            let str_col = |v: &[&str]| -> ArrayRef {
-                if view { Arc::new(StringViewArray::from_iter_values(v.iter().copied())) } else { Arc::new(StringArray::from_iter_values(v.iter().copied())) }
-            };
-            let dec = |m: i128| -> ArrayRef {
-                Arc::new(Decimal128Array::from_iter_values((0..rows as i128).map(|i| i * m + salt)).with_precision_and_scale(15, 2).unwrap())
-            };
-            let t = if view { DataType::Utf8View } else { DataType::Utf8 };
-            let schema = Arc::new(Schema::new(vec![
-                Field::new("l_returnflag", t.clone(), false),
-                Field::new("l_linestatus", t, false),
-                Field::new("l_quantity", DataType::Decimal128(15, 2), false),
-                Field::new("l_extendedprice", DataType::Decimal128(15, 2), false),
-                Field::new("l_discount", DataType::Decimal128(15, 2), false),
-            ]));
-            RecordBatch::try_new(schema, vec![str_col(&f), str_col(&s), dec(1), dec(7), dec(3)]).unwrap()
+        let f: Vec<&str> = (0..rows).map(|i| flags[i % flags.len()]).collect();
+        let s: Vec<&str> = (0..rows).map(|i| statuses[(i / 2) % statuses.len()]).collect();
+        let str_col = |v: &[&str]| -> ArrayRef {
+            if view { Arc::new(StringViewArray::from_iter_values(v.iter().copied())) } else { Arc::new(StringArray::from_iter_values(v.iter().copied())) }
         };
-        let input = vec![batch(true, 1000, 0), batch(false, 777, 5), batch(true, 333, 9)];
+        let dec = |m: i128| -> ArrayRef {
+            Arc::new(Decimal128Array::from_iter_values((0..rows as i128).map(|i| i * m + salt)).with_precision_and_scale(15, 2).unwrap())
+        };
+        let t = if view { DataType::Utf8View } else { DataType::Utf8 };
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("l_returnflag", t.clone(), false),
+            Field::new("l_linestatus", t, false),
+            Field::new("l_quantity", DataType::Decimal128(15, 2), false),
+            Field::new("l_extendedprice", DataType::Decimal128(15, 2), false),
+            Field::new("l_discount", DataType::Decimal128(15, 2), false),
+        ]));
+        RecordBatch::try_new(schema, vec![str_col(&f), str_col(&s), dec(1), dec(7), dec(3)]).unwrap()
+    }
+
+    /// Q1's answer computed row by row, comparing the strings: (flag, status) → (sum qty, sum
+    /// price, sum discount, count).
+    fn q1_by_strings(input: &[RecordBatch]) -> std::collections::BTreeMap<(String, String), (i128, i128, i128, u64)> {
         let mut want: std::collections::BTreeMap<(String, String), (i128, i128, i128, u64)> = std::collections::BTreeMap::new();
-        for batch in &input {
+        for batch in input {
             let (flag, status) = (Strs::of(batch.column(0).as_ref()).unwrap(), Strs::of(batch.column(1).as_ref()).unwrap());
             let dec = |c: usize| batch.column(c).as_primitive::<Decimal128Type>().clone();
             let (qty, price, disc) = (dec(2), dec(3), dec(4));
@@ -1256,11 +1255,24 @@ mod tests {
                 *sums = (sums.0 + qty.value(row), sums.1 + price.value(row), sums.2 + disc.value(row), sums.3 + 1);
             }
         }
-        let got = q1(input.into_iter().map(Ok)).unwrap();
-        let got: std::collections::BTreeMap<_, _> =
-            got.into_iter().map(|g| ((g.returnflag, g.linestatus), (g.sum_qty, g.sum_price, g.sum_disc, g.count))).collect();
+        want
+    }
+
+    /// [`q1`]'s groups as the map [`q1_by_strings`] gives.
+    fn q1_map(input: Vec<RecordBatch>) -> std::collections::BTreeMap<(String, String), (i128, i128, i128, u64)> {
+        q1(input.into_iter().map(Ok)).unwrap().into_iter().map(|g| ((g.returnflag, g.linestatus), (g.sum_qty, g.sum_price, g.sum_disc, g.count))).collect()
+    }
+
+    /// The grouping by short-string codes gives the groups (and sums) that comparing the
+    /// strings gives: `Utf8View` and `Utf8` columns, strings of 0–4 bytes (coded) and longer
+    /// (compared), a 4-byte string and its 5-byte extension, across batches.
+    #[test]
+    fn q1_groups_by_short_codes_as_by_strings() {
+        let (flags, statuses) = (["A", "R", "", "NNNN", "NNNNN", "A"], ["F", "O", "F", "F", "F", "O"]);
+        let input = vec![q1_batch(true, &flags, &statuses, 1000, 0), q1_batch(false, &flags, &statuses, 777, 5), q1_batch(true, &flags, &statuses, 333, 9)];
+        let want = q1_by_strings(&input);
         assert!(want.len() >= 8, "{} groups", want.len());
-        assert_eq!(got, want);
+        assert_eq!(q1_map(input), want);
     }
 
     /// Rows whose flags are both one byte (the dense table) and rows that are not (empty and
@@ -1269,51 +1281,17 @@ mod tests {
     /// A sliced batch reads its own views only.
     #[test]
     fn q1_dense_pairs_and_slot_pairs_agree() {
-        use arrow::array::{ArrayRef, Decimal128Array, StringArray, StringViewArray};
-        use arrow::datatypes::{Field, Schema};
-        use std::sync::Arc;
-        let batch = |view: bool, flags: &[&str], statuses: &[&str], rows: usize, salt: i128| {
-            let f: Vec<&str> = (0..rows).map(|i| flags[i % flags.len()]).collect();
-            let s: Vec<&str> = (0..rows).map(|i| statuses[(i / 3) % statuses.len()]).collect();
-            let str_col = |v: &[&str]| -> ArrayRef {
-                if view { Arc::new(StringViewArray::from_iter_values(v.iter().copied())) } else { Arc::new(StringArray::from_iter_values(v.iter().copied())) }
-            };
-            let dec = |m: i128| -> ArrayRef {
-                Arc::new(Decimal128Array::from_iter_values((0..rows as i128).map(|i| i * m + salt)).with_precision_and_scale(15, 2).unwrap())
-            };
-            let t = if view { DataType::Utf8View } else { DataType::Utf8 };
-            let schema = Arc::new(Schema::new(vec![
-                Field::new("l_returnflag", t.clone(), false),
-                Field::new("l_linestatus", t, false),
-                Field::new("l_quantity", DataType::Decimal128(15, 2), false),
-                Field::new("l_extendedprice", DataType::Decimal128(15, 2), false),
-                Field::new("l_discount", DataType::Decimal128(15, 2), false),
-            ]));
-            RecordBatch::try_new(schema, vec![str_col(&f), str_col(&s), dec(1), dec(7), dec(3)]).unwrap()
-        };
         let one = ["A", "N", "R", "~"];
         let input = vec![
-            batch(true, &one, &["F", "O"], 5_000, 0),
-            batch(true, &["A", "", "NN"], &["F", "O"], 700, 3),
-            batch(false, &one, &["O", "F", "Z"], 900, 11),
-            batch(true, &["N", "A", "Q"], &["F", "Z"], 2_000, 5).slice(17, 1_500),
+            q1_batch(true, &one, &["F", "O"], 5_000, 0),
+            q1_batch(true, &["A", "", "NN"], &["F", "O"], 700, 3),
+            q1_batch(false, &one, &["O", "F", "Z"], 900, 11),
+            q1_batch(true, &["N", "A", "Q"], &["F", "Z"], 2_000, 5).slice(17, 1_500),
         ];
-        let mut want: std::collections::BTreeMap<(String, String), (i128, i128, i128, u64)> = std::collections::BTreeMap::new();
-        for batch in &input {
-            let (flag, status) = (Strs::of(batch.column(0).as_ref()).unwrap(), Strs::of(batch.column(1).as_ref()).unwrap());
-            let dec = |c: usize| batch.column(c).as_primitive::<Decimal128Type>().clone();
-            let (qty, price, disc) = (dec(2), dec(3), dec(4));
-            for row in 0..batch.num_rows() {
-                let sums = want.entry((flag.value(row).to_owned(), status.value(row).to_owned())).or_default();
-                *sums = (sums.0 + qty.value(row), sums.1 + price.value(row), sums.2 + disc.value(row), sums.3 + 1);
-            }
-        }
-        let got = q1(input.into_iter().map(Ok)).unwrap();
-        assert_eq!(got.iter().map(|g| g.count).sum::<u64>(), 5_000 + 700 + 900 + 1_500);
-        let got: std::collections::BTreeMap<_, _> =
-            got.into_iter().map(|g| ((g.returnflag, g.linestatus), (g.sum_qty, g.sum_price, g.sum_disc, g.count))).collect();
+        let want = q1_by_strings(&input);
+        assert_eq!(want.values().map(|v| v.3).sum::<u64>(), 5_000 + 700 + 900 + 1_500);
         assert!(want.len() >= 14, "{} groups", want.len());
-        assert_eq!(got, want);
+        assert_eq!(q1_map(input), want);
     }
 
     /// More distinct short pairs (300) than the 64 slots of the group table: pairs whose slot

@@ -559,7 +559,8 @@ const LISTED_ENTRIES: usize = 5;
 /// Refuses a path [`Engine::open`] must not use as its data directory: a missing one when
 /// `create` is off, something other than a directory, or a directory that holds entries but
 /// neither of the two entries every gritdb data directory has had since the first format:
-/// the `LOCK` file (created first at every open) and the `tables/` directory. An empty
+/// the `LOCK` file (created first at every open, holding the opener's pid: an empty or other
+/// `LOCK`, as LevelDB and RocksDB leave, does not count) and the `tables/` directory. An empty
 /// directory is a new data directory.
 fn check_data_dir(dir: &Path, create: bool) -> Result<()> {
     let refuse = |found| Err(Error::NotADataDir { path: dir.to_path_buf(), found });
@@ -578,7 +579,7 @@ fn check_data_dir(dir: &Path, create: bool) -> Result<()> {
         let entry = entry.map_err(io(dir))?;
         let name = entry.file_name();
         let is = |kind: fn(&fs::FileType) -> bool| entry.file_type().is_ok_and(|t| kind(&t));
-        if (name == "LOCK" && is(fs::FileType::is_file)) || (name == "tables" && is(fs::FileType::is_dir)) {
+        if (name == "LOCK" && is(fs::FileType::is_file) && is_gritdb_lock(&entry.path())) || (name == "tables" && is(fs::FileType::is_dir)) {
             return Ok(());
         }
         if !IGNORED_ENTRIES.iter().any(|i| name == *i) {
@@ -592,6 +593,17 @@ fn check_data_dir(dir: &Path, create: bool) -> Result<()> {
     let total = names.len();
     names.truncate(LISTED_ENTRIES);
     refuse(DataDirFound::Foreign { entries: names, total })
+}
+
+/// Whether the `LOCK` file at `path` is one gritdb wrote: its whole content is the decimal pid
+/// of the process that last opened the directory. LevelDB and RocksDB leave an empty `LOCK`
+/// in their directories; taking one for gritdb's let the open's cleanup remove that program's
+/// files (fresh-clone trial, 2026-12-04). A file that cannot be read is not gritdb's.
+fn is_gritdb_lock(path: &Path) -> bool {
+    let mut buf = [0u8; 32];
+    let Ok(mut f) = fs::File::open(path) else { return false };
+    let Ok(n) = std::io::Read::read(&mut f, &mut buf) else { return false };
+    n > 0 && n < buf.len() && buf[..n].iter().all(u8::is_ascii_digit)
 }
 
 /// The registry key for a table name: the exact name, else the one name equal to it ignoring

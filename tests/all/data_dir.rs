@@ -247,3 +247,34 @@ fn a_file_as_the_data_dir_is_refused() {
         "{text}"
     );
 }
+
+/// A LevelDB or RocksDB directory (an empty `LOCK`, `CURRENT`, a manifest and a log, plus the
+/// user's own `trash/` and `wal/` files) is not taken for gritdb's: refused, every file left as
+/// it was. Before, its `LOCK` made it count, and the open's cleanup removed `trash/keep-me.txt`
+/// and the unreadable `wal/` segment (fresh-clone trial, 2026-12-04).
+#[test]
+fn another_engines_directory_with_an_empty_lock_is_refused_and_left_as_it_was() {
+    let root = tempfile::tempdir().unwrap();
+    let db = root.path().join("leveldb");
+    std::fs::create_dir_all(db.join("trash")).unwrap();
+    std::fs::create_dir_all(db.join("wal")).unwrap();
+    for (name, bytes) in [
+        ("LOCK", &b""[..]),
+        ("CURRENT", b"MANIFEST-000001\n"),
+        ("MANIFEST-000001", &[0u8, 1, 2, 3]),
+        ("000003.log", b"log"),
+        ("trash/keep-me.txt", b"mine"),
+        ("wal/wal-00000001.log", b"sixteen garbage!"),
+    ] {
+        std::fs::write(db.join(name), bytes).unwrap();
+    }
+    let before = tree(&db);
+    let found = expect_refused(Engine::open(&db, config()), &db);
+    assert!(matches!(&found, DataDirFound::Foreign { total: 6, .. }), "{found:?}");
+    assert_eq!(tree(&db), before, "the directory changed");
+    // A LOCK with other text than a pid does not count either.
+    std::fs::write(db.join("LOCK"), "leveldb lock").unwrap();
+    let before = tree(&db);
+    assert!(matches!(expect_refused(Engine::open(&db, config()), &db), DataDirFound::Foreign { .. }));
+    assert_eq!(tree(&db), before, "the directory changed");
+}

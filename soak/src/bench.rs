@@ -439,7 +439,7 @@ fn count_sum(table: &Table) -> Result<(u64, i128)> {
 /// entries indexed by the two bytes instead, with no hash and no compare. History: comparing every row's strings with every group's took
 /// 7 of Q1's 15 ms at SF 0.1; the last-row test and a search took 4–6 ms of 11–19
 /// (docs/performance.md, fourteenth pass); the dense table takes the aggregation from 3.5 to
-/// 2.6 ms (twentieth pass).
+/// 2.2 ms (twentieth pass).
 pub fn q1(batches: impl IntoIterator<Item = Result<RecordBatch>>) -> Result<Vec<Q1Group>> {
     const SLOTS: usize = 64;
     const LANES: usize = 4;
@@ -512,7 +512,7 @@ pub fn q1(batches: impl IntoIterator<Item = Result<RecordBatch>>) -> Result<Vec<
             for (i, (&fv, &sv)) in f.views().iter().zip(s.views().iter()).enumerate() {
                 let g = if (fv as u32 ^ 1) | (sv as u32 ^ 1) == 0 {
                     // Both values one byte long (TPC-H's flags): the pair of bytes indexes the
-                    // dense table, with no hash and no compare (Q1's aggregation in 2.6 ms
+                    // dense table, with no hash and no compare (Q1's aggregation in 2.2 ms
                     // against 3.5 ms through the slots at SF 0.1, twentieth pass).
                     let pair = usize::from((fv >> 32) as u8) << 8 | usize::from((sv >> 32) as u8);
                     if dense[pair] == NO_GROUP {

@@ -44,6 +44,15 @@ fn tree(dir: &Path) -> BTreeMap<PathBuf, (String, Vec<u8>, u32, std::time::Syste
     out
 }
 
+/// Writes each `(relative path, bytes)` under `dir`, creating the directories on the way.
+fn write_files(dir: &Path, files: &[(&str, &[u8])]) {
+    for (name, bytes) in files {
+        let path = dir.join(name);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, bytes).unwrap();
+    }
+}
+
 fn expect_refused(r: gritdb::Result<Engine>, path: &Path) -> DataDirFound {
     match r {
         Err(Error::NotADataDir { path: p, found }) => {
@@ -166,18 +175,18 @@ fn create_if_missing_off_refuses_a_missing_dir_and_creates_nothing() {
 fn a_non_empty_foreign_dir_is_refused_and_left_as_it_was() {
     let root = tempfile::tempdir().unwrap();
     let home = root.path().join("home");
-    std::fs::create_dir_all(home.join("src/deeper")).unwrap();
-    for (name, bytes) in [
-        ("notes.txt", &b"my notes"[..]),
-        (".bashrc", b"export X=1"),
-        ("src/main.rs", b"fn main() {}"),
-        ("src/deeper/data.bin", &[0u8, 1, 2, 255]),
-        ("Cargo.toml", b"[package]"),
-        ("wal", b"not a gritdb log"),
-        ("trash", b"a file named like gritdb's directory"),
-    ] {
-        std::fs::write(home.join(name), bytes).unwrap();
-    }
+    write_files(
+        &home,
+        &[
+            ("notes.txt", &b"my notes"[..]),
+            (".bashrc", b"export X=1"),
+            ("src/main.rs", b"fn main() {}"),
+            ("src/deeper/data.bin", &[0u8, 1, 2, 255]),
+            ("Cargo.toml", b"[package]"),
+            ("wal", b"not a gritdb log"),
+            ("trash", b"a file named like gritdb's directory"),
+        ],
+    );
     let before = tree(&home);
     for create in [true, false] {
         let found = expect_refused(
@@ -256,18 +265,17 @@ fn a_file_as_the_data_dir_is_refused() {
 fn another_engines_directory_with_an_empty_lock_is_refused_and_left_as_it_was() {
     let root = tempfile::tempdir().unwrap();
     let db = root.path().join("leveldb");
-    std::fs::create_dir_all(db.join("trash")).unwrap();
-    std::fs::create_dir_all(db.join("wal")).unwrap();
-    for (name, bytes) in [
-        ("LOCK", &b""[..]),
-        ("CURRENT", b"MANIFEST-000001\n"),
-        ("MANIFEST-000001", &[0u8, 1, 2, 3]),
-        ("000003.log", b"log"),
-        ("trash/keep-me.txt", b"mine"),
-        ("wal/wal-00000001.log", b"sixteen garbage!"),
-    ] {
-        std::fs::write(db.join(name), bytes).unwrap();
-    }
+    write_files(
+        &db,
+        &[
+            ("LOCK", &b""[..]),
+            ("CURRENT", b"MANIFEST-000001\n"),
+            ("MANIFEST-000001", &[0u8, 1, 2, 3]),
+            ("000003.log", b"log"),
+            ("trash/keep-me.txt", b"mine"),
+            ("wal/wal-00000001.log", b"sixteen garbage!"),
+        ],
+    );
     let before = tree(&db);
     let found = expect_refused(Engine::open(&db, config()), &db);
     assert!(matches!(&found, DataDirFound::Foreign { total: 6, .. }), "{found:?}");

@@ -438,16 +438,19 @@ impl TableStore {
         let mut res = Reservation::new(&self.ctl, Category::KeyIndex, self.account.as_ref());
         // The footer is counted before it is parsed (`read_file_within`'s estimate).
         res.try_grow(crate::write::footer_length(&file).saturating_mul(crate::write::FOOTER_MEMORY_FACTOR))?;
-        let builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| corrupt(e.to_string()))?;
+        let loaded = parquet::arrow::arrow_reader::ArrowReaderMetadata::load(&file, parquet::arrow::arrow_reader::ArrowReaderOptions::new()).map_err(|e| corrupt(e.to_string()))?;
+        let metadata = std::sync::Arc::clone(loaded.metadata());
         let mut read = self.key_cols.clone();
         read.sort_unstable();
         read.dedup();
-        let in_file = builder.metadata().file_metadata().num_rows();
+        let in_file = metadata.file_metadata().num_rows();
         if u64::try_from(in_file).ok() != Some(rows) {
             return Err(corrupt(format!("manifest says {rows} rows, file has {in_file}")));
         }
-        let groups: Vec<usize> = (0..builder.metadata().num_row_groups()).collect();
-        res.try_resize(crate::write::reader_buffer_bytes(builder.metadata(), &groups, &read).saturating_add(builder.metadata().memory_size()))?;
+        let groups: Vec<usize> = (0..metadata.num_row_groups()).collect();
+        let dictionaries = crate::write::DictionaryPages::read(&file, &metadata, &groups, &read);
+        res.try_resize(crate::write::reader_buffer_bytes(&metadata, &groups, &read, &dictionaries).saturating_add(metadata.memory_size()))?;
+        let builder = ParquetRecordBatchReaderBuilder::new_with_metadata(file, loaded);
         let mask = ProjectionMask::roots(builder.parquet_schema(), read.iter().copied());
         // Always found: `read` is `key_cols` sorted.
         let order: Vec<usize> = self.key_cols.iter().map(|k| read.binary_search(k).unwrap_or(0)).collect();

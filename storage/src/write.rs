@@ -716,10 +716,13 @@ fn open_reader(path: &Path, spec: ReadSpec, reserve: &mut dyn FnMut(usize) -> Re
     let with_column_index = || footer.memory_size().saturating_add(both.saturating_mul(PAGE_INDEX_MEMORY_FACTOR));
     // Page pruning is worth its column index only while it fits the budget (decided before
     // reading it, from the estimate; checked again on the decoded size below).
+    // The dictionary page headers of every row group, read only when the pruning estimate
+    // needs them (and then kept for the reader's own reservation).
+    let mut dictionaries: Option<DictionaryPages> = None;
     let pruning = spec.filter.is_some()
         && spec.pruning_budget > 0
         && both > offsets
-        && with_column_index().saturating_add(reader_buffer_bytes(&footer, &all, &read)) <= spec.pruning_budget;
+        && with_column_index().saturating_add(reader_buffer_bytes(&footer, &all, &read, dictionaries.insert(DictionaryPages::read(&file, &footer, &all, &read)))) <= spec.pruning_budget;
     let with_index = |md: parquet::file::metadata::ParquetMetaData, column_index: bool, reserve: &mut dyn FnMut(usize) -> Result<(), StorageError>| -> Result<_, StorageError> {
         if !column_index && !byte_arrays {
             return Ok(md);
@@ -735,20 +738,19 @@ fn open_reader(path: &Path, spec: ReadSpec, reserve: &mut dyn FnMut(usize) -> Re
         Ok(reader.finish()?)
     };
     let mut md = with_index(footer, pruning, reserve)?;
-    if pruning && md.column_index().is_some() && reader_buffer_bytes(&md, &all, &read).saturating_add(md.memory_size()) > spec.pruning_budget {
+    if pruning && md.column_index().is_some() && reader_buffer_bytes(&md, &all, &read, dictionaries.get_or_insert_with(|| DictionaryPages::read(&file, &md, &all, &read))).saturating_add(md.memory_size()) > spec.pruning_budget {
         drop(md);
         md = with_index(ParquetMetaDataReader::new().parse_and_finish(&file)?, false, reserve)?;
     }
     let metadata = ArrowReaderMetadata::try_new(Arc::new(md), ArrowReaderOptions::new())?;
-    let builder = ParquetRecordBatchReaderBuilder::new_with_metadata(file, metadata).with_batch_size(spec.batch_rows.max(1));
     let mut position = vec![usize::MAX; width];
     for (at, &c) in read.iter().enumerate() {
         position[c] = at;
     }
-    let md = Arc::clone(builder.metadata());
+    let md = Arc::clone(metadata.metadata());
     let total: u64 = md.row_groups().iter().map(|g| g.num_rows() as u64).sum();
     let mut plan = match &spec.filter {
-        Some(f) => f.plan(&md, builder.schema()),
+        Some(f) => f.plan(&md, metadata.schema()),
         None => FilePlan {
             row_groups: (0..md.num_row_groups()).collect(),
             ranges: if total > 0 { crate::filter::whole(total) } else { Vec::new() },
@@ -800,7 +802,7 @@ fn open_reader(path: &Path, spec: ReadSpec, reserve: &mut dyn FnMut(usize) -> Re
         inner: None,
         // The reader keeps the file's metadata (the page index too, when loaded) for as long
         // as it is open: parquet's own estimate of its heap bytes.
-        buffer_bytes: reader_buffer_bytes(&md, &plan.row_groups, &read).saturating_add(md.memory_size()),
+        buffer_bytes: reader_buffer_bytes(&md, &plan.row_groups, &read, &dictionaries.unwrap_or_else(|| DictionaryPages::read(&file, &md, &plan.row_groups, &read))).saturating_add(md.memory_size()),
         column_index: md.column_index().is_some(),
         cursor: Cursor { ranges: plan.ranges.clone(), at: 0, offset: 0 },
         returned_from: spec.resume_at.unwrap_or(0),
@@ -825,7 +827,7 @@ fn open_reader(path: &Path, spec: ReadSpec, reserve: &mut dyn FnMut(usize) -> Re
     }
     let kept: u64 = plan.ranges.iter().map(|r| r.end - r.start).sum();
     let rows = batch_rows_for(&md, &plan.row_groups, &read, reader.spec.batch_rows, reader.spec.batch_bytes);
-    let mut builder = builder.with_batch_size(rows).with_projection(ProjectionMask::roots(md.file_metadata().schema_descr(), read.iter().copied()));
+    let mut builder = ParquetRecordBatchReaderBuilder::new_with_metadata(file, metadata).with_batch_size(rows).with_projection(ProjectionMask::roots(md.file_metadata().schema_descr(), read.iter().copied()));
     if plan.row_groups.len() < md.num_row_groups() {
         builder = builder.with_row_groups(plan.row_groups.clone());
     }
@@ -849,14 +851,14 @@ const PAGE_HEADER_BUFFER: u64 = 8 << 10;
 /// chunk's uncompressed bytes over its page count, the larger of rows / 20,000 and bytes /
 /// 1 MiB), its compressed copy while it is decompressed (the compressed bytes over the same
 /// count), its dictionary page as stored (the bytes between the dictionary and the first data
-/// page offsets) and decoded (the stored bytes times the chunk's uncompressed / compressed
-/// ratio: the metadata has no dictionary size of its own) and the 8 KiB header buffer; the
-/// largest row group's sum.
+/// page offsets) and decoded (the page header's `uncompressed_page_size`, read by
+/// [`DictionaryPages::read`]; failing that, the stored bytes times the chunk's uncompressed /
+/// compressed ratio) and the 8 KiB header buffer; the largest row group's sum.
 /// The page reader of parquet 59 (`SerializedPageReader` over a `File`) reads a chunk one
 /// page at a time, so this is what an open reader holds between batches. Measured on TPC-H
 /// lineitem (16 columns, 8,192-row batches, jemalloc `allocated` less accounted bytes): an open
 /// scan held 2.3–4.1 MB outside the engine's figures before it was counted.
-pub(crate) fn reader_buffer_bytes(md: &parquet::file::metadata::ParquetMetaData, row_groups: &[usize], read: &[usize]) -> usize {
+pub(crate) fn reader_buffer_bytes(md: &parquet::file::metadata::ParquetMetaData, row_groups: &[usize], read: &[usize], dictionaries: &DictionaryPages) -> usize {
     let descr = md.file_metadata().schema_descr();
     row_groups
         .iter()
@@ -870,16 +872,104 @@ pub(crate) fn reader_buffer_bytes(md: &parquet::file::metadata::ParquetMetaData,
                     let c = rg.column(leaf);
                     let (unc, comp) = (bytes(c.uncompressed_size()), bytes(c.compressed_size()));
                     let pages = (rows.div_ceil(PAGE_ROWS)).max(unc.div_ceil(PAGE_BYTES)).max(1);
-                    // The dictionary page as stored (the bytes before the first data page),
-                    // decoded at the chunk's own compression ratio, at most the whole chunk.
+                    // The dictionary page as stored (the bytes before the first data page) and
+                    // decoded: its header's own uncompressed size when it was read, else the
+                    // stored size at the chunk's compression ratio; at most the whole chunk.
                     let stored = c.dictionary_page_offset().map_or(0, |d| bytes(c.data_page_offset() - d));
-                    let dict = (stored + stored.saturating_mul(unc) / comp.max(1)).min(unc + stored);
+                    let decoded = dictionaries.uncompressed(g, leaf).unwrap_or_else(|| stored.saturating_mul(unc) / comp.max(1));
+                    let dict = if stored == 0 { 0 } else { (stored + decoded).min(unc + stored) };
                     unc.div_ceil(pages) + comp.div_ceil(pages) + dict + PAGE_HEADER_BUFFER
                 })
                 .sum::<u64>()
         })
         .max()
         .map_or(0, |b| usize::try_from(b).unwrap_or(usize::MAX))
+}
+
+/// The uncompressed sizes (bytes) of the dictionary pages of some column chunks of one file,
+/// read from the pages' own headers, for [`reader_buffer_bytes`]. The footer has no such
+/// size: a column chunk's metadata gives where its dictionary page starts and where its data
+/// pages start, so only the page's stored size. Scaling that by the chunk's compression ratio
+/// is wrong whenever the dictionary compresses unlike the data pages: a chunk of long,
+/// repetitive values that `LZ4_RAW` stores at 1/200 of their size, beside a dictionary of
+/// short distinct strings, was estimated at 200× its dictionary (the breaker tests
+/// `a_row_group_of_skewed_widths_scans_at_8_mib` and
+/// `a_wide_tail_in_binary_and_view_columns_scans_exactly`).
+#[derive(Debug, Default)]
+pub(crate) struct DictionaryPages {
+    /// `((row group, leaf column), uncompressed page bytes)`, sorted.
+    sizes: Vec<((usize, usize), u64)>,
+}
+
+impl DictionaryPages {
+    /// Reads the header of the dictionary page of each column chunk of `row_groups` whose
+    /// root column is in `read` (sorted): one positioned read of at most
+    /// [`DICTIONARY_HEADER_PEEK`] bytes per dictionary page. A header that cannot be read or
+    /// is not as [`dictionary_page_uncompressed`] expects is left out, and the estimate
+    /// stands for it.
+    pub(crate) fn read(file: &fs::File, md: &parquet::file::metadata::ParquetMetaData, row_groups: &[usize], read: &[usize]) -> Self {
+        use std::os::unix::fs::FileExt;
+        let descr = md.file_metadata().schema_descr();
+        let mut sizes = Vec::new();
+        let mut head = [0u8; DICTIONARY_HEADER_PEEK];
+        for &g in row_groups {
+            let rg = md.row_group(g);
+            for leaf in (0..rg.num_columns()).filter(|&leaf| read.binary_search(&descr.get_column_root_idx(leaf)).is_ok()) {
+                let c = rg.column(leaf);
+                let Some(at) = c.dictionary_page_offset().and_then(|d| u64::try_from(d).ok()) else { continue };
+                let Ok(stored) = u64::try_from(c.data_page_offset()).map(|d| d.saturating_sub(at)) else { continue };
+                let want = head.len().min(usize::try_from(stored).unwrap_or(usize::MAX));
+                if file.read_exact_at(&mut head[..want], at).is_ok()
+                    && let Some(size) = dictionary_page_uncompressed(&head[..want], stored)
+                {
+                    sizes.push(((g, leaf), size));
+                }
+            }
+        }
+        sizes.sort_unstable();
+        Self { sizes }
+    }
+
+    /// The uncompressed bytes of the dictionary page of `leaf` in row group `g`, when read.
+    fn uncompressed(&self, g: usize, leaf: usize) -> Option<u64> {
+        self.sizes.binary_search_by_key(&(g, leaf), |&(k, _)| k).ok().map(|i| self.sizes[i].1)
+    }
+}
+
+/// Bytes read at a dictionary page's start for its header. The three fields read are at
+/// most 16 bytes (a field byte and a varint of at most 5 bytes each).
+const DICTIONARY_HEADER_PEEK: usize = 16;
+
+/// The uncompressed size in bytes of a dictionary page, from the first bytes of its
+/// Thrift compact-protocol `PageHeader` (parquet-format `parquet.thrift`: field 1 `type`,
+/// 2 `uncompressed_page_size`, 3 `compressed_page_size`, each a required `i32`, which
+/// arrow-rs, parquet-java and DuckDB all write first and in that order, each as the field
+/// byte `0x15`, delta 1 and type `i32`, then a zigzag varint). `stored` is the page's
+/// stored bytes, header included. None unless the three fields are there, the type is
+/// `DICTIONARY_PAGE` (2), and the compressed size leaves room in `stored` for the bytes
+/// parsed; the parquet crate keeps its own header parser private.
+fn dictionary_page_uncompressed(head: &[u8], stored: u64) -> Option<u64> {
+    const DICTIONARY_PAGE: i32 = 2;
+    let mut at = 0usize;
+    let mut field = || -> Option<i32> {
+        if *head.get(at)? != 0x15 {
+            return None;
+        }
+        at += 1;
+        let mut n = 0u32;
+        for shift in (0..35).step_by(7) {
+            let b = *head.get(at)?;
+            at += 1;
+            n |= u32::from(b & 0x7f).checked_shl(shift)?;
+            if b & 0x80 == 0 {
+                return Some((n >> 1) as i32 ^ -((n & 1) as i32));
+            }
+        }
+        None
+    };
+    let (kind, uncompressed, compressed) = (field()?, field()?, field()?);
+    let (uncompressed, compressed) = (u64::try_from(uncompressed).ok()?, u64::try_from(compressed).ok()?);
+    (kind == DICTIONARY_PAGE && compressed.saturating_add(at as u64) <= stored).then_some(uncompressed)
 }
 
 /// Rows decoded per batch: `batch_rows`, fewer when `batch_bytes` (non-zero) over the read

@@ -293,11 +293,24 @@ fn read_cap_counts_dictionary_encoded_values_whole() {
 
 /// A reader's buffer estimate, per column read: one decoded data page (the chunk's bytes
 /// over its page count: 60,000 rows are three 20,000-row pages), its compressed copy, the
-/// dictionary page as stored and decoded (scaled by the chunk's compression ratio) and the
-/// 8 KiB header buffer; both columns read count both; nothing for a reader that reads no row
-/// group. `k` (60,000 distinct `Int64`) and `s` (four 3,000-byte strings, whose dictionary
-/// page Snappy stores in a few hundred bytes) are both dictionary-encoded by the default
-/// writer; `s` counts at least its 12,000 decoded dictionary bytes.
+/// dictionary page as stored and decoded (the page's own uncompressed size, here taken from
+/// the page the parquet crate's page reader returns) and the 8 KiB header buffer; both
+/// columns read count both; nothing for a reader that reads no row group. `k` (60,000
+/// distinct `Int64`) and `s` (four 3,000-byte strings, whose dictionary page is stored in a
+/// few hundred bytes) are both dictionary-encoded by the default writer; `s`'s dictionary is
+/// exactly its four values, each PLAIN-encoded behind a 4-byte length: 12,016 bytes.
+/// The decoded length in bytes of the dictionary page of column `leaf` of row group 0 of
+/// `path`, as the parquet crate's own page reader returns it (decompressed).
+fn dictionary_page_len(path: &Path, leaf: usize) -> u64 {
+    use parquet::column::page::Page;
+    use parquet::file::reader::{FileReader as _, SerializedFileReader};
+    let file = SerializedFileReader::new(fs::File::open(path).unwrap()).unwrap();
+    match file.get_row_group(0).unwrap().get_column_page_reader(leaf).unwrap().get_next_page().unwrap() {
+        Some(Page::DictionaryPage { buf, .. }) => buf.len() as u64,
+        other => panic!("column {leaf} starts with {:?}", other.map(|p| p.page_type())),
+    }
+}
+
 #[test]
 fn reader_buffer_bytes_count_one_page_per_column_and_the_dictionary() {
     let dir = tempfile::tempdir().unwrap();
@@ -317,9 +330,10 @@ fn reader_buffer_bytes_count_one_page_per_column_and_the_dictionary() {
         let (unc, comp) = (c.uncompressed_size() as u64, c.compressed_size() as u64);
         let pages = 3u64.max(unc.div_ceil(1 << 20));
         let stored = (c.data_page_offset() - c.dictionary_page_offset().expect("dictionary-encoded")) as u64;
-        let dict = (stored + stored * unc / comp).min(unc + stored);
+        let dict = stored + dictionary_page_len(&path, leaf);
         usize::try_from(unc.div_ceil(pages) + comp.div_ceil(pages) + dict + (8 << 10)).unwrap()
     };
+    assert_eq!(dictionary_page_len(&path, 1), 4 * (4 + 3_000));
     // The metadata the reader keeps counts too: without the page index here (no filter, no
     // byte cap), with it when batches are capped in bytes.
     let meta = md.memory_size();
@@ -687,4 +701,27 @@ fn encoded_footer_len(path: &Path) -> usize {
     let mut tail = [0u8; 4];
     f.read_exact_at(&mut tail, f.metadata().unwrap().len() - 8).unwrap();
     u32::from_le_bytes(tail) as usize
+}
+
+/// A dictionary page's header gives its uncompressed size: the three leading `i32` fields of
+/// the Thrift compact `PageHeader` (field byte `0x15`, zigzag varints). Anything else — a
+/// data page, fields out of order, a varint cut short, a compressed size past the page's
+/// stored bytes, a negative size — gives None, and the estimate stands.
+#[test]
+fn a_dictionary_page_header_gives_its_uncompressed_size() {
+    // type 2 (zigzag 4), uncompressed 12,016 (zigzag 24,032 = 0xE0 0xBB 0x01),
+    // compressed 300 (zigzag 600 = 0xD8 0x04), then the rest of a header.
+    let head = [0x15, 0x04, 0x15, 0xE0, 0xBB, 0x01, 0x15, 0xD8, 0x04, 0x1c, 0x15, 0x08];
+    assert_eq!(dictionary_page_uncompressed(&head, 320), Some(12_016));
+    // The header's parsed bytes (9) and the compressed 300 must fit the stored bytes.
+    assert_eq!(dictionary_page_uncompressed(&head, 309), Some(12_016));
+    assert_eq!(dictionary_page_uncompressed(&head, 308), None);
+    // A data page (type 0) is not a dictionary.
+    assert_eq!(dictionary_page_uncompressed(&[0x15, 0x00, 0x15, 0x02, 0x15, 0x02], 100), None);
+    // Field 2 first (delta 2), a cut varint, an empty read.
+    assert_eq!(dictionary_page_uncompressed(&[0x25, 0x04, 0x15, 0x02, 0x15, 0x02], 100), None);
+    assert_eq!(dictionary_page_uncompressed(&[0x15, 0x04, 0x15, 0xE0, 0xBB], 100), None);
+    assert_eq!(dictionary_page_uncompressed(&[], 100), None);
+    // A negative uncompressed size (zigzag 1 = -1).
+    assert_eq!(dictionary_page_uncompressed(&[0x15, 0x04, 0x15, 0x01, 0x15, 0x02], 100), None);
 }

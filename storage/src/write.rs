@@ -71,20 +71,25 @@ impl Default for WriteOptions {
 /// under `write_buffers`, to a quarter of the default per column.
 pub const DICTIONARY_PAGE_BYTES: usize = 256 << 10;
 
-/// Page compression of gritdb's own data files: Snappy.
+/// Page compression of gritdb's own data files: `LZ4_RAW` (Parquet format 2.9, 2021; read by
+/// arrow-rs, pyarrow and `DuckDB`, as `tests/all/interop.rs` checks).
 ///
-/// `LZ4_RAW` was measured (`docs/performance.md`, twentieth pass): Q1's five lineitem columns
-/// read in 7.5–7.9 ms against 9.3 ms, every column in 31 ms against 37–40 ms, for a file 2.9%
-/// larger written as fast. It is not used because a scan's buffer reservation sizes a
-/// column's dictionary page from the chunk's compression ratio (the metadata has no dictionary
-/// size of its own: `reader_buffer_bytes` in this module), and LZ4's far higher ratio on long
-/// repetitive values made that reservation pass small limits that Snappy's fits (two breaker
-/// tests, scans at 8 and 16 MiB, were refused with `MemoryLimit`). Reading the dictionary
-/// page's header for its exact size would lift that.
-pub const DATA_FILE_COMPRESSION: Compression = Compression::SNAPPY;
+/// Why not Snappy, Parquet's usual default: decompression was 22% of a TPC-H Q1 scan's CPU
+/// (`perf record` of `gritdb-soak bench`'s Q1 at SF 0.1, `snap::decompress`). The same
+/// lineitem rows written both ways (`docs/performance.md`, twentieth pass): Q1's five columns
+/// read in 7.5–7.9 ms against 9.3 ms (best of 30), every column in 31 ms against 38–40 ms
+/// (median of 8), for a file 2.9% larger (17.24 MB against 16.76 MB) written as fast
+/// (242–252 ms against 246–250 ms). As `ClickHouse`, whose default codec is LZ4 for its decode
+/// speed. Exports keep [`EXPORT_COMPRESSION`]. Files written with Snappy before stay readable:
+/// a reader takes each column chunk's codec from the file. A scan reserves each dictionary
+/// page at its header's uncompressed size ([`DictionaryPages`]): estimated from the chunk's
+/// compression ratio, LZ4's far higher ratio on long repetitive values refused scans of
+/// skewed text at 8 and 16 MiB that fit.
+pub const DATA_FILE_COMPRESSION: Compression = Compression::LZ4_RAW;
 
 /// Page compression of exports (`Table::export_parquet`): Snappy, which every Parquet reader
-/// in use reads, for files meant for other engines.
+/// in use reads, for files meant for other engines (`LZ4_RAW` needs a reader from 2021 or
+/// later: those built on parquet-mr before 1.13, Spark before 3.4 among them, refuse it).
 pub const EXPORT_COMPRESSION: Compression = Compression::SNAPPY;
 
 /// The Parquet writer properties of gritdb's data files: [`DATA_FILE_COMPRESSION`] pages,

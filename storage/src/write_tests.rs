@@ -291,14 +291,6 @@ fn read_cap_counts_dictionary_encoded_values_whole() {
     assert!(((1 << 20) / 3_100..=(1 << 20) / 3_000).contains(&rows), "{rows}");
 }
 
-/// A reader's buffer estimate, per column read: one decoded data page (the chunk's bytes
-/// over its page count: 60,000 rows are three 20,000-row pages), its compressed copy, the
-/// dictionary page as stored and decoded (the page's own uncompressed size, here taken from
-/// the page the parquet crate's page reader returns) and the 8 KiB header buffer; both
-/// columns read count both; nothing for a reader that reads no row group. `k` (60,000
-/// distinct `Int64`) and `s` (four 3,000-byte strings, whose dictionary page is stored in a
-/// few hundred bytes) are both dictionary-encoded by the default writer; `s`'s dictionary is
-/// exactly its four values, each PLAIN-encoded behind a 4-byte length: 12,016 bytes.
 /// The decoded length in bytes of the dictionary page of column `leaf` of row group 0 of
 /// `path`, as the parquet crate's own page reader returns it (decompressed).
 fn dictionary_page_len(path: &Path, leaf: usize) -> u64 {
@@ -311,6 +303,14 @@ fn dictionary_page_len(path: &Path, leaf: usize) -> u64 {
     }
 }
 
+/// A reader's buffer estimate, per column read: one decoded data page (the chunk's bytes
+/// over its page count: 60,000 rows are three 20,000-row pages), its compressed copy, the
+/// dictionary page as stored and decoded (the page's own uncompressed size, here taken from
+/// the page the parquet crate's page reader returns) and the 8 KiB header buffer; both
+/// columns read count both; nothing for a reader that reads no row group. `k` (60,000
+/// distinct `Int64`) and `s` (four 3,000-byte strings, whose dictionary page is stored in a
+/// few hundred bytes) are both dictionary-encoded by the default writer; `s`'s dictionary is
+/// exactly its four values, each PLAIN-encoded behind a 4-byte length: 12,016 bytes.
 #[test]
 fn reader_buffer_bytes_count_one_page_per_column_and_the_dictionary() {
     let dir = tempfile::tempdir().unwrap();

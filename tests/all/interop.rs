@@ -462,7 +462,10 @@ fn export_enospc_at_every_step_leaves_no_file() {
 fn export_streams_in_row_groups_cut_by_bytes() {
     let dir = tempfile::tempdir().unwrap();
     let out = tempfile::tempdir().unwrap();
-    let (engine, t, expected) = flushed_lineitem(dir.path());
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(256 << 20)).unwrap();
+    let t = lineitem_table(&engine, &lineitem());
+    t.flush().unwrap();
+    let expected = scan_totals(&t);
     let before = engine.memory().category_bytes(Category::WriteBuffers);
     let scan_before = engine.memory().category_bytes(Category::ScanBuffers);
     let cut = 256 << 10;
@@ -482,16 +485,6 @@ fn export_streams_in_row_groups_cut_by_bytes() {
     engine.close().unwrap();
 }
 
-/// An engine in `dir` (256 MiB limit) with the SF 0.01 lineitem table inserted and flushed,
-/// and the table's totals by scan.
-fn flushed_lineitem(dir: &Path) -> (Engine, Table, Totals) {
-    let engine = Engine::open(dir, EngineConfig::default().memory_limit(256 << 20)).unwrap();
-    let t = lineitem_table(&engine, &lineitem());
-    t.flush().unwrap();
-    let expected = scan_totals(&t);
-    (engine, t, expected)
-}
-
 /// Every column chunk's codec in the Parquet file at `path`, deduplicated.
 fn codecs(path: &Path) -> Vec<gritdb::parquet::basic::Compression> {
     let reader = gritdb::parquet::file::reader::SerializedFileReader::new(std::fs::File::open(path).unwrap()).unwrap();
@@ -501,28 +494,32 @@ fn codecs(path: &Path) -> Vec<gritdb::parquet::basic::Compression> {
     out
 }
 
-/// Data files are written with `DATA_FILE_COMPRESSION` and exports with `EXPORT_COMPRESSION`
-/// (both Snappy), every column chunk; the rows read back are the table's.
+/// Data files are written with `DATA_FILE_COMPRESSION` (`LZ4_RAW`, for the scan's decode
+/// speed) and exports with `EXPORT_COMPRESSION` (Snappy, for readers older than `LZ4_RAW`);
+/// the rows read back are the same either way.
 #[test]
-fn data_files_and_exports_have_their_codecs() {
+fn data_files_are_lz4_raw_and_exports_snappy() {
     use gritdb::parquet::basic::Compression;
-    assert_eq!((gritdb::DATA_FILE_COMPRESSION, gritdb::EXPORT_COMPRESSION), (Compression::SNAPPY, Compression::SNAPPY));
+    assert_eq!((gritdb::DATA_FILE_COMPRESSION, gritdb::EXPORT_COMPRESSION), (Compression::LZ4_RAW, Compression::SNAPPY));
     let dir = tempfile::tempdir().unwrap();
     let out = tempfile::tempdir().unwrap();
-    let (engine, t, expected) = flushed_lineitem(dir.path());
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(256 << 20)).unwrap();
+    let t = lineitem_table(&engine, &lineitem());
+    t.flush().unwrap();
+    let expected = scan_totals(&t);
     assert_eq!(expected.count, 60_175);
     let files: Vec<PathBuf> = walk(dir.path()).into_iter().filter(|p| p.extension().is_some_and(|e| e == "parquet")).collect();
     assert!(!files.is_empty(), "a flush writes a data file");
     let mut in_files = Totals { count: 0, quantity: 0, price: 0 };
     for f in &files {
-        assert_eq!(codecs(f), [gritdb::DATA_FILE_COMPRESSION], "{}", f.display());
+        assert_eq!(codecs(f), [Compression::LZ4_RAW], "{}", f.display());
         let (part, _) = file_totals(f);
         (in_files.count, in_files.quantity, in_files.price) = (in_files.count + part.count, in_files.quantity + part.quantity, in_files.price + part.price);
     }
     assert_eq!(in_files, expected, "the data files hold the table (no deletes)");
     let path = out.path().join("t.parquet");
     t.export_parquet(&path).unwrap();
-    assert_eq!(codecs(&path), [gritdb::EXPORT_COMPRESSION]);
+    assert_eq!(codecs(&path), [Compression::SNAPPY]);
     assert_eq!(file_totals(&path).0, expected);
     engine.close().unwrap();
 }

@@ -187,7 +187,17 @@ impl CompactionPlan {
         let Some((_, rows, bytes)) = &self.output else { return Ok(()) };
         let inputs: Vec<u32> = self.inputs();
         self.manifest.files.retain(|f| !inputs.contains(&f.id));
-        self.manifest.files.push(FileMeta { id: self.new_id, name: file_name(self.new_id), rows: *rows, bytes: bytes.bytes, dv: None, deleted: 0, crc32: Some(bytes.crc32), dv_crc32: None });
+        self.manifest.files.push(FileMeta {
+            id: self.new_id,
+            name: file_name(self.new_id),
+            rows: *rows,
+            bytes: bytes.bytes,
+            dv: None,
+            deleted: 0,
+            crc32: Some(bytes.crc32),
+            dv_crc32: None,
+            decoded_bytes: Some(bytes.decoded_bytes),
+        });
         self.manifest.files.sort_by_key(|f| f.id);
         self.manifest.write_tracked(self.vfs.as_ref(), &self.dir, &mut self.manifest_renamed)
     }
@@ -239,8 +249,12 @@ impl TableStore {
         if small.len() + usize::from(!inputs.is_empty()) >= opts.small_files_trigger {
             small.sort_by_key(|f| live(f));
             // A merge sorts its inputs in memory (about three copies of the decoded rows):
-            // keep the compressed input under limit / 64, so it fits in the flush headroom.
-            let budget = (self.ctl.limit() / 64) as u64;
+            // keep the decoded input under limit / 10, so it fits in the flush headroom. By
+            // decoded bytes, not file bytes: `LZ4_RAW` stores 1.1 MB rows of repetitive text
+            // in 21 KB files, and a merge of three of them at 8 MiB, planned as 64 KB, held
+            // the memory an export beside it needed
+            // (`breaker_reopen::export_of_wide_rows_at_8_mib_is_exact`).
+            let budget = (self.ctl.limit() / 10) as u64;
             let mut bytes = 0u64;
             let single = inputs.len() == 1;
             if single {
@@ -249,11 +263,11 @@ impl TableStore {
                 total = 0;
             }
             for f in small {
-                if total + live(f) > max_rows || bytes + f.meta.bytes > budget {
+                if total + live(f) > max_rows || bytes + f.meta.decoded_estimate() > budget {
                     break;
                 }
                 total += live(f);
-                bytes += f.meta.bytes;
+                bytes += f.meta.decoded_estimate();
                 inputs.push(f.meta.id);
             }
             if inputs.len() < 2 {
@@ -345,7 +359,17 @@ impl TableStore {
             }
             self.index.remove_file(*id);
         }
-        let meta = FileMeta { id: plan.new_id, name: file_name(plan.new_id), rows, bytes: bytes.bytes, dv: None, deleted: 0, crc32: Some(bytes.crc32), dv_crc32: None };
+        let meta = FileMeta {
+            id: plan.new_id,
+            name: file_name(plan.new_id),
+            rows,
+            bytes: bytes.bytes,
+            dv: None,
+            deleted: 0,
+            crc32: Some(bytes.crc32),
+            dv_crc32: None,
+            decoded_bytes: Some(bytes.decoded_bytes),
+        };
         // Written by this process: its bytes are the ones checksummed.
         let guard = FileGuard::new(plan.dir.join(&meta.name), &self.vfs, None);
         self.files.insert(

@@ -186,3 +186,38 @@ fn file_ids_never_wrap() {
     }
     assert!(s2.plan_compaction(&opts).is_some(), "u32::MAX - 1 is the last id handed out");
 }
+
+/// Files record the bytes of their rows as Arrow arrays (`decoded_bytes`: two `Int64`
+/// columns, 16 bytes a row), and a merge is planned by those, not by the files' bytes: two
+/// 3,000-row files (96,000 decoded bytes together, a fraction of that on disk) are merged
+/// when a tenth of the limit holds their decoded rows, and not when only their file bytes
+/// fit in it. A manifest entry without the figure (written before it existed) counts
+/// `LEGACY_DECODED_RATIO` times its file bytes.
+#[test]
+fn compaction_is_planned_by_the_files_decoded_bytes() {
+    let dir = tempfile::tempdir().expect("dir");
+    let c = ctl();
+    let mut s = store(dir.path(), &c, "t");
+    let opts = CompactionOptions { small_file_rows: 1 << 20, small_files_trigger: 2, ..CompactionOptions::default() };
+    for (i, (from, to)) in [(0, 3000), (3000, 6000)].into_iter().enumerate() {
+        s.stage(&[rows(from..to)], &no_deletes(), i as u64 + 1).expect("stage");
+        let mut plan = s.plan_commit().expect("staged");
+        plan.execute(&WriteOptions::default(), &c, None).expect("write");
+        s.finish_commit(plan);
+    }
+    let metas: Vec<crate::FileMeta> = s.files.values().map(|f| f.meta.clone()).collect();
+    assert_eq!(metas.iter().map(|m| m.decoded_bytes).collect::<Vec<_>>(), [Some(48_000), Some(48_000)]);
+    let on_disk: u64 = metas.iter().map(|m| m.bytes).sum();
+    assert!(on_disk * 10 < 900_000, "the files' bytes fit a tenth of 900,000: {on_disk}");
+    // The limit must hold what the store already counts; a tenth of it is the budget.
+    c.set_limit(900_000).expect("limit");
+    assert!(s.plan_compaction(&opts).is_none(), "96,000 decoded bytes do not fit 90,000");
+    c.set_limit(960_000).expect("limit");
+    let plan = s.plan_compaction(&opts).expect("96,000 decoded bytes fit 96,000");
+    assert_eq!(plan.inputs().len(), 2);
+    plan.abandon();
+    drop(plan);
+    let legacy = crate::FileMeta { decoded_bytes: None, ..metas[0].clone() };
+    assert_eq!(legacy.decoded_estimate(), metas[0].bytes * crate::LEGACY_DECODED_RATIO);
+    assert_eq!(metas[0].decoded_estimate(), 48_000);
+}

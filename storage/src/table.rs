@@ -182,6 +182,8 @@ pub struct CommitPlan {
     dir: PathBuf,
     written_bytes: u64,
     written_crc32: Option<u32>,
+    /// The data file's [`crate::WrittenFile::decoded_bytes`], once written.
+    written_decoded: Option<u64>,
     vfs: Arc<dyn Vfs>,
 }
 
@@ -195,9 +197,11 @@ impl CommitPlan {
             let written = write_data_file(self.vfs.as_ref(), &self.dir, name, batches, opts, ctl, table)?;
             self.written_bytes = written.bytes;
             self.written_crc32 = Some(written.crc32);
+            self.written_decoded = Some(written.decoded_bytes);
             if let Some(f) = self.manifest.files.iter_mut().find(|f| &f.name == name) {
                 f.bytes = written.bytes;
                 f.crc32 = Some(written.crc32);
+                f.decoded_bytes = Some(written.decoded_bytes);
             }
         }
         for (id, name, bm, crc) in &mut self.dvs {
@@ -620,7 +624,7 @@ impl TableStore {
             drop(keys);
             drop(keys_res);
             self.next_file_id += 1;
-            let meta = FileMeta { id, name: file_name(id), rows: put_rows as u64, bytes: 0, dv: None, deleted: 0, crc32: None, dv_crc32: None };
+            let meta = FileMeta { id, name: file_name(id), rows: put_rows as u64, bytes: 0, dv: None, deleted: 0, crc32: None, dv_crc32: None, decoded_bytes: None };
             let guard = FileGuard::new(self.dir.join(&meta.name), &self.vfs, None);
             self.files.insert(
                 id,
@@ -692,7 +696,7 @@ impl TableStore {
             flushed_seq: self.flushed_seq.max(st.max_seq),
             files,
         };
-        Some(CommitPlan { data, dvs, manifest, obsolete, dir: self.dir.clone(), written_bytes: 0, written_crc32: None, vfs: Arc::clone(&self.vfs) })
+        Some(CommitPlan { data, dvs, manifest, obsolete, dir: self.dir.clone(), written_bytes: 0, written_crc32: None, written_decoded: None, vfs: Arc::clone(&self.vfs) })
     }
 
     /// Applies an executed commit plan: the staged file becomes a committed file (its rows
@@ -713,6 +717,7 @@ impl TableStore {
             f.pending = None;
             f.meta.bytes = plan.written_bytes;
             f.meta.crc32 = plan.written_crc32;
+            f.meta.decoded_bytes = plan.written_decoded;
         }
         self.version = plan.manifest.version;
         self.flushed_seq = plan.manifest.flushed_seq;

@@ -153,6 +153,9 @@ pub struct WrittenFile {
     /// CRC-32 (IEEE, `crc32fast`) of the whole file, computed from the bytes as they were
     /// written (no second read); the manifest records it ([`crate::FileMeta::crc32`]).
     pub crc32: u32,
+    /// Bytes of the rows written as Arrow arrays: the sum of [`crate::batch_bytes`] of the
+    /// batches handed to the writer ([`crate::FileMeta::decoded_bytes`]).
+    pub decoded_bytes: u64,
 }
 
 /// CRC-32 and length of the file at `path`, read 16 KiB at a time into a stack buffer (no
@@ -221,6 +224,12 @@ pub fn write_data_file_from(
 ) -> Result<WrittenFile, StorageError> {
     let tmp = dir.join(format!("{name}.tmp"));
     let dst = dir.join(name);
+    let mut decoded_bytes = 0u64;
+    let batches = batches.inspect(|b| {
+        if let Ok(b) = b {
+            decoded_bytes = decoded_bytes.saturating_add(crate::batch_bytes(b) as u64);
+        }
+    });
     let res = (|| {
         let seen = Arc::new(std::sync::Mutex::new(None));
         let cancel = &opts.cancel;
@@ -252,12 +261,12 @@ pub fn write_data_file_from(
         cancel.check().map_err(io(&tmp))?;
         vfs.rename(&tmp, &dst).map_err(io(&dst))?;
         vfs.sync_dir(dir).map_err(io(dir))?;
-        Ok(WrittenFile { bytes: size, crc32 })
+        Ok((size, crc32))
     })();
     if res.is_err() {
         let _ = vfs.remove_file(&tmp);
     }
-    res
+    res.map(|(bytes, crc32)| WrittenFile { bytes, crc32, decoded_bytes })
 }
 
 /// Rows per step of [`write_batches`] for `batch`, and the batch's average Arrow bytes per

@@ -11,7 +11,7 @@
 //!     bytes per row, nothing flushed meanwhile), then one flush of all rows (flush rows/s)
 //!     then, on a third engine with WalSync::Relaxed (group commit), insert all again: the
 //!     insert rate without an fsync per call
-//!  3. plain ArrowWriter (SNAPPY, the engine's row-group cut, fsync) and
+//!  3. plain ArrowWriter (the engine's codec, `gritdb::DATA_FILE_COMPRESSION`, and row-group cut, fsync) and
 //!     ParquetRecordBatchReader over the same batches: the physical limits
 //!  4. the naive store (baseline.rs): the same insert / upsert / delete
 //! ```
@@ -861,7 +861,7 @@ fn measure(args: &BenchArgs, batches: &[RecordBatch], dir: &Path) -> Result<(Ben
     let t = Instant::now();
     {
         let file = std::fs::File::create(&raw)?;
-        // The engine's writer settings (SNAPPY, its dictionary page limit), so flush/raw
+        // The engine's writer settings (its codec, its dictionary page limit), so flush/raw
         // compares the engine's work around the writer, not two writer configurations.
         let props = gritdb::data_file_properties(1 << 20).build();
         let mut w = ArrowWriter::try_new(file, schema.clone(), Some(props))?;
@@ -1018,7 +1018,7 @@ fn print_table(r: &BenchResult, groups: &[Q1Group]) {
     }
     println!("RSS above base {:.1} MiB; VmHWM {:.1} MiB", mib(r.rss_above_base_bytes as f64), mib(r.vmhwm_bytes as f64));
     println!("{:<26} {:>20} {:>20} {:>9}", "physical limit", "raw", "gritdb", "ratio");
-    println!("{:<26} {:>20} {:>20} {:>9.2}{}", "write (SNAPPY) vs flush", mrows(r.raw_write_rows_per_s), mrows(r.flush_rows_per_s), r.flush_vs_raw_write, range("flush_vs_raw_write", 1.0));
+    println!("{:<26} {:>20} {:>20} {:>9.2}{}", format!("write ({:?}) vs flush", gritdb::DATA_FILE_COMPRESSION), mrows(r.raw_write_rows_per_s), mrows(r.flush_rows_per_s), r.flush_vs_raw_write, range("flush_vs_raw_write", 1.0));
     println!("{:<26} {:>20} {:>20} {:>9.2}{}", "read vs full scan", mrows(r.raw_read_rows_per_s), mrows(r.scan_rows_per_s), r.scan_vs_raw_read, range("scan_vs_raw_read", 1.0));
     println!(
         "{:<26} {:>20} {:>20} {:>9.2}   ({:.1} WAL bytes/row)",

@@ -13,8 +13,12 @@ use std::io::{BufWriter, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-/// Names a gritdb data directory holds at its top level.
-const GRITDB_ENTRIES: [&str; 4] = ["LOCK", "tables", "trash", "wal"];
+/// Names a gritdb data directory holds at its top level: the marker
+/// (`gritdb::DATA_DIR_MARKER`) and its temp file, `LOCK`, and three directories.
+const GRITDB_ENTRIES: [&str; 6] = ["GRITDB", "GRITDB.tmp", "LOCK", "tables", "trash", "wal"];
+
+/// The top-level entries of [`GRITDB_ENTRIES`] that are files.
+const GRITDB_FILES: [&str; 3] = ["GRITDB", "GRITDB.tmp", "LOCK"];
 
 /// Where the engine's data goes for this run.
 #[derive(Debug)]
@@ -24,9 +28,9 @@ struct DataDir {
     fresh: bool,
 }
 
-/// True when every entry of `dir` is a file or directory gritdb creates: `LOCK`, the
-/// directories `tables/` and `trash/` holding only `t<number>` table directories, and `wal/`
-/// holding only `wal-<number>.log` segments.
+/// True when every entry of `dir` is a file or directory gritdb creates: the marker `GRITDB`,
+/// `LOCK`, the directories `tables/` and `trash/` holding only `t<number>` table directories,
+/// and `wal/` holding only `wal-<number>.log` segments.
 fn holds_only_gritdb_files(dir: &Path) -> Result<bool> {
     for e in fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
         let e = e.with_context(|| format!("reading {}", dir.display()))?;
@@ -40,7 +44,7 @@ fn holds_only_gritdb_files(dir: &Path) -> Result<bool> {
         let ty = e
             .file_type()
             .with_context(|| format!("reading {}", e.path().display()))?;
-        if name == "LOCK" {
+        if GRITDB_FILES.contains(&name) {
             if !ty.is_file() {
                 return Ok(false);
             }
@@ -529,9 +533,12 @@ mod tests {
         fs::write(d.join("wal/wal-00000003.log"), "x").expect("w");
         fs::write(d.join("tables/t1/manifest.json"), "{}").expect("w");
         fs::write(d.join("LOCK"), "1").expect("w");
+        fs::write(d.join(gritdb::DATA_DIR_MARKER), "gritdb data directory\nformat 1\n").expect("w");
+        assert_eq!(GRITDB_FILES[0], gritdb::DATA_DIR_MARKER);
         let got = prepare_data_dir(&d).expect("prepare");
         assert!(!got.fresh);
         assert!(!d.join("tables").exists() && !d.join("LOCK").exists() && !d.join("wal").exists());
+        assert!(!d.join(gritdb::DATA_DIR_MARKER).exists());
 
         fs::write(d.join("precious.txt"), "keep me").expect("w");
         let got = prepare_data_dir(&d).expect("prepare");

@@ -76,6 +76,23 @@ fn holds_only_gritdb_files(dir: &Path) -> Result<bool> {
     Ok(true)
 }
 
+/// Refuses a `--data-dir` that exists and is not a directory, before anything is created
+/// (a run refused for it left an empty `--out` behind).
+fn check_data_dir_arg(dir: &Path) -> Result<()> {
+    match fs::metadata(dir) {
+        Ok(meta) if !meta.is_dir() => bail!("--data-dir {} exists and is not a directory", dir.display()),
+        _ => Ok(()),
+    }
+}
+
+/// Creates `dir` with its parents, returning the topmost directory it created (`None` when
+/// `dir` was there), so a set-up that fails later can remove what it made.
+fn create_dir_tracked(dir: &Path) -> Result<Option<PathBuf>> {
+    let topmost = dir.ancestors().take_while(|a| !a.as_os_str().is_empty() && !a.exists()).last().map(Path::to_path_buf);
+    fs::create_dir_all(dir).with_context(|| format!("creating output dir {}", dir.display()))?;
+    Ok(topmost)
+}
+
 /// Prepares `--data-dir`: created when missing; its contents wiped when it holds only gritdb
 /// files and no other process has it open; otherwise a fresh subdirectory is used.
 fn prepare_data_dir(dir: &Path) -> Result<DataDir> {
@@ -86,9 +103,7 @@ fn prepare_data_dir(dir: &Path) -> Result<DataDir> {
             fresh: false,
         });
     }
-    if !dir.is_dir() {
-        bail!("--data-dir {} exists and is not a directory", dir.display());
-    }
+    check_data_dir_arg(dir)?;
     if holds_only_gritdb_files(dir)? {
         let lock_path = dir.join("LOCK");
         if lock_path.exists() {
@@ -337,17 +352,39 @@ pub fn run(args: &RunArgs, allocator: Allocator) -> Result<bool> {
     // previous run's data dir wiped (a new user's `--memory-limit 1KB` cleared both).
     gritdb::memory::MemoryController::check_limit_value(limit, engine_config.chunk_size)
         .with_context(|| format!("--memory-limit {}", fmt_bytes(limit as f64)))?;
-    fs::create_dir_all(&args.out)
-        .with_context(|| format!("creating output dir {}", args.out.display()))?;
-    init_logging(&args.out)?;
-    let data_dir = prepare_data_dir(&args.data_dir)?;
-    let engine = gritdb::Engine::open(&data_dir.path, engine_config).with_context(|| {
-        format!(
-            "opening the engine in {} with limit {}",
-            data_dir.path.display(),
-            fmt_bytes(limit as f64)
-        )
-    })?;
+    // A `--data-dir` that cannot be one is refused before `--out` is created.
+    check_data_dir_arg(&args.data_dir)?;
+    let created_out = create_dir_tracked(&args.out)?;
+    let setup = || -> Result<(DataDir, gritdb::Engine)> {
+        init_logging(&args.out)?;
+        let data_dir = prepare_data_dir(&args.data_dir)?;
+        match gritdb::Engine::open(&data_dir.path, engine_config) {
+            Ok(engine) => Ok((data_dir, engine)),
+            Err(e) => {
+                if data_dir.fresh {
+                    let _ = fs::remove_dir_all(&data_dir.path);
+                }
+                Err(e).with_context(|| {
+                    format!(
+                        "opening the engine in {} with limit {}",
+                        data_dir.path.display(),
+                        fmt_bytes(limit as f64)
+                    )
+                })
+            }
+        }
+    };
+    let (data_dir, engine) = match setup() {
+        Ok(ready) => ready,
+        Err(e) => {
+            // Nothing ran: the output directory this run created (holding only its log
+            // file) goes again.
+            if let Some(dir) = created_out {
+                let _ = fs::remove_dir_all(dir);
+            }
+            return Err(e);
+        }
+    };
     let sizes = Sizes::new(args.tables);
     let config = config_json(args, allocator, &sizes, &data_dir.path);
     tracing::info!(%config, "soak starting");

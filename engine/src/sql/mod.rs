@@ -196,7 +196,12 @@ impl SqlState {
             // Nested past `PARSER_RECURSION_LIMIT`: a depth refusal, not a syntax error. The
             // parser reports its limit in some places, but in others (`CASE` inside a call)
             // it backtracks and reports the token where it gave up.
-            if matches!(&e, DataFusionError::SQL(p, _) if matches!(**p, ParserError::RecursionLimitExceeded)) || parses_deeper(query, dialect) {
+            let deep = match &e {
+                DataFusionError::SQL(p, _) => matches!(**p, ParserError::RecursionLimitExceeded) || parses_deeper(query, dialect),
+                // Several statements or none: not the parser's refusal.
+                _ => false,
+            };
+            if deep {
                 parser_too_deep()
             } else {
                 Error::Sql { kind: SqlErrorKind::Syntax, source: Box::new(e) }
@@ -283,9 +288,9 @@ fn parser_too_deep() -> Error {
     }
 }
 
-/// Whether a text the parser refused at [`PARSER_RECURSION_LIMIT`] parses without that limit
-/// (up to [`MAX_TOKEN_DEPTH`], which [`check_token_depth`] already bounded it by): then it was
-/// refused for its depth. Parsing is stack-safe here (`DataFusion`'s `recursive_protection`)
+/// Whether a text the parser refused at [`PARSER_RECURSION_LIMIT`] parses as one statement
+/// without that limit (up to [`MAX_TOKEN_DEPTH`], which [`check_token_depth`] already bounded
+/// it by): then it was refused for its depth. Parsing is stack-safe here (`DataFusion`'s `recursive_protection`)
 /// and the tree is only dropped.
 fn parses_deeper(query: &str, dialect: datafusion::common::config::Dialect) -> bool {
     let Some(dialect) = datafusion::sql::sqlparser::dialect::dialect_from_str(dialect) else { return false };
@@ -294,7 +299,7 @@ fn parses_deeper(query: &str, dialect: datafusion::common::config::Dialect) -> b
         .with_recursion_limit(MAX_TOKEN_DEPTH)
         .build()
         .and_then(|mut p| p.parse_statements())
-        .is_ok()
+        .is_ok_and(|statements| statements.len() == 1)
 }
 
 /// Refuses, before parsing, a text whose tokens could make a syntax tree deeper than the

@@ -80,7 +80,9 @@ fn holds_only_gritdb_files(dir: &Path) -> Result<bool> {
 /// (a run refused for it left an empty `--out` behind).
 fn check_data_dir_arg(dir: &Path) -> Result<()> {
     match fs::metadata(dir) {
-        Ok(meta) if !meta.is_dir() => bail!("--data-dir {} exists and is not a directory", dir.display()),
+        Ok(meta) if !meta.is_dir() => {
+            bail!("--data-dir {} exists and is not a directory", dir.display())
+        }
         _ => Ok(()),
     }
 }
@@ -88,7 +90,11 @@ fn check_data_dir_arg(dir: &Path) -> Result<()> {
 /// Creates `dir` with its parents, returning the topmost directory it created (`None` when
 /// `dir` was there), so a set-up that fails later can remove what it made.
 fn create_dir_tracked(dir: &Path) -> Result<Option<PathBuf>> {
-    let topmost = dir.ancestors().take_while(|a| !a.as_os_str().is_empty() && !a.exists()).last().map(Path::to_path_buf);
+    let topmost = dir
+        .ancestors()
+        .take_while(|a| !a.as_os_str().is_empty() && !a.exists())
+        .last()
+        .map(Path::to_path_buf);
     fs::create_dir_all(dir).with_context(|| format!("creating output dir {}", dir.display()))?;
     Ok(topmost)
 }
@@ -570,7 +576,11 @@ mod tests {
         fs::write(d.join("wal/wal-00000003.log"), "x").expect("w");
         fs::write(d.join("tables/t1/manifest.json"), "{}").expect("w");
         fs::write(d.join("LOCK"), "1").expect("w");
-        fs::write(d.join(gritdb::DATA_DIR_MARKER), "gritdb data directory\nformat 1\n").expect("w");
+        fs::write(
+            d.join(gritdb::DATA_DIR_MARKER),
+            "gritdb data directory\nformat 1\n",
+        )
+        .expect("w");
         assert_eq!(GRITDB_FILES[0], gritdb::DATA_DIR_MARKER);
         let got = prepare_data_dir(&d).expect("prepare");
         assert!(!got.fresh);

@@ -74,7 +74,11 @@ fn open_takes_an_empty_dir_a_new_path_and_a_gritdb_data_dir() {
     let empty = root.path().join("empty");
     std::fs::create_dir(&empty).unwrap();
     drop(Engine::open(&empty, config()).unwrap());
-    assert!(empty.join("LOCK").is_file() && empty.join("tables").is_dir() && empty.join(gritdb::DATA_DIR_MARKER).is_file());
+    assert!(
+        empty.join("LOCK").is_file()
+            && empty.join("tables").is_dir()
+            && empty.join(gritdb::DATA_DIR_MARKER).is_file()
+    );
 
     let new = root.path().join("a/b/new");
     let engine = Engine::open(&new, config()).unwrap();
@@ -278,12 +282,18 @@ fn another_engines_directory_with_an_empty_lock_is_refused_and_left_as_it_was() 
     );
     let before = tree(&db);
     let found = expect_refused(Engine::open(&db, config()), &db);
-    assert!(matches!(&found, DataDirFound::Foreign { total: 6, .. }), "{found:?}");
+    assert!(
+        matches!(&found, DataDirFound::Foreign { total: 6, .. }),
+        "{found:?}"
+    );
     assert_eq!(tree(&db), before, "the directory changed");
     // A LOCK with other text than a pid does not count either.
     std::fs::write(db.join("LOCK"), "leveldb lock").unwrap();
     let before = tree(&db);
-    assert!(matches!(expect_refused(Engine::open(&db, config()), &db), DataDirFound::Foreign { .. }));
+    assert!(matches!(
+        expect_refused(Engine::open(&db, config()), &db),
+        DataDirFound::Foreign { .. }
+    ));
     assert_eq!(tree(&db), before, "the directory changed");
 }
 
@@ -303,16 +313,28 @@ fn a_foreign_dir_with_a_tables_dir_is_refused_and_left_as_it_was() {
         ],
         // A pid in `LOCK` does not make the rest gritdb's.
         &[("LOCK", b"4242"), ("tables/t7/draft.tmp", b"half a draft")],
-        &[("LOCK", b"4242"), ("tables/t7/manifest.json.tmp", b"x"), ("trash/t1/mine.txt", b"keep")],
+        &[
+            ("LOCK", b"4242"),
+            ("tables/t7/manifest.json.tmp", b"x"),
+            ("trash/t1/mine.txt", b"keep"),
+        ],
     ];
     for (i, files) in cases.iter().enumerate() {
         let dir = root.path().join(format!("tool{i}"));
         write_files(&dir, files);
         let before = tree(&dir);
         for create in [true, false] {
-            let found = expect_refused(Engine::open(&dir, config().create_if_missing(create)), &dir);
-            assert!(matches!(found, DataDirFound::Foreign { .. }), "case {i}: {found:?}");
-            assert_eq!(tree(&dir), before, "case {i}, create_if_missing {create}: the directory changed");
+            let found =
+                expect_refused(Engine::open(&dir, config().create_if_missing(create)), &dir);
+            assert!(
+                matches!(found, DataDirFound::Foreign { .. }),
+                "case {i}: {found:?}"
+            );
+            assert_eq!(
+                tree(&dir),
+                before,
+                "case {i}, create_if_missing {create}: the directory changed"
+            );
         }
     }
 }
@@ -324,14 +346,26 @@ fn a_foreign_dir_with_a_tables_dir_is_refused_and_left_as_it_was() {
 fn a_foreign_dir_with_user_files_in_tables_is_refused_before_anything_is_created() {
     let root = tempfile::tempdir().unwrap();
     for (name, files) in [
-        ("plain", &[("tables/t8/users.csv", &b"id,name\n1,ada\n"[..])][..]),
-        ("with-lock", &[("LOCK", &b"4242"[..]), ("tables/t8/users.csv", b"id,name\n1,ada\n")][..]),
+        (
+            "plain",
+            &[("tables/t8/users.csv", &b"id,name\n1,ada\n"[..])][..],
+        ),
+        (
+            "with-lock",
+            &[
+                ("LOCK", &b"4242"[..]),
+                ("tables/t8/users.csv", b"id,name\n1,ada\n"),
+            ][..],
+        ),
     ] {
         let dir = root.path().join(name);
         write_files(&dir, files);
         let before = tree(&dir);
         let found = expect_refused(Engine::open(&dir, config()), &dir);
-        assert!(matches!(found, DataDirFound::Foreign { .. }), "{name}: {found:?}");
+        assert!(
+            matches!(found, DataDirFound::Foreign { .. }),
+            "{name}: {found:?}"
+        );
         assert_eq!(tree(&dir), before, "{name}: the directory changed");
         assert!(!dir.join("trash").exists() && !dir.join(gritdb::DATA_DIR_MARKER).exists());
     }
@@ -341,7 +375,9 @@ fn a_foreign_dir_with_user_files_in_tables_is_refused_before_anything_is_created
 /// write-ahead log) and closes it.
 fn write_table(dir: &Path) -> BTreeMap<(i64, i32), Row> {
     let engine = Engine::open(dir, config()).unwrap();
-    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
+    let t = engine
+        .create_table("t", composite_schema(), &["k1", "k2"])
+        .unwrap();
     t.insert(&composite_batch(&rows(0, 1_000))).unwrap();
     t.flush().unwrap();
     t.insert(&composite_batch(&rows(1_000, 10))).unwrap();
@@ -352,7 +388,13 @@ fn write_table(dir: &Path) -> BTreeMap<(i64, i32), Row> {
 
 fn read_table(dir: &Path) -> BTreeMap<(i64, i32), Row> {
     let engine = Engine::open(dir, config().create_if_missing(false)).unwrap();
-    let got = collect_composite(engine.table("t").unwrap().scan(ScanOptions::default()).unwrap());
+    let got = collect_composite(
+        engine
+            .table("t")
+            .unwrap()
+            .scan(ScanOptions::default())
+            .unwrap(),
+    );
     engine.close().unwrap();
     got
 }
@@ -366,10 +408,17 @@ fn a_data_dir_without_the_marker_is_adopted_with_its_rows() {
     let dir = root.path().join("data");
     let want = write_table(&dir);
     let marker = dir.join(gritdb::DATA_DIR_MARKER);
-    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "gritdb data directory\nformat 1\n");
+    assert_eq!(
+        std::fs::read_to_string(&marker).unwrap(),
+        "gritdb data directory\nformat 1\n"
+    );
     std::fs::remove_file(&marker).unwrap();
     assert_eq!(read_table(&dir), want);
-    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "gritdb data directory\nformat 1\n", "the marker is back");
+    assert_eq!(
+        std::fs::read_to_string(&marker).unwrap(),
+        "gritdb data directory\nformat 1\n",
+        "the marker is back"
+    );
 
     let backup = root.path().join("backup");
     copy_tree(&dir, &backup);
@@ -383,7 +432,12 @@ fn a_data_dir_without_the_marker_is_adopted_with_its_rows() {
     let damaged = root.path().join("damaged");
     copy_tree(&dir, &damaged);
     std::fs::remove_file(damaged.join(gritdb::DATA_DIR_MARKER)).unwrap();
-    let table = std::fs::read_dir(damaged.join("tables")).unwrap().next().unwrap().unwrap().path();
+    let table = std::fs::read_dir(damaged.join("tables"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
     std::fs::write(table.join("manifest.json"), b"{ not json").unwrap();
     let before = tree(&damaged);
     match Engine::open(&damaged, config()) {
@@ -399,7 +453,13 @@ fn a_data_dir_without_the_marker_is_adopted_with_its_rows() {
 fn a_marker_only_dir_opens() {
     let root = tempfile::tempdir().unwrap();
     let dir = root.path().join("data");
-    write_files(&dir, &[(gritdb::DATA_DIR_MARKER, &b"gritdb data directory\nformat 1\n"[..])]);
+    write_files(
+        &dir,
+        &[(
+            gritdb::DATA_DIR_MARKER,
+            &b"gritdb data directory\nformat 1\n"[..],
+        )],
+    );
     let engine = Engine::open(&dir, config().create_if_missing(false)).unwrap();
     assert!(engine.table_names().is_empty());
     engine.close().unwrap();
@@ -434,7 +494,10 @@ fn a_damaged_or_unknown_marker_is_refused_and_nothing_is_lost() {
                 match problem {
                     gritdb::MarkerProblem::Damaged { .. } => assert_eq!(needle, "damaged"),
                     gritdb::MarkerProblem::UnknownFormat { found, supported } => {
-                        assert_eq!((format!("format {found}"), *supported), (needle.to_owned(), 1));
+                        assert_eq!(
+                            (format!("format {found}"), *supported),
+                            (needle.to_owned(), 1)
+                        );
                     }
                     p => panic!("{p:?}"),
                 }
@@ -442,7 +505,11 @@ fn a_damaged_or_unknown_marker_is_refused_and_nothing_is_lost() {
             e => panic!("expected BadDataDirMarker, got {e:?}"),
         }
         let text = e.to_string();
-        for part in [marker.display().to_string().as_str(), needle, "nothing in the directory was created, changed or removed"] {
+        for part in [
+            marker.display().to_string().as_str(),
+            needle,
+            "nothing in the directory was created, changed or removed",
+        ] {
             assert!(text.contains(part), "{part:?} not in {text}");
         }
         assert_eq!(tree(&dir), before, "{text}: the directory changed");

@@ -417,10 +417,17 @@ pub(crate) fn subquery_depth(statement: &DfStatement, limit: usize) -> Result<()
     impl Visitor for Subqueries {
         type Break = ();
         fn pre_visit_expr(&mut self, expr: &Expr) -> ControlFlow<()> {
-            let sub = matches!(expr, Expr::Subquery(_) | Expr::InSubquery { .. } | Expr::Exists { .. });
+            let sub = matches!(
+                expr,
+                Expr::Subquery(_) | Expr::InSubquery { .. } | Expr::Exists { .. }
+            );
             self.opened.push(sub);
             self.current += usize::from(sub);
-            if self.current > self.limit { ControlFlow::Break(()) } else { ControlFlow::Continue(()) }
+            if self.current > self.limit {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
         }
         fn post_visit_expr(&mut self, _: &Expr) -> ControlFlow<()> {
             self.current -= usize::from(self.opened.pop().unwrap_or(false));
@@ -432,7 +439,11 @@ pub(crate) fn subquery_depth(statement: &DfStatement, limit: usize) -> Result<()
         DfStatement::Explain(e) => return subquery_depth(&e.statement, limit),
         _ => return Ok(()),
     };
-    let mut v = Subqueries { current: 0, limit, opened: Vec::new() };
+    let mut v = Subqueries {
+        current: 0,
+        limit,
+        opened: Vec::new(),
+    };
     match sql.visit(&mut v) {
         ControlFlow::Continue(()) => Ok(()),
         ControlFlow::Break(()) => Err(v.current),

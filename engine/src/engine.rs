@@ -1,5 +1,6 @@
 use crate::config::EngineConfig;
-use crate::error::{DataDirFound, Error, Result, io};
+use crate::data_dir::DATA_DIR_MARKER;
+use crate::error::{Error, Result, io};
 use crate::table::{Table, TableInner, lock};
 use crate::writer::Writer;
 use arrow_schema::SchemaRef;
@@ -549,63 +550,6 @@ fn validate_name(name: &str) -> Result<()> {
     Ok(())
 }
 
-/// Entries of a directory that do not make it someone else's: `lost+found`, which `mkfs`
-/// leaves at the root of a new ext2/3/4 file system (a data directory on its own volume).
-const IGNORED_ENTRIES: [&str; 1] = ["lost+found"];
-
-/// Names a foreign directory's error lists (the rest are counted).
-const LISTED_ENTRIES: usize = 5;
-
-/// Refuses a path [`Engine::open`] must not use as its data directory: a missing one when
-/// `create` is off, something other than a directory, or a directory that holds entries but
-/// neither of the two entries every gritdb data directory has had since the first format:
-/// the `LOCK` file (created first at every open, holding the opener's pid: an empty or other
-/// `LOCK`, as LevelDB and RocksDB leave, does not count) and the `tables/` directory. An empty
-/// directory is a new data directory.
-fn check_data_dir(dir: &Path, create: bool) -> Result<()> {
-    let refuse = |found| Err(Error::NotADataDir { path: dir.to_path_buf(), found });
-    let meta = match fs::metadata(dir) {
-        Ok(meta) => meta,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return if create { Ok(()) } else { refuse(DataDirFound::Missing) };
-        }
-        Err(e) => return Err(Error::Io { path: dir.to_path_buf(), source: e }),
-    };
-    if !meta.is_dir() {
-        return refuse(DataDirFound::NotADirectory);
-    }
-    let mut names = Vec::new();
-    for entry in fs::read_dir(dir).map_err(io(dir))? {
-        let entry = entry.map_err(io(dir))?;
-        let name = entry.file_name();
-        let is = |kind: fn(&fs::FileType) -> bool| entry.file_type().is_ok_and(|t| kind(&t));
-        if (name == "LOCK" && is(fs::FileType::is_file) && is_gritdb_lock(&entry.path())) || (name == "tables" && is(fs::FileType::is_dir)) {
-            return Ok(());
-        }
-        if !IGNORED_ENTRIES.iter().any(|i| name == *i) {
-            names.push(name.to_string_lossy().into_owned());
-        }
-    }
-    if names.is_empty() {
-        return Ok(());
-    }
-    names.sort();
-    let total = names.len();
-    names.truncate(LISTED_ENTRIES);
-    refuse(DataDirFound::Foreign { entries: names, total })
-}
-
-/// Whether the `LOCK` file at `path` is one gritdb wrote: its whole content is the decimal pid
-/// of the process that last opened the directory. LevelDB and RocksDB leave an empty `LOCK`
-/// in their directories; taking one for gritdb's let the open's cleanup remove that program's
-/// files (fresh-clone trial, 2026-12-04). A file that cannot be read is not gritdb's.
-fn is_gritdb_lock(path: &Path) -> bool {
-    let mut buf = [0u8; 32];
-    let Ok(mut f) = fs::File::open(path) else { return false };
-    let Ok(n) = std::io::Read::read(&mut f, &mut buf) else { return false };
-    n > 0 && n < buf.len() && buf[..n].iter().all(u8::is_ascii_digit)
-}
-
 /// The registry key for a table name: the exact name, else the one name equal to it ignoring
 /// case. `create_table` refuses names equal ignoring case, so the match is unique; SQL (which
 /// folds unquoted identifiers to lower case) and the Rust API find the same table.
@@ -622,17 +566,27 @@ impl Engine {
     /// or a path that does not exist yet (created with its parents unless
     /// [`EngineConfig::create_if_missing`] is off).
     ///
-    /// A directory that holds anything else (no `LOCK` file, no `tables/` directory: someone
-    /// else's files) is refused and left as it was, nothing created in it.
+    /// A gritdb data directory is one with the marker file [`DATA_DIR_MARKER`] (`GRITDB`)
+    /// at its root, which gritdb writes when it creates one. A directory without it is taken
+    /// only when it is one an older gritdb wrote: every entry is gritdb's (`LOCK` holding a
+    /// pid; `tables/` holding only `t<N>` table directories, each with a manifest that reads
+    /// and checks out or only the manifest's temp file; `trash/` holding only `t<N>`
+    /// directories of table files; `wal/` holding only `wal-<N>.log` segments), and a pid
+    /// `LOCK` or a table manifest proves it. It gets the marker. Anything else non-empty
+    /// (`lost+found` aside) is someone else's: refused, nothing created, changed or removed in
+    /// it — the open's cleanup (emptying `trash/`, removing table directories of interrupted
+    /// creates and files no manifest names) runs only in a directory known to be gritdb's.
     ///
     /// Takes an exclusive lock on `dir/LOCK`, removes leftovers of interrupted drops and
     /// creates, and opens every table (manifest, deletion vectors, key index).
     ///
     /// # Errors
     /// [`Error::NotADataDir`] when `dir` is missing and may not be created, is not a
-    /// directory, or is a non-empty directory that is not gritdb's; [`Error::Io`] when `dir`
-    /// cannot be read, created or written; [`Error::Locked`] when another engine holds it,
-    /// [`Error::Config`] for a bad configuration, [`Error::Storage`] for a corrupt table.
+    /// directory, or is a non-empty directory that is not gritdb's;
+    /// [`Error::BadDataDirMarker`] when its marker is damaged or of an unknown format;
+    /// [`Error::Io`] when `dir` cannot be read, created or written; [`Error::Locked`] when
+    /// another engine holds it, [`Error::Config`] for a bad configuration,
+    /// [`Error::Storage`] for a corrupt table.
     pub fn open(dir: impl AsRef<Path>, config: EngineConfig) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
         if dir.as_os_str().is_empty() {
@@ -678,7 +632,7 @@ impl Engine {
         })?;
         // Nothing is created in a directory that is not gritdb's, nor a directory the config
         // does not allow to create (before: any directory was taken and written into).
-        check_data_dir(&dir, config.create_if_missing)?;
+        let kind = crate::data_dir::classify(&dir, config.create_if_missing)?;
         fs::create_dir_all(&dir).map_err(io(&dir))?;
         let lock_path = dir.join("LOCK");
         let mut lock_file = fs::OpenOptions::new()
@@ -709,6 +663,14 @@ impl Engine {
             }
         }
         lock_file.set_len(0).and_then(|()| write!(lock_file, "{}", std::process::id())).map_err(io(&lock_path))?;
+        // The marker goes in before anything else, under the lock: from here on the
+        // directory is known to be gritdb's at every open.
+        if kind != crate::data_dir::Kind::Marked {
+            crate::data_dir::write_marker(config.vfs.as_ref(), &dir)?;
+            if kind == crate::data_dir::Kind::Legacy {
+                tracing::info!(dir = %dir.display(), marker = DATA_DIR_MARKER, "data directory of an earlier gritdb: marker written");
+            }
+        }
 
         let tables_dir = dir.join("tables");
         let trash = dir.join("trash");
@@ -742,13 +704,9 @@ impl Engine {
             };
             max_id = max_id.max(id);
             if !path.join(gritdb_storage::MANIFEST_FILE).exists() {
-                // An interrupted create leaves at most a manifest temp file. Anything else
+                // An interrupted create leaves at most the manifest's temp file. Anything else
                 // means the manifest was lost: refuse rather than delete data.
-                let only_tmp = fs::read_dir(&path)
-                    .map_err(io(&path))?
-                    .flatten()
-                    .all(|f| f.file_name().to_string_lossy().ends_with(".tmp"));
-                if !only_tmp {
+                if !crate::data_dir::is_interrupted_create(&path)? {
                     return Err(Error::Storage(gritdb_storage::StorageError::CorruptManifest {
                         path: path.join(gritdb_storage::MANIFEST_FILE),
                         detail: "missing, but the table directory holds data files; restore the manifest or move the directory away".into(),

@@ -123,13 +123,24 @@ pub enum Error {
         source: std::io::Error,
     },
     /// [`crate::Engine::open`] refused the path as a data directory, and left it as it was
-    /// (nothing created in it: no `LOCK`, no `tables/`).
+    /// (nothing created, changed or removed in it). What counts as a data directory:
+    /// [`crate::Engine::open`].
     #[error("{} is not a gritdb data directory: {found}", path.display())]
     NotADataDir {
         /// The path given to `Engine::open`.
         path: PathBuf,
         /// What is there instead.
         found: DataDirFound,
+    },
+    /// The data directory's marker file ([`crate::DATA_DIR_MARKER`]) is not one this build
+    /// reads: damaged, or of another format. [`crate::Engine::open`] left the directory as
+    /// it was (nothing created, changed or removed).
+    #[error("{}: {problem}; nothing in the directory was created, changed or removed", path.display())]
+    BadDataDirMarker {
+        /// The marker file.
+        path: PathBuf,
+        /// What is wrong with it.
+        problem: MarkerProblem,
     },
     /// The data directory is already opened by another engine.
     #[error("data directory {} is locked by another gritdb engine (the lock file names {holder}, the last process that took it); close it first", path.display())]
@@ -168,8 +179,10 @@ pub enum DataDirFound {
     Missing,
     /// A file (or anything else that is not a directory).
     NotADirectory,
-    /// A directory with entries but neither the `LOCK` file nor the `tables/` directory every
-    /// gritdb data directory has: someone else's files.
+    /// A directory with entries that is not positively gritdb's: no marker file
+    /// ([`crate::DATA_DIR_MARKER`]), and not a data directory an older gritdb wrote (only
+    /// gritdb's entries, with a `LOCK` holding a pid or a table whose manifest reads). Someone
+    /// else's files.
     Foreign {
         /// The first entry names in sorted order (at most 5).
         entries: Vec<String>,
@@ -191,10 +204,49 @@ impl std::fmt::Display for DataDirFound {
                 let more = if more > 0 { format!(" and {more} more") } else { String::new() };
                 write!(
                     f,
-                    "the directory is not empty ({listed}{more}) and has no `LOCK` file or `tables/` directory of a gritdb data directory; \
-                     nothing was created in it. Give a new or empty directory, or an existing gritdb data directory"
+                    "the directory is not empty ({listed}{more}), has no `{marker}` marker file of a gritdb data directory and is not one \
+                     an older gritdb wrote (only gritdb's `LOCK`, `tables/t<N>/`, `trash/`, `wal/` entries, with a `LOCK` holding a pid \
+                     or a table manifest that reads); nothing was created, changed or removed in it. Give a new or empty directory, \
+                     or an existing gritdb data directory",
+                    marker = crate::DATA_DIR_MARKER
                 )
             }
+        }
+    }
+}
+
+/// What is wrong with a data directory's marker file ([`Error::BadDataDirMarker`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MarkerProblem {
+    /// It does not read as a marker: not two lines `gritdb data directory` and `format N`.
+    Damaged {
+        /// What does not read.
+        detail: String,
+    },
+    /// It names a data-directory format this build does not read (a newer gritdb's).
+    UnknownFormat {
+        /// The format it names.
+        found: u64,
+        /// The one this build reads.
+        supported: u32,
+    },
+}
+
+impl std::fmt::Display for MarkerProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MarkerProblem::Damaged { detail } => write!(
+                f,
+                "the gritdb data directory marker is damaged ({detail}). It holds two lines, `gritdb data directory` and `format {}`: \
+                 if this is a gritdb data directory, write those back; if not, give another directory",
+                crate::data_dir::DATA_DIR_FORMAT
+            ),
+            MarkerProblem::UnknownFormat { found, supported } => write!(
+                f,
+                "the gritdb data directory marker names format {found}, and this build reads only format {supported}; open it with \
+                 the gritdb that wrote it"
+            ),
         }
     }
 }

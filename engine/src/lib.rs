@@ -21,6 +21,7 @@
 //! See `docs/architecture.md` and `docs/memory.md` in the repository.
 
 mod config;
+mod data_dir;
 mod engine;
 mod error;
 mod export;
@@ -32,7 +33,8 @@ mod writer;
 
 pub use config::{BackgroundPriority, EngineConfig};
 pub use engine::{DEFAULT_DATA_DIR, Engine, MAX_THREADS, RESERVED_TABLE_PREFIX};
-pub use error::{DataDirFound, Error, Result};
+pub use data_dir::DATA_DIR_MARKER;
+pub use error::{DataDirFound, Error, MarkerProblem, Result};
 /// The error types [`Error`] wraps ([`Error::Input`], [`Error::Storage`], [`Error::Memory`]),
 /// so a caller can match on their typed fields (e.g. `UnifyError::NullKey { column, row }`).
 pub use gritdb_memctl::MemoryError;

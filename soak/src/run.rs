@@ -13,8 +13,12 @@ use std::io::{BufWriter, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-/// Names a gritdb data directory holds at its top level.
-const GRITDB_ENTRIES: [&str; 4] = ["LOCK", "tables", "trash", "wal"];
+/// Names a gritdb data directory holds at its top level: the marker
+/// (`gritdb::DATA_DIR_MARKER`) and its temp file, `LOCK`, and three directories.
+const GRITDB_ENTRIES: [&str; 6] = ["GRITDB", "GRITDB.tmp", "LOCK", "tables", "trash", "wal"];
+
+/// The top-level entries of [`GRITDB_ENTRIES`] that are files.
+const GRITDB_FILES: [&str; 3] = ["GRITDB", "GRITDB.tmp", "LOCK"];
 
 /// Where the engine's data goes for this run.
 #[derive(Debug)]
@@ -24,9 +28,9 @@ struct DataDir {
     fresh: bool,
 }
 
-/// True when every entry of `dir` is a file or directory gritdb creates: `LOCK`, the
-/// directories `tables/` and `trash/` holding only `t<number>` table directories, and `wal/`
-/// holding only `wal-<number>.log` segments.
+/// True when every entry of `dir` is a file or directory gritdb creates: the marker `GRITDB`,
+/// `LOCK`, the directories `tables/` and `trash/` holding only `t<number>` table directories,
+/// and `wal/` holding only `wal-<number>.log` segments.
 fn holds_only_gritdb_files(dir: &Path) -> Result<bool> {
     for e in fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
         let e = e.with_context(|| format!("reading {}", dir.display()))?;
@@ -40,7 +44,7 @@ fn holds_only_gritdb_files(dir: &Path) -> Result<bool> {
         let ty = e
             .file_type()
             .with_context(|| format!("reading {}", e.path().display()))?;
-        if name == "LOCK" {
+        if GRITDB_FILES.contains(&name) {
             if !ty.is_file() {
                 return Ok(false);
             }
@@ -72,6 +76,29 @@ fn holds_only_gritdb_files(dir: &Path) -> Result<bool> {
     Ok(true)
 }
 
+/// Refuses a `--data-dir` that exists and is not a directory, before anything is created
+/// (a run refused for it left an empty `--out` behind).
+fn check_data_dir_arg(dir: &Path) -> Result<()> {
+    match fs::metadata(dir) {
+        Ok(meta) if !meta.is_dir() => {
+            bail!("--data-dir {} exists and is not a directory", dir.display())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Creates `dir` with its parents, returning the topmost directory it created (`None` when
+/// `dir` was there), so a set-up that fails later can remove what it made.
+fn create_dir_tracked(dir: &Path) -> Result<Option<PathBuf>> {
+    let topmost = dir
+        .ancestors()
+        .take_while(|a| !a.as_os_str().is_empty() && !a.exists())
+        .last()
+        .map(Path::to_path_buf);
+    fs::create_dir_all(dir).with_context(|| format!("creating output dir {}", dir.display()))?;
+    Ok(topmost)
+}
+
 /// Prepares `--data-dir`: created when missing; its contents wiped when it holds only gritdb
 /// files and no other process has it open; otherwise a fresh subdirectory is used.
 fn prepare_data_dir(dir: &Path) -> Result<DataDir> {
@@ -82,9 +109,7 @@ fn prepare_data_dir(dir: &Path) -> Result<DataDir> {
             fresh: false,
         });
     }
-    if !dir.is_dir() {
-        bail!("--data-dir {} exists and is not a directory", dir.display());
-    }
+    check_data_dir_arg(dir)?;
     if holds_only_gritdb_files(dir)? {
         let lock_path = dir.join("LOCK");
         if lock_path.exists() {
@@ -333,17 +358,39 @@ pub fn run(args: &RunArgs, allocator: Allocator) -> Result<bool> {
     // previous run's data dir wiped (a new user's `--memory-limit 1KB` cleared both).
     gritdb::memory::MemoryController::check_limit_value(limit, engine_config.chunk_size)
         .with_context(|| format!("--memory-limit {}", fmt_bytes(limit as f64)))?;
-    fs::create_dir_all(&args.out)
-        .with_context(|| format!("creating output dir {}", args.out.display()))?;
-    init_logging(&args.out)?;
-    let data_dir = prepare_data_dir(&args.data_dir)?;
-    let engine = gritdb::Engine::open(&data_dir.path, engine_config).with_context(|| {
-        format!(
-            "opening the engine in {} with limit {}",
-            data_dir.path.display(),
-            fmt_bytes(limit as f64)
-        )
-    })?;
+    // A `--data-dir` that cannot be one is refused before `--out` is created.
+    check_data_dir_arg(&args.data_dir)?;
+    let created_out = create_dir_tracked(&args.out)?;
+    let setup = || -> Result<(DataDir, gritdb::Engine)> {
+        init_logging(&args.out)?;
+        let data_dir = prepare_data_dir(&args.data_dir)?;
+        match gritdb::Engine::open(&data_dir.path, engine_config) {
+            Ok(engine) => Ok((data_dir, engine)),
+            Err(e) => {
+                if data_dir.fresh {
+                    let _ = fs::remove_dir_all(&data_dir.path);
+                }
+                Err(e).with_context(|| {
+                    format!(
+                        "opening the engine in {} with limit {}",
+                        data_dir.path.display(),
+                        fmt_bytes(limit as f64)
+                    )
+                })
+            }
+        }
+    };
+    let (data_dir, engine) = match setup() {
+        Ok(ready) => ready,
+        Err(e) => {
+            // Nothing ran: the output directory this run created (holding only its log
+            // file) goes again.
+            if let Some(dir) = created_out {
+                let _ = fs::remove_dir_all(dir);
+            }
+            return Err(e);
+        }
+    };
     let sizes = Sizes::new(args.tables);
     let config = config_json(args, allocator, &sizes, &data_dir.path);
     tracing::info!(%config, "soak starting");
@@ -529,9 +576,16 @@ mod tests {
         fs::write(d.join("wal/wal-00000003.log"), "x").expect("w");
         fs::write(d.join("tables/t1/manifest.json"), "{}").expect("w");
         fs::write(d.join("LOCK"), "1").expect("w");
+        fs::write(
+            d.join(gritdb::DATA_DIR_MARKER),
+            "gritdb data directory\nformat 1\n",
+        )
+        .expect("w");
+        assert_eq!(GRITDB_FILES[0], gritdb::DATA_DIR_MARKER);
         let got = prepare_data_dir(&d).expect("prepare");
         assert!(!got.fresh);
         assert!(!d.join("tables").exists() && !d.join("LOCK").exists() && !d.join("wal").exists());
+        assert!(!d.join(gritdb::DATA_DIR_MARKER).exists());
 
         fs::write(d.join("precious.txt"), "keep me").expect("w");
         let got = prepare_data_dir(&d).expect("prepare");

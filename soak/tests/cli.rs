@@ -75,3 +75,51 @@ fn soak_cli_bad_input_exits_2_with_a_reason_and_never_panics() {
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
+
+/// A `--data-dir` that is a regular file is refused (exit 2, the reason on stderr) before
+/// anything is created: no `--out` directory (nor its parents) is left behind, and the file
+/// is as it was. Before, the run failed but left an empty `--out` directory.
+#[test]
+fn soak_data_dir_a_file_creates_no_out_dir() {
+    let work = tempfile::tempdir().unwrap();
+    let file = work.path().join("data.db");
+    std::fs::write(&file, "somebody's file").unwrap();
+    let out = work.path().join("new/out");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_gritdb-soak"))
+        .args(["--rounds", "1", "--data-dir"])
+        .arg(&file)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("is not a directory") && err.contains("data.db"), "{err}");
+    assert!(!work.path().join("new").exists(), "--out (or its parent) was created: {err}");
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "somebody's file");
+    let names: Vec<_> = std::fs::read_dir(work.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(names, ["data.db"]);
+}
+
+/// A set-up that fails after `--out` was created (the data directory is in use by another
+/// gritdb) removes the `--out` directory it created, and leaves the data directory alone.
+#[test]
+fn soak_setup_failure_removes_the_out_dir_it_created() {
+    let work = tempfile::tempdir().unwrap();
+    let data = work.path().join("data");
+    let engine = gritdb::Engine::open(&data, gritdb::EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    let out = work.path().join("out");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_gritdb-soak"))
+        .args(["--rounds", "1", "--data-dir"])
+        .arg(&data)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("in use"), "{err}");
+    assert!(!out.exists(), "--out was left behind: {err}");
+    assert!(data.join("LOCK").is_file() && data.join("tables").is_dir(), "the data dir was wiped");
+    engine.close().unwrap();
+}

@@ -36,7 +36,7 @@ pub use compact::{CompactionOptions, CompactionPlan};
 pub use error::StorageError;
 pub use filter::{BoundFilter, CompareOp, FilePlan, FilterError, MAX_FILTER_DEPTH, ScanCounters, ScanFilter, ScanMetrics, filter_batch, keep_rows};
 pub use index::{FileKeys, KeyIndex, Loc, MAX_FILE_ROWS};
-pub use manifest::{FileMeta, LEGACY_DECODED_RATIO, MANIFEST_CHECKSUM_KEY, MANIFEST_FILE, Manifest};
+pub use manifest::{FileMeta, LEGACY_DECODED_RATIO, MANIFEST_CHECKSUM_KEY, MANIFEST_FILE, Manifest, write_atomic};
 pub use table::{CommitPlan, FileGuard, FileScan, PutKeyEncoder, PutKeys, ScanSource, Staged, TableStore};
 pub use vfs::{FaultFs, FsOp, StdFs, Vfs, VfsFile, rename_may_have_happened};
 pub use wal::{SEGMENT_BYTES, WAL_DIR, Wal, WalOp, WalPosition, WalRecord, WalSync, decode_segment};

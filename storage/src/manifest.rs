@@ -248,8 +248,12 @@ fn split_checksum(text: &[u8]) -> Option<(Option<u32>, &[u8])> {
     Some((number, &rest[end + 1..]))
 }
 
-/// Writes `name` in `dir` atomically (tmp + fsync + rename + fsync dir).
-pub(crate) fn write_atomic(vfs: &dyn Vfs, dir: &Path, name: &str, bytes: &[u8]) -> Result<(), StorageError> {
+/// Writes `name` in `dir` atomically and durably: `name.tmp`, fsync, rename over `name`,
+/// fsync `dir` (the manifest's way, also used for the data directory's marker file).
+///
+/// # Errors
+/// [`StorageError::Io`]; the tmp file is removed and a previous `name` stays in place.
+pub fn write_atomic(vfs: &dyn Vfs, dir: &Path, name: &str, bytes: &[u8]) -> Result<(), StorageError> {
     write_atomic_tracked(vfs, dir, name, bytes, &mut false)
 }
 

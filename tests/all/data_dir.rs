@@ -66,15 +66,19 @@ fn expect_refused(r: gritdb::Result<Engine>, path: &Path) -> DataDirFound {
 
 /// An empty directory and a new path (with its parents) are new data directories; a data
 /// directory reopens with its rows, also one copied without its `LOCK` file (a backup
-/// restored) and one holding only the `LOCK` of a first open killed before it made
-/// `tables/`.
+/// restored) and one holding only the `LOCK` of a first open killed before it wrote the
+/// marker.
 #[test]
 fn open_takes_an_empty_dir_a_new_path_and_a_gritdb_data_dir() {
     let root = tempfile::tempdir().unwrap();
     let empty = root.path().join("empty");
     std::fs::create_dir(&empty).unwrap();
     drop(Engine::open(&empty, config()).unwrap());
-    assert!(empty.join("LOCK").is_file() && empty.join("tables").is_dir());
+    assert!(
+        empty.join("LOCK").is_file()
+            && empty.join("tables").is_dir()
+            && empty.join(gritdb::DATA_DIR_MARKER).is_file()
+    );
 
     let new = root.path().join("a/b/new");
     let engine = Engine::open(&new, config()).unwrap();
@@ -112,7 +116,7 @@ fn open_takes_an_empty_dir_a_new_path_and_a_gritdb_data_dir() {
     std::fs::remove_file(copy.join("LOCK")).unwrap();
     assert_eq!(read(&copy, config().create_if_missing(false)), want);
 
-    // A LOCK file alone: the first open of it was killed before it created `tables/`.
+    // A LOCK file alone: the first open of it was killed before it wrote the marker.
     let killed = root.path().join("killed");
     std::fs::create_dir(&killed).unwrap();
     std::fs::write(killed.join("LOCK"), "12345").unwrap();
@@ -167,8 +171,8 @@ fn create_if_missing_off_refuses_a_missing_dir_and_creates_nothing() {
     assert!(missing.join("LOCK").is_file());
 }
 
-/// A non-empty directory with no `LOCK` file and no `tables/` directory (a home directory, a
-/// project) is refused with its path and what it holds, and left byte for byte and stamp for
+/// A non-empty directory with no marker, no `LOCK` file and no `tables/` directory (a home
+/// directory, a project) is refused with its path and what it holds, and left byte for byte and stamp for
 /// stamp as it was: no `LOCK`, no `tables/`, `wal/` or `trash/`. Before, `Engine::open` took
 /// it and created its files among the others.
 #[test]
@@ -216,8 +220,8 @@ fn a_non_empty_foreign_dir_is_refused_and_left_as_it_was() {
         "is not a gritdb data directory",
         "`.bashrc`",
         "and 1 more",
-        "no `LOCK` file or `tables/` directory",
-        "nothing was created in it",
+        "has no `GRITDB` marker file",
+        "nothing was created, changed or removed in it",
     ] {
         assert!(text.contains(part), "{part:?} not in {text}");
     }
@@ -278,11 +282,239 @@ fn another_engines_directory_with_an_empty_lock_is_refused_and_left_as_it_was() 
     );
     let before = tree(&db);
     let found = expect_refused(Engine::open(&db, config()), &db);
-    assert!(matches!(&found, DataDirFound::Foreign { total: 6, .. }), "{found:?}");
+    assert!(
+        matches!(&found, DataDirFound::Foreign { total: 6, .. }),
+        "{found:?}"
+    );
     assert_eq!(tree(&db), before, "the directory changed");
     // A LOCK with other text than a pid does not count either.
     std::fs::write(db.join("LOCK"), "leveldb lock").unwrap();
     let before = tree(&db);
-    assert!(matches!(expect_refused(Engine::open(&db, config()), &db), DataDirFound::Foreign { .. }));
+    assert!(matches!(
+        expect_refused(Engine::open(&db, config()), &db),
+        DataDirFound::Foreign { .. }
+    ));
     assert_eq!(tree(&db), before, "the directory changed");
+}
+
+/// A foreign directory that has a `tables/` directory (some other tool's, holding
+/// `tables/t7/draft.tmp`) is refused and left as it was. Before the marker, its `tables/`
+/// made it count as gritdb's and the open's cleanup removed `draft.tmp` as the leftover of an
+/// interrupted create, and emptied its `trash/` (fresh-clone trial, 2026-12-04).
+#[test]
+fn a_foreign_dir_with_a_tables_dir_is_refused_and_left_as_it_was() {
+    let root = tempfile::tempdir().unwrap();
+    let cases: [&[(&str, &[u8])]; 4] = [
+        &[("tables/t7/draft.tmp", b"half a draft")],
+        &[
+            ("tables/t7/draft.tmp", b"half a draft"),
+            ("trash/old.txt", b"keep"),
+            ("wal/notes.log", b"mine"),
+        ],
+        // A pid in `LOCK` does not make the rest gritdb's.
+        &[("LOCK", b"4242"), ("tables/t7/draft.tmp", b"half a draft")],
+        &[
+            ("LOCK", b"4242"),
+            ("tables/t7/manifest.json.tmp", b"x"),
+            ("trash/t1/mine.txt", b"keep"),
+        ],
+    ];
+    for (i, files) in cases.iter().enumerate() {
+        let dir = root.path().join(format!("tool{i}"));
+        write_files(&dir, files);
+        let before = tree(&dir);
+        for create in [true, false] {
+            let found =
+                expect_refused(Engine::open(&dir, config().create_if_missing(create)), &dir);
+            assert!(
+                matches!(found, DataDirFound::Foreign { .. }),
+                "case {i}: {found:?}"
+            );
+            assert_eq!(
+                tree(&dir),
+                before,
+                "case {i}, create_if_missing {create}: the directory changed"
+            );
+        }
+    }
+}
+
+/// A foreign directory whose `tables/t8/` holds a user's `users.csv` is refused as someone
+/// else's before anything is created in it. Before, it was refused as `CorruptManifest` only
+/// after `LOCK` and `trash/` had been created in it.
+#[test]
+fn a_foreign_dir_with_user_files_in_tables_is_refused_before_anything_is_created() {
+    let root = tempfile::tempdir().unwrap();
+    for (name, files) in [
+        (
+            "plain",
+            &[("tables/t8/users.csv", &b"id,name\n1,ada\n"[..])][..],
+        ),
+        (
+            "with-lock",
+            &[
+                ("LOCK", &b"4242"[..]),
+                ("tables/t8/users.csv", b"id,name\n1,ada\n"),
+            ][..],
+        ),
+    ] {
+        let dir = root.path().join(name);
+        write_files(&dir, files);
+        let before = tree(&dir);
+        let found = expect_refused(Engine::open(&dir, config()), &dir);
+        assert!(
+            matches!(found, DataDirFound::Foreign { .. }),
+            "{name}: {found:?}"
+        );
+        assert_eq!(tree(&dir), before, "{name}: the directory changed");
+        assert!(!dir.join("trash").exists() && !dir.join(gritdb::DATA_DIR_MARKER).exists());
+    }
+}
+
+/// Writes rows 0..1_010 to table `t` of a new data directory (1,000 flushed, 10 only in the
+/// write-ahead log) and closes it.
+fn write_table(dir: &Path) -> BTreeMap<(i64, i32), Row> {
+    let engine = Engine::open(dir, config()).unwrap();
+    let t = engine
+        .create_table("t", composite_schema(), &["k1", "k2"])
+        .unwrap();
+    t.insert(&composite_batch(&rows(0, 1_000))).unwrap();
+    t.flush().unwrap();
+    t.insert(&composite_batch(&rows(1_000, 10))).unwrap();
+    drop(t);
+    engine.close().unwrap();
+    rows(0, 1_010).into_iter().collect()
+}
+
+fn read_table(dir: &Path) -> BTreeMap<(i64, i32), Row> {
+    let engine = Engine::open(dir, config().create_if_missing(false)).unwrap();
+    let got = collect_composite(
+        engine
+            .table("t")
+            .unwrap()
+            .scan(ScanOptions::default())
+            .unwrap(),
+    );
+    engine.close().unwrap();
+    got
+}
+
+/// A data directory gritdb creates has the marker file; one an older gritdb wrote (no marker:
+/// a `LOCK` with a pid, `tables/` with manifests, `wal/`, `trash/`) opens with all its rows
+/// and gets the marker; without its `LOCK` too (a backup of `tables/` and `wal/`).
+#[test]
+fn a_data_dir_without_the_marker_is_adopted_with_its_rows() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("data");
+    let want = write_table(&dir);
+    let marker = dir.join(gritdb::DATA_DIR_MARKER);
+    assert_eq!(
+        std::fs::read_to_string(&marker).unwrap(),
+        "gritdb data directory\nformat 1\n"
+    );
+    std::fs::remove_file(&marker).unwrap();
+    assert_eq!(read_table(&dir), want);
+    assert_eq!(
+        std::fs::read_to_string(&marker).unwrap(),
+        "gritdb data directory\nformat 1\n",
+        "the marker is back"
+    );
+
+    let backup = root.path().join("backup");
+    copy_tree(&dir, &backup);
+    std::fs::remove_file(backup.join("LOCK")).unwrap();
+    std::fs::remove_file(backup.join(gritdb::DATA_DIR_MARKER)).unwrap();
+    assert_eq!(read_table(&backup), want);
+    assert!(backup.join(gritdb::DATA_DIR_MARKER).is_file());
+
+    // A legacy directory whose manifest is damaged is refused with the manifest's error, and
+    // nothing is changed.
+    let damaged = root.path().join("damaged");
+    copy_tree(&dir, &damaged);
+    std::fs::remove_file(damaged.join(gritdb::DATA_DIR_MARKER)).unwrap();
+    let table = std::fs::read_dir(damaged.join("tables"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    std::fs::write(table.join("manifest.json"), b"{ not json").unwrap();
+    let before = tree(&damaged);
+    match Engine::open(&damaged, config()) {
+        Err(Error::Storage(gritdb::StorageError::CorruptManifest { .. })) => {}
+        other => panic!("expected CorruptManifest, got {other:?}"),
+    }
+    assert_eq!(tree(&damaged), before);
+}
+
+/// A directory holding only the marker (a first open killed right after writing it, or a
+/// data directory emptied by hand) opens as an empty data directory.
+#[test]
+fn a_marker_only_dir_opens() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("data");
+    write_files(
+        &dir,
+        &[(
+            gritdb::DATA_DIR_MARKER,
+            &b"gritdb data directory\nformat 1\n"[..],
+        )],
+    );
+    let engine = Engine::open(&dir, config().create_if_missing(false)).unwrap();
+    assert!(engine.table_names().is_empty());
+    engine.close().unwrap();
+    assert!(dir.join("LOCK").is_file() && dir.join("tables").is_dir());
+}
+
+/// A damaged marker, or one of a format this build does not know, is a typed error naming the
+/// marker, and the directory (tables, log, trash and all) is left as it was.
+#[test]
+fn a_damaged_or_unknown_marker_is_refused_and_nothing_is_lost() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("data");
+    let want = write_table(&dir);
+    let marker = dir.join(gritdb::DATA_DIR_MARKER);
+    // Something for the cleanup to remove if the open went on.
+    write_files(&dir, &[("trash/t99/manifest.json", &b"{}"[..])]);
+    for (bytes, needle) in [
+        (&b""[..], "damaged"),
+        (b"gritdb data directory\n", "damaged"),
+        (b"gritdb data directory\nformat one\n", "damaged"),
+        (b"some other tool\nformat 1\n", "damaged"),
+        (&[0xffu8, 0xfe, 0][..], "damaged"),
+        (b"gritdb data directory\nformat 2\n", "format 2"),
+        (b"gritdb data directory\nformat 0\n", "format 0"),
+    ] {
+        std::fs::write(&marker, bytes).unwrap();
+        let before = tree(&dir);
+        let e = Engine::open(&dir, config()).unwrap_err();
+        match &e {
+            Error::BadDataDirMarker { path, problem } => {
+                assert_eq!(path, &marker);
+                match problem {
+                    gritdb::MarkerProblem::Damaged { .. } => assert_eq!(needle, "damaged"),
+                    gritdb::MarkerProblem::UnknownFormat { found, supported } => {
+                        assert_eq!(
+                            (format!("format {found}"), *supported),
+                            (needle.to_owned(), 1)
+                        );
+                    }
+                    p => panic!("{p:?}"),
+                }
+            }
+            e => panic!("expected BadDataDirMarker, got {e:?}"),
+        }
+        let text = e.to_string();
+        for part in [
+            marker.display().to_string().as_str(),
+            needle,
+            "nothing in the directory was created, changed or removed",
+        ] {
+            assert!(text.contains(part), "{part:?} not in {text}");
+        }
+        assert_eq!(tree(&dir), before, "{text}: the directory changed");
+    }
+    // Written back as the message says, the directory opens with every row.
+    std::fs::write(&marker, "gritdb data directory\nformat 1\n").unwrap();
+    assert_eq!(read_table(&dir), want);
 }

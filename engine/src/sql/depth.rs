@@ -40,6 +40,29 @@ pub const MAX_DEPTH: usize = 2_000;
 /// bound counts every token on a path (`id = 1 OR ...` is 4 tokens a level).
 pub const MAX_TOKEN_DEPTH: usize = 16 * MAX_DEPTH;
 
+/// The SQL parser's recursion limit in [`Engine::sql`](crate::Engine::sql)'s session
+/// (`datafusion.sql_parser.recursion_limit`, 50 by default). The parser counts one per nested
+/// expression, query, statement or table factor it enters, so at 50, 49 nested parentheses,
+/// 49 `NOT`s, a `CASE` nested 50 deep or 30 nested subqueries were refused as confusing syntax
+/// errors ("Expected: end of statement, found: NOT"). Past this limit a statement is
+/// `TooDeep`.
+///
+/// Why 500 and not [`MAX_DEPTH`]: what the parser counts (parentheses, calls, `CASE`,
+/// subqueries) costs far more stack to plan than a level of a chain. Measured in the `ci`
+/// profile on a [`STACK_BYTES`] stack: 1,997 nested parentheses or `NOT`s and a `CASE` nested
+/// 1,996 deep plan and run, but 1,990 nested subqueries in `FROM` overflowed the stack
+/// (1,000 ran: about 40 KiB a level). Each such subquery is two counts, so 500 admits about 250
+/// of them, some 10 MiB of stack, and 200 nested parentheses, 200 `NOT`s, a `CASE` 100 deep
+/// and 100 nested subqueries in `FROM` run (`sql::deep_nesting_through_the_parser_runs`).
+pub const PARSER_RECURSION_LIMIT: usize = 500;
+
+/// The deepest nesting of subqueries inside expressions (`(SELECT ..)`, `IN (SELECT ..)`,
+/// `EXISTS (..)`) [`Engine::sql`](crate::Engine::sql) plans: deeper is `TooDeep`.
+/// `DataFusion`'s planning time about doubles with each such level (measured in the `ci`
+/// profile: 15 nested 0.13 s, 20 nested 2–4 s, 25 over 2 minutes), so a deeper one would hold
+/// a `gritdb-sql` thread for hours. Subqueries in `FROM` do not grow so (100 nested: 23 ms).
+pub const MAX_SUBQUERY_DEPTH: usize = 20;
+
 /// Levels each table joined beyond the first counts for: planning a join takes about four
 /// times the stack of an expression level (measured in the `ci` profile: 7 KiB a join, 1.3 to
 /// 1.75 KiB an expression level), so [`MAX_DEPTH`] bounds the stack either way.
@@ -379,6 +402,51 @@ pub(crate) fn statement_depth(statement: &DfStatement, limit: usize) -> Result<u
     match sql.visit(&mut depth) {
         ControlFlow::Continue(()) => Ok(depth.deepest),
         ControlFlow::Break(()) => Err(depth.deepest),
+    }
+}
+
+/// Checks that no path of `statement` nests more than `limit` subqueries inside expressions
+/// ([`MAX_SUBQUERY_DEPTH`]); `Err` holds the depth found (at least `limit + 1`). Run after
+/// [`statement_depth`] passed, so the visitor's recursion is bounded.
+pub(crate) fn subquery_depth(statement: &DfStatement, limit: usize) -> Result<(), usize> {
+    struct Subqueries {
+        current: usize,
+        limit: usize,
+        opened: Vec<bool>,
+    }
+    impl Visitor for Subqueries {
+        type Break = ();
+        fn pre_visit_expr(&mut self, expr: &Expr) -> ControlFlow<()> {
+            let sub = matches!(
+                expr,
+                Expr::Subquery(_) | Expr::InSubquery { .. } | Expr::Exists { .. }
+            );
+            self.opened.push(sub);
+            self.current += usize::from(sub);
+            if self.current > self.limit {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        }
+        fn post_visit_expr(&mut self, _: &Expr) -> ControlFlow<()> {
+            self.current -= usize::from(self.opened.pop().unwrap_or(false));
+            ControlFlow::Continue(())
+        }
+    }
+    let sql: &Statement = match statement {
+        DfStatement::Statement(s) => s,
+        DfStatement::Explain(e) => return subquery_depth(&e.statement, limit),
+        _ => return Ok(()),
+    };
+    let mut v = Subqueries {
+        current: 0,
+        limit,
+        opened: Vec::new(),
+    };
+    match sql.visit(&mut v) {
+        ControlFlow::Continue(()) => Ok(()),
+        ControlFlow::Break(()) => Err(v.current),
     }
 }
 

@@ -29,7 +29,7 @@ mod provider;
 mod system;
 
 pub use datafusion;
-pub use depth::{JOIN_LEVELS, MAX_DEPTH, MAX_TOKEN_DEPTH, STACK_BYTES};
+pub use depth::{JOIN_LEVELS, MAX_DEPTH, MAX_SUBQUERY_DEPTH, MAX_TOKEN_DEPTH, PARSER_RECURSION_LIMIT, STACK_BYTES};
 
 use crate::engine::{Engine, EngineInner};
 use crate::error::{Error, Result};
@@ -41,6 +41,7 @@ use datafusion::execution::runtime_env::{RuntimeEnv, RuntimeEnvBuilder};
 use datafusion::prelude::{SessionConfig, SessionContext};
 use datafusion::sql::parser::Statement as DfStatement;
 use datafusion::sql::sqlparser::ast::Statement as SqlStatement;
+use datafusion::sql::sqlparser::parser::ParserError;
 use pool::{GritMemoryPool, LastRefusal};
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -81,7 +82,9 @@ pub enum SqlErrorKind {
     /// `a OR b OR ...`, function call, `CASE`, subquery, set operation, joined table; see
     /// `docs/sql.md`): refused before planning, which recurses once per level. Rewrite it
     /// shallower: `x = 1 OR x = 2 OR ...` as `x IN (1, 2, ...)`, many `UNION ALL` branches of
-    /// constants as one `VALUES` list.
+    /// constants as one `VALUES` list. Also: parentheses, calls, `CASE` and subqueries nested
+    /// past the parser's [`PARSER_RECURSION_LIMIT`], and subqueries inside expressions
+    /// nested past [`MAX_SUBQUERY_DEPTH`].
     TooDeep,
 }
 
@@ -141,7 +144,9 @@ impl SqlState {
         let pool = GritMemoryPool::new(Arc::clone(&engine.shared), Arc::clone(&last_refusal));
         let env = RuntimeEnvBuilder::new().with_memory_pool(Arc::new(pool)).build_arc().map_err(|e| sql_error(e, &last_refusal))?;
         let weak = Arc::downgrade(engine);
-        let ctx = new_context(&weak, engine.shared.ctl.limit(), Arc::clone(&env)).map_err(|e| sql_error(e, &last_refusal))?;
+        // `Engine::sql` bounds depth itself and runs on `STACK_BYTES` stacks: its session
+        // parses deeper than DataFusion's default (`PARSER_RECURSION_LIMIT`).
+        let ctx = new_context(&weak, engine.shared.ctl.limit(), Arc::clone(&env), Some(PARSER_RECURSION_LIMIT)).map_err(|e| sql_error(e, &last_refusal))?;
         Ok(Self { engine: weak, env, ctx, last_refusal, runtime: Mutex::new(None) })
     }
 
@@ -187,10 +192,34 @@ impl SqlState {
         // Bounded on the tokens before the parser builds a tree it would recurse into.
         check_token_depth(query, dialect)?;
         // Any failure to get one statement out of the text (parser error, none, several).
-        let statement = state.sql_to_statement(query, &dialect).map_err(|e| Error::Sql { kind: SqlErrorKind::Syntax, source: Box::new(e) })?;
+        let statement = state.sql_to_statement(query, &dialect).map_err(|e| {
+            // Nested past `PARSER_RECURSION_LIMIT`: a depth refusal, not a syntax error. The
+            // parser reports its limit in some places, but in others (`CASE` inside a call)
+            // it backtracks and reports the token where it gave up.
+            let deep = match &e {
+                DataFusionError::SQL(p, _) => matches!(**p, ParserError::RecursionLimitExceeded) || parses_deeper(query, dialect),
+                // Several statements or none: not the parser's refusal.
+                _ => false,
+            };
+            if deep {
+                parser_too_deep()
+            } else {
+                Error::Sql { kind: SqlErrorKind::Syntax, source: Box::new(e) }
+            }
+        })?;
         check_read_only(&statement)?;
         if let Err(at_least) = depth::statement_depth(&statement, MAX_DEPTH) {
             return Err(too_deep(&format!("nests at least {at_least} levels, more than the {MAX_DEPTH} gritdb plans")));
+        }
+        if let Err(found) = depth::subquery_depth(&statement, MAX_SUBQUERY_DEPTH) {
+            return Err(Error::Sql {
+                kind: SqlErrorKind::TooDeep,
+                source: Box::new(DataFusionError::Plan(format!(
+                    "the statement nests at least {found} subqueries inside expressions (`(SELECT ..)`, `IN (SELECT ..)`, \
+                     `EXISTS`), more than the {MAX_SUBQUERY_DEPTH} gritdb plans (DataFusion's planning time doubles with each); \
+                     write the inner ones as joins or CTEs"
+                ))),
+            });
         }
         let plan = state.statement_to_plan(statement).await.map_err(err)?;
         datafusion::execution::context::SQLOptions::new()
@@ -246,6 +275,33 @@ fn too_deep(found: &str) -> Error {
     }
 }
 
+/// `Error::Sql { kind: TooDeep }` for a text nested past [`PARSER_RECURSION_LIMIT`].
+fn parser_too_deep() -> Error {
+    Error::Sql {
+        kind: SqlErrorKind::TooDeep,
+        source: Box::new(DataFusionError::Plan(format!(
+            "the statement nests parentheses, function calls, CASE expressions and subqueries more than the \
+             {PARSER_RECURSION_LIMIT} levels the SQL parser takes (each counts one, a subquery two); flatten \
+             the nesting (a CASE with more WHEN branches, a join or CTE instead of a subquery in a subquery) \
+             or split the statement"
+        ))),
+    }
+}
+
+/// Whether a text the parser refused at [`PARSER_RECURSION_LIMIT`] parses as one statement
+/// without that limit (up to [`MAX_TOKEN_DEPTH`], which [`check_token_depth`] already bounded
+/// it by): then it was refused for its depth. Parsing is stack-safe here (`DataFusion`'s `recursive_protection`)
+/// and the tree is only dropped.
+fn parses_deeper(query: &str, dialect: datafusion::common::config::Dialect) -> bool {
+    let Some(dialect) = datafusion::sql::sqlparser::dialect::dialect_from_str(dialect) else { return false };
+    datafusion::sql::parser::DFParserBuilder::new(query)
+        .with_dialect(dialect.as_ref())
+        .with_recursion_limit(MAX_TOKEN_DEPTH)
+        .build()
+        .and_then(|mut p| p.parse_statements())
+        .is_ok_and(|statements| statements.len() == 1)
+}
+
 /// Refuses, before parsing, a text whose tokens could make a syntax tree deeper than the
 /// parser and the tree's drop may recurse ([`depth::token_depth`] above [`MAX_TOKEN_DEPTH`]),
 /// or that nests data types deeper than [`gritdb_unify::MAX_TYPE_DEPTH`] (the parser builds
@@ -271,12 +327,23 @@ fn check_token_depth(query: &str, dialect: datafusion::common::config::Dialect) 
     Ok(())
 }
 
-/// A session over the engine's catalog and memory pool.
-fn new_context(engine: &std::sync::Weak<EngineInner>, limit: usize, env: Arc<RuntimeEnv>) -> datafusion::error::Result<SessionContext> {
+/// A session over the engine's catalog and memory pool. `parser_recursion_limit` replaces
+/// the SQL parser's (`DataFusion`'s default, 50) for a session whose statements run on the
+/// engine's SQL runtime after the depth checks; `None` keeps the default (a
+/// `session_context()` runs on the caller's threads, whatever their stack).
+fn new_context(
+    engine: &std::sync::Weak<EngineInner>,
+    limit: usize,
+    env: Arc<RuntimeEnv>,
+    parser_recursion_limit: Option<usize>,
+) -> datafusion::error::Result<SessionContext> {
     let mut config = SessionConfig::new()
         .with_information_schema(true)
         .with_create_default_catalog_and_schema(false)
         .with_default_catalog_and_schema(CATALOG, SCHEMA);
+    if let Some(n) = parser_recursion_limit {
+        config.options_mut().sql_parser.recursion_limit = datafusion::common::config::ConfigNonZeroUsize::try_new(n)?;
+    }
     // A sort that may spill sets this much aside for merging its spill files: a batch of
     // each file being merged must fit (DataFusion's default, 10 MiB, is most of a small limit).
     config.options_mut().execution.sort_spill_reservation_bytes = (limit / 16).min(10 << 20);
@@ -501,7 +568,7 @@ impl Engine {
     /// [`Error::Closed`]; `DataFusion` setup errors as [`Error::Sql`].
     pub fn session_context(&self) -> Result<SessionContext> {
         let state = self.inner.sql_state()?;
-        new_context(&state.engine, self.inner.shared.ctl.limit(), Arc::clone(&state.env)).map_err(|e| sql_error(e, &state.last_refusal))
+        new_context(&state.engine, self.inner.shared.ctl.limit(), Arc::clone(&state.env), None).map_err(|e| sql_error(e, &state.last_refusal))
     }
 }
 

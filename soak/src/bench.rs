@@ -234,7 +234,7 @@ pub struct BenchResult {
     pub rss_above_base_bytes: i64,
     /// Peak RSS after Q1.
     pub vmhwm_bytes: u64,
-    /// Plain `ArrowWriter` (the engine's data-file properties: Snappy, fsync) over the same batches.
+    /// Plain `ArrowWriter` (the engine's data-file properties and codec, `gritdb::DATA_FILE_COMPRESSION`; fsync) over the same batches.
     pub raw_write_rows_per_s: f64,
     /// The engine's flush of all rows from memory to a committed file (phase 2).
     pub flush_rows_per_s: f64,

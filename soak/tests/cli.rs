@@ -85,15 +85,7 @@ fn soak_data_dir_a_file_creates_no_out_dir() {
     let file = work.path().join("data.db");
     std::fs::write(&file, "somebody's file").unwrap();
     let out = work.path().join("new/out");
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_gritdb-soak"))
-        .args(["--rounds", "1", "--data-dir"])
-        .arg(&file)
-        .arg("--out")
-        .arg(&out)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(2), "{err}");
+    let err = refused_setup(&file, &out);
     assert!(err.contains("is not a directory") && err.contains("data.db"), "{err}");
     assert!(!work.path().join("new").exists(), "--out (or its parent) was created: {err}");
     assert_eq!(std::fs::read_to_string(&file).unwrap(), "somebody's file");
@@ -109,17 +101,18 @@ fn soak_setup_failure_removes_the_out_dir_it_created() {
     let data = work.path().join("data");
     let engine = gritdb::Engine::open(&data, gritdb::EngineConfig::default().memory_limit(64 << 20)).unwrap();
     let out = work.path().join("out");
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_gritdb-soak"))
-        .args(["--rounds", "1", "--data-dir"])
-        .arg(&data)
-        .arg("--out")
-        .arg(&out)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(2), "{err}");
+    let err = refused_setup(&data, &out);
     assert!(err.contains("in use"), "{err}");
     assert!(!out.exists(), "--out was left behind: {err}");
     assert!(data.join("LOCK").is_file() && data.join("tables").is_dir(), "the data dir was wiped");
     engine.close().unwrap();
+}
+
+/// Runs one soak round with `--data-dir data --out out`, expecting the refusal of its set-up
+/// (exit 2); returns its stderr.
+fn refused_setup(data: &std::path::Path, out: &std::path::Path) -> String {
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_gritdb-soak")).args(["--rounds", "1", "--data-dir"]).arg(data).arg("--out").arg(out).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    err
 }

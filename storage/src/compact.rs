@@ -187,17 +187,7 @@ impl CompactionPlan {
         let Some((_, rows, bytes)) = &self.output else { return Ok(()) };
         let inputs: Vec<u32> = self.inputs();
         self.manifest.files.retain(|f| !inputs.contains(&f.id));
-        self.manifest.files.push(FileMeta {
-            id: self.new_id,
-            name: file_name(self.new_id),
-            rows: *rows,
-            bytes: bytes.bytes,
-            dv: None,
-            deleted: 0,
-            crc32: Some(bytes.crc32),
-            dv_crc32: None,
-            decoded_bytes: Some(bytes.decoded_bytes),
-        });
+        self.manifest.files.push(output_meta(self.new_id, *rows, bytes));
         self.manifest.files.sort_by_key(|f| f.id);
         self.manifest.write_tracked(self.vfs.as_ref(), &self.dir, &mut self.manifest_renamed)
     }
@@ -213,6 +203,21 @@ impl CompactionPlan {
             return;
         }
         let _ = self.vfs.remove_file(&self.dir.join(file_name(self.new_id)));
+    }
+}
+
+/// The manifest entry of a compaction's new file `id`: `rows` rows as `written`, no deletes.
+fn output_meta(id: u32, rows: u64, written: &crate::write::WrittenFile) -> FileMeta {
+    FileMeta {
+        id,
+        name: file_name(id),
+        rows,
+        bytes: written.bytes,
+        dv: None,
+        deleted: 0,
+        crc32: Some(written.crc32),
+        dv_crc32: None,
+        decoded_bytes: Some(written.decoded_bytes),
     }
 }
 
@@ -359,17 +364,7 @@ impl TableStore {
             }
             self.index.remove_file(*id);
         }
-        let meta = FileMeta {
-            id: plan.new_id,
-            name: file_name(plan.new_id),
-            rows,
-            bytes: bytes.bytes,
-            dv: None,
-            deleted: 0,
-            crc32: Some(bytes.crc32),
-            dv_crc32: None,
-            decoded_bytes: Some(bytes.decoded_bytes),
-        };
+        let meta = output_meta(plan.new_id, rows, &bytes);
         // Written by this process: its bytes are the ones checksummed.
         let guard = FileGuard::new(plan.dir.join(&meta.name), &self.vfs, None);
         self.files.insert(

@@ -91,18 +91,7 @@ fn open_takes_an_empty_dir_a_new_path_and_a_gritdb_data_dir() {
     drop(t);
     engine.close().unwrap();
     let want: BTreeMap<_, _> = rows(0, 1_010).into_iter().collect();
-    let read = |dir: &Path, config: EngineConfig| {
-        let engine = Engine::open(dir, config).unwrap();
-        let got = collect_composite(
-            engine
-                .table("t")
-                .unwrap()
-                .scan(ScanOptions::default())
-                .unwrap(),
-        );
-        engine.close().unwrap();
-        got
-    };
+    let read = read_table_with;
     assert_eq!(read(&new, config()), want);
     assert_eq!(
         read(&new, config().create_if_missing(false)),
@@ -387,7 +376,12 @@ fn write_table(dir: &Path) -> BTreeMap<(i64, i32), Row> {
 }
 
 fn read_table(dir: &Path) -> BTreeMap<(i64, i32), Row> {
-    let engine = Engine::open(dir, config().create_if_missing(false)).unwrap();
+    read_table_with(dir, config().create_if_missing(false))
+}
+
+/// Every row of table `t` of the data dir `dir`, opened with `config` and closed.
+fn read_table_with(dir: &Path, config: EngineConfig) -> BTreeMap<(i64, i32), Row> {
+    let engine = Engine::open(dir, config).unwrap();
     let got = collect_composite(
         engine
             .table("t")

@@ -688,6 +688,20 @@ fn nested_from(n: usize) -> String {
     format!("SELECT count(*) FROM ({q}) x")
 }
 
+/// An engine (128 MiB limit) with table `t` holding ids 0..10,000, flushed, and `check` run
+/// with it on a caller thread of 256 KiB of stack; a panic or an overflow there fails the
+/// test. Returns the data directory and the engine, for what runs after.
+fn on_a_small_stack(check: impl FnOnce(Arc<Engine>) + Send + 'static) -> (tempfile::TempDir, Arc<Engine>) {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Arc::new(open(dir.path(), 128 << 20));
+    let t = engine.create_table("t", schema(), &["id"]).unwrap();
+    t.insert(&rows(0..10_000, 1, "a")).unwrap();
+    t.flush().unwrap();
+    let e = Arc::clone(&engine);
+    std::thread::Builder::new().stack_size(256 << 10).spawn(move || check(e)).unwrap().join().expect("no panic, no overflow");
+    (dir, engine)
+}
+
 /// Nesting the SQL parser counts (parentheses, `NOT`, `CASE`, subqueries) runs well past the
 /// parser's default limit of 50, at which 49 parentheses, 49 `NOT`s, a `CASE` 50 deep and 30
 /// nested subqueries were confusing syntax errors ("Expected: end of statement, found:
@@ -697,16 +711,7 @@ fn nested_from(n: usize) -> String {
 /// limit was lifted). Run from a caller thread of 256 KiB.
 #[test]
 fn deep_nesting_through_the_parser_runs() {
-    let dir = tempfile::tempdir().unwrap();
-    let engine = Arc::new(open(dir.path(), 128 << 20));
-    let t = engine.create_table("t", schema(), &["id"]).unwrap();
-    t.insert(&rows(0..10_000, 1, "a")).unwrap();
-    t.flush().unwrap();
-    let e = Arc::clone(&engine);
-    std::thread::Builder::new()
-        .stack_size(256 << 10)
-        .spawn(move || {
-            let engine = e;
+    let (_dir, _engine) = on_a_small_stack(|engine| {
             let sum = (0..10_000i64).sum::<i64>();
             let parens = |n: usize| format!("SELECT count(*) FROM t WHERE {}id > 0{}", "(".repeat(n), ")".repeat(n));
             let nots = |n: usize| format!("SELECT count(*) FROM t WHERE {}id > 0", "NOT ".repeat(n));
@@ -745,10 +750,7 @@ fn deep_nesting_through_the_parser_runs() {
                 }
                 other => panic!("21 nested scalar subqueries: expected TooDeep, got {:?}", other.map(|b| total_rows(&b))),
             }
-        })
-        .unwrap()
-        .join()
-        .expect("no panic, no overflow");
+    });
 }
 
 /// Deep statements run or are refused typed; none overflows a stack, also when the caller's
@@ -759,16 +761,7 @@ fn deep_nesting_through_the_parser_runs() {
 /// for ANDs and `+` on the `gritdb-sql` workers that evaluated them).
 #[test]
 fn deep_sql_runs_or_is_refused_typed_and_never_overflows_the_stack() {
-    let dir = tempfile::tempdir().unwrap();
-    let engine = Arc::new(open(dir.path(), 128 << 20));
-    let t = engine.create_table("t", schema(), &["id"]).unwrap();
-    t.insert(&rows(0..10_000, 1, "a")).unwrap();
-    t.flush().unwrap();
-    let e = Arc::clone(&engine);
-    std::thread::Builder::new()
-        .stack_size(256 << 10)
-        .spawn(move || {
-            let engine = e;
+    let (_dir, engine) = on_a_small_stack(|engine| {
             let or = |n: usize| format!("SELECT count(*) FROM t WHERE {}", chain(n, " OR ", |i| format!("id = {i}")));
             // 1,000 ORs run; the same chain at the limit runs (depth: the query, 1,997
             // ORs, the `=` and its operand is exactly `MAX_DEPTH`), one more is refused.
@@ -829,10 +822,7 @@ fn deep_sql_runs_or_is_refused_typed_and_never_overflows_the_stack() {
                     other => panic!("a type nested 65 deep: expected TooDeep, got {:?}", other.map(|b| total_rows(&b))),
                 }
             }
-        })
-        .unwrap()
-        .join()
-        .expect("no panic, no overflow");
+    });
     // Async code: refused the same way, and a deep chain within the limit runs, also on a
     // current-thread runtime (the statement runs on the engine's runtime).
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();

@@ -835,3 +835,36 @@ fn deep_sql_runs_or_is_refused_typed_and_never_overflows_the_stack() {
     // The engine still answers.
     assert_eq!(scalar(&engine.sql("SELECT count(*) FROM t").unwrap()), 10_000);
 }
+
+/// 600 and 2,000 `NOT`s in a row, and a `CASE … ELSE -1 END` nested 600 deep, hold no
+/// parentheses for the token bound to count, so the parser's own limit refuses them; its
+/// error came wrapped in a `DataFusionError::Diagnostic` and read as a `Syntax` error
+/// ("Expected: end of statement, found: NOT"; fresh-clone trial, 2026-12-04). They are
+/// `TooDeep`, and 480 of each still run, with their values.
+#[test]
+fn not_and_case_chains_past_the_parser_limit_are_too_deep() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path(), 64 << 20);
+    let not = |n: usize| format!("SELECT {}true AS v", "NOT ".repeat(n));
+    let case = |n: usize| {
+        let mut c = String::from("7");
+        for _ in 0..n {
+            c = format!("CASE WHEN 1 >= 0 THEN {c} ELSE -1 END");
+        }
+        format!("SELECT {c} AS v")
+    };
+    let b = engine.sql(&not(480)).unwrap();
+    assert!(b[0].column(0).as_boolean().value(0), "480 NOTs of true");
+    let b = engine.sql(&not(481)).unwrap();
+    assert!(!b[0].column(0).as_boolean().value(0), "481 NOTs of true");
+    let b = engine.sql(&case(480)).unwrap();
+    assert_eq!(b[0].column(0).as_primitive::<Int64Type>().value(0), 7);
+    for (what, q) in [("600 NOTs", not(600)), ("2,000 NOTs", not(2_000)), ("a CASE 600 deep", case(600))] {
+        match engine.sql(&q) {
+            Err(e @ Error::Sql { kind: SqlErrorKind::TooDeep, .. }) => {
+                assert!(e.to_string().contains(&format!("more than the {} level", gritdb::sql::PARSER_RECURSION_LIMIT)), "{what}: {e}");
+            }
+            other => panic!("{what}: expected TooDeep, got {:?}", other.map(|b| total_rows(&b))),
+        }
+    }
+}

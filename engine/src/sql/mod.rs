@@ -196,7 +196,9 @@ impl SqlState {
             // Nested past `PARSER_RECURSION_LIMIT`: a depth refusal, not a syntax error. The
             // parser reports its limit in some places, but in others (`CASE` inside a call)
             // it backtracks and reports the token where it gave up.
-            let deep = match &e {
+            // `find_root`: the parser's error may come wrapped (`DataFusionError::Diagnostic`),
+            // as 600 `NOT`s in a row did, which then read as a syntax error (fresh-clone trial).
+            let deep = match e.find_root() {
                 DataFusionError::SQL(p, _) => matches!(**p, ParserError::RecursionLimitExceeded) || parses_deeper(query, dialect),
                 // Several statements or none: not the parser's refusal.
                 _ => false,

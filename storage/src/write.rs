@@ -728,11 +728,11 @@ fn open_reader(path: &Path, spec: ReadSpec, reserve: &mut dyn FnMut(usize) -> Re
     });
     let all: Vec<usize> = (0..footer.num_row_groups()).collect();
     let with_column_index = || footer.memory_size().saturating_add(both.saturating_mul(PAGE_INDEX_MEMORY_FACTOR));
-    // Page pruning is worth its column index only while it fits the budget (decided before
-    // reading it, from the estimate; checked again on the decoded size below).
     // The dictionary page headers of every row group, read only when the pruning estimate
     // needs them (and then kept for the reader's own reservation).
     let mut dictionaries: Option<DictionaryPages> = None;
+    // Page pruning is worth its column index only while it fits the budget (decided before
+    // reading it, from the estimate; checked again on the decoded size below).
     let pruning = spec.filter.is_some()
         && spec.pruning_budget > 0
         && both > offsets

@@ -148,7 +148,7 @@ pub(crate) fn write_marker(vfs: &dyn Vfs, dir: &Path) -> Result<()> {
 ///   (proof), or holding only `manifest.json.tmp` or nothing (an interrupted create);
 /// - `trash/`: only `t<N>` directories holding only table files (`manifest.json`,
 ///   `f<N>.parquet`, `f<N>.dv<N>`, and their `.tmp`s);
-/// - `wal/`: only `wal-<N>.log` files;
+/// - `wal/`: only `wal-<N>.log` files, named exactly as gritdb names them (`wal-00000001.log`);
 /// - the marker's temp file (an open killed while writing it).
 ///
 /// So a foreign directory is never taken for gritdb's because one of its names matches, and
@@ -225,9 +225,10 @@ fn is_table_dir_name(name: &str) -> bool {
     name.strip_prefix('t').is_some_and(is_digits)
 }
 
-/// `wal-<N>.log`: a write-ahead log segment's name.
+/// `wal-<N>.log`: a write-ahead log segment's name exactly as gritdb gives it
+/// ([`gritdb_storage::wal_segment_id`]: `wal-1.log` is not one).
 fn is_wal_segment(name: &str) -> bool {
-    name.strip_prefix("wal-").and_then(|r| r.strip_suffix(".log")).is_some_and(is_digits)
+    gritdb_storage::wal_segment_id(name).is_some()
 }
 
 /// Whether `dir` holds only files named as a table's: `manifest.json`, `f<N>.parquet`,

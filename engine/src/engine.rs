@@ -251,7 +251,7 @@ pub(crate) struct EngineInner {
     /// open had already replayed, and be lost).
     write_gate: RwLock<()>,
     /// The exclusive lock on `<dir>/LOCK`, released by [`EngineInner::shutdown`].
-    lock_file: Mutex<Option<fs::File>>,
+    lock_file: Mutex<Option<DirLock>>,
     /// SQL sessions and their runtime, built at the first query (`sql` feature).
     #[cfg(feature = "sql")]
     pub(crate) sql: crate::sql::SqlSlot,
@@ -449,9 +449,39 @@ impl EngineInner {
         if let Some(wal) = self.shared.wal.get() {
             let _ = wal.sync();
         }
-        if let Some(f) = lock(&self.lock_file).take() {
-            let _ = f.unlock();
-        }
+        drop(lock(&self.lock_file).take());
+    }
+}
+
+/// The `LOCK` files (device, inode) whose lock an engine of this process holds. Tells an
+/// open of a directory this process already has open (refused at once) from a lock held
+/// only by a child being forked (retried; see [`Engine::open`]).
+static HELD_LOCKS: Mutex<Vec<(u64, u64)>> = Mutex::new(Vec::new());
+
+/// An exclusive lock on a data directory's `LOCK` file, entered in [`HELD_LOCKS`]. Dropping it
+/// leaves the registry first, then unlocks (an open in between sees the lock as a child's and
+/// retries, never as free while it is held).
+struct DirLock {
+    file: fs::File,
+    key: (u64, u64),
+}
+
+impl DirLock {
+    /// Whether an engine of this process holds the lock on the file `key` names.
+    fn held_here(key: (u64, u64)) -> bool {
+        HELD_LOCKS.lock().unwrap_or_else(PoisonError::into_inner).contains(&key)
+    }
+
+    fn new(file: fs::File, key: (u64, u64)) -> Self {
+        HELD_LOCKS.lock().unwrap_or_else(PoisonError::into_inner).push(key);
+        Self { file, key }
+    }
+}
+
+impl Drop for DirLock {
+    fn drop(&mut self) {
+        HELD_LOCKS.lock().unwrap_or_else(PoisonError::into_inner).retain(|k| *k != self.key);
+        let _ = self.file.unlock();
     }
 }
 
@@ -635,7 +665,7 @@ impl Engine {
         let kind = crate::data_dir::classify(&dir, config.create_if_missing)?;
         fs::create_dir_all(&dir).map_err(io(&dir))?;
         let lock_path = dir.join("LOCK");
-        let mut lock_file = fs::OpenOptions::new()
+        let lock_file = fs::OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
@@ -646,14 +676,21 @@ impl Engine {
         // between `fork` and `exec` the child shares the lock's open file description (std
         // opens it close-on-exec, which ends only at `exec`), so an engine closed and reopened
         // while another thread spawns a process saw `Locked` by its own pid (a fresh-clone
-        // trial of 2026-12-04, one run in two). Such a lock is retried for up to 2 s.
+        // trial of 2026-12-04, one run in two). Such a lock is retried for up to 2 s; a lock an
+        // engine of this process holds ([`HELD_LOCKS`]) is `Locked` at once (it was retried
+        // for the 2 s too).
+        let key = {
+            use std::os::unix::fs::MetadataExt as _;
+            let meta = lock_file.metadata().map_err(io(&lock_path))?;
+            (meta.dev(), meta.ino())
+        };
         let deadline = std::time::Instant::now() + Duration::from_secs(2);
         loop {
             match lock_file.try_lock() {
                 Ok(()) => break,
                 Err(fs::TryLockError::WouldBlock) => {
                     let holder = fs::read_to_string(&lock_path).unwrap_or_default().trim().to_owned();
-                    if holder == std::process::id().to_string() && std::time::Instant::now() < deadline {
+                    if holder == std::process::id().to_string() && !DirLock::held_here(key) && std::time::Instant::now() < deadline {
                         std::thread::sleep(Duration::from_millis(10));
                         continue;
                     }
@@ -662,7 +699,8 @@ impl Engine {
                 Err(fs::TryLockError::Error(e)) => return Err(Error::Io { path: lock_path, source: e }),
             }
         }
-        lock_file.set_len(0).and_then(|()| write!(lock_file, "{}", std::process::id())).map_err(io(&lock_path))?;
+        let mut lock_file = DirLock::new(lock_file, key);
+        lock_file.file.set_len(0).and_then(|()| write!(lock_file.file, "{}", std::process::id())).map_err(io(&lock_path))?;
         // The marker goes in before anything else, under the lock: from here on the
         // directory is known to be gritdb's at every open.
         if kind != crate::data_dir::Kind::Marked {

@@ -27,7 +27,10 @@
 //! unsynced, and a crash can persist some of their pages and not others. Such records were
 //! never acknowledged as durable (a per-batch append returns after its fsync). Any other bad
 //! record — a bad checksum with whole records after it, or damage in an older segment — is
-//! [`StorageError::CorruptWal`], never skipped silently.
+//! [`StorageError::CorruptWal`], never skipped silently. So are bytes no write of this log
+//! leaves where a record starts (a payload op byte other than 1 or 2, or 0 before other bytes
+//! in its sector: text, another file's bytes) and a file named like a segment but not as the log names one
+//! (`wal-1.log`): the open refuses, naming the file, and leaves it as it is.
 
 use crate::error::{StorageError, io};
 use crate::vfs::{Vfs, VfsFile};
@@ -239,6 +242,25 @@ fn seg_name(id: u64) -> String {
     format!("wal-{id:08}.log")
 }
 
+/// The id of the segment named `name`, when it is exactly the name gritdb gives segment `id`:
+/// `wal-` + the id in decimal, zero-padded to at least 8 digits, + `.log`
+/// (`wal-00000001.log`, `wal-123456789012.log`). `wal-1.log`, `wal-000000000099.log` or an id
+/// past `u64::MAX` are not: [`Wal::open`] refuses them rather than read a file under another
+/// name than the one it would reopen and remove.
+pub fn wal_segment_id(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix("wal-")?.strip_suffix(".log")?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let id: u64 = digits.parse().ok()?;
+    (seg_name(id) == name).then_some(id)
+}
+
+/// Whether a name is shaped like a segment's (`wal-*.log`) whatever lies between.
+fn segment_shaped(name: &str) -> bool {
+    name.starts_with("wal-") && name.ends_with(".log")
+}
+
 fn corrupt(path: &Path, offset: u64, detail: impl Into<String>) -> StorageError {
     StorageError::CorruptWal { path: path.to_path_buf(), offset, detail: detail.into() }
 }
@@ -258,15 +280,25 @@ impl Wal {
         mut replay: impl FnMut(WalRecord) -> Result<(), E>,
     ) -> Result<Self, E> {
         fs::create_dir_all(dir).map_err(io(dir)).map_err(E::from)?;
-        let mut ids: Vec<u64> = fs::read_dir(dir)
-            .map_err(io(dir))
-            .map_err(E::from)?
-            .flatten()
-            .filter_map(|e| {
-                let n = e.file_name().to_string_lossy().into_owned();
-                n.strip_prefix("wal-").and_then(|r| r.strip_suffix(".log")).and_then(|r| r.parse().ok())
-            })
-            .collect();
+        let mut ids: Vec<u64> = Vec::new();
+        for entry in fs::read_dir(dir).map_err(io(dir)).map_err(E::from)? {
+            let name = entry.map_err(io(dir)).map_err(E::from)?.file_name();
+            let name = name.to_string_lossy();
+            match wal_segment_id(&name) {
+                Some(id) => ids.push(id),
+                // A name like a segment's that gritdb would not give one (`wal-1.log`): its
+                // records (if it holds any) would be neither replayed nor removed; refused
+                // before anything is read or changed. Other names are not the log's; left alone.
+                None if segment_shaped(&name) => {
+                    return Err(E::from(corrupt(
+                        &dir.join(&*name),
+                        0,
+                        "not a segment name this log writes (`wal-` + the id in at least 8 digits without extra zeros + `.log`); move the file out of the log directory",
+                    )));
+                }
+                None => {}
+            }
+        }
         ids.sort_unstable();
         let mut closed = Vec::new();
         for (i, &id) in ids.iter().enumerate() {
@@ -693,6 +725,13 @@ fn read_segment<E: From<StorageError>>(
         }
         let len = u32::from_le_bytes(data[at..at + 4].try_into().expect("4 bytes")) as usize; // infallible
         let crc = u32::from_le_bytes(data[at + 4..at + 8].try_into().expect("4 bytes")); // infallible
+        if len != 0 && !record_start_plausible(&data, at) {
+            // A torn write leaves a prefix of what was written, or zeros where pages were not
+            // written; never other bytes where the header says a record starts. Text or
+            // another file's bytes here are not gritdb's: refused, the file left as it is
+            // (before, such a last segment was cut to nothing as a "torn tail", then removed).
+            return Err(corrupt(path, at as u64, "bytes that are not a record's (the payload's op byte is not 1 or 2): not a torn write; move the file away if it is not this log's").into());
+        }
         if len == 0 {
             // No record is empty; zeros to the end are a preallocated or zero-filled tail.
             if data[at..].iter().all(|&b| b == 0) {
@@ -746,6 +785,25 @@ fn read_segment<E: From<StorageError>>(
     }
     seg.bytes = at as u64;
     Ok(seg)
+}
+
+/// Whether a record whose header (non-zero length) is at `at` could be one this log wrote,
+/// torn or not: its payload's op byte is 1 or 2, or past the end (the record cut there), or 0
+/// with zeros to the end of its 512-byte sector (a sector or page of the record the crash did
+/// not write; `breaker_session13` zeroes a last record's payload from its op byte on). Text
+/// at a record's start fails this (a printable byte), and so do files of other formats with a
+/// byte other than 0, 1 or 2 there or other bytes after a 0 in its sector. Damage further
+/// inside a last record is still taken for a torn tail (`breaker_trial2`: a flipped checksum,
+/// IPC marker or payload byte then part of the next record); a crash cannot be told from
+/// that damage there.
+fn record_start_plausible(data: &[u8], at: usize) -> bool {
+    const SECTOR: usize = 512;
+    let op = at + HEADER;
+    match data.get(op) {
+        None | Some(1 | 2) => true,
+        Some(0) => data[op..data.len().min((op / SECTOR + 1) * SECTOR)].iter().all(|&b| b == 0),
+        Some(_) => false,
+    }
 }
 
 /// Whether a whole record follows the record whose header (length or checksum untrustworthy)
@@ -1273,6 +1331,82 @@ mod tests {
         assert!(matches!(open(&[cat(&[a, &z[..4096], b, &z])]).0, Err(StorageError::CorruptWal { .. })));
         assert!(matches!(open(&[cat(&[a, b, &z]), c.to_vec()]).0, Err(StorageError::CorruptWal { .. })));
         assert!(matches!(open(&[cat(&[a, &b_damaged, &z]), c.to_vec()]).0, Err(StorageError::CorruptWal { .. })));
+    }
+
+    /// Only the names the log gives its segments are segment names: at least 8 digits, no
+    /// extra zeros, an id that fits `u64`.
+    #[test]
+    fn segment_names_are_parsed_exactly() {
+        assert_eq!(wal_segment_id("wal-00000001.log"), Some(1));
+        assert_eq!(wal_segment_id(&seg_name(42)), Some(42));
+        assert_eq!(wal_segment_id("wal-123456789012.log"), Some(123_456_789_012));
+        assert_eq!(wal_segment_id(&seg_name(u64::MAX)), Some(u64::MAX));
+        for bad in [
+            "wal-1.log",
+            "wal-0000001.log",
+            "wal-000000001.log",
+            "wal-000000000099.log",
+            "wal-99999999999999999999.log",
+            "wal-+0000001.log",
+            "wal-0000000a.log",
+            "wal-.log",
+            "wal-00000001.log.tmp",
+            "WAL-00000001.log",
+            "notes.txt",
+        ] {
+            assert_eq!(wal_segment_id(bad), None, "{bad}");
+        }
+    }
+
+    /// A file named like a segment but not as the log names one, or a last segment whose
+    /// bytes are not records (text, another file's bytes), is `CorruptWal` naming it and is
+    /// left byte for byte (before: `wal-1.log` failed with `NotFound wal-00000001.log`, and
+    /// a text segment was cut to nothing as a torn tail). Other names are left alone. Torn
+    /// tails still open: `breaker_trial2`, `torn_records_before_zeros_are_cut_from_the_last_segment_only`.
+    #[test]
+    fn files_that_are_not_this_logs_segments_are_refused_and_kept() {
+        let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(64 << 20), ..ControllerConfig::default() }).unwrap();
+        let [a, _, _] = three_records(&ctl);
+        let text = b"these are someone's notes, not a log\n".repeat(40);
+        for (name, bytes) in [
+            ("wal-1.log", a.clone()),
+            ("wal-000000000002.log", a.clone()),
+            (&seg_name(2)[..], text.clone()),
+            // a record, then text where the next record would start
+            (&seg_name(2)[..], [&a[..], &text].concat()),
+            // another format's file: a zero where the op byte goes, other bytes after it
+            (&seg_name(2)[..], [&b"\x89PNG\r\n\x1a\n\0\0\0\x0dIHDR"[..], &[7u8; 600]].concat()),
+            // the text's first 8 bytes read as a short length (4) and some checksum
+            (&seg_name(2)[..], [&4u32.to_le_bytes()[..], b"crc?", b"text after a small length"].concat()),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            fs::write(dir.path().join(seg_name(1)), &a).unwrap();
+            fs::write(dir.path().join(name), &bytes).unwrap();
+            fs::write(dir.path().join("README.txt"), b"kept").unwrap();
+            let r = Wal::open(dir.path(), Arc::new(StdFs), WalSync::PerBatch, &ctl, |_| Ok::<(), StorageError>(()));
+            match r {
+                Err(StorageError::CorruptWal { path, .. }) => assert_eq!(path, dir.path().join(name), "{name}"),
+                other => panic!("{name}: expected CorruptWal, got {:?}", other.map(|_| ())),
+            }
+            assert_eq!(fs::read(dir.path().join(name)).unwrap(), bytes, "{name} is left as it was");
+            assert_eq!(fs::read(dir.path().join(seg_name(1))).unwrap(), a);
+        }
+        // Names not shaped like a segment's are not the log's: the log opens, they stay.
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join(seg_name(1)), &a).unwrap();
+        for other in ["README.txt", "wal-00000002.log.tmp", "wal-00000003.bak"] {
+            fs::write(dir.path().join(other), b"kept").unwrap();
+        }
+        let mut rows = 0;
+        Wal::open(dir.path(), Arc::new(StdFs), WalSync::PerBatch, &ctl, |rec| {
+            rows += rec.batch.num_rows();
+            Ok::<(), StorageError>(())
+        })
+        .unwrap();
+        assert_eq!(rows, 10);
+        for other in ["README.txt", "wal-00000002.log.tmp", "wal-00000003.bak"] {
+            assert_eq!(fs::read(dir.path().join(other)).unwrap(), b"kept");
+        }
     }
 
     /// A damaged header is told from a torn tail by walking the record's IPC messages: a

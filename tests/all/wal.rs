@@ -98,9 +98,10 @@ fn torn_tail_is_dropped_and_nothing_before_it() {
     let model = crash_after_writes(dir.path());
     let last = wal_files(dir.path()).pop().unwrap();
     let len = std::fs::metadata(&last).unwrap().len();
-    // A torn record: a header promising more bytes than were written.
+    // A torn record: a header promising more bytes than were written, its op byte (1, a put)
+    // beside it.
     let mut f = std::fs::OpenOptions::new().append(true).open(&last).unwrap();
-    f.write_all(&[200, 0, 0, 0, 1, 2, 3, 4, 9, 9, 9]).unwrap();
+    f.write_all(&[200, 0, 0, 0, 1, 2, 3, 4, 1, 9, 9]).unwrap();
     drop(f);
     let engine = Engine::open(dir.path(), config()).unwrap();
     assert_eq!(collect_composite(engine.table("t").unwrap().scan(ScanOptions::default()).unwrap()), model);

@@ -180,10 +180,8 @@ pub struct CommitPlan {
     manifest: Manifest,
     obsolete: Vec<String>,
     dir: PathBuf,
-    written_bytes: u64,
-    written_crc32: Option<u32>,
-    /// The data file's [`crate::WrittenFile::decoded_bytes`], once written.
-    written_decoded: Option<u64>,
+    /// The data file's size, CRC-32 and decoded bytes, once written.
+    written: Option<crate::WrittenFile>,
     vfs: Arc<dyn Vfs>,
 }
 
@@ -195,9 +193,7 @@ impl CommitPlan {
     pub fn execute(&mut self, opts: &WriteOptions, ctl: &Arc<MemoryController>, table: Option<&TableAccount>) -> Result<(), StorageError> {
         if let Some((name, batches)) = &self.data {
             let written = write_data_file(self.vfs.as_ref(), &self.dir, name, batches, opts, ctl, table)?;
-            self.written_bytes = written.bytes;
-            self.written_crc32 = Some(written.crc32);
-            self.written_decoded = Some(written.decoded_bytes);
+            self.written = Some(written);
             if let Some(f) = self.manifest.files.iter_mut().find(|f| &f.name == name) {
                 f.bytes = written.bytes;
                 f.crc32 = Some(written.crc32);
@@ -696,7 +692,7 @@ impl TableStore {
             flushed_seq: self.flushed_seq.max(st.max_seq),
             files,
         };
-        Some(CommitPlan { data, dvs, manifest, obsolete, dir: self.dir.clone(), written_bytes: 0, written_crc32: None, written_decoded: None, vfs: Arc::clone(&self.vfs) })
+        Some(CommitPlan { data, dvs, manifest, obsolete, dir: self.dir.clone(), written: None, vfs: Arc::clone(&self.vfs) })
     }
 
     /// Applies an executed commit plan: the staged file becomes a committed file (its rows
@@ -715,9 +711,9 @@ impl TableStore {
             && let Some(f) = self.files.get_mut(&id)
         {
             f.pending = None;
-            f.meta.bytes = plan.written_bytes;
-            f.meta.crc32 = plan.written_crc32;
-            f.meta.decoded_bytes = plan.written_decoded;
+            f.meta.bytes = plan.written.map_or(0, |w| w.bytes);
+            f.meta.crc32 = plan.written.map(|w| w.crc32);
+            f.meta.decoded_bytes = plan.written.map(|w| w.decoded_bytes);
         }
         self.version = plan.manifest.version;
         self.flushed_seq = plan.manifest.flushed_seq;

@@ -145,7 +145,7 @@ impl CancelToken {
 /// The message of a cancelled write's error.
 const CANCELLED: &str = "write cancelled: the table was dropped";
 
-/// A data file as written: its size and the CRC-32 of its bytes.
+/// A data file as written: its size, the CRC-32 of its bytes and its rows' Arrow size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WrittenFile {
     /// File size in bytes.

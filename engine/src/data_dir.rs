@@ -10,9 +10,10 @@
 //!                                                            nothing touched
 //! ```
 //!
-//! The open's cleanup removes things: the whole of `trash/`, table directories without a
-//! manifest (an interrupted create), files a manifest does not name, and `wal/` segments. So
-//! a directory is only taken when it is positively gritdb's. Before the marker, a `LOCK` file
+//! The open's cleanup removes things: dropped tables' `t<N>` directories in `trash/`, table
+//! directories without a manifest (an interrupted create), files a manifest does not name,
+//! and `wal/` segments, each only under a name gritdb gives. So a directory is only taken
+//! when it is positively gritdb's. Before the marker, a `LOCK` file
 //! or a `tables/` directory was enough, and a foreign directory holding `tables/t7/draft.tmp`
 //! lost that file to the cleanup (fresh-clone trial, 2026-12-04).
 
@@ -220,9 +221,38 @@ fn is_digits(s: &str) -> bool {
     !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit())
 }
 
-/// `t<N>`: a table directory's name.
+/// The id of a table directory named `t<id>` exactly as gritdb names it (`t7`; not `t07`,
+/// `t+7` or an id past `u64::MAX`).
+pub(crate) fn table_dir_id(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix('t').filter(|d| is_digits(d))?;
+    digits.parse::<u64>().ok().filter(|id| id.to_string() == digits)
+}
+
+/// `t<N>`: a table directory's name ([`table_dir_id`]).
 fn is_table_dir_name(name: &str) -> bool {
-    name.strip_prefix('t').is_some_and(is_digits)
+    table_dir_id(name).is_some()
+}
+
+/// Empties `trash/` of the open data directory `dir` of what interrupted drops left there:
+/// the `t<N>` directories ([`table_dir_id`]) a drop renamed there, which it had committed to
+/// remove. Other entries are not gritdb's: left, with a warning. Creates `trash/` when missing.
+///
+/// # Errors
+/// [`Error::Io`] when `trash/` cannot be listed or created, or a table directory removed.
+pub(crate) fn empty_trash(dir: &Path) -> Result<()> {
+    let trash = dir.join("trash");
+    fs::create_dir_all(&trash).map_err(io(&trash))?;
+    for entry in fs::read_dir(&trash).map_err(io(&trash))? {
+        let entry = entry.map_err(io(&trash))?;
+        let path = entry.path();
+        let ours = entry.file_name().to_str().is_some_and(is_table_dir_name) && fs::symlink_metadata(&path).is_ok_and(|m| m.is_dir());
+        if ours {
+            fs::remove_dir_all(&path).map_err(io(&path))?;
+        } else {
+            tracing::warn!(path = %path.display(), "leaving an entry of trash/ gritdb did not put there");
+        }
+    }
+    Ok(())
 }
 
 /// `wal-<N>.log`: a write-ahead log segment's name exactly as gritdb gives it
@@ -231,19 +261,12 @@ fn is_wal_segment(name: &str) -> bool {
     gritdb_storage::wal_segment_id(name).is_some()
 }
 
-/// Whether `dir` holds only files named as a table's: `manifest.json`, `f<N>.parquet`,
-/// `f<N>.dv<N>`, each possibly with `.tmp` after it (a dropped table in `trash/`).
+/// Whether `dir` holds only files named as a table's ([`gritdb_storage::is_table_file_name`]:
+/// `manifest.json`, `f<N>.parquet`, `f<N>.dv<N>`, each possibly with `.tmp` after it; a
+/// dropped table in `trash/`).
 fn table_files_only(dir: &Path) -> bool {
-    let file_name = |name: &str| {
-        let name = name.strip_suffix(".tmp").unwrap_or(name);
-        name == MANIFEST_FILE
-            || name.strip_prefix('f').is_some_and(|r| {
-                r.strip_suffix(".parquet").is_some_and(is_digits)
-                    || r.split_once(".dv").is_some_and(|(id, version)| is_digits(id) && is_digits(version))
-            })
-    };
     fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir())
-        && all_entries(dir, |n| file_name(n) && fs::symlink_metadata(dir.join(n)).is_ok_and(|m| m.is_file())).unwrap_or(false)
+        && all_entries(dir, |n| gritdb_storage::is_table_file_name(n) && fs::symlink_metadata(dir.join(n)).is_ok_and(|m| m.is_file())).unwrap_or(false)
 }
 
 /// Whether the table directory `dir` (which has no manifest) is what an interrupted

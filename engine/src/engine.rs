@@ -604,8 +604,9 @@ impl Engine {
     /// directories of table files; `wal/` holding only `wal-<N>.log` segments), and a pid
     /// `LOCK` or a table manifest proves it. It gets the marker. Anything else non-empty
     /// (`lost+found` aside) is someone else's: refused, nothing created, changed or removed in
-    /// it — the open's cleanup (emptying `trash/`, removing table directories of interrupted
-    /// creates and files no manifest names) runs only in a directory known to be gritdb's.
+    /// it — the open's cleanup (removing dropped tables from `trash/`, table directories of
+    /// interrupted creates, and files no manifest names) runs only in a directory known to be
+    /// gritdb's, and removes only names gritdb gives (`docs/architecture.md`, "On disk").
     ///
     /// Takes an exclusive lock on `dir/LOCK`, removes leftovers of interrupted drops and
     /// creates, and opens every table (manifest, deletion vectors, key index).
@@ -711,12 +712,8 @@ impl Engine {
         }
 
         let tables_dir = dir.join("tables");
-        let trash = dir.join("trash");
         fs::create_dir_all(&tables_dir).map_err(io(&tables_dir))?;
-        if trash.exists() {
-            fs::remove_dir_all(&trash).map_err(io(&trash))?;
-        }
-        fs::create_dir_all(&trash).map_err(io(&trash))?;
+        crate::data_dir::empty_trash(&dir)?;
         let writer = Writer::new(config.writer_threads)?;
         let shared = Arc::new(Shared {
             ctl: Arc::clone(&ctl),
@@ -737,7 +734,9 @@ impl Engine {
         let mut max_id = 0u64;
         for e in fs::read_dir(&tables_dir).map_err(io(&tables_dir))?.flatten() {
             let path = e.path();
-            let Some(id) = e.file_name().to_str().and_then(|n| n.strip_prefix('t')).and_then(|n| n.parse::<u64>().ok()) else {
+            // Only directories named as gritdb names them (`t7`; not `t07` or `t+7`, which
+            // would be taken for table 7 too); other entries are left alone.
+            let Some(id) = e.file_name().to_str().and_then(crate::data_dir::table_dir_id) else {
                 continue;
             };
             max_id = max_id.max(id);

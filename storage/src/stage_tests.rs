@@ -221,3 +221,40 @@ fn compaction_is_planned_by_the_files_decoded_bytes() {
     assert_eq!(legacy.decoded_estimate(), metas[0].bytes * crate::LEGACY_DECODED_RATIO);
     assert_eq!(metas[0].decoded_estimate(), 48_000);
 }
+
+/// The names a table directory's files get are recognised exactly as written (`file_name`, a
+/// deletion vector's `f<id:06>.dv<version>`, `write_atomic`'s `.tmp`); near misses are not.
+#[test]
+fn table_file_names_are_recognised_exactly() {
+    use crate::is_table_file_name;
+    for good in [
+        crate::table::file_name(1),
+        crate::table::file_name(u32::MAX),
+        format!("{}.tmp", crate::table::file_name(7)),
+        "f000001.dv2".to_owned(),
+        "f000001.dv0".to_owned(),
+        "f4294967295.dv18446744073709551615".to_owned(),
+        "f000012.dv3.tmp".to_owned(),
+        crate::MANIFEST_FILE.to_owned(),
+        format!("{}.tmp", crate::MANIFEST_FILE),
+    ] {
+        assert!(is_table_file_name(&good), "{good}");
+    }
+    for bad in [
+        "f1.parquet",
+        "f0000001.parquet",
+        "f4294967296.parquet",
+        "f00000a.parquet",
+        "f000001.parquet.bak",
+        "f000001.dv02",
+        "f000001.dv",
+        "f000001.dv+2",
+        "F000001.parquet",
+        "manifest.json.bak",
+        "notes.txt",
+        ".tmp",
+        "f.parquet",
+    ] {
+        assert!(!is_table_file_name(bad), "{bad}");
+    }
+}

@@ -275,6 +275,26 @@ pub(crate) fn file_name(id: u32) -> String {
     format!("f{id:06}.parquet")
 }
 
+/// Whether `name` is one gritdb gives a file in a table directory, exactly as it spells it:
+/// `manifest.json`, a data file `f<id>.parquet` and a deletion vector `f<id>.dv<version>` (the
+/// id zero-padded to 6 digits, a `u32`; the version a `u64` without leading zeros), or the
+/// temp file of any of them (`<name>.tmp`). Only such files are removed by the open's
+/// cleanup ([`TableStore::open`]) or taken as a table's by an older directory's adoption.
+pub fn is_table_file_name(name: &str) -> bool {
+    let name = name.strip_suffix(".tmp").unwrap_or(name);
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let file_id = |s: &str| digits(s) && s.parse::<u32>().is_ok_and(|id| format!("{id:06}") == s);
+    if name == MANIFEST_FILE {
+        return true;
+    }
+    let Some(rest) = name.strip_prefix('f') else { return false };
+    if let Some(id) = rest.strip_suffix(".parquet") {
+        return file_id(id);
+    }
+    rest.split_once(".dv")
+        .is_some_and(|(id, version)| file_id(id) && digits(version) && version.parse::<u64>().is_ok_and(|v| v.to_string() == version))
+}
+
 impl TableStore {
     /// Creates the table directory `dir` (must not exist) with a version-1 manifest.
     ///
@@ -403,9 +423,16 @@ impl TableStore {
         if let Ok(rd) = fs::read_dir(dir) {
             for e in rd.flatten() {
                 let n = e.file_name().to_string_lossy().into_owned();
-                if !known.contains(&n) {
+                if known.contains(&n) {
+                    continue;
+                }
+                // Only names gritdb gives (a data file or deletion vector of a commit that
+                // did not happen, a temp file): anything else is not the engine's to remove.
+                if is_table_file_name(&n) {
                     tracing::info!(table = %s.name, file = %n, "removing file not named by the manifest");
                     let _ = fs::remove_file(e.path());
+                } else {
+                    tracing::warn!(table = %s.name, file = %n, "leaving a file gritdb did not write in the table directory");
                 }
             }
         }

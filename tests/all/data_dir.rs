@@ -587,3 +587,70 @@ fn a_dir_open_in_this_process_is_locked_until_closed() {
     engine.close().unwrap();
     assert_eq!(read_table(&dir), want);
 }
+
+/// The open's cleanup removes only what gritdb names: in a table directory, data files,
+/// deletion vectors and temp files no manifest lists (`f000099.parquet`, `f000001.dv9`,
+/// `f000099.parquet.tmp`); in `trash/`, the `t<N>` directories of dropped tables. A user's
+/// file in a table directory (`notes.txt`, `manifest.json.bak`, `f1.parquet`), in `trash/`,
+/// or a directory `tables/t07` (before: taken for table 7, and removed as an interrupted
+/// create when empty) stays byte for byte, and the table opens with every row. A table
+/// created and dropped afterwards is gone and the user's files are still there.
+#[test]
+fn the_open_removes_only_files_gritdb_names() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("data");
+    let want = write_table(&dir);
+    let table = std::fs::read_dir(dir.join("tables"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let table_rel = table.strip_prefix(&dir).unwrap().to_str().unwrap().to_owned();
+    let kept = [
+        format!("{table_rel}/notes.txt"),
+        format!("{table_rel}/manifest.json.bak"),
+        format!("{table_rel}/f1.parquet"),
+        format!("{table_rel}/f0000001.parquet"),
+        "trash/README".to_owned(),
+        "trash/t042/data.csv".to_owned(),
+        "tables/t07/notes.txt".to_owned(),
+    ];
+    let removed = [
+        format!("{table_rel}/f000099.parquet"),
+        format!("{table_rel}/f000099.parquet.tmp"),
+        format!("{table_rel}/f000001.dv9"),
+        "trash/t42/f000001.parquet".to_owned(),
+        "trash/t42/manifest.json".to_owned(),
+    ];
+    let files: Vec<(&str, &[u8])> = kept
+        .iter()
+        .chain(&removed)
+        .map(|p| (p.as_str(), &b"someone's bytes"[..]))
+        .collect();
+    write_files(&dir, &files);
+    std::fs::create_dir_all(dir.join("tables/t08")).unwrap();
+    assert_eq!(read_table(&dir), want);
+    for p in &kept {
+        assert_eq!(std::fs::read(dir.join(p)).unwrap(), b"someone's bytes", "{p} is kept");
+    }
+    assert!(dir.join("tables/t08").is_dir(), "an empty tables/t08 is kept");
+    for p in &removed {
+        assert!(!dir.join(p).exists(), "{p} is removed");
+    }
+    assert!(!dir.join("trash/t42").exists());
+
+    let engine = Engine::open(&dir, config()).unwrap();
+    let u = engine
+        .create_table("u", composite_schema(), &["k1", "k2"])
+        .unwrap();
+    u.insert(&composite_batch(&rows(0, 10))).unwrap();
+    drop(u);
+    engine.drop_table("u").unwrap();
+    assert_eq!(engine.table_names(), vec!["t".to_owned()]);
+    engine.close().unwrap();
+    assert_eq!(read_table(&dir), want);
+    for p in &kept {
+        assert_eq!(std::fs::read(dir.join(p)).unwrap(), b"someone's bytes", "{p} is kept");
+    }
+}

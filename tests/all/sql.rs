@@ -868,3 +868,38 @@ fn not_and_case_chains_past_the_parser_limit_are_too_deep() {
         }
     }
 }
+
+/// `CUBE (..)` past `MAX_CUBE_EXPRESSIONS` is a `Plan` error before DataFusion builds its
+/// 2^n grouping sets in memory no limit governs (30 expressions asked for about 50 GiB), also
+/// inside a subquery and under `EXPLAIN`; 12 expressions (4,096 sets) run with the right
+/// answer, and so do `ROLLUP` and `GROUPING SETS` of 30.
+#[test]
+fn cube_past_twelve_expressions_is_refused_before_planning() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path(), 256 << 20);
+    let t = engine.create_table("t", schema(), &["id"]).unwrap();
+    t.insert(&rows(1..=3, 10, "s")).unwrap();
+    let items = |n: usize| (0..n).map(|i| format!("id + {i}")).collect::<Vec<_>>().join(", ");
+    let groups = |grouping: &str| format!("SELECT count(*) FROM (SELECT 1 FROM t GROUP BY {grouping})");
+    let max = gritdb::sql::MAX_CUBE_EXPRESSIONS;
+    assert_eq!(max, 12);
+    // Every set holding an expression has the 3 ids' groups; the empty set one group.
+    assert_eq!(scalar(&engine.sql(&groups(&format!("CUBE ({})", items(max)))).unwrap()), 3 * 4095 + 1);
+    assert_eq!(scalar(&engine.sql(&groups(&format!("ROLLUP ({})", items(30)))).unwrap()), 3 * 30 + 1);
+    let sets = (0..30).map(|i| format!("(id + {i})")).collect::<Vec<_>>().join(", ");
+    assert_eq!(scalar(&engine.sql(&groups(&format!("GROUPING SETS ({sets}, ())"))).unwrap()), 3 * 30 + 1);
+    for n in [max + 1, 30, 63, 64, 200] {
+        for q in [
+            groups(&format!("CUBE ({})", items(n))),
+            format!("SELECT id, ({}) FROM t", groups(&format!("CUBE ({})", items(n)))),
+            format!("EXPLAIN {}", groups(&format!("CUBE ({})", items(n)))),
+            groups(&format!("id, CUBE ({})", items(n))),
+        ] {
+            let e = sql_err(&engine, &q);
+            assert_eq!(kind(&e), SqlErrorKind::Plan, "{n}: {e}");
+            assert!(e.to_string().contains(&format!("`CUBE` of {n} expressions")), "{n}: {e}");
+        }
+    }
+    // The table is untouched and answers.
+    assert_eq!(scalar(&engine.sql("SELECT sum(v) FROM t").unwrap()), 60);
+}

@@ -24,11 +24,13 @@ mod coerce;
 mod catalog;
 mod depth;
 mod filter;
+mod grouping;
 mod pool;
 mod provider;
 mod system;
 
 pub use datafusion;
+pub use grouping::{MAX_CUBE_EXPRESSIONS, MAX_GROUPING_SETS};
 pub use depth::{JOIN_LEVELS, MAX_DEPTH, MAX_SUBQUERY_DEPTH, MAX_TOKEN_DEPTH, PARSER_RECURSION_LIMIT, STACK_BYTES};
 
 use crate::engine::{Engine, EngineInner};
@@ -220,6 +222,16 @@ impl SqlState {
                     "the statement nests at least {found} subqueries inside expressions (`(SELECT ..)`, `IN (SELECT ..)`, \
                      `EXISTS`), more than the {MAX_SUBQUERY_DEPTH} gritdb plans (DataFusion's planning time doubles with each); \
                      write the inner ones as joins or CTEs"
+                ))),
+            });
+        }
+        if let Err(n) = grouping::check_cube_size(&statement) {
+            return Err(Error::Sql {
+                kind: SqlErrorKind::Plan,
+                source: Box::new(DataFusionError::Plan(format!(
+                    "`CUBE` of {n} expressions stands for 2^{n} grouping sets, which DataFusion builds in memory while planning; \
+                     gritdb plans at most {MAX_CUBE_EXPRESSIONS} ({MAX_GROUPING_SETS} sets, DataFusion's limit for grouping sets); \
+                     list the grouping sets wanted with `GROUPING SETS (..)`"
                 ))),
             });
         }

@@ -882,12 +882,12 @@ fn assert_too_deep_saying(r: gritdb::Result<Vec<RecordBatch>>, says: &str, what:
     }
 }
 
-/// DataFusion copies a CTE's plan into each reference, so a chain of CTEs each holding a
+/// `DataFusion` copies a CTE's plan into each reference, so a chain of CTEs each holding a
 /// scalar subquery of the one before nested subqueries past `MAX_SUBQUERY_DEPTH` (fresh-user
 /// trial: 20 planned in 6.3 s, 25 and 30 still planning after 45 s, `Engine::sql` blocked),
 /// and a chain each reading the one before twice doubled its plan per CTE (2^31 relations at
 /// 30). A reference now counts its CTE's subqueries and relations where it stands: just under
-/// each bound runs with its value, just over is `TooDeep`, scoped as DataFusion resolves
+/// each bound runs with its value, just over is `TooDeep`, scoped as `DataFusion` resolves
 /// names; a long chain of CTEs each read once still runs.
 #[test]
 fn cte_references_count_the_plan_they_copy() {
@@ -945,7 +945,7 @@ fn cte_references_count_the_plan_they_copy() {
     let once = cte_chain(200, |p| format!("SELECT x + 1 AS x FROM c{p}"), "SELECT x FROM c200");
     assert_eq!(scalar(&engine.sql(&once.replacen("SELECT 1 AS x", "SELECT count(*) AS x FROM t", 1)).unwrap()), 10_000 + 200);
     // Each CTE's body nesting three queries: those count at each reference (DataFusion nests
-    // them), as the same queries nested in FROM would (300 levels, 302 relations run; 3,003
+    // them), as the same queries nested in FROM would (303 levels, 302 relations run; 3,003
     // levels and 3,002 relations are refused, on the relations first).
     let from = |n: usize| cte_chain(n, |p| format!("SELECT x FROM (SELECT x FROM (SELECT x FROM c{p}) a) b"), &format!("SELECT x FROM c{n}"));
     assert_eq!(scalar(&engine.sql(&from(100)).unwrap()), 1);

@@ -903,3 +903,86 @@ fn cube_past_twelve_expressions_is_refused_before_planning() {
     // The table is untouched and answers.
     assert_eq!(scalar(&engine.sql("SELECT sum(v) FROM t").unwrap()), 60);
 }
+
+/// `WITH c0 AS (SELECT 1 AS x), c1 AS (<body(0)>), ..., cn AS (<body(n - 1)>) <tail>`.
+fn cte_chain(n: usize, body: impl Fn(usize) -> String, tail: &str) -> String {
+    format!("WITH c0 AS (SELECT 1 AS x), {} {tail}", chain(n, ", ", |i| format!("c{} AS ({})", i + 1, body(i))))
+}
+
+/// `TooDeep` whose text says `says`.
+fn assert_too_deep_saying(r: gritdb::Result<Vec<RecordBatch>>, says: &str, what: &str) {
+    match r {
+        Err(e @ Error::Sql { kind: SqlErrorKind::TooDeep, .. }) => assert!(e.to_string().contains(says), "{what}: {e}"),
+        other => panic!("{what}: expected TooDeep, got {:?}", other.map(|b| total_rows(&b))),
+    }
+}
+
+/// `DataFusion` copies a CTE's plan into each reference, so a chain of CTEs each holding a
+/// scalar subquery of the one before nested subqueries past `MAX_SUBQUERY_DEPTH` (fresh-user
+/// trial: 20 planned in 6.3 s, 25 and 30 still planning after 45 s, `Engine::sql` blocked),
+/// and a chain each reading the one before twice doubled its plan per CTE (2^31 relations at
+/// 30). A reference now counts its CTE's subqueries and relations where it stands: just under
+/// each bound runs with its value, just over is `TooDeep`, scoped as `DataFusion` resolves
+/// names; a long chain of CTEs each read once still runs.
+#[test]
+fn cte_references_count_the_plan_they_copy() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path(), 128 << 20);
+    let t = engine.create_table("t", schema(), &["id"]).unwrap();
+    t.insert(&rows(0..10_000, 1, "a")).unwrap();
+    t.flush().unwrap();
+    let max = gritdb::sql::MAX_SUBQUERY_DEPTH;
+    let subqueries = format!("more than the {max} gritdb plans");
+    // Each CTE a scalar subquery of the one before: one subquery more per CTE.
+    let sub = |n: usize| cte_chain(n, |p| format!("SELECT (SELECT x FROM c{p}) AS x"), &format!("SELECT x FROM c{n}"));
+    assert_eq!(scalar(&engine.sql(&sub(max)).unwrap()), 1);
+    assert_too_deep_saying(engine.sql(&sub(max + 1)), &subqueries, "one CTE past the bound");
+    assert_too_deep_saying(engine.sql(&sub(30)), "nests 30 subqueries", "the trial's chain of 30");
+    // Read from inside subqueries: those count on top of the CTE's own.
+    let read_inside = |n: usize, k: usize| {
+        cte_chain(n, |p| format!("SELECT (SELECT x FROM c{p}) AS x"), &format!("SELECT {}x FROM c{n}{} AS y", "(SELECT ".repeat(k), ")".repeat(k)))
+    };
+    assert_eq!(scalar(&engine.sql(&read_inside(max - 2, 2)).unwrap()), 1);
+    assert_too_deep_saying(engine.sql(&read_inside(max - 2, 3)), &subqueries, "a CTE read inside three subqueries");
+    // A whole WITH inside a subquery counts from there; its names stay inside: outside,
+    // `c<n>` is an (unknown) table, not the chain.
+    let inner = |n: usize| format!("SELECT ({}) + 1 AS y", sub(n));
+    assert_eq!(scalar(&engine.sql(&inner(max - 1)).unwrap()), 2);
+    assert_too_deep_saying(engine.sql(&inner(max)), &subqueries, "a chain inside a subquery");
+    match engine.sql(&format!("SELECT ({}) AS y FROM c{}", sub(3), 3)) {
+        Err(Error::TableNotFound { name }) => assert!(name.contains("c3"), "{name}"),
+        other => panic!("a CTE read outside its WITH: expected TableNotFound, got {:?}", other.map(|b| total_rows(&b))),
+    }
+    // A CTE `t` shadows the table `t`; the chain beside it (`max` deep), never read, is
+    // planned once and adds nothing to the two subqueries reading `t`.
+    let shadow = cte_chain(max, |p| format!("SELECT (SELECT x FROM c{p}) AS x"), "SELECT (SELECT (SELECT count(*) FROM t)) AS y");
+    let shadow = shadow.replacen("WITH ", "WITH t AS (SELECT 7 AS x), ", 1);
+    assert_eq!(scalar(&engine.sql(&shadow).unwrap()), 1, "t is the one-row CTE");
+    // An inner WITH reusing an outer CTE's name: DataFusion refuses it ("specified more than
+    // once"); counted with the inner (shallow) one, it reaches the planner.
+    let reuse = cte_chain(max, |p| format!("SELECT (SELECT x FROM c{p}) AS x"), &format!("SELECT (WITH c{max} AS (SELECT 5 AS x) SELECT x FROM c{max}) AS y"));
+    match engine.sql(&reuse) {
+        Err(e @ Error::Sql { kind: SqlErrorKind::Plan, .. }) => assert!(e.to_string().contains("specified more than once"), "{e}"),
+        other => panic!("an inner WITH reusing a name: expected Plan, got {:?}", other.map(|b| total_rows(&b))),
+    }
+    // Each CTE read twice by the one before: relations double per CTE.
+    let relations = gritdb::sql::MAX_EXPANDED_RELATIONS;
+    let twice = |n: usize| cte_chain(n, |p| format!("SELECT a.x FROM c{p} a, c{p} b"), &format!("SELECT x FROM c{n}"));
+    let under = relations.ilog2() as usize - 1;
+    assert_eq!(scalar(&engine.sql(&twice(under)).unwrap()), 1, "{} relations", 1 << (under + 1));
+    assert_too_deep_saying(engine.sql(&twice(under + 1)), &format!("more than the {relations} gritdb plans"), "one doubling past");
+    assert_too_deep_saying(engine.sql(&twice(30)), "plans 2147483648 relations", "30 doublings");
+    assert_too_deep_saying(engine.sql(&twice(100)), "plans at least 18446744073709551615 relations", "saturated");
+    // A recursive CTE reads its own work table; its references count, and the count ends.
+    let recursive = "WITH RECURSIVE r AS (SELECT 1 AS x UNION ALL SELECT x + 1 FROM r WHERE x < 10) SELECT sum(a.x) FROM r a, r b";
+    assert_eq!(scalar(&engine.sql(recursive).unwrap()), 10 * 55);
+    // 200 CTEs each read once, without subqueries: legitimate, runs.
+    let once = cte_chain(200, |p| format!("SELECT x + 1 AS x FROM c{p}"), "SELECT x FROM c200");
+    assert_eq!(scalar(&engine.sql(&once.replacen("SELECT 1 AS x", "SELECT count(*) AS x FROM t", 1)).unwrap()), 10_000 + 200);
+    // Each CTE's body nesting three queries: those count at each reference (DataFusion nests
+    // them), as the same queries nested in FROM would (303 levels, 302 relations run; 3,003
+    // levels and 3,002 relations are refused, on the relations first).
+    let from = |n: usize| cte_chain(n, |p| format!("SELECT x FROM (SELECT x FROM (SELECT x FROM c{p}) a) b"), &format!("SELECT x FROM c{n}"));
+    assert_eq!(scalar(&engine.sql(&from(100)).unwrap()), 1);
+    assert_too_deep_saying(engine.sql(&from(1_000)), "plans 3002 relations", "1,000 CTEs of three nested queries");
+}

@@ -21,10 +21,17 @@
 //!    (each expression node, each query, each set operation of a chain, each table joined
 //!    beyond the first, each CTE of a `WITH`). It walks the tree with the parser's visitor,
 //!    which recurses, but stops one level past [`MAX_DEPTH`], so its recursion is bounded too.
+//! 3. [`expansion`], on the syntax tree that passed: what `DataFusion` plans once each CTE
+//!    reference is replaced by its CTE's plan, as `DataFusion` does (it copies the plan into
+//!    each reference): the levels ([`MAX_DEPTH`]), the subqueries nested inside expressions
+//!    ([`MAX_SUBQUERY_DEPTH`]) and the relations ([`MAX_EXPANDED_RELATIONS`]). Each CTE's
+//!    cost is computed once, when the walk leaves its body, and a reference adds it where it
+//!    stands, so a chain of CTEs each reading the one before twice is counted (saturating) in
+//!    one walk of the text.
 
 use datafusion::sql::parser::Statement as DfStatement;
 use datafusion::sql::sqlparser::ast::{
-    Expr, Query, Select, SetExpr, Statement, TableFactor, Visit, Visitor,
+    Expr, ObjectName, Query, Select, SetExpr, Statement, TableFactor, Visit, Visitor,
 };
 use datafusion::sql::sqlparser::keywords::Keyword;
 use datafusion::sql::sqlparser::tokenizer::Token;
@@ -57,11 +64,30 @@ pub const MAX_TOKEN_DEPTH: usize = 16 * MAX_DEPTH;
 pub const PARSER_RECURSION_LIMIT: usize = 500;
 
 /// The deepest nesting of subqueries inside expressions (`(SELECT ..)`, `IN (SELECT ..)`,
-/// `EXISTS (..)`) [`Engine::sql`](crate::Engine::sql) plans: deeper is `TooDeep`.
-/// `DataFusion`'s planning time about doubles with each such level (measured in the `ci`
-/// profile: 15 nested 0.13 s, 20 nested 2–4 s, 25 over 2 minutes), so a deeper one would hold
-/// a `gritdb-sql` thread for hours. Subqueries in `FROM` do not grow so (100 nested: 23 ms).
-pub const MAX_SUBQUERY_DEPTH: usize = 20;
+/// `EXISTS (..)`) [`Engine::sql`](crate::Engine::sql) plans: deeper is `TooDeep`. A CTE read
+/// inside `k` of them counts `k` plus the nesting of its own body (`DataFusion` copies the
+/// CTE's plan there), so a chain of CTEs each holding a scalar subquery of the one before
+/// nests one more per CTE. `DataFusion`'s planning time about doubles with each level
+/// (measured in the `ci` profile on 2 shared cores, planning and running: nested directly 15
+/// 0.13 s, 18 0.87 s, 20 3.5 s; through such a CTE chain 15 0.16 s, 17 0.6 s, 18 1.2 s,
+/// 19 2.4 s, 20 4.3–4.6 s, 22 18 s, 25 over 45 s), so 18 keeps planning near a second; a
+/// deeper one would hold a `gritdb-sql` thread for hours. Subqueries in `FROM` do not grow
+/// so (100 nested: 23 ms).
+pub const MAX_SUBQUERY_DEPTH: usize = 18;
+
+/// The most relations a statement may plan once each CTE reference is replaced by its CTE's
+/// plan, as `DataFusion` does (each `SELECT` and each table it reads count one, a CTE
+/// reference what its CTE counts): more is `TooDeep`. A chain of CTEs each reading the one
+/// before twice doubles the count per CTE. Measured in the `ci` profile on 2 shared cores
+/// (planning and running, `tests/all/sql.rs` chains): cross joins of constants
+/// (`c1 AS (SELECT a.x FROM c0 a, c0 b)`, ...) took 0.14–0.21 s at 2,048 relations, 0.86 s at
+/// 8,192, 1.5 s at 16,384 and 2.8 s at 32,768 (about 0.1 ms a relation), three-way ones
+/// 0.35 s at 3,281 and 1.2 s at 9,842, equi-joins over a table (`JOIN .. ON a.x = b.x`)
+/// 0.27 s at 768, 0.5–1 s at 1,536 and 1.1–1.5 s at 3,072 (0.35–0.5 ms a relation); the
+/// chain of 30 CTEs the fresh-user trial would have planned 2^31. At this bound those plan
+/// in under a second, and every chain of CTEs each read once that [`MAX_DEPTH`] admits
+/// (1,990 CTEs: about 2,000 relations) is below it.
+pub const MAX_EXPANDED_RELATIONS: usize = 2_048;
 
 /// Levels each table joined beyond the first counts for: planning a join takes about four
 /// times the stack of an expression level (measured in the `ci` profile: 7 KiB a join, 1.3 to
@@ -405,49 +431,278 @@ pub(crate) fn statement_depth(statement: &DfStatement, limit: usize) -> Result<u
     }
 }
 
-/// Checks that no path of `statement` nests more than `limit` subqueries inside expressions
-/// ([`MAX_SUBQUERY_DEPTH`]); `Err` holds the depth found (at least `limit + 1`). Run after
-/// [`statement_depth`] passed, so the visitor's recursion is bounded.
-pub(crate) fn subquery_depth(statement: &DfStatement, limit: usize) -> Result<(), usize> {
-    struct Subqueries {
-        current: usize,
-        limit: usize,
-        opened: Vec<bool>,
+/// What planning a statement costs once every CTE reference is expanded: `DataFusion` plans
+/// each CTE once and copies its plan into every place that reads it, so a reference to CTE `c`
+/// costs as much as `c`'s own body (itself with its references expanded), where it stands.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Expansion {
+    /// The deepest nesting of subqueries inside expressions (`(SELECT ..)`, `IN (SELECT ..)`,
+    /// `EXISTS (..)`), a CTE reference inside `k` of them counting `k` plus the CTE's own
+    /// ([`MAX_SUBQUERY_DEPTH`]).
+    pub(crate) subqueries: usize,
+    /// The levels of [`statement_depth`] with each CTE reference counting its CTE's body's
+    /// depth where it stands, instead of one level a CTE ([`MAX_DEPTH`]).
+    pub(crate) depth: usize,
+    /// Relations of the expanded plan: each `SELECT` and each table it reads is one, a CTE
+    /// reference its CTE's count (saturating: a chain of CTEs each reading the one before
+    /// twice doubles it per CTE). [`MAX_EXPANDED_RELATIONS`].
+    pub(crate) relations: usize,
+}
+
+impl Expansion {
+    fn max(self, other: Self) -> Self {
+        Self {
+            subqueries: self.subqueries.max(other.subqueries),
+            depth: self.depth.max(other.depth),
+            relations: self.relations.max(other.relations),
+        }
     }
-    impl Visitor for Subqueries {
-        type Break = ();
-        fn pre_visit_expr(&mut self, expr: &Expr) -> ControlFlow<()> {
-            let sub = matches!(
-                expr,
-                Expr::Subquery(_) | Expr::InSubquery { .. } | Expr::Exists { .. }
-            );
-            self.opened.push(sub);
-            self.current += usize::from(sub);
-            if self.current > self.limit {
-                ControlFlow::Break(())
-            } else {
-                ControlFlow::Continue(())
+}
+
+/// One CTE of a `WITH`, as the walk knows it.
+struct Cte {
+    /// Its name as `DataFusion` looks it up (unquoted names lowercased).
+    name: String,
+    /// Its body, to know when the walk enters it (compared, never read).
+    body: *const Query,
+    /// Its body's cost relative to where it is read, once walked: a reference before that
+    /// (a later CTE's name, not yet visible) is no reference to it.
+    cost: Option<Expansion>,
+}
+
+/// A query being walked.
+struct Frame {
+    query: *const Query,
+    ctes: Vec<Cte>,
+    recursive: bool,
+    /// The CTE of this query's `WITH` whose body is being walked.
+    defining: Option<usize>,
+    /// Levels and subqueries around the query where it starts.
+    entry: (usize, usize),
+    /// The deepest levels and subqueries reached inside it (CTE references expanded), and
+    /// its relations.
+    reached: Expansion,
+}
+
+/// Walks a statement for its [`Expansion`], resolving names as `DataFusion` does: a `WITH`'s
+/// CTE is visible to the CTEs after it (to itself too under `RECURSIVE`, where it reads its
+/// work table: one relation) and to the query's body and the subqueries inside them; an inner
+/// `WITH` shadows an outer one; any other name is a table.
+struct Expand {
+    levels: Depth,
+    subqueries: usize,
+    /// Subquery expressions open, innermost last (whether each counted one).
+    opened: Vec<bool>,
+    frames: Vec<Frame>,
+    /// The most reached anywhere, also inside CTE bodies never read (planned once each).
+    reached: Expansion,
+}
+
+impl Expand {
+    /// Records `levels` and `subqueries` reached (relations are summed apart).
+    fn reach(&mut self, levels: usize, subqueries: usize) {
+        let at = Expansion {
+            subqueries,
+            depth: levels,
+            relations: 0,
+        };
+        self.reached = self.reached.max(at);
+        if let Some(frame) = self.frames.last_mut() {
+            frame.reached = frame.reached.max(at);
+        }
+    }
+
+    fn relations(&mut self, n: usize) {
+        if let Some(frame) = self.frames.last_mut() {
+            frame.reached.relations = frame.reached.relations.saturating_add(n);
+        }
+    }
+
+    /// The cost of the CTE `name` where it is read, if `name` is one in scope.
+    fn resolve(&self, name: &str) -> Option<Expansion> {
+        for frame in self.frames.iter().rev() {
+            for (i, cte) in frame.ctes.iter().enumerate() {
+                if cte.name != name {
+                    continue;
+                }
+                if let Some(cost) = cte.cost {
+                    return Some(cost);
+                }
+                if frame.recursive && frame.defining == Some(i) {
+                    // A recursive CTE reading itself: its work table.
+                    return Some(Expansion {
+                        relations: 1,
+                        ..Expansion::default()
+                    });
+                }
             }
         }
-        fn post_visit_expr(&mut self, _: &Expr) -> ControlFlow<()> {
-            self.current -= usize::from(self.opened.pop().unwrap_or(false));
-            ControlFlow::Continue(())
-        }
+        None
     }
+}
+
+/// A name as `DataFusion` normalizes it (`enable_ident_normalization`, on by default).
+fn normalized(ident: &datafusion::sql::sqlparser::ast::Ident) -> String {
+    if ident.quote_style.is_some() {
+        ident.value.clone()
+    } else {
+        ident.value.to_lowercase()
+    }
+}
+
+impl Visitor for Expand {
+    type Break = ();
+
+    fn pre_visit_query(&mut self, query: &Query) -> ControlFlow<()> {
+        let entry = (self.levels.current, self.subqueries);
+        if let Some(frame) = self.frames.last_mut() {
+            let body = std::ptr::from_ref(query);
+            if let Some(i) = frame.ctes.iter().position(|c| std::ptr::eq(c.body, body)) {
+                frame.defining = Some(i);
+            }
+        }
+        let with = query.with.as_ref();
+        self.frames.push(Frame {
+            query: std::ptr::from_ref(query),
+            ctes: with.map_or_else(Vec::new, |w| {
+                w.cte_tables
+                    .iter()
+                    .map(|c| Cte {
+                        name: normalized(&c.alias.name),
+                        body: std::ptr::from_ref(&*c.query),
+                        cost: None,
+                    })
+                    .collect()
+            }),
+            recursive: with.is_some_and(|w| w.recursive),
+            defining: None,
+            entry,
+            reached: Expansion::default(),
+        });
+        // The query's own levels, without the level `statement_depth` counts for each CTE:
+        // here a CTE costs where it is read.
+        let _ = self.levels.enter(1 + set_operation_depth(&query.body));
+        self.reach(self.levels.current, self.subqueries);
+        ControlFlow::Continue(())
+    }
+
+    fn post_visit_query(&mut self, query: &Query) -> ControlFlow<()> {
+        let _ = self.levels.leave();
+        let Some(done) = self.frames.pop() else {
+            return ControlFlow::Continue(());
+        };
+        debug_assert!(std::ptr::eq(done.query, query));
+        let Some(parent) = self.frames.last_mut() else {
+            // The statement's query: its relations are the statement's.
+            self.reached.relations = done.reached.relations;
+            return ControlFlow::Continue(());
+        };
+        match parent.defining.take() {
+            Some(i) if std::ptr::eq(parent.ctes[i].body, done.query) => {
+                let (levels, subqueries) = done.entry;
+                parent.ctes[i].cost = Some(Expansion {
+                    subqueries: done.reached.subqueries - subqueries,
+                    depth: done.reached.depth - levels,
+                    relations: done.reached.relations,
+                });
+            }
+            defining => {
+                parent.defining = defining;
+                parent.reached = parent.reached.max(Expansion {
+                    relations: 0,
+                    ..done.reached
+                });
+                parent.reached.relations = parent
+                    .reached
+                    .relations
+                    .saturating_add(done.reached.relations);
+            }
+        }
+        ControlFlow::Continue(())
+    }
+
+    fn pre_visit_select(&mut self, select: &Select) -> ControlFlow<()> {
+        let _ = self.levels.pre_visit_select(select);
+        self.relations(1);
+        self.reach(self.levels.current, self.subqueries);
+        ControlFlow::Continue(())
+    }
+
+    fn post_visit_select(&mut self, select: &Select) -> ControlFlow<()> {
+        self.levels.post_visit_select(select)
+    }
+
+    fn pre_visit_table_factor(&mut self, factor: &TableFactor) -> ControlFlow<()> {
+        let _ = self.levels.pre_visit_table_factor(factor);
+        self.reach(self.levels.current, self.subqueries);
+        ControlFlow::Continue(())
+    }
+
+    fn post_visit_table_factor(&mut self, factor: &TableFactor) -> ControlFlow<()> {
+        self.levels.post_visit_table_factor(factor)
+    }
+
+    fn pre_visit_relation(&mut self, relation: &ObjectName) -> ControlFlow<()> {
+        // `DataFusion` looks a CTE up by the whole name: `public.c` is a table.
+        let cte = match relation.0.as_slice() {
+            [part] => part.as_ident().and_then(|i| self.resolve(&normalized(i))),
+            _ => None,
+        };
+        match cte {
+            Some(cost) => {
+                self.relations(cost.relations);
+                self.reach(
+                    self.levels.current.saturating_add(cost.depth),
+                    self.subqueries.saturating_add(cost.subqueries),
+                );
+            }
+            None => self.relations(1),
+        }
+        ControlFlow::Continue(())
+    }
+
+    fn pre_visit_expr(&mut self, expr: &Expr) -> ControlFlow<()> {
+        let _ = self.levels.pre_visit_expr(expr);
+        let sub = matches!(
+            expr,
+            Expr::Subquery(_) | Expr::InSubquery { .. } | Expr::Exists { .. }
+        );
+        self.opened.push(sub);
+        self.subqueries += usize::from(sub);
+        self.reach(self.levels.current, self.subqueries);
+        ControlFlow::Continue(())
+    }
+
+    fn post_visit_expr(&mut self, expr: &Expr) -> ControlFlow<()> {
+        self.subqueries -= usize::from(self.opened.pop().unwrap_or(false));
+        self.levels.post_visit_expr(expr)
+    }
+}
+
+/// The [`Expansion`] of `statement`. Run after [`statement_depth`] passed, so the visitor's
+/// recursion is bounded; the expanded counts are arithmetic on each CTE's cost, never a walk
+/// through a reference, so a `WITH RECURSIVE` or a chain doubling per CTE is counted in one
+/// walk of the text.
+pub(crate) fn expansion(statement: &DfStatement) -> Expansion {
     let sql: &Statement = match statement {
         DfStatement::Statement(s) => s,
-        DfStatement::Explain(e) => return subquery_depth(&e.statement, limit),
-        _ => return Ok(()),
+        DfStatement::Explain(e) => return expansion(&e.statement),
+        _ => return Expansion::default(),
     };
-    let mut v = Subqueries {
-        current: 0,
-        limit,
+    let mut v = Expand {
+        levels: Depth {
+            current: 0,
+            deepest: 0,
+            limit: usize::MAX,
+            added: Vec::new(),
+        },
+        subqueries: 0,
         opened: Vec::new(),
+        frames: Vec::new(),
+        reached: Expansion::default(),
     };
-    match sql.visit(&mut v) {
-        ControlFlow::Continue(()) => Ok(()),
-        ControlFlow::Break(()) => Err(v.current),
-    }
+    let _ = sql.visit(&mut v);
+    v.reached
 }
 
 #[cfg(test)]
@@ -628,6 +883,145 @@ mod tests {
         );
         assert!(tokens(&comparisons) < 10, "comparisons are not brackets");
         assert_eq!(scan(&comparisons).type_depth, 0);
+    }
+
+    fn expanded(sql: &str) -> Expansion {
+        let statement = DFParserBuilder::new(sql)
+            .build()
+            .unwrap()
+            .parse_statement()
+            .unwrap();
+        expansion(&statement)
+    }
+
+    /// `c0 AS (SELECT 1 AS x)` and `n` CTEs after it, each built by `body(i)` from the one
+    /// before, and `tail` reading them.
+    fn chain(n: usize, body: impl Fn(usize) -> String, tail: &str) -> String {
+        let ctes: Vec<String> = (1..=n)
+            .map(|i| format!("c{i} AS ({})", body(i - 1)))
+            .collect();
+        format!("WITH c0 AS (SELECT 1 AS x), {} {tail}", ctes.join(", "))
+    }
+
+    /// A CTE reference costs its CTE's subqueries, levels and relations where it stands,
+    /// computed through the CTEs it reads; counts saturate.
+    #[test]
+    fn a_cte_reference_counts_its_cte_where_it_stands() {
+        let sub = |n: usize| {
+            chain(
+                n,
+                |p| format!("SELECT (SELECT x FROM c{p}) AS x"),
+                &format!("SELECT x FROM c{n}"),
+            )
+        };
+        for n in [1, 5, 18, 30] {
+            assert_eq!(expanded(&sub(n)).subqueries, n, "{n}");
+        }
+        // Read from inside two subqueries: two more.
+        let inside = chain(
+            5,
+            |p| format!("SELECT (SELECT x FROM c{p}) AS x"),
+            "SELECT (SELECT (SELECT x FROM c5))",
+        );
+        assert_eq!(expanded(&inside).subqueries, 7);
+        // Each SELECT and table one relation; reading the one before twice doubles.
+        assert_eq!(expanded("SELECT 1").relations, 1);
+        assert_eq!(expanded("SELECT 1 FROM a, b JOIN c ON true").relations, 4);
+        let twice = |n: usize| {
+            chain(
+                n,
+                |p| format!("SELECT a.x FROM c{p} a, c{p} b"),
+                &format!("SELECT x FROM c{n}"),
+            )
+        };
+        assert_eq!(expanded(&twice(1)).relations, 4);
+        assert_eq!(expanded(&twice(10)).relations, 2_048);
+        assert_eq!(expanded(&twice(11)).relations, 4_096);
+        assert_eq!(expanded(&twice(100)).relations, usize::MAX);
+        // Once each: linear, and one level a CTE where `statement_depth` counts one too.
+        let once = |n: usize| {
+            chain(
+                n,
+                |p| format!("SELECT x + 1 AS x FROM c{p}"),
+                &format!("SELECT x FROM c{n}"),
+            )
+        };
+        let e = expanded(&once(200));
+        assert_eq!((e.relations, e.subqueries), (202, 0));
+        assert_eq!(e.depth, 1 + 200 + 2);
+        assert_eq!(depth(&once(200)), Ok(1 + 201 + 3));
+        // A CTE body's own depth counts at each level: three nested queries a CTE.
+        let from = |n: usize| {
+            chain(
+                n,
+                |p| format!("SELECT x FROM (SELECT x FROM (SELECT x FROM c{p}) a) b"),
+                &format!("SELECT x FROM c{n}"),
+            )
+        };
+        assert_eq!(expanded(&from(100)).depth, 1 + 3 * 100 + 2);
+        assert!(depth(&from(100)).unwrap() < 110);
+        // A CTE never read is planned once, where it is defined.
+        let unread = "WITH a AS (SELECT (SELECT (SELECT 1))), b AS (SELECT 1) SELECT 1 FROM b";
+        assert_eq!(expanded(unread).subqueries, 2);
+        assert_eq!(expanded(unread).relations, 2);
+    }
+
+    /// Names resolve as `DataFusion` resolves them: to earlier CTEs of the same `WITH` and
+    /// to outer ones, the inner first; a later CTE's name, a qualified name or a name quoted
+    /// in another case is a table; `WITH RECURSIVE` reads its own work table, once.
+    #[test]
+    fn cte_names_resolve_by_scope() {
+        // `deep` nests two subqueries; read inside one more, three.
+        let deep = "WITH deep AS (SELECT (SELECT (SELECT 1 AS x) AS x) AS x)";
+        assert_eq!(
+            expanded(&format!("{deep} SELECT (SELECT x FROM deep)")).subqueries,
+            3
+        );
+        // An inner WITH's `deep` shadows it: one subquery around a flat CTE.
+        let shadowed = format!("{deep} SELECT (WITH deep AS (SELECT 1 AS x) SELECT x FROM deep)");
+        assert_eq!(
+            expanded(&shadowed).subqueries,
+            2,
+            "only the outer definition's own two"
+        );
+        let e = expanded(&format!(
+            "{deep} SELECT (SELECT (SELECT (WITH deep AS (SELECT 1 AS x) SELECT x FROM deep)))"
+        ));
+        assert_eq!(e.subqueries, 3);
+        // ... and is not visible outside its subquery: `inner` there is a table.
+        let outside = "SELECT (WITH inner1 AS (SELECT (SELECT (SELECT 1))) SELECT 1) FROM inner1";
+        let e = expanded(outside);
+        assert_eq!((e.subqueries, e.relations), (3, 1 + 1 + 1));
+        // A later CTE is not visible to an earlier one: there `b` is a table (1 relation).
+        let later =
+            "WITH a AS (SELECT x FROM b), b AS (SELECT (SELECT (SELECT 1 AS x))) SELECT x FROM a";
+        let e = expanded(later);
+        assert_eq!((e.subqueries, e.relations), (2, 3));
+        // Unquoted names are lowercased, quoted ones kept; a qualified name is a table.
+        assert_eq!(
+            expanded(&format!("{deep} SELECT (SELECT x FROM DEEP)")).subqueries,
+            3
+        );
+        assert_eq!(
+            expanded(&format!("{deep} SELECT (SELECT x FROM \"DEEP\")")).subqueries,
+            2
+        );
+        assert_eq!(
+            expanded(&format!("{deep} SELECT (SELECT x FROM public.deep)")).subqueries,
+            2
+        );
+        // Recursive: the CTE reads its work table (one relation), and the walk ends.
+        let recursive = "WITH RECURSIVE r AS (SELECT 1 AS x UNION ALL SELECT x + 1 FROM r WHERE x < 10) \
+                         SELECT a.x FROM r a, r b";
+        assert_eq!(expanded(recursive).relations, 1 + 2 * 3);
+        // Without RECURSIVE, a CTE's own name inside it is a table.
+        let own = "WITH r AS (SELECT x FROM r) SELECT x FROM r a, r b";
+        assert_eq!(expanded(own).relations, 1 + 2 * 2);
+        // EXPLAIN counts its statement.
+        assert_eq!(
+            expanded(&format!("EXPLAIN {deep} SELECT (SELECT x FROM deep)")).subqueries,
+            3
+        );
     }
 
     /// Data types nest by `ARRAY<`, `STRUCT<`, `MAP<`, `NULLABLE(`-like groups and runs of

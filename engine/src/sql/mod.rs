@@ -30,8 +30,8 @@ mod provider;
 mod system;
 
 pub use datafusion;
+pub use depth::{JOIN_LEVELS, MAX_DEPTH, MAX_EXPANDED_RELATIONS, MAX_SUBQUERY_DEPTH, MAX_TOKEN_DEPTH, PARSER_RECURSION_LIMIT, STACK_BYTES};
 pub use grouping::{MAX_CUBE_EXPRESSIONS, MAX_GROUPING_SETS};
-pub use depth::{JOIN_LEVELS, MAX_DEPTH, MAX_SUBQUERY_DEPTH, MAX_TOKEN_DEPTH, PARSER_RECURSION_LIMIT, STACK_BYTES};
 
 use crate::engine::{Engine, EngineInner};
 use crate::error::{Error, Result};
@@ -85,8 +85,10 @@ pub enum SqlErrorKind {
     /// `docs/sql.md`): refused before planning, which recurses once per level. Rewrite it
     /// shallower: `x = 1 OR x = 2 OR ...` as `x IN (1, 2, ...)`, many `UNION ALL` branches of
     /// constants as one `VALUES` list. Also: parentheses, calls, `CASE` and subqueries nested
-    /// past the parser's [`PARSER_RECURSION_LIMIT`], and subqueries inside expressions
-    /// nested past [`MAX_SUBQUERY_DEPTH`].
+    /// past the parser's [`PARSER_RECURSION_LIMIT`], subqueries inside expressions nested
+    /// past [`MAX_SUBQUERY_DEPTH`], and, each CTE reference counted as its CTE's whole plan
+    /// (`DataFusion` copies it there), more than [`MAX_DEPTH`] levels, more than
+    /// [`MAX_SUBQUERY_DEPTH`] subqueries or more than [`MAX_EXPANDED_RELATIONS`] relations.
     TooDeep,
 }
 
@@ -215,15 +217,36 @@ impl SqlState {
         if let Err(at_least) = depth::statement_depth(&statement, MAX_DEPTH) {
             return Err(too_deep(&format!("nests at least {at_least} levels, more than the {MAX_DEPTH} gritdb plans")));
         }
-        if let Err(found) = depth::subquery_depth(&statement, MAX_SUBQUERY_DEPTH) {
+        // What DataFusion plans once each CTE reference is replaced by its CTE's plan.
+        let expanded = depth::expansion(&statement);
+        if expanded.subqueries > MAX_SUBQUERY_DEPTH {
             return Err(Error::Sql {
                 kind: SqlErrorKind::TooDeep,
                 source: Box::new(DataFusionError::Plan(format!(
-                    "the statement nests at least {found} subqueries inside expressions (`(SELECT ..)`, `IN (SELECT ..)`, \
-                     `EXISTS`), more than the {MAX_SUBQUERY_DEPTH} gritdb plans (DataFusion's planning time doubles with each); \
-                     write the inner ones as joins or CTEs"
+                    "the statement nests {} subqueries inside expressions (`(SELECT ..)`, `IN (SELECT ..)`, \
+                     `EXISTS`; a CTE read inside one counts its own too), more than the {MAX_SUBQUERY_DEPTH} gritdb plans \
+                     (DataFusion's planning time doubles with each); write the inner ones as joins",
+                    expanded.subqueries
                 ))),
             });
+        }
+        if expanded.relations > MAX_EXPANDED_RELATIONS {
+            return Err(Error::Sql {
+                kind: SqlErrorKind::TooDeep,
+                source: Box::new(DataFusionError::Plan(format!(
+                    "the statement plans {} relations (each SELECT and table read, a CTE as many times as it is \
+                     referenced, with what it references), more than the {MAX_EXPANDED_RELATIONS} gritdb plans \
+                     (DataFusion copies a CTE's plan into each reference: a chain of CTEs each reading the one before \
+                     twice doubles per CTE); read each CTE once, or split the statement",
+                    if expanded.relations == usize::MAX { format!("at least {}", usize::MAX) } else { expanded.relations.to_string() }
+                ))),
+            });
+        }
+        if expanded.depth > MAX_DEPTH {
+            return Err(too_deep(&format!(
+                "nests {} levels once each CTE is read where it is referenced, more than the {MAX_DEPTH} gritdb plans",
+                expanded.depth
+            )));
         }
         if let Err(n) = grouping::check_cube_size(&statement) {
             return Err(Error::Sql {

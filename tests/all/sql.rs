@@ -44,13 +44,14 @@ fn open(dir: &std::path::Path, limit: usize) -> Engine {
     Engine::open(dir, EngineConfig::default().memory_limit(limit).backpressure_timeout(std::time::Duration::from_secs(5))).unwrap()
 }
 
-/// The single value of a one-row, one-column `Int64` or `UInt64` answer.
+/// The single value of a one-row, one-column `Int64`, `Int32` or `UInt64` answer.
 fn scalar(batches: &[RecordBatch]) -> i64 {
     let b: Vec<&RecordBatch> = batches.iter().filter(|b| b.num_rows() > 0).collect();
     assert_eq!((b.len(), b[0].num_rows()), (1, 1), "{batches:?}");
     let c = b[0].column(0);
     match c.data_type() {
         DataType::Int64 => c.as_primitive::<Int64Type>().value(0),
+        DataType::Int32 => i64::from(c.as_primitive::<arrow::datatypes::Int32Type>().value(0)),
         DataType::UInt64 => c.as_primitive::<UInt64Type>().value(0) as i64,
         t => panic!("not an integer: {t}"),
     }
@@ -985,4 +986,55 @@ fn cte_references_count_the_plan_they_copy() {
     let from = |n: usize| cte_chain(n, |p| format!("SELECT x FROM (SELECT x FROM (SELECT x FROM c{p}) a) b"), &format!("SELECT x FROM c{n}"));
     assert_eq!(scalar(&engine.sql(&from(100)).unwrap()), 1);
     assert_too_deep_saying(engine.sql(&from(1_000)), "plans 3002 relations", "1,000 CTEs of three nested queries");
+}
+
+/// Functions whose result size an argument sets (`repeat`, `lpad`, `rpad`, `replace`,
+/// `regexp_replace`, `array_repeat`, `array_resize`, `range`) reserve a bound of their result
+/// in the query's memory before they run: past the limit the statement is `MemoryLimit` in the
+/// `query` category before the bytes are allocated (before: `lpad('a', 1000000000)` took
+/// 3.9 GB at a 256 MiB limit, `rpad('a', 2147483647, 'xy')` aborted the process), on
+/// constants (folded while planning) and on a column alike. Under the limit they answer, and
+/// nothing stays reserved.
+#[test]
+fn functions_sized_by_an_argument_are_held_to_the_memory_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open(dir.path(), 256 << 20);
+    let t = engine.create_table("t", schema(), &["id"]).unwrap();
+    t.insert(&rows(1..=3, 10, "s")).unwrap();
+    for q in [
+        "SELECT length(lpad('a', 1000000000))",
+        "SELECT length(rpad('a', 2147483647, 'xy'))",
+        "SELECT length(repeat('x', 3000000000))",
+        "SELECT cardinality(array_repeat(1, 100000000))",
+        "SELECT cardinality(array_resize(make_array(1, 2), 100000000))",
+        "SELECT cardinality(range(1, 1000000000))",
+        "SELECT cardinality(generate_series(-500000000, 500000000, 1))",
+        "SELECT cardinality(range(TIMESTAMP '1970-01-01', TIMESTAMP '2100-01-01', INTERVAL '1 second'))",
+        "SELECT length(replace(repeat('a', 20000), 'a', repeat('b', 20000)))",
+        "SELECT length(regexp_replace(repeat('a', 20000), 'a', repeat('b', 20000), 'g'))",
+        "SELECT sum(length(repeat(s, 100000000))) FROM t",
+        "SELECT sum(length(lpad(s, id * 400000000))) FROM t",
+        "SELECT sum(cardinality(array_repeat(id, v * 10000000))) FROM t",
+    ] {
+        match engine.sql(q) {
+            Err(Error::MemoryLimit { category, requested, .. }) => {
+                assert_eq!(category, Category::Query, "{q}");
+                assert!(requested > 200 << 20, "{q}: requested {requested}");
+            }
+            other => panic!("{q}: expected MemoryLimit, got {:?}", other.map(|b| total_rows(&b))),
+        }
+        assert_eq!(engine.memory().category_bytes(Category::Query), 0, "{q}");
+    }
+    for (q, want) in [
+        ("SELECT length(repeat('x', 1000000))", 1_000_000),
+        ("SELECT length(lpad('a', 5000000, 'é'))", 5_000_000),
+        ("SELECT cardinality(range(1, 1000000))", 999_999),
+        ("SELECT cardinality(array_repeat(7, 100000))", 100_000),
+        ("SELECT cardinality(range(DATE '1970-01-01', DATE '2100-01-01', INTERVAL '1 day'))", 47_482),
+        ("SELECT sum(length(repeat(s, 100000))) FROM t", 600_000),
+        ("SELECT sum(length(replace(repeat(s, 1000), '1', 'xyz'))) FROM t", 6_000 + 2_000),
+    ] {
+        assert_eq!(scalar(&engine.sql(q).unwrap()), want, "{q}");
+        assert_eq!(engine.memory().category_bytes(Category::Query), 0, "{q}");
+    }
 }

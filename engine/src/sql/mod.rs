@@ -21,6 +21,7 @@
 //! Writes go through [`crate::Table`]. See `docs/sql.md`.
 
 mod coerce;
+mod bounded;
 mod catalog;
 mod depth;
 mod filter;
@@ -398,6 +399,8 @@ fn new_context(
         .with_analyzer_rules(rules)
         .build();
     let ctx = SessionContext::new_with_state(state);
+    // Functions whose result size an argument sets reserve it in the query pool first.
+    bounded::register(&ctx, &ctx.runtime_env().memory_pool);
     let catalog = MemoryCatalogProvider::new();
     catalog.register_schema(SCHEMA, Arc::new(catalog::EngineSchema::new(engine.clone())))?;
     ctx.register_catalog(CATALOG, Arc::new(catalog));

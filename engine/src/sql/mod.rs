@@ -402,7 +402,8 @@ fn new_context(
     // Functions whose result size an argument sets reserve it in the query pool first.
     bounded::register(&ctx, &ctx.runtime_env().memory_pool);
     let catalog = MemoryCatalogProvider::new();
-    catalog.register_schema(SCHEMA, Arc::new(catalog::EngineSchema::new(engine.clone())))?;
+    let table_functions = ctx.state().table_functions().keys().cloned().collect();
+    catalog.register_schema(SCHEMA, Arc::new(catalog::EngineSchema::new(engine.clone(), table_functions)))?;
     ctx.register_catalog(CATALOG, Arc::new(catalog));
     Ok(ctx)
 }

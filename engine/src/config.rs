@@ -65,6 +65,13 @@ pub struct EngineConfig {
     /// memory is ample; Q1 at SF 0.1 on 2 partitions: docs/performance.md. At most
     /// [`crate::MAX_THREADS`].
     pub sql_scan_partitions: usize,
+    /// How long one statement of [`crate::Engine::sql`] / [`crate::Engine::sql_async`] may run
+    /// before it is cancelled and returns `Error::Sql { kind: SqlErrorKind::Timeout }`
+    /// (`PostgreSQL`'s `statement_timeout`). `None` (default): no limit, as there. The clock is
+    /// checked where the statement waits (reading, between batches); planning runs without
+    /// waiting and is bounded by the depth checks instead (docs/sql.md). A cancelled statement
+    /// stops its scans at their next batch and gives back its memory.
+    pub sql_statement_timeout: Option<Duration>,
     /// The file layer data files, deletion vectors and manifests are written through.
     /// Default: the real file system ([`StdFs`]). Tests pass a [`gritdb_storage::FaultFs`].
     pub vfs: Arc<dyn Vfs>,
@@ -92,6 +99,7 @@ impl Default for EngineConfig {
             flush_batch_bytes: 256 << 20,
             vfs: Arc::new(StdFs),
             sql_scan_partitions: 1,
+            sql_statement_timeout: None,
             wal_sync: WalSync::PerBatch,
             wal_sync_interval: Duration::from_millis(10),
             create_if_missing: true,
@@ -125,6 +133,13 @@ impl EngineConfig {
     #[must_use]
     pub fn table_flush_bytes(mut self, bytes: usize) -> Self {
         self.table_flush_bytes = Some(bytes);
+        self
+    }
+
+    /// Sets [`Self::sql_statement_timeout`]: a SQL statement running longer is cancelled.
+    #[must_use]
+    pub fn sql_statement_timeout(mut self, d: Duration) -> Self {
+        self.sql_statement_timeout = Some(d);
         self
     }
 

@@ -1059,3 +1059,41 @@ fn table_functions_answer_in_from() {
         other => panic!("expected TableNotFound, got {:?}", other.map(|b| total_rows(&b))),
     }
 }
+
+/// A statement running past `EngineConfig::sql_statement_timeout` is cancelled with
+/// `SqlErrorKind::Timeout` (a recursive CTE without an end never returned before; a sort of
+/// a 2.5-billion-row cross join), its memory given back; without one (the default) the table
+/// answers and a finite recursion runs to its end.
+#[test]
+fn a_statement_past_the_timeout_is_cancelled_and_gives_back_its_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = EngineConfig::default()
+        .memory_limit(256 << 20)
+        .sql_statement_timeout(std::time::Duration::from_millis(300));
+    let engine = Engine::open(dir.path(), config).unwrap();
+    let t = engine.create_table("t", schema(), &["id"]).unwrap();
+    t.insert(&rows(1..=50_000, 1, "s")).unwrap();
+    let endless = "WITH RECURSIVE r AS (SELECT 1 AS n UNION ALL SELECT n + 1 FROM r) SELECT count(*) FROM r";
+    let sorted = "SELECT count(*) FROM (SELECT a.id FROM t a, t b ORDER BY a.s, b.s)";
+    for q in [endless, sorted] {
+        match engine.sql(q) {
+            Err(e @ Error::Sql { kind: SqlErrorKind::Timeout, .. }) => {
+                assert!(e.to_string().contains("sql_statement_timeout"), "{e}")
+            }
+            other => panic!("{q}: expected Timeout, got {:?}", other.map(|b| total_rows(&b))),
+        }
+        // The cancelled plan's reservations go with it (its scans stop at their next batch).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while engine.memory().category_bytes(Category::Query) != 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(engine.memory().category_bytes(Category::Query), 0, "{q}");
+    }
+    drop(t);
+    engine.close().unwrap();
+    // Without a timeout (the default; a loaded machine cannot fail this part).
+    let engine = open(dir.path(), 256 << 20);
+    assert_eq!(scalar(&engine.sql("SELECT sum(v) FROM t").unwrap()), 50_000 * 50_001 / 2);
+    let finite = "WITH RECURSIVE r AS (SELECT 1 AS n UNION ALL SELECT n + 1 FROM r WHERE n < 2000) SELECT sum(n) FROM r";
+    assert_eq!(scalar(&engine.sql(finite).unwrap()), 2000 * 2001 / 2);
+}

@@ -91,6 +91,9 @@ pub enum SqlErrorKind {
     /// (`DataFusion` copies it there), more than [`MAX_DEPTH`] levels, more than
     /// [`MAX_SUBQUERY_DEPTH`] subqueries or more than [`MAX_EXPANDED_RELATIONS`] relations.
     TooDeep,
+    /// The statement ran past [`crate::EngineConfig::sql_statement_timeout`] and was cancelled
+    /// (its scans stopped, its memory given back).
+    Timeout,
 }
 
 impl std::fmt::Display for SqlErrorKind {
@@ -103,6 +106,7 @@ impl std::fmt::Display for SqlErrorKind {
             SqlErrorKind::Execution => "execution error",
             SqlErrorKind::Internal => "internal error",
             SqlErrorKind::TooDeep => "statement too deeply nested",
+            SqlErrorKind::Timeout => "statement timeout",
         })
     }
 }
@@ -184,7 +188,20 @@ impl SqlState {
         // The runtime is the engine's own, shut down with it (clippy.toml); the task is
         // aborted when its `QueryTask` is dropped.
         #[allow(clippy::disallowed_methods)]
-        let task = handle.spawn(async move { state.run(&query).await });
+        let timeout = self.engine.upgrade().and_then(|e| e.shared.config.sql_statement_timeout);
+        let task = handle.spawn(async move {
+            let Some(limit) = timeout else { return state.run(&query).await };
+            // Dropping `run`'s future at the deadline drops the plan's streams: scans stop at
+            // their next batch and the operators' reservations are released.
+            tokio::time::timeout(limit, state.run(&query)).await.unwrap_or_else(|_| {
+                Err(Error::Sql {
+                    kind: SqlErrorKind::Timeout,
+                    source: Box::new(DataFusionError::Execution(format!(
+                        "statement cancelled after {limit:?} (EngineConfig::sql_statement_timeout)"
+                    ))),
+                })
+            })
+        });
         Ok(QueryTask(task))
     }
 

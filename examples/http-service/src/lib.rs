@@ -314,6 +314,9 @@ pub fn batches_to_json(batches: &[RecordBatch]) -> Result<Value, gritdb::arrow_s
 async fn sql(State(s): State<AppState>, query: String) -> ApiResult<Json<Value>> {
     blocking(move || {
         let batches = s.engine.sql(&query).map_err(|e| {
+            if let gritdb::Error::Sql { kind: gritdb::sql::SqlErrorKind::Timeout, .. } = &e {
+                return ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "statement_timeout", e.to_string());
+            }
             let mut api = ApiError::from(e);
             if api.kind == "internal" {
                 // Planning and execution errors of a query are the query's fault far more

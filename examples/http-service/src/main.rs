@@ -8,7 +8,11 @@
 
 use gritdb::{Engine, EngineConfig};
 
-const USAGE: &str = "usage: gritdb-http-service [--dir DIR] [--addr HOST:PORT] [--memory-limit BYTES|NMiB|NGiB]";
+const USAGE: &str = "usage: gritdb-http-service [--dir DIR] [--addr HOST:PORT] [--memory-limit BYTES|NMiB|NGiB] [--sql-timeout SECONDS (default 30; 0: none)]";
+
+/// A `/sql` statement running longer is cancelled (503 `statement_timeout`), so one request
+/// cannot hold a blocking thread and its memory without end.
+const DEFAULT_SQL_TIMEOUT_S: u64 = 30;
 
 fn parse_bytes(s: &str) -> Option<usize> {
     let (num, mul) = if let Some(n) = s.strip_suffix("GiB") {
@@ -53,7 +57,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"))).init();
     let mut dir = gritdb::DEFAULT_DATA_DIR.to_owned();
     let mut addr = "127.0.0.1:8080".to_owned();
-    let mut config = EngineConfig::default();
+    let mut config = EngineConfig::default().sql_statement_timeout(std::time::Duration::from_secs(DEFAULT_SQL_TIMEOUT_S));
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = || args.next().ok_or_else(|| format!("{a} needs a value\n{USAGE}"));
@@ -63,6 +67,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             "--memory-limit" => {
                 let v = value()?;
                 config = config.memory_limit(parse_bytes(&v).ok_or_else(|| format!("bad --memory-limit {v:?}\n{USAGE}"))?);
+            }
+            "--sql-timeout" => {
+                let v = value()?;
+                let secs = v.parse::<u64>().map_err(|_| format!("bad --sql-timeout {v:?}\n{USAGE}"))?;
+                config.sql_statement_timeout = (secs > 0).then(|| std::time::Duration::from_secs(secs));
             }
             "-h" | "--help" => {
                 println!("{USAGE}");

@@ -193,6 +193,25 @@ async fn sql_counts_what_was_inserted() {
     assert!(body["error"].as_str().is_some_and(|e| e.contains("no_such_table")), "{body}");
 }
 
+/// A statement past the engine's `sql_statement_timeout` is 503 `statement_timeout`, and the
+/// service answers the next request.
+#[cfg(feature = "sql")]
+#[tokio::test]
+async fn a_sql_statement_past_the_timeout_is_503_statement_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = EngineConfig::default().memory_limit(64 << 20).sql_statement_timeout(std::time::Duration::from_secs(1));
+    let engine = Arc::new(Engine::open(dir.path(), config).unwrap());
+    let app = gritdb_http_service::router(Arc::clone(&engine));
+    let endless = "WITH RECURSIVE r AS (SELECT 1 AS n UNION ALL SELECT n + 1 FROM r) SELECT count(*) FROM r";
+    let (status, body) = call(&app, "POST", "/sql", Some(endless.into()), "text/plain").await;
+    assert_eq!((status, body["kind"].as_str()), (StatusCode::SERVICE_UNAVAILABLE, Some("statement_timeout")), "{body}");
+    assert!(body["error"].as_str().is_some_and(|e| e.contains("sql_statement_timeout")), "{body}");
+    with_rows(&app).await;
+    let (status, body) = call(&app, "POST", "/sql", Some("select count(*) as n from events".into()), "text/plain").await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["rows"][0]["n"], 250, "{body}");
+}
+
 #[cfg(not(feature = "sql"))]
 #[tokio::test]
 async fn sql_without_the_feature_says_how_to_get_it() {

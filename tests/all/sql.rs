@@ -1033,6 +1033,8 @@ fn functions_sized_by_an_argument_are_held_to_the_memory_limit() {
         ("SELECT cardinality(range(DATE '1970-01-01', DATE '2100-01-01', INTERVAL '1 day'))", 47_482),
         ("SELECT sum(length(repeat(s, 100000))) FROM t", 600_000),
         ("SELECT sum(length(replace(repeat(s, 1000), '1', 'xyz'))) FROM t", 6_000 + 2_000),
+        // A group reference in the replacement of 1 MB strings: each `s` becomes `<s>`.
+        ("SELECT sum(length(regexp_replace(repeat(s, 500000), '(s)', '<$1>', 'g'))) FROM t", 3 * 2_000_000),
     ] {
         assert_eq!(scalar(&engine.sql(q).unwrap()), want, "{q}");
         assert_eq!(engine.memory().category_bytes(Category::Query), 0, "{q}");

@@ -20,8 +20,9 @@
 //! - `lpad`/`rpad(s, n [, fill])`: `n` characters of 1 byte when `s` and `fill` are ASCII,
 //!   else 4 (UTF-8's widest);
 //! - `replace(s, from, to)`: `len(s) + (len(s) / max(len(from), 1) + 1) × len(to)`;
-//! - `regexp_replace(s, p, r [, flags])`: `len(s) + (len(s) + 1) × (len(r) + k × len(s))`,
-//!   where `k` counts `$` and `\` in `r` (each a group reference at most `s` long);
+//! - `regexp_replace(s, p, r [, flags])`: `len(s) + (len(s) + 1) × len(r) + k × len(s)`,
+//!   where `k` counts `$` and `\` in `r` (group references: matches do not overlap, so each
+//!   reference expands to at most `len(s)` bytes over all matches);
 //! - `array_repeat(e, n)`: `n ×` the bytes of one `e`;
 //! - `array_resize(a, n [, fill])`: `n ×` the bytes of one element of `a` (16 when unknown);
 //! - `range`/`generate_series`: `(|stop − start| / |step| + 1) × 8`, the step of a temporal
@@ -264,7 +265,9 @@ impl OutputBound {
             }
             (Growth::RegexpReplace, 3..) => {
                 let (s, r, refs) = (PerRow::lengths(&a[0])?, PerRow::lengths(&a[2])?, PerRow::references(&a[2])?);
-                sum(&|i| s.at(i) + (s.at(i) + 1.0) * (r.at(i) + refs.at(i) * s.at(i)))
+                // Matches do not overlap: a reference expands, summed over all matches, to at
+                // most the whole of `s`.
+                sum(&|i| s.at(i) + (s.at(i) + 1.0) * r.at(i) + refs.at(i) * s.at(i))
             }
             (Growth::ArrayRepeat, 2..) => {
                 let n = PerRow::numbers(&a[1])?;

@@ -175,7 +175,7 @@ fn is_legacy(dir: &Path, names: &[String]) -> Result<bool> {
             n if n == marker_tmp() => meta.is_file(),
             "tables" => meta.is_dir() && tables_look_gritdb(&path, &mut manifests)?,
             "trash" => meta.is_dir() && all_entries(&path, |e| is_table_dir_name(e) && table_files_only(&path.join(e)))?,
-            "wal" => meta.is_dir() && all_entries(&path, |e| is_wal_segment(e) && path.join(e).is_file())?,
+            "wal" => meta.is_dir() && all_entries(&path, |e| is_wal_segment(e) && fs::symlink_metadata(path.join(e)).is_ok_and(|m| m.is_file()))?,
             _ => false,
         };
         if !ok {

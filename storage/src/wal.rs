@@ -242,17 +242,23 @@ fn seg_name(id: u64) -> String {
     format!("wal-{id:08}.log")
 }
 
+/// The largest segment id: 15 digits. A log rotating every 16 MiB reaches it after about
+/// 14 ZiB written; a larger id in a name is not one this log gave, and an id near `u64::MAX`
+/// would wrap the next segment's id to 0, whose records replay first (a fresh-clone trial
+/// lost an acknowledged write so, with a `wal-18446744073709551615.log` added).
+pub const MAX_SEGMENT_ID: u64 = 999_999_999_999_999;
+
 /// The id of the segment named `name`, when it is exactly the name gritdb gives segment `id`:
 /// `wal-` + the id in decimal, zero-padded to at least 8 digits, + `.log`
-/// (`wal-00000001.log`, `wal-123456789012.log`). `wal-1.log`, `wal-000000000099.log` or an id
-/// past `u64::MAX` are not: [`Wal::open`] refuses them rather than read a file under another
-/// name than the one it would reopen and remove.
+/// (`wal-00000001.log`, `wal-123456789012.log`), the id at most [`MAX_SEGMENT_ID`].
+/// `wal-1.log`, `wal-000000000099.log` or a larger id are not: [`Wal::open`] refuses them
+/// rather than read a file under another name than the one it would reopen and remove.
 pub fn wal_segment_id(name: &str) -> Option<u64> {
     let digits = name.strip_prefix("wal-")?.strip_suffix(".log")?;
     if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }
-    let id: u64 = digits.parse().ok()?;
+    let id: u64 = digits.parse().ok().filter(|&id| id <= MAX_SEGMENT_ID)?;
     (seg_name(id) == name).then_some(id)
 }
 
@@ -285,6 +291,15 @@ impl Wal {
             let name = entry.map_err(io(dir)).map_err(E::from)?.file_name();
             let name = name.to_string_lossy();
             match wal_segment_id(&name) {
+                // Only a regular file: through a symlink the open would cut (or read without
+                // end, `/dev/zero`) a file outside the data directory, and a FIFO blocks it.
+                Some(_) if !fs::symlink_metadata(dir.join(&*name)).is_ok_and(|m| m.is_file()) => {
+                    return Err(E::from(corrupt(
+                        &dir.join(&*name),
+                        0,
+                        "named as a segment but not a regular file (a symlink, directory, FIFO or device); move it out of the log directory",
+                    )));
+                }
                 Some(id) => ids.push(id),
                 // A name like a segment's that gritdb would not give one (`wal-1.log`): its
                 // records (if it holds any) would be neither replayed nor removed; refused
@@ -307,7 +322,7 @@ impl Wal {
             let seg = read_segment(&path, id, last, &mut replay)?;
             closed.push(seg);
         }
-        let next_id = ids.last().map_or(1, |l| l + 1);
+        let next_id = ids.last().map_or(1, |l| l + 1); // at most `MAX_SEGMENT_ID` + 1
         Ok(Self {
             dir: dir.to_path_buf(),
             vfs,
@@ -420,7 +435,8 @@ impl Wal {
             let path = self.dir.join(seg_name(id));
             let file = self.vfs.create(&path).map_err(io(&path))?;
             self.vfs.sync_dir(&self.dir).map_err(io(&self.dir))?;
-            g.next_id += 1;
+            // Ids at open are at most `MAX_SEGMENT_ID`: no wrap in any real log's life.
+            g.next_id = id.saturating_add(1);
             g.active = Some(Active { seg: Segment { id, bytes: 0, max_seq: HashMap::new() }, file });
         }
         let a = g.active.as_mut().expect("active segment just ensured"); // infallible
@@ -1340,7 +1356,9 @@ mod tests {
         assert_eq!(wal_segment_id("wal-00000001.log"), Some(1));
         assert_eq!(wal_segment_id(&seg_name(42)), Some(42));
         assert_eq!(wal_segment_id("wal-123456789012.log"), Some(123_456_789_012));
-        assert_eq!(wal_segment_id(&seg_name(u64::MAX)), Some(u64::MAX));
+        assert_eq!(wal_segment_id(&seg_name(MAX_SEGMENT_ID)), Some(MAX_SEGMENT_ID));
+        assert_eq!(wal_segment_id(&seg_name(MAX_SEGMENT_ID + 1)), None);
+        assert_eq!(wal_segment_id(&seg_name(u64::MAX)), None, "the next id would wrap to 0");
         for bad in [
             "wal-1.log",
             "wal-0000001.log",
@@ -1407,6 +1425,48 @@ mod tests {
         for other in ["README.txt", "wal-00000002.log.tmp", "wal-00000003.bak"] {
             assert_eq!(fs::read(dir.path().join(other)).unwrap(), b"kept");
         }
+    }
+
+    /// A segment name that is a symlink (to a user's file outside the log, or `/dev/zero`), a
+    /// directory or a FIFO is `CorruptWal` naming it, and nothing behind it is read or cut
+    /// (before: the user's file was truncated to 0 bytes, `/dev/zero` read without end, a FIFO
+    /// blocked the open). An id past `MAX_SEGMENT_ID` (`u64::MAX`, whose next id wrapped to 0
+    /// and replayed first, losing an acknowledged write) is refused by its name.
+    #[test]
+    fn segment_names_on_other_than_regular_files_are_refused_and_nothing_is_cut() {
+        let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(64 << 20), ..ControllerConfig::default() }).unwrap();
+        let [a, _, _] = three_records(&ctl);
+        let outside = tempfile::tempdir().unwrap();
+        let user_file = outside.path().join("notes.txt");
+        fs::write(&user_file, b"ok\n").unwrap();
+        let name = seg_name(2);
+        let cases: [(&str, Box<dyn Fn(&Path)>); 5] = [
+            ("symlink to a user's file", Box::new(|p: &Path| std::os::unix::fs::symlink(&user_file, p).unwrap())),
+            ("symlink to /dev/zero", Box::new(|p: &Path| std::os::unix::fs::symlink("/dev/zero", p).unwrap())),
+            ("dangling symlink", Box::new(|p: &Path| std::os::unix::fs::symlink("/nonexistent/x", p).unwrap())),
+            ("directory", Box::new(|p: &Path| fs::create_dir(p).unwrap())),
+            ("FIFO", Box::new(|p: &Path| assert!(std::process::Command::new("mkfifo").arg(p).status().unwrap().success()))),
+        ];
+        for (what, make) in cases {
+            let dir = tempfile::tempdir().unwrap();
+            fs::write(dir.path().join(seg_name(1)), &a).unwrap();
+            make(&dir.path().join(&name));
+            match Wal::open(dir.path(), Arc::new(StdFs), WalSync::PerBatch, &ctl, |_| Ok::<(), StorageError>(())) {
+                Err(StorageError::CorruptWal { path, .. }) => assert_eq!(path, dir.path().join(&name), "{what}"),
+                other => panic!("{what}: expected CorruptWal, got {:?}", other.map(|_| ())),
+            }
+            assert!(fs::symlink_metadata(dir.path().join(&name)).is_ok(), "{what}: left in place");
+            assert_eq!(fs::read(dir.path().join(seg_name(1))).unwrap(), a, "{what}");
+        }
+        assert_eq!(fs::read(&user_file).unwrap(), b"ok\n", "the user's file is not cut");
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join(seg_name(1)), &a).unwrap();
+        fs::write(dir.path().join("wal-18446744073709551615.log"), vec![0u8; 8192]).unwrap();
+        match Wal::open(dir.path(), Arc::new(StdFs), WalSync::PerBatch, &ctl, |_| Ok::<(), StorageError>(())) {
+            Err(StorageError::CorruptWal { path, .. }) => assert_eq!(path, dir.path().join("wal-18446744073709551615.log")),
+            other => panic!("u64::MAX: expected CorruptWal, got {:?}", other.map(|_| ())),
+        }
+        assert_eq!(fs::read(dir.path().join("wal-18446744073709551615.log")).unwrap().len(), 8192);
     }
 
     /// A damaged header is told from a torn tail by walking the record's IPC messages: a

@@ -1015,6 +1015,13 @@ fn functions_sized_by_an_argument_are_held_to_the_memory_limit() {
         "SELECT sum(length(repeat(s, 100000000))) FROM t",
         "SELECT sum(length(lpad(s, id * 400000000))) FROM t",
         "SELECT sum(cardinality(array_repeat(id, v * 10000000))) FROM t",
+        // Units mixed: second timestamps stepped by a millisecond (a trial's 806 MiB).
+        "SELECT cardinality(range(to_timestamp_seconds(0), to_timestamp_seconds(100000), INTERVAL '1 millisecond'))",
+        "SELECT cardinality(generate_series(to_timestamp_millis(0), to_timestamp_millis(100000000), INTERVAL '1 millisecond'))",
+        // The fill of a resize (1,954 MiB), and one row's large element among small ones
+        // (an average over the batch let 1,012 MiB through).
+        "SELECT cardinality(array_resize(['a'], 1000, repeat('x', 1000000)))",
+        "SELECT sum(cardinality(array_repeat(e, k))) FROM (SELECT CASE WHEN id = 1 THEN repeat('x', 1000000) ELSE '' END AS e, CASE WHEN id = 1 THEN 1000 ELSE 0 END AS k FROM t)",
     ] {
         match engine.sql(q) {
             Err(Error::MemoryLimit { category, requested, .. }) => {
@@ -1030,6 +1037,8 @@ fn functions_sized_by_an_argument_are_held_to_the_memory_limit() {
         ("SELECT length(lpad('a', 5000000, 'é'))", 5_000_000),
         ("SELECT cardinality(range(1, 1000000))", 999_999),
         ("SELECT cardinality(array_repeat(7, 100000))", 100_000),
+        ("SELECT cardinality(array_resize([repeat('x', 5000000)], 1000))", 1_000),
+        ("SELECT cardinality(range(to_timestamp_seconds(0), to_timestamp_seconds(100000), INTERVAL '1 second'))", 100_000),
         ("SELECT cardinality(range(DATE '1970-01-01', DATE '2100-01-01', INTERVAL '1 day'))", 47_482),
         ("SELECT sum(length(repeat(s, 100000))) FROM t", 600_000),
         ("SELECT sum(length(replace(repeat(s, 1000), '1', 'xyz'))) FROM t", 6_000 + 2_000),

@@ -23,10 +23,10 @@
 //! - `regexp_replace(s, p, r [, flags])`: `len(s) + (len(s) + 1) × len(r) + k × len(s)`,
 //!   where `k` counts `$` and `\` in `r` (group references: matches do not overlap, so each
 //!   reference expands to at most `len(s)` bytes over all matches);
-//! - `array_repeat(e, n)`: `n ×` the bytes of one `e`;
-//! - `array_resize(a, n [, fill])`: `n ×` the bytes of one element of `a` (16 when unknown);
-//! - `range`/`generate_series`: `(|stop − start| / |step| + 1) × 8`, the step of a temporal
-//!   range taken as its nanoseconds (a month as 28 days), 1 when it is not a constant.
+//! - `array_repeat(e, n)`: `n ×` the bytes of that row's `e`;
+//! - `array_resize(a, n [, fill])`: that row's list + `n ×` its fill (16 without one);
+//! - `range`/`generate_series`: `(|stop − start| / |step| + 1) × 8`, temporal bounds and
+//!   steps in nanoseconds (a month as 28 days), a step that is not a constant taken as 1 ns.
 //!
 //! - a call whose arguments are all constants: 4 × the above ([`CONSTANT_COPIES`]).
 //!
@@ -36,7 +36,7 @@
 use datafusion::arrow::array::{Array, ArrayRef, AsArray};
 use datafusion::arrow::compute::kernels::length::length;
 use datafusion::arrow::compute::{cast, cast_with_options, CastOptions};
-use datafusion::arrow::datatypes::{DataType, Float64Type, Int32Type, Int64Type, IntervalMonthDayNano};
+use datafusion::arrow::datatypes::{DataType, Float64Type, Int32Type, Int64Type, IntervalMonthDayNano, TimeUnit};
 use datafusion::common::{Result, ScalarValue};
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryPool};
 use datafusion::logical_expr::interval_arithmetic::Interval;
@@ -154,16 +154,71 @@ impl PerRow {
         })
     }
 
-    /// Numbers as `f64` (no overflow); 0 for nulls and values that are not numbers.
+    /// Numbers as `f64` (no overflow); dates and timestamps in nanoseconds since the epoch;
+    /// 0 for nulls and values that are not numbers.
     fn numbers(arg: &ColumnarValue) -> Result<Self> {
         Self::of(arg, |a| {
-            let a = match a.data_type() {
-                DataType::Date32 | DataType::Date64 | DataType::Timestamp(..) => cast(a, &DataType::Int64)?,
-                _ => Arc::clone(a),
+            // Nanoseconds per unit of a temporal value (a trial's `range` of second timestamps
+            // stepped by a millisecond was undercounted 10^9 times when units were mixed).
+            let (a, scale) = match a.data_type() {
+                DataType::Date32 => (cast(a, &DataType::Int64)?, DAY_NS),
+                DataType::Date64 => (cast(a, &DataType::Int64)?, 1e6),
+                DataType::Timestamp(unit, _) => (
+                    cast(a, &DataType::Int64)?,
+                    match unit {
+                        TimeUnit::Second => 1e9,
+                        TimeUnit::Millisecond => 1e6,
+                        TimeUnit::Microsecond => 1e3,
+                        TimeUnit::Nanosecond => 1.0,
+                    },
+                ),
+                _ => (Arc::clone(a), 1.0),
             };
             let f = cast_with_options(&a, &DataType::Float64, &CastOptions { safe: true, ..CastOptions::default() })?;
-            Ok(f.as_primitive::<Float64Type>().iter().map(|v| v.filter(|v| v.is_finite()).unwrap_or(0.0)).collect())
+            Ok(f.as_primitive::<Float64Type>().iter().map(|v| v.filter(|v| v.is_finite()).map_or(0.0, |v| v * scale)).collect())
         })
+    }
+
+    /// Bytes of each row's value: a fixed width; a string's or binary's length + 16 (offset or
+    /// view); a list's elements of fixed width or strings, summed per row, + 16; other types
+    /// their array's memory over its rows.
+    fn sizes(arg: &ColumnarValue) -> Result<Self> {
+        fn of(a: &ArrayRef) -> Result<Vec<f64>> {
+            let dt = a.data_type();
+            if let Some(w) = dt.primitive_width() {
+                return Ok(vec![w as f64; a.len()]);
+            }
+            if matches!(dt, DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View | DataType::Binary | DataType::LargeBinary | DataType::BinaryView) {
+                let l = length(a.as_ref())?;
+                return Ok(match l.data_type() {
+                    DataType::Int32 => l.as_primitive::<Int32Type>().iter().map(|v| f64::from(v.unwrap_or(0)) + 16.0).collect(),
+                    _ => l.as_primitive::<Int64Type>().iter().map(|v| v.unwrap_or(0) as f64 + 16.0).collect(),
+                });
+            }
+            let list = |values: &ArrayRef, bounds: &mut dyn Iterator<Item = (usize, usize)>| -> Result<Vec<f64>> {
+                let each = of(values)?;
+                let mut prefix = Vec::with_capacity(each.len() + 1);
+                prefix.push(0.0);
+                for v in &each {
+                    prefix.push(prefix.last().copied().unwrap_or(0.0) + v);
+                }
+                Ok(bounds.map(|(s, e)| prefix[e.min(each.len())] - prefix[s.min(each.len())] + 16.0).collect())
+            };
+            match dt {
+                DataType::List(_) => {
+                    let l = a.as_list::<i32>();
+                    let o = l.value_offsets();
+                    list(l.values(), &mut o.windows(2).map(|w| (w[0] as usize, w[1] as usize)))
+                }
+                DataType::LargeList(_) => {
+                    let l = a.as_list::<i64>();
+                    let o = l.value_offsets();
+                    list(l.values(), &mut o.windows(2).map(|w| (w[0] as usize, w[1] as usize)))
+                }
+                _ => Ok(vec![a.get_array_memory_size() as f64 / a.len().max(1) as f64; a.len()]),
+            }
+        }
+        Self::of(arg, of)
     }
 
     /// Counts of `$` and `\` in each string (group references of a replacement).
@@ -189,42 +244,12 @@ fn ascii(arg: &ColumnarValue) -> bool {
     }
 }
 
-/// Bytes of one value of `arg`: a fixed-width type's width, else its memory over its rows.
-fn value_bytes(arg: &ColumnarValue) -> f64 {
-    if let Some(w) = arg.data_type().primitive_width() {
-        return w as f64;
-    }
-    match arg {
-        ColumnarValue::Array(a) => a.get_array_memory_size() as f64 / a.len().max(1) as f64,
-        ColumnarValue::Scalar(s) => s.to_array_of_size(1).map_or(s.size() as f64, |a| a.get_array_memory_size() as f64),
-    }
-}
+/// Nanoseconds in a day.
+const DAY_NS: f64 = 86_400e9;
 
-/// Bytes of one element of the lists of `arg` (16 when unknown).
-fn element_bytes(arg: &ColumnarValue) -> f64 {
-    let of = |a: &dyn Array| {
-        let values = match a.data_type() {
-            DataType::List(_) => a.as_list::<i32>().values().clone(),
-            DataType::LargeList(_) => a.as_list::<i64>().values().clone(),
-            DataType::FixedSizeList(..) => a.as_fixed_size_list().values().clone(),
-            _ => return 16.0,
-        };
-        match values.data_type().primitive_width() {
-            Some(w) => w as f64,
-            None if values.is_empty() => 16.0,
-            None => values.get_array_memory_size() as f64 / values.len() as f64,
-        }
-    };
-    match arg {
-        ColumnarValue::Array(a) => of(a.as_ref()),
-        ColumnarValue::Scalar(s) => s.to_array_of_size(1).map_or(16.0, |a| of(a.as_ref())),
-    }
-}
-
-/// A temporal range's step in the units of its bounds (days for dates, nanoseconds for
-/// timestamps, which `range` computes in), a month taken as 28 days; 1 when not a constant.
-fn temporal_step(start: &DataType, step: Option<&ColumnarValue>) -> f64 {
-    const DAY_NS: f64 = 86_400e9;
+/// A temporal range's step in nanoseconds (its bounds' unit in [`PerRow::numbers`]), a month
+/// taken as 28 days; 1 when it is not a constant.
+fn temporal_step(step: Option<&ColumnarValue>) -> f64 {
     let ns = match step {
         Some(ColumnarValue::Scalar(ScalarValue::IntervalMonthDayNano(Some(IntervalMonthDayNano { months, days, nanoseconds })))) => {
             f64::from(*months) * 28.0 * DAY_NS + f64::from(*days) * DAY_NS + *nanoseconds as f64
@@ -233,13 +258,7 @@ fn temporal_step(start: &DataType, step: Option<&ColumnarValue>) -> f64 {
         Some(ColumnarValue::Scalar(ScalarValue::IntervalYearMonth(Some(m)))) => f64::from(*m) * 28.0 * DAY_NS,
         _ => return 1.0,
     };
-    let unit = match start {
-        DataType::Date32 | DataType::Date64 => DAY_NS,
-        // `range` computes timestamps in nanoseconds; the bounds cast to Int64 are in their own
-        // unit, at least as coarse: dividing by the step in nanoseconds can only overcount.
-        _ => 1.0,
-    };
-    (ns.abs() / unit).max(1.0)
+    ns.abs().max(1.0)
 }
 
 impl OutputBound {
@@ -270,14 +289,15 @@ impl OutputBound {
                 sum(&|i| s.at(i) + (s.at(i) + 1.0) * r.at(i) + refs.at(i) * s.at(i))
             }
             (Growth::ArrayRepeat, 2..) => {
-                let n = PerRow::numbers(&a[1])?;
-                let each = value_bytes(&a[0]);
-                sum(&|i| nonneg(n.at(i)) * each)
+                let (n, each) = (PerRow::numbers(&a[1])?, PerRow::sizes(&a[0])?);
+                sum(&|i| nonneg(n.at(i)) * each.at(i))
             }
             (Growth::ArrayResize, 2..) => {
-                let n = PerRow::numbers(&a[1])?;
-                let each = element_bytes(&a[0]);
-                sum(&|i| nonneg(n.at(i)) * each)
+                // The row's own elements (at most all of them kept) and `n` new ones of the
+                // fill (a null without one), per row.
+                let (n, list) = (PerRow::numbers(&a[1])?, PerRow::sizes(&a[0])?);
+                let fill = a.get(2).map(PerRow::sizes).transpose()?;
+                sum(&|i| list.at(i) + nonneg(n.at(i)) * fill.as_ref().map_or(16.0, |f| f.at(i)))
             }
             (Growth::Range, 1..) => {
                 let (start, stop, step) = match a.len() {
@@ -289,7 +309,7 @@ impl OutputBound {
                 let stop = PerRow::numbers(stop)?;
                 let start = start.map(PerRow::numbers).transpose()?;
                 let (numeric_step, fixed_step) = if temporal {
-                    (None, temporal_step(&a[0].data_type(), step))
+                    (None, temporal_step(step))
                 } else {
                     (step.map(PerRow::numbers).transpose()?, 1.0)
                 };

@@ -630,7 +630,10 @@ fn the_open_removes_only_files_gritdb_names() {
         .collect();
     write_files(&dir, &files);
     std::fs::create_dir_all(dir.join("tables/t08")).unwrap();
+    // A file named as a table directory (before: the open failed with `NotADirectory`).
+    std::fs::write(dir.join("tables/t99"), b"someone's bytes").unwrap();
     assert_eq!(read_table(&dir), want);
+    assert_eq!(std::fs::read(dir.join("tables/t99")).unwrap(), b"someone's bytes");
     for p in &kept {
         assert_eq!(std::fs::read(dir.join(p)).unwrap(), b"someone's bytes", "{p} is kept");
     }

@@ -432,6 +432,16 @@ impl Wal {
         }
         if g.active.is_none() {
             let id = g.next_id;
+            // Past the last id the open accepts, a segment's records would be refused (and
+            // then lost) at the next open: this write is refused instead, before it is logged.
+            if id > MAX_SEGMENT_ID {
+                return Err(StorageError::Io {
+                    path: self.dir.join(seg_name(id)),
+                    source: std::io::Error::other(format!(
+                        "the write-ahead log is out of segment ids (the last is {MAX_SEGMENT_ID}); flush, export the tables and open a new data directory"
+                    )),
+                });
+            }
             let path = self.dir.join(seg_name(id));
             let file = self.vfs.create(&path).map_err(io(&path))?;
             self.vfs.sync_dir(&self.dir).map_err(io(&self.dir))?;
@@ -1467,6 +1477,28 @@ mod tests {
             other => panic!("u64::MAX: expected CorruptWal, got {:?}", other.map(|_| ())),
         }
         assert_eq!(fs::read(dir.path().join("wal-18446744073709551615.log")).unwrap().len(), 8192);
+    }
+
+    /// A log whose last segment has the last id opens, but a write that needs the next
+    /// segment is refused before it is logged (before: written to a 16-digit segment the next
+    /// open refused, so the acknowledged write was lost when that file was moved away).
+    #[test]
+    fn a_log_out_of_segment_ids_refuses_the_write_and_loses_nothing() {
+        let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(64 << 20), ..ControllerConfig::default() }).unwrap();
+        let [a, _, _] = three_records(&ctl);
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join(seg_name(1)), &a).unwrap();
+        fs::write(dir.path().join(seg_name(MAX_SEGMENT_ID)), b"").unwrap();
+        let wal = Wal::open(dir.path(), Arc::new(StdFs), WalSync::PerBatch, &ctl, |_| Ok::<(), StorageError>(())).unwrap();
+        match wal.append(WalOp::Put, 1, 11, 20, &keyed(10, 10, "b")) {
+            Err(StorageError::Io { source, .. }) => assert!(source.to_string().contains("out of segment ids"), "{source}"),
+            other => panic!("expected Io, got {other:?}"),
+        }
+        drop(wal);
+        let mut names: Vec<String> = fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        names.sort();
+        assert_eq!(names, [seg_name(1), seg_name(MAX_SEGMENT_ID)]);
+        assert_eq!(replayed_rows(dir.path(), &ctl), 10);
     }
 
     /// A damaged header is told from a torn tail by walking the record's IPC messages: a

@@ -1022,6 +1022,12 @@ fn functions_sized_by_an_argument_are_held_to_the_memory_limit() {
         // (an average over the batch let 1,012 MiB through).
         "SELECT cardinality(array_resize(['a'], 1000, repeat('x', 1000000)))",
         "SELECT sum(cardinality(array_repeat(e, k))) FROM (SELECT CASE WHEN id = 1 THEN repeat('x', 1000000) ELSE '' END AS e, CASE WHEN id = 1 THEN 1000 ELSE 0 END AS k FROM t)",
+        // The same value inside a struct (its fields were averaged over the batch: 1 GB).
+        "SELECT sum(cardinality(array_repeat(named_struct('a', e), k))) FROM (SELECT CASE WHEN id = 1 THEN repeat('x', 1000000) ELSE '' END AS e, CASE WHEN id = 1 THEN 1000 ELSE 0 END AS k FROM t)",
+        "SELECT sum(cardinality(array_resize([named_struct('a', '')], k, named_struct('a', e)))) FROM (SELECT CASE WHEN id = 1 THEN repeat('x', 1000000) ELSE '' END AS e, CASE WHEN id = 1 THEN 1000 ELSE 0 END AS k FROM t)",
+        // A step that is 0 or negative in some months: DataFusion's range never ends (33 MB/s).
+        "SELECT cardinality(range(to_timestamp_seconds(0), to_timestamp_seconds(1000000000), INTERVAL '1 month -30 days'))",
+        "SELECT cardinality(range(to_timestamp_seconds(0), to_timestamp_seconds(100000000), INTERVAL '1 month -29 days'))",
     ] {
         match engine.sql(q) {
             Err(Error::MemoryLimit { category, requested, .. }) => {
@@ -1037,6 +1043,10 @@ fn functions_sized_by_an_argument_are_held_to_the_memory_limit() {
         ("SELECT length(lpad('a', 5000000, 'é'))", 5_000_000),
         ("SELECT cardinality(range(1, 1000000))", 999_999),
         ("SELECT cardinality(array_repeat(7, 100000))", 100_000),
+        // 1 to 4 days a step, calendar months: 392 steps before 1973-03-03 09:46:40 (counted
+        // in Python's datetime, each step a month on then 27 days back).
+        ("SELECT cardinality(range(to_timestamp_seconds(0), to_timestamp_seconds(100000000), INTERVAL '1 month -27 days'))", 392),
+        ("SELECT cardinality(array_repeat(named_struct('a', 'xyz', 'b', 1), 100000))", 100_000),
         ("SELECT cardinality(array_resize([repeat('x', 5000000)], 1000))", 1_000),
         ("SELECT cardinality(range(to_timestamp_seconds(0), to_timestamp_seconds(100000), INTERVAL '1 second'))", 100_000),
         ("SELECT cardinality(range(DATE '1970-01-01', DATE '2100-01-01', INTERVAL '1 day'))", 47_482),

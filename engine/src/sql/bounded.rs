@@ -26,7 +26,8 @@
 //! - `array_repeat(e, n)`: `n ×` the bytes of that row's `e`;
 //! - `array_resize(a, n [, fill])`: that row's list + `n ×` its fill (16 without one);
 //! - `range`/`generate_series`: `(|stop − start| / |step| + 1) × 8`, temporal bounds and
-//!   steps in nanoseconds (a month as 28 days), a step that is not a constant taken as 1 ns.
+//!   steps in nanoseconds (the smallest a month of 28–31 days makes; a step that can be 0 or
+//!   change sign, `1 month -30 days`, is unbounded), a step that is not a constant 1 ns.
 //!
 //! - a call whose arguments are all constants: 4 × the above ([`CONSTANT_COPIES`]).
 //!
@@ -180,8 +181,8 @@ impl PerRow {
     }
 
     /// Bytes of each row's value: a fixed width; a string's or binary's length + 16 (offset or
-    /// view); a list's elements of fixed width or strings, summed per row, + 16; other types
-    /// their array's memory over its rows.
+    /// view); a list's elements, summed per row, + 16; a struct's fields summed; other types
+    /// (maps, unions, dictionaries) their array's memory over its rows, a mean.
     fn sizes(arg: &ColumnarValue) -> Result<Self> {
         fn of(a: &ArrayRef) -> Result<Vec<f64>> {
             let dt = a.data_type();
@@ -215,6 +216,24 @@ impl PerRow {
                     let o = l.value_offsets();
                     list(l.values(), &mut o.windows(2).map(|w| (w[0] as usize, w[1] as usize)))
                 }
+                DataType::FixedSizeList(_, n) => {
+                    let l = a.as_fixed_size_list();
+                    let n = usize::try_from(*n).unwrap_or(0);
+                    list(l.values(), &mut (0..l.len()).map(|i| (i * n, (i + 1) * n)))
+                }
+                // A row's fields summed (before: the column's memory over its rows, so one
+                // large row among small ones was counted at the mean: a trial's
+                // `array_repeat(named_struct('a', v), k)` reached 1 GB at 256 MiB).
+                DataType::Struct(_) => {
+                    let mut rows = vec![16.0; a.len()];
+                    for c in a.as_struct().columns() {
+                        for (r, v) in rows.iter_mut().zip(of(c)?) {
+                            *r += v;
+                        }
+                    }
+                    Ok(rows)
+                }
+                // Maps, unions, dictionaries: the column's memory over its rows (a mean).
                 _ => Ok(vec![a.get_array_memory_size() as f64 / a.len().max(1) as f64; a.len()]),
             }
         }
@@ -247,18 +266,26 @@ fn ascii(arg: &ColumnarValue) -> bool {
 /// Nanoseconds in a day.
 const DAY_NS: f64 = 86_400e9;
 
-/// A temporal range's step in nanoseconds (its bounds' unit in [`PerRow::numbers`]), a month
-/// taken as 28 days; 1 when it is not a constant.
-fn temporal_step(step: Option<&ColumnarValue>) -> f64 {
-    let ns = match step {
+/// A temporal range's smallest step in nanoseconds (its bounds' unit in [`PerRow::numbers`]):
+/// a month is 28 to 31 days, so `1 month -30 days` may be -2 to +1 days. `None` when the step
+/// can be 0 or change sign: `DataFusion`'s timestamp range then never ends (a trial's `range`
+/// stepped by `1 month -30 days` grew 33 MB/s without end), so it counts as unbounded. 1 when
+/// the step is not a constant.
+fn temporal_step(step: Option<&ColumnarValue>) -> Option<f64> {
+    let (months, rest) = match step {
         Some(ColumnarValue::Scalar(ScalarValue::IntervalMonthDayNano(Some(IntervalMonthDayNano { months, days, nanoseconds })))) => {
-            f64::from(*months) * 28.0 * DAY_NS + f64::from(*days) * DAY_NS + *nanoseconds as f64
+            (f64::from(*months), f64::from(*days) * DAY_NS + *nanoseconds as f64)
         }
-        Some(ColumnarValue::Scalar(ScalarValue::IntervalDayTime(Some(v)))) => f64::from(v.days) * DAY_NS + f64::from(v.milliseconds) * 1e6,
-        Some(ColumnarValue::Scalar(ScalarValue::IntervalYearMonth(Some(m)))) => f64::from(*m) * 28.0 * DAY_NS,
-        _ => return 1.0,
+        Some(ColumnarValue::Scalar(ScalarValue::IntervalDayTime(Some(v)))) => (0.0, f64::from(v.days) * DAY_NS + f64::from(v.milliseconds) * 1e6),
+        Some(ColumnarValue::Scalar(ScalarValue::IntervalYearMonth(Some(m)))) => (f64::from(*m), 0.0),
+        _ => return Some(1.0),
     };
-    ns.abs().max(1.0)
+    let (a, b) = (months * 28.0 * DAY_NS + rest, months * 31.0 * DAY_NS + rest);
+    let (lo, hi) = (a.min(b), a.max(b));
+    if lo <= 0.0 && hi >= 0.0 {
+        return None;
+    }
+    Some(lo.abs().min(hi.abs()).max(1.0))
 }
 
 impl OutputBound {
@@ -309,13 +336,17 @@ impl OutputBound {
                 let stop = PerRow::numbers(stop)?;
                 let start = start.map(PerRow::numbers).transpose()?;
                 let (numeric_step, fixed_step) = if temporal {
-                    (None, temporal_step(step))
+                    (None, temporal_step(step).unwrap_or(0.0))
                 } else {
                     (step.map(PerRow::numbers).transpose()?, 1.0)
                 };
                 sum(&|i| {
                     let span = (stop.at(i) - start.as_ref().map_or(0.0, |s| s.at(i))).abs();
                     let step = numeric_step.as_ref().map_or(fixed_step, |s| s.at(i).abs().max(1.0));
+                    if step == 0.0 {
+                        // A temporal step that can be 0 or change sign: no end.
+                        return f64::INFINITY;
+                    }
                     (span / step + 1.0) * 8.0
                 })
             }

@@ -217,15 +217,10 @@ fn all_entries(dir: &Path, mut check: impl FnMut(&str) -> bool) -> Result<bool> 
     Ok(true)
 }
 
-fn is_digits(s: &str) -> bool {
-    !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit())
-}
-
 /// The id of a table directory named `t<id>` exactly as gritdb names it (`t7`; not `t07`,
 /// `t+7` or an id past `u64::MAX`).
 pub(crate) fn table_dir_id(name: &str) -> Option<u64> {
-    let digits = name.strip_prefix('t').filter(|d| is_digits(d))?;
-    digits.parse::<u64>().ok().filter(|id| id.to_string() == digits)
+    gritdb_storage::canonical_id(name.strip_prefix('t')?, 1)
 }
 
 /// `t<N>`: a table directory's name ([`table_dir_id`]).

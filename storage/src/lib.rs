@@ -32,6 +32,20 @@ mod wal;
 mod write;
 
 pub use bytes::batch_bytes;
+
+/// The id an on-disk name spells in `digits`, when it is spelled exactly as gritdb writes it:
+/// decimal, zero-padded to `width` digits and no further (`canonical_id("000007", 6)` is 7;
+/// `"07"` at width 1, `"+7"`, `""` or a number past `u64::MAX` are `None`). The one rule behind
+/// segment names ([`wal_segment_id`], width 8), table files ([`is_table_file_name`], width 6)
+/// and table directories (`t<id>`, width 1), so a name gritdb did not give is never taken for
+/// one it did.
+pub fn canonical_id(digits: &str, width: usize) -> Option<u64> {
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let id: u64 = digits.parse().ok()?;
+    (format!("{id:0width$}") == digits).then_some(id)
+}
 pub use compact::{CompactionOptions, CompactionPlan};
 pub use error::StorageError;
 pub use filter::{BoundFilter, CompareOp, FilePlan, FilterError, MAX_FILTER_DEPTH, ScanCounters, ScanFilter, ScanMetrics, filter_batch, keep_rows};

@@ -282,8 +282,8 @@ pub(crate) fn file_name(id: u32) -> String {
 /// cleanup ([`TableStore::open`]) or taken as a table's by an older directory's adoption.
 pub fn is_table_file_name(name: &str) -> bool {
     let name = name.strip_suffix(".tmp").unwrap_or(name);
-    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-    let file_id = |s: &str| digits(s) && s.parse::<u32>().is_ok_and(|id| format!("{id:06}") == s);
+    // `file_name`'s spelling: a `u32` zero-padded to 6 digits.
+    let file_id = |s: &str| crate::canonical_id(s, 6).is_some_and(|id| u32::try_from(id).is_ok());
     if name == MANIFEST_FILE {
         return true;
     }
@@ -292,7 +292,7 @@ pub fn is_table_file_name(name: &str) -> bool {
         return file_id(id);
     }
     rest.split_once(".dv")
-        .is_some_and(|(id, version)| file_id(id) && digits(version) && version.parse::<u64>().is_ok_and(|v| v.to_string() == version))
+        .is_some_and(|(id, version)| file_id(id) && crate::canonical_id(version, 1).is_some())
 }
 
 impl TableStore {

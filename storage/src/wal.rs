@@ -254,12 +254,9 @@ pub const MAX_SEGMENT_ID: u64 = 999_999_999_999_999;
 /// `wal-1.log`, `wal-000000000099.log` or a larger id are not: [`Wal::open`] refuses them
 /// rather than read a file under another name than the one it would reopen and remove.
 pub fn wal_segment_id(name: &str) -> Option<u64> {
+    // `seg_name`'s spelling: the id zero-padded to 8 digits.
     let digits = name.strip_prefix("wal-")?.strip_suffix(".log")?;
-    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    let id: u64 = digits.parse().ok().filter(|&id| id <= MAX_SEGMENT_ID)?;
-    (seg_name(id) == name).then_some(id)
+    crate::canonical_id(digits, 8).filter(|&id| id <= MAX_SEGMENT_ID)
 }
 
 /// Whether a name is shaped like a segment's (`wal-*.log`) whatever lies between.

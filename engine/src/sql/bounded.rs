@@ -146,13 +146,7 @@ impl PerRow {
 
     /// Byte lengths (strings, binaries) or element counts (lists); 0 for nulls.
     fn lengths(arg: &ColumnarValue) -> Result<Self> {
-        Self::of(arg, |a| {
-            let l = length(a.as_ref())?;
-            Ok(match l.data_type() {
-                DataType::Int32 => l.as_primitive::<Int32Type>().iter().map(|v| f64::from(v.unwrap_or(0))).collect(),
-                _ => l.as_primitive::<Int64Type>().iter().map(|v| v.unwrap_or(0) as f64).collect(),
-            })
-        })
+        Self::of(arg, lengths_of)
     }
 
     /// Numbers as `f64` (no overflow); dates and timestamps in nanoseconds since the epoch;
@@ -190,11 +184,7 @@ impl PerRow {
                 return Ok(vec![w as f64; a.len()]);
             }
             if matches!(dt, DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View | DataType::Binary | DataType::LargeBinary | DataType::BinaryView) {
-                let l = length(a.as_ref())?;
-                return Ok(match l.data_type() {
-                    DataType::Int32 => l.as_primitive::<Int32Type>().iter().map(|v| f64::from(v.unwrap_or(0)) + 16.0).collect(),
-                    _ => l.as_primitive::<Int64Type>().iter().map(|v| v.unwrap_or(0) as f64 + 16.0).collect(),
-                });
+                return Ok(lengths_of(a)?.into_iter().map(|l| l + 16.0).collect());
             }
             let list = |values: &ArrayRef, bounds: &mut dyn Iterator<Item = (usize, usize)>| -> Result<Vec<f64>> {
                 let each = of(values)?;
@@ -247,6 +237,15 @@ impl PerRow {
             Ok(s.as_string::<i32>().iter().map(|v| v.map_or(0, |v| v.bytes().filter(|&b| b == b'$' || b == b'\\').count()) as f64).collect())
         })
     }
+}
+
+/// Byte lengths of `a`'s strings or binaries, or element counts of its lists; 0 for nulls.
+fn lengths_of(a: &ArrayRef) -> Result<Vec<f64>> {
+    let l = length(a.as_ref())?;
+    Ok(match l.data_type() {
+        DataType::Int32 => l.as_primitive::<Int32Type>().iter().map(|v| f64::from(v.unwrap_or(0))).collect(),
+        _ => l.as_primitive::<Int64Type>().iter().map(|v| v.unwrap_or(0) as f64).collect(),
+    })
 }
 
 /// Whether every string of `arg` is ASCII (`false` for anything else).

@@ -407,18 +407,22 @@ impl Visitor for Depth {
     }
 }
 
+/// The SQL statement `DataFusion` would plan for `statement`, through any `EXPLAIN`; `None`
+/// for statements gritdb refuses anyway (`check_read_only`): nothing is planned.
+pub(crate) fn planned_statement(mut statement: &DfStatement) -> Option<&Statement> {
+    loop {
+        match statement {
+            DfStatement::Statement(s) => return Some(s),
+            DfStatement::Explain(e) => statement = &e.statement,
+            _ => return None,
+        }
+    }
+}
+
 /// The nesting depth of `statement` when it is at most `limit`, else `Err` with at least
 /// `limit + 1` (the walk stops there, so its recursion is bounded by the limit).
 pub(crate) fn statement_depth(statement: &DfStatement, limit: usize) -> Result<usize, usize> {
-    let mut statement = statement;
-    let sql: &Statement = loop {
-        match statement {
-            DfStatement::Statement(s) => break s,
-            DfStatement::Explain(e) => statement = &e.statement,
-            // Statements gritdb refuses anyway (`check_read_only`): nothing is planned.
-            _ => return Ok(0),
-        }
-    };
+    let Some(sql) = planned_statement(statement) else { return Ok(0) };
     let mut depth = Depth {
         current: 0,
         deepest: 0,
@@ -684,11 +688,7 @@ impl Visitor for Expand {
 /// through a reference, so a `WITH RECURSIVE` or a chain doubling per CTE is counted in one
 /// walk of the text.
 pub(crate) fn expansion(statement: &DfStatement) -> Expansion {
-    let sql: &Statement = match statement {
-        DfStatement::Statement(s) => s,
-        DfStatement::Explain(e) => return expansion(&e.statement),
-        _ => return Expansion::default(),
-    };
+    let Some(sql) = planned_statement(statement) else { return Expansion::default() };
     let mut v = Expand {
         levels: Depth {
             current: 0,

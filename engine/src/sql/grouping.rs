@@ -37,11 +37,7 @@ pub(crate) fn check_cube_size(statement: &DfStatement) -> Result<(), usize> {
             }
         }
     }
-    let statement = match statement {
-        DfStatement::Statement(s) => s,
-        DfStatement::Explain(e) => return check_cube_size(&e.statement),
-        _ => return Ok(()),
-    };
+    let Some(statement) = super::depth::planned_statement(statement) else { return Ok(()) };
     match statement.visit(&mut Cubes) {
         ControlFlow::Continue(()) => Ok(()),
         ControlFlow::Break(n) => Err(n),

@@ -238,27 +238,21 @@ impl SqlState {
         // What DataFusion plans once each CTE reference is replaced by its CTE's plan.
         let expanded = depth::expansion(&statement);
         if expanded.subqueries > MAX_SUBQUERY_DEPTH {
-            return Err(Error::Sql {
-                kind: SqlErrorKind::TooDeep,
-                source: Box::new(DataFusionError::Plan(format!(
-                    "the statement nests {} subqueries inside expressions (`(SELECT ..)`, `IN (SELECT ..)`, \
-                     `EXISTS`; a CTE read inside one counts its own too), more than the {MAX_SUBQUERY_DEPTH} gritdb plans \
-                     (DataFusion's planning time doubles with each); write the inner ones as joins",
-                    expanded.subqueries
-                ))),
-            });
+            return Err(refused(SqlErrorKind::TooDeep, format!(
+                "the statement nests {} subqueries inside expressions (`(SELECT ..)`, `IN (SELECT ..)`, \
+                 `EXISTS`; a CTE read inside one counts its own too), more than the {MAX_SUBQUERY_DEPTH} gritdb plans \
+                 (DataFusion's planning time doubles with each); write the inner ones as joins",
+                expanded.subqueries
+            )));
         }
         if expanded.relations > MAX_EXPANDED_RELATIONS {
-            return Err(Error::Sql {
-                kind: SqlErrorKind::TooDeep,
-                source: Box::new(DataFusionError::Plan(format!(
-                    "the statement plans {} relations (each SELECT and table read, a CTE as many times as it is \
-                     referenced, with what it references), more than the {MAX_EXPANDED_RELATIONS} gritdb plans \
-                     (DataFusion copies a CTE's plan into each reference: a chain of CTEs each reading the one before \
-                     twice doubles per CTE); read each CTE once, or split the statement",
-                    if expanded.relations == usize::MAX { format!("at least {}", usize::MAX) } else { expanded.relations.to_string() }
-                ))),
-            });
+            return Err(refused(SqlErrorKind::TooDeep, format!(
+                "the statement plans {} relations (each SELECT and table read, a CTE as many times as it is \
+                 referenced, with what it references), more than the {MAX_EXPANDED_RELATIONS} gritdb plans \
+                 (DataFusion copies a CTE's plan into each reference: a chain of CTEs each reading the one before \
+                 twice doubles per CTE); read each CTE once, or split the statement",
+                if expanded.relations == usize::MAX { format!("at least {}", usize::MAX) } else { expanded.relations.to_string() }
+            )));
         }
         if expanded.depth > MAX_DEPTH {
             return Err(too_deep(&format!(
@@ -267,14 +261,11 @@ impl SqlState {
             )));
         }
         if let Err(n) = grouping::check_cube_size(&statement) {
-            return Err(Error::Sql {
-                kind: SqlErrorKind::Plan,
-                source: Box::new(DataFusionError::Plan(format!(
-                    "`CUBE` of {n} expressions stands for 2^{n} grouping sets, which DataFusion builds in memory while planning; \
-                     gritdb plans at most {MAX_CUBE_EXPRESSIONS} ({MAX_GROUPING_SETS} sets, DataFusion's limit for grouping sets); \
-                     list the grouping sets wanted with `GROUPING SETS (..)`"
-                ))),
-            });
+            return Err(refused(SqlErrorKind::Plan, format!(
+                "`CUBE` of {n} expressions stands for 2^{n} grouping sets, which DataFusion builds in memory while planning; \
+                 gritdb plans at most {MAX_CUBE_EXPRESSIONS} ({MAX_GROUPING_SETS} sets, DataFusion's limit for grouping sets); \
+                 list the grouping sets wanted with `GROUPING SETS (..)`"
+            )));
         }
         let plan = state.statement_to_plan(statement).await.map_err(err)?;
         datafusion::execution::context::SQLOptions::new()
@@ -320,27 +311,27 @@ impl Drop for QueryTask {
 /// `Error::Sql { kind: TooDeep }` saying what was found against which limit, and how to
 /// rewrite.
 fn too_deep(found: &str) -> Error {
-    Error::Sql {
-        kind: SqlErrorKind::TooDeep,
-        source: Box::new(DataFusionError::Plan(format!(
-            "the statement {found} (planning recurses once per level: each operator of a chain like `a OR b OR c`, \
-             function call, CASE, subquery, UNION, joined table and CTE is one); write long OR chains of one column as \
-             `col IN (v1, v2, ...)`, many UNION ALL branches of constants as one VALUES list, or split the statement"
-        ))),
-    }
+    refused(SqlErrorKind::TooDeep, format!(
+        "the statement {found} (planning recurses once per level: each operator of a chain like `a OR b OR c`, \
+         function call, CASE, subquery, UNION, joined table and CTE is one); write long OR chains of one column as \
+         `col IN (v1, v2, ...)`, many UNION ALL branches of constants as one VALUES list, or split the statement"
+    ))
+}
+
+/// `Error::Sql { kind, .. }` for a statement gritdb refuses before planning, saying why
+/// (a `DataFusion` `Plan` error as its source, as `DataFusion`'s own refusals have).
+fn refused(kind: SqlErrorKind, why: String) -> Error {
+    Error::Sql { kind, source: Box::new(DataFusionError::Plan(why)) }
 }
 
 /// `Error::Sql { kind: TooDeep }` for a text nested past [`PARSER_RECURSION_LIMIT`].
 fn parser_too_deep() -> Error {
-    Error::Sql {
-        kind: SqlErrorKind::TooDeep,
-        source: Box::new(DataFusionError::Plan(format!(
-            "the statement nests parentheses, function calls, CASE expressions and subqueries more than the \
-             {PARSER_RECURSION_LIMIT} levels the SQL parser takes (each counts one, a subquery two); flatten \
-             the nesting (a CASE with more WHEN branches, a join or CTE instead of a subquery in a subquery) \
-             or split the statement"
-        ))),
-    }
+    refused(SqlErrorKind::TooDeep, format!(
+        "the statement nests parentheses, function calls, CASE expressions and subqueries more than the \
+         {PARSER_RECURSION_LIMIT} levels the SQL parser takes (each counts one, a subquery two); flatten \
+         the nesting (a CASE with more WHEN branches, a join or CTE instead of a subquery in a subquery) \
+         or split the statement"
+    ))
 }
 
 /// Whether a text the parser refused at [`PARSER_RECURSION_LIMIT`] parses as one statement

@@ -429,9 +429,12 @@ impl DeltaStore {
     /// (the engine's write-ahead-log fsync on another thread while the rows are encoded).
     ///
     /// Once the memory is budgeted, `run` is called with `encode`, which writes every row into
-    /// the row blocks without making any of them visible; `run` returns the commit's result.
-    /// On `Ok` the rows are installed (encoding them first if `run` did not call `encode`);
-    /// on `Err` the encoded rows are freed and nothing is applied. `hashes` holds the
+    /// the row blocks and points the map at them; `run` returns the commit's result. The
+    /// caller holds whatever lock keeps readers out until this returns (the engine's table
+    /// lock), so the commit's wait overlaps the map work without anyone seeing its rows early.
+    /// On `Ok` the rows replaced are freed (after encoding, if `run` did not call `encode`);
+    /// on `Err`, or a panic in `run` (resumed after), every entry gets its old row back, the
+    /// encoded rows are freed and nothing is applied. `hashes` holds the
     /// [`key_hash`] of every row of `keys` (from [`hash_keys`]; the caller already has them
     /// from its key checks).
     ///
@@ -469,7 +472,8 @@ impl DeltaStore {
             return Err(UnifyError::from(e).into());
         }
         let mut refs: Vec<RowRef> = Vec::new();
-        let arena = &mut self.arena;
+        // Per row, the entry its install replaced: freed once `run` succeeds, put back if not.
+        let mut replaced: Vec<Option<RowAt>> = Vec::new();
         let mut encode = || {
             if !refs.is_empty() {
                 return;
@@ -477,27 +481,45 @@ impl DeltaStore {
             refs.reserve_exact(n);
             for (i, (&size, key)) in sizes.iter().zip(keys.iter()).enumerate() {
                 // Cannot fail: `prepare` acquired every chunk these sizes need.
-                let Ok((r, buf)) = arena.alloc(size) else { unreachable!("row memory was prepared") };
+                let Ok((r, buf)) = self.arena.alloc(size) else { unreachable!("row memory was prepared") };
                 codec.encode_row(buf, OP_PUT, seq + i as u64, key.as_ref(), &plan, i);
                 refs.push(r);
             }
+            // Installed while the caller's commit (the WAL record's write and fsync) runs:
+            // the caller holds the table's lock, so no reader sees these entries before
+            // `run` returns, and they are taken out again if it fails.
+            replaced.reserve_exact(n);
+            for ((key, &h), r) in keys.iter().zip(hashes).zip(&refs) {
+                replaced.push(self.place(key.as_ref(), h, *r));
+            }
         };
-        let committed = run(&mut encode);
-        if committed.is_ok() {
-            encode();
-        }
-        if let Err(e) = committed {
-            // Refused after the rows were encoded (the overlapped WAL record failed): back to
-            // the arena's state before them, chunk for chunk.
-            self.arena.rollback(mark, &refs);
-            self.arena.release_spare();
-            self.unreserve_map(before);
-            return Err(e);
+        // A panic in `run` (resumed from the thread that wrote the record) undoes the rows
+        // as an error does, so no entry outlives a commit that did not happen.
+        let committed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let res = run(&mut encode);
+            if res.is_ok() {
+                encode();
+            }
+            res
+        }));
+        match committed {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                self.undo_puts(keys, hashes, &refs, &replaced, mark, before);
+                return Err(e);
+            }
+            Err(panic) => {
+                self.undo_puts(keys, hashes, &refs, &replaced, mark, before);
+                std::panic::resume_unwind(panic);
+            }
         }
         self.arena.release_spare();
-        for ((key, &h), r) in keys.iter().zip(hashes).zip(refs) {
-            self.install(key.as_ref(), h, r, true);
+        for old in replaced.into_iter().flatten() {
+            let old = self.row_ref(old);
+            self.count_removed(old);
+            self.arena.free(old);
         }
+        self.puts += n;
         self.max_seq = self.max_seq.max(seq + n as u64 - 1);
         Ok(())
     }
@@ -520,6 +542,42 @@ impl DeltaStore {
             self.arena.free(old);
         }
         if put { self.puts += 1 } else { self.tombstones += 1 }
+    }
+
+    /// Points `key`'s entry at `r` (one probe, as [`Self::install`]) and returns the entry it
+    /// replaced, without freeing or counting anything: [`Self::apply_puts_with`] settles
+    /// that once its commit is known. The map must have room (reserved before).
+    fn place(&mut self, key: &[u8], hash: u64, r: RowRef) -> Option<RowAt> {
+        let arena = &self.arena;
+        let tag = hash as u32;
+        match self.map.entry(hash, |e| e.tag == tag && key_of(arena.get_from(e.at)) == key, |e| spread(e.tag)) {
+            hashbrown::hash_table::Entry::Occupied(mut o) => Some(std::mem::replace(&mut o.get_mut().at, r.at())),
+            hashbrown::hash_table::Entry::Vacant(v) => {
+                v.insert(Entry { at: r.at(), tag });
+                None
+            }
+        }
+    }
+
+    /// Takes back what [`Self::apply_puts_with`] did for a commit that failed: each placed
+    /// entry gets the row it replaced again (or goes), newest first so a key written twice in
+    /// the batch ends where it began; then the new rows and any map growth are given back.
+    fn undo_puts(&mut self, keys: &Rows, hashes: &[u64], refs: &[RowRef], replaced: &[Option<RowAt>], mark: gritdb_memctl::ArenaMark, before: usize) {
+        for (i, old) in replaced.iter().enumerate().rev() {
+            let (key, hash, new) = (keys.row(i), hashes[i], refs[i].at());
+            let tag = hash as u32;
+            let Ok(entry) = self.map.find_entry(hash, |e| e.tag == tag && e.at == new) else {
+                debug_assert!(false, "a placed entry is in the map: {:?}", key.as_ref());
+                continue;
+            };
+            match old {
+                Some(at) => entry.into_mut().at = *at,
+                None => drop(entry.remove()),
+            }
+        }
+        self.arena.rollback(mark, refs);
+        self.arena.release_spare();
+        self.unreserve_map(before);
     }
 
     /// The row starting at `at`, with its length read from its bytes.
@@ -1208,6 +1266,73 @@ mod tests {
         assert_eq!((d.len(), d.max_seq()), (3, 7));
         assert_eq!(d.arena.live_rows(), 3);
         assert_eq!(d.to_batches(Category::ScanBuffers, false, 100, 1 << 20, |_| true).unwrap().puts[0].column(4).null_count(), 1);
+    }
+
+    /// The rows' entries are placed while the commit runs: a commit that fails (or panics)
+    /// after `encode` must give every key its old row back, the counts and the row blocks
+    /// exactly as before. Here the batch replaces all three keys (one a tombstone), and a
+    /// second batch writes one key twice (so its undo must run newest first).
+    #[test]
+    fn a_failed_or_panicking_commit_over_existing_keys_gives_every_key_its_old_row() {
+        let mut d = delta();
+        let b = batch();
+        let keys = d.codec().keys().encode_batch(&b).unwrap();
+        let hashes = hash_keys(&keys);
+        d.apply_puts(&b, &keys, 1, || Ok::<(), UnifyError>(())).unwrap();
+        // Key 2 (row 2) becomes a tombstone.
+        d.apply_deletes(&keys, &[(2, true)], 4, || Ok::<(), UnifyError>(())).unwrap();
+        let before = d.to_batches(Category::ScanBuffers, true, 100, 1 << 20, |_| true).unwrap();
+        let state = |d: &DeltaStore| (d.len(), d.puts(), d.tombstones(), d.max_seq(), d.arena.live_rows(), d.bytes());
+        let was = state(&d);
+        assert_eq!((was.0, was.1, was.2, was.3), (3, 2, 1, 4));
+        let same = |d: &DeltaStore| {
+            assert_eq!(state(d), was);
+            let now = d.to_batches(Category::ScanBuffers, true, 100, 1 << 20, |_| true).unwrap();
+            assert_eq!(now.puts, before.puts);
+            assert_eq!(now.delete_keys, before.delete_keys);
+            assert_eq!(d.get(keys.row(2).as_ref()), Some(Lookup::Deleted));
+            assert_eq!(d.get(keys.row(0).as_ref()), Some(Lookup::Put));
+        };
+        // A changed copy of the batch: other values under the same keys.
+        let changed = RecordBatch::try_new(
+            b.schema(),
+            b.columns().iter().enumerate().map(|(j, c)| if j == 2 { Arc::new(Int32Array::from(vec![1, 2, 3])) as ArrayRef } else { Arc::clone(c) }).collect(),
+        )
+        .unwrap();
+        let res = d.apply_puts_with(&changed, &keys, &hashes, 10, |encode| {
+            encode();
+            Err(UnifyError::SchemaMismatch { detail: "the record's fsync failed".into() })
+        });
+        assert!(matches!(res, Err(UnifyError::SchemaMismatch { .. })));
+        same(&d);
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _ = d.apply_puts_with(&changed, &keys, &hashes, 20, |encode| -> Result<(), UnifyError> {
+                encode();
+                panic!("the record's thread panicked");
+            });
+        }));
+        assert!(panicked.is_err());
+        same(&d);
+        // One key written twice in one batch (rows 0 and 1 both key 3), then refused.
+        let twice = arrow_select_take(&changed, &[0, 0]);
+        let twice_keys = d.codec().keys().encode_batch(&twice).unwrap();
+        let twice_hashes = hash_keys(&twice_keys);
+        let res = d.apply_puts_with(&twice, &twice_keys, &twice_hashes, 30, |encode| {
+            encode();
+            Err(UnifyError::SchemaMismatch { detail: "refused".into() })
+        });
+        assert!(res.is_err());
+        same(&d);
+        // And the delta takes the write when the commit succeeds: key 2's tombstone is
+        // replaced, every key reads the new values.
+        d.apply_puts_with(&changed, &keys, &hashes, 40, |encode| {
+            encode();
+            Ok::<(), UnifyError>(())
+        })
+        .unwrap();
+        assert_eq!((d.len(), d.puts(), d.tombstones(), d.max_seq(), d.arena.live_rows()), (3, 3, 0, 42, 3));
+        let out = d.to_batches(Category::ScanBuffers, true, 100, 1 << 20, |_| true).unwrap();
+        assert_eq!(out.puts[0].column(2).as_any().downcast_ref::<Int32Array>().unwrap().values(), &[2, 3, 1]);
     }
 }
 

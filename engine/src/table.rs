@@ -640,9 +640,10 @@ impl Table {
             }
             let n = items.len() as u64;
             let seq = self.inner.seq.fetch_add(n, Ordering::AcqRel);
-            st.active.apply_deletes(&rows, &items, seq, || match &pending {
+            st.active.apply_deletes_with(&rows, &items, seq, |place| match &pending {
                 Some(p) => {
                     p.number(seq, seq + n - 1);
+                    place();
                     p.finish()
                 }
                 None => wal.append(WalOp::Delete, id, seq, seq + n - 1, keys).map_err(Error::from),

@@ -300,6 +300,8 @@ pub struct BenchResult {
     pub memory_limit_bytes: u64,
     /// Background flushes ran under `BackgroundPriority::Batch(0)` (`--background-batch`).
     pub background_batch: bool,
+    /// Their nice value (`--background-nice`; 0 without `--background-batch`).
+    pub background_nice: i8,
     /// TPC-H Q1 through SQL (`Engine::sql`, `DataFusion`) after phase 1's workload, ms, warm
     /// (the second run); `None` when built without the `sql` feature.
     pub sql_q1_ms: Option<f64>,
@@ -750,7 +752,7 @@ fn measure(args: &BenchArgs, batches: &[RecordBatch], dir: &Path) -> Result<(Ben
         None => EngineConfig::default(),
     };
     if args.background_batch {
-        defaults = defaults.background_priority(gritdb::BackgroundPriority::Batch(0));
+        defaults = defaults.background_priority(gritdb::BackgroundPriority::Batch(args.background_nice));
     }
     let mut config = defaults.clone();
     if let Some(limit) = args.memory_limit {
@@ -759,6 +761,7 @@ fn measure(args: &BenchArgs, batches: &[RecordBatch], dir: &Path) -> Result<(Ben
     let engine = Engine::open(dir.join("engine"), config)?;
     r.memory_limit_bytes = engine.memory_report().limit as u64;
     r.background_batch = args.background_batch;
+    r.background_nice = args.background_nice;
     let table = engine.create_table("lineitem", schema.clone(), &KEY)?;
     let used0 = engine.memory_report().used;
     let a0 = allocation_count();
@@ -971,7 +974,7 @@ fn print_table(r: &BenchResult, groups: &[Q1Group]) {
         "gritdb-soak bench: {} rows, memory limit {:.0} MiB, background flushes {}; median of {} run(s), [min-max] beside",
         r.rows,
         mib(r.memory_limit_bytes as f64),
-        if r.background_batch { "SCHED_BATCH (--background-batch)" } else { "as the engine's default" },
+        if r.background_batch { format!("SCHED_BATCH at nice {} (--background-batch)", r.background_nice) } else { "as the engine's default".to_owned() },
         r.runs
     );
     let range = |key: &str, scale: f64| r.spread.get(key).map_or_else(String::new, |[lo, hi]| format!("  [{:.2}-{:.2}]", lo / scale, hi / scale));
@@ -1188,6 +1191,7 @@ mod tests {
             memory_limit: None,
             flush_threads: None,
             background_batch: false,
+            background_nice: 0,
             runs: 0,
             duckdb: None,
         };

@@ -82,6 +82,10 @@ pub struct BenchArgs {
     /// `BackgroundPriority::Batch(0)`) instead of the engine's default (`Inherit`).
     #[arg(long)]
     pub background_batch: bool,
+    /// Nice value (0..=19) of `--background-batch`'s flush threads: `Batch(N)`. 19 lets the
+    /// writes take the cores first (docs/performance.md, twenty-second pass).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(i8).range(0..=19), requires = "background_batch")]
+    pub background_nice: i8,
     /// Times the measured phases run on the same input (each in a fresh directory); every
     /// figure printed is the median over the runs (memory figures: the largest; `VmHWM`: run
     /// 1's, as later runs only add to the process's peak), with the smallest and largest rate

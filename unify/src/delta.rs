@@ -505,11 +505,11 @@ impl DeltaStore {
         match committed {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
-                self.undo_puts(keys, hashes, &refs, &replaced, mark, before);
+                self.undo_places(hashes, &refs, &replaced, mark, before);
                 return Err(e);
             }
             Err(panic) => {
-                self.undo_puts(keys, hashes, &refs, &replaced, mark, before);
+                self.undo_places(hashes, &refs, &replaced, mark, before);
                 std::panic::resume_unwind(panic);
             }
         }
@@ -524,27 +524,7 @@ impl DeltaStore {
         Ok(())
     }
 
-    /// Makes `r` the newest entry of `key`, freeing the one it replaces.
-    fn install(&mut self, key: &[u8], hash: u64, r: RowRef, put: bool) {
-        let arena = &self.arena;
-        let tag = hash as u32;
-        // One probe finds the key or the free slot for it (find, then insert, probed twice).
-        let old = match self.map.entry(hash, |e| e.tag == tag && key_of(arena.get_from(e.at)) == key, |e| spread(e.tag)) {
-            hashbrown::hash_table::Entry::Occupied(mut o) => Some(std::mem::replace(&mut o.get_mut().at, r.at())),
-            hashbrown::hash_table::Entry::Vacant(v) => {
-                v.insert(Entry { at: r.at(), tag });
-                None
-            }
-        };
-        let old = old.map(|at| self.row_ref(at));
-        if let Some(old) = old {
-            self.count_removed(old);
-            self.arena.free(old);
-        }
-        if put { self.puts += 1 } else { self.tombstones += 1 }
-    }
-
-    /// Points `key`'s entry at `r` (one probe, as [`Self::install`]) and returns the entry it
+    /// Points `key`'s entry at `r` (one probe finds the key or the free slot for it) and returns the entry it
     /// replaced, without freeing or counting anything: [`Self::apply_puts_with`] settles
     /// that once its commit is known. The map must have room (reserved before).
     fn place(&mut self, key: &[u8], hash: u64, r: RowRef) -> Option<RowAt> {
@@ -559,15 +539,16 @@ impl DeltaStore {
         }
     }
 
-    /// Takes back what [`Self::apply_puts_with`] did for a commit that failed: each placed
-    /// entry gets the row it replaced again (or goes), newest first so a key written twice in
-    /// the batch ends where it began; then the new rows and any map growth are given back.
-    fn undo_puts(&mut self, keys: &Rows, hashes: &[u64], refs: &[RowRef], replaced: &[Option<RowAt>], mark: gritdb_memctl::ArenaMark, before: usize) {
-        for (i, old) in replaced.iter().enumerate().rev() {
-            let (key, hash, new) = (keys.row(i), hashes[i], refs[i].at());
+    /// Takes back what [`Self::apply_puts_with`] or [`Self::apply_deletes_with`] placed for a
+    /// commit that failed: row `j` of `refs` (key hash `hashes[j]`) gives its entry back the
+    /// row it replaced (or the entry goes), newest first so a key written twice in the batch
+    /// ends where it began; then the new rows and any map growth are given back.
+    fn undo_places(&mut self, hashes: &[u64], refs: &[RowRef], replaced: &[Option<RowAt>], mark: gritdb_memctl::ArenaMark, before: usize) {
+        for (j, old) in replaced.iter().enumerate().rev() {
+            let (hash, new) = (hashes[j], refs[j].at());
             let tag = hash as u32;
             let Ok(entry) = self.map.find_entry(hash, |e| e.tag == tag && e.at == new) else {
-                debug_assert!(false, "a placed entry is in the map: {:?}", key.as_ref());
+                debug_assert!(false, "a placed entry is in the map");
                 continue;
             };
             match old {
@@ -603,6 +584,29 @@ impl DeltaStore {
         seq: u64,
         commit: impl FnOnce() -> Result<(), E>,
     ) -> Result<(), E> {
+        self.apply_deletes_with(keys, items, seq, |place| {
+            commit()?;
+            place();
+            Ok(())
+        })
+    }
+
+    /// [`Self::apply_deletes`] for a caller that runs its commit beside the work (the engine's
+    /// WAL record fsync on another thread), as [`Self::apply_puts_with`]: once the memory is
+    /// budgeted, `run` is called with `place`, which writes the tombstone rows and points
+    /// their keys' entries at them (the caller's lock keeps readers out). On `Ok` the rows
+    /// they replaced are freed and the entries to remove are removed; on `Err` or a panic in
+    /// `run` every entry gets its old row back and nothing is applied.
+    ///
+    /// # Errors
+    /// [`UnifyError::Memory`], or `run`'s error.
+    pub fn apply_deletes_with<E: From<UnifyError>>(
+        &mut self,
+        keys: &Rows,
+        items: &[(usize, bool)],
+        seq: u64,
+        run: impl FnOnce(&mut dyn FnMut()) -> Result<(), E>,
+    ) -> Result<(), E> {
         let tomb: Vec<usize> = items.iter().filter(|(_, t)| *t).map(|(i, _)| *i).collect();
         let before = self.map_mark();
         let sizes: Vec<usize> = tomb.iter().map(|&i| HEADER + keys.row(i).as_ref().len()).collect();
@@ -612,35 +616,77 @@ impl DeltaStore {
             self.unreserve_map(before);
             return Err(UnifyError::from(e).into());
         }
-        if let Err(e) = commit() {
-            self.arena.rollback(mark, &[]);
-            self.arena.release_spare();
-            self.unreserve_map(before);
-            return Err(e);
-        }
-        for (k, &(i, t)) in items.iter().enumerate() {
-            let key = keys.row(i);
-            let key = key.as_ref();
-            if t {
-                let (r, buf) = self.arena.alloc(HEADER + key.len()).map_err(UnifyError::from)?;
+        // The tombstones' rows, their keys' hashes and the entries they replaced, in `tomb` order.
+        let mut refs: Vec<RowRef> = Vec::new();
+        let mut hashes: Vec<u64> = Vec::new();
+        let mut replaced: Vec<Option<RowAt>> = Vec::new();
+        let mut place = || {
+            if !refs.is_empty() || tomb.is_empty() {
+                return;
+            }
+            refs.reserve_exact(tomb.len());
+            hashes.reserve_exact(tomb.len());
+            replaced.reserve_exact(tomb.len());
+            // Sequence numbers follow `items` (each delete has one, tombstone or not).
+            for (k, &(i, t)) in items.iter().enumerate() {
+                if !t {
+                    continue;
+                }
+                let key = keys.row(i);
+                let key = key.as_ref();
+                // Cannot fail: `prepare` acquired every chunk these sizes need.
+                let Ok((r, buf)) = self.arena.alloc(HEADER + key.len()) else { unreachable!("tombstone memory was prepared") };
                 buf[0] = OP_DELETE;
                 buf[1..9].copy_from_slice(&(seq + k as u64).to_le_bytes());
                 buf[9..13].copy_from_slice(&(key.len() as u32).to_le_bytes());
                 buf[HEADER..].copy_from_slice(key);
-                self.install(key, key_hash(key), r, false);
-            } else {
                 let h = key_hash(key);
-                let tag = h as u32;
-                let arena = &self.arena;
-                if let Ok(entry) = self.map.find_entry(h, |e| e.tag == tag && key_of(arena.get_from(e.at)) == key) {
-                    let (old, _) = entry.remove();
-                    let old = self.row_ref(old.at);
-                    self.count_removed(old);
-                    self.arena.free(old);
-                }
+                refs.push(r);
+                hashes.push(h);
+                replaced.push(self.place(key, h, r));
+            }
+        };
+        let committed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let res = run(&mut place);
+            if res.is_ok() {
+                place();
+            }
+            res
+        }));
+        match committed {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                self.undo_places(&hashes, &refs, &replaced, mark, before);
+                return Err(e);
+            }
+            Err(panic) => {
+                self.undo_places(&hashes, &refs, &replaced, mark, before);
+                std::panic::resume_unwind(panic);
             }
         }
         self.arena.release_spare();
+        for old in replaced.into_iter().flatten() {
+            let old = self.row_ref(old);
+            self.count_removed(old);
+            self.arena.free(old);
+        }
+        self.tombstones += refs.len();
+        for &(i, t) in items {
+            if t {
+                continue;
+            }
+            let key = keys.row(i);
+            let key = key.as_ref();
+            let h = key_hash(key);
+            let tag = h as u32;
+            let arena = &self.arena;
+            if let Ok(entry) = self.map.find_entry(h, |e| e.tag == tag && key_of(arena.get_from(e.at)) == key) {
+                let (old, _) = entry.remove();
+                let old = self.row_ref(old.at);
+                self.count_removed(old);
+                self.arena.free(old);
+            }
+        }
         if !items.is_empty() {
             self.max_seq = self.max_seq.max(seq + items.len() as u64 - 1);
         }
@@ -1333,6 +1379,47 @@ mod tests {
         assert_eq!((d.len(), d.puts(), d.tombstones(), d.max_seq(), d.arena.live_rows()), (3, 3, 0, 42, 3));
         let out = d.to_batches(Category::ScanBuffers, true, 100, 1 << 20, |_| true).unwrap();
         assert_eq!(out.puts[0].column(2).as_any().downcast_ref::<Int32Array>().unwrap().values(), &[2, 3, 1]);
+    }
+
+    /// Tombstones are placed while the delete's commit runs: a commit that fails (or panics)
+    /// after placing them leaves every key as it was (two puts, one tombstone), entries
+    /// removed outright are still there, and the row blocks hold what they held. Then the
+    /// delete succeeds: one key removed outright, two get tombstones.
+    #[test]
+    fn a_failed_or_panicking_delete_leaves_every_key_as_it_was() {
+        let mut d = delta();
+        let b = batch();
+        let keys = d.codec().keys().encode_batch(&b).unwrap();
+        d.apply_puts(&b, &keys, 1, || Ok::<(), UnifyError>(())).unwrap();
+        d.apply_deletes(&keys, &[(2, true)], 4, || Ok::<(), UnifyError>(())).unwrap();
+        let state = |d: &DeltaStore| (d.len(), d.puts(), d.tombstones(), d.max_seq(), d.arena.live_rows(), d.bytes());
+        let was = state(&d);
+        let lookups = |d: &DeltaStore| (0..3).map(|i| d.get(keys.row(i).as_ref())).collect::<Vec<_>>();
+        let looked = lookups(&d);
+        assert_eq!(looked, vec![Some(Lookup::Put), Some(Lookup::Put), Some(Lookup::Deleted)]);
+        // Key 3 (row 0) removed outright, keys 1 and 2 (rows 1 and 2) get tombstones.
+        let items = [(0, false), (1, true), (2, true)];
+        let res = d.apply_deletes_with(&keys, &items, 10, |place| {
+            place();
+            Err(UnifyError::SchemaMismatch { detail: "the record's fsync failed".into() })
+        });
+        assert!(res.is_err());
+        assert_eq!((state(&d), lookups(&d)), (was, looked.clone()));
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _ = d.apply_deletes_with(&keys, &items, 20, |place| -> Result<(), UnifyError> {
+                place();
+                panic!("the record's thread panicked");
+            });
+        }));
+        assert!(panicked.is_err());
+        assert_eq!((state(&d), lookups(&d)), (was, looked));
+        d.apply_deletes_with(&keys, &items, 30, |place| {
+            place();
+            Ok::<(), UnifyError>(())
+        })
+        .unwrap();
+        assert_eq!(lookups(&d), vec![None, Some(Lookup::Deleted), Some(Lookup::Deleted)]);
+        assert_eq!((d.len(), d.puts(), d.tombstones(), d.max_seq(), d.arena.live_rows()), (2, 0, 2, 32, 2));
     }
 }
 

@@ -171,6 +171,26 @@ pub struct FileKeys {
     /// otherwise): the range check reads these, not the key bytes on the heap.
     first: u128,
     last: u128,
+    /// Keys `0, FENCE_KEYS, 2·FENCE_KEYS, …` as [`key_u128`] (fixed-width keys of at most 16
+    /// bytes; empty otherwise): a lookup searches these first, then one run of
+    /// [`FENCE_KEYS`] keys (see there).
+    fences: Vec<u128>,
+}
+
+/// Keys per fence of [`FileKeys`]: a sparse first level for the binary search of fixed-width
+/// keys, 16 bytes per 64 keys (0.25 B a key beside the 12 B of a lineitem key and its 1.25 B
+/// of bloom filter). A search over a file's whole key array takes one cache miss per step
+/// (about 19 for 355,000 keys: ~300 ns a hit, most of a keyed delete's time, issue 7); the
+/// fences of such a file are 89 KB, which the searches of one batch keep in cache, and the
+/// run of 64 keys they lead to is 12 cache lines (docs/performance.md, twenty-second pass).
+pub(crate) const FENCE_KEYS: usize = 64;
+
+/// Fences [`FileKeys`] keeps for `rows` keys of width `width` ([`FENCE_KEYS`]).
+fn fence_count(rows: usize, width: Option<usize>) -> usize {
+    match width {
+        Some(w) if (1..=16).contains(&w) => rows.div_ceil(FENCE_KEYS),
+        _ => 0,
+    }
 }
 
 /// One file's [`FileKeys`] built part by part, in row order: the fixed-width store is sized
@@ -241,7 +261,7 @@ impl<'a> FileKeysBuilder<'a> {
             return Err(format!("{len} keys, {rows} announced"));
         }
         let unsorted = || Err("keys are not strictly ascending (data files are written sorted by key)".to_string());
-        let mut fk = FileKeys { data, ends, width, len, bloom: Vec::new(), first: 0, last: 0 };
+        let mut fk = FileKeys { data, ends, width, len, bloom: Vec::new(), first: 0, last: 0, fences: Vec::new() };
         // Strictly ascending (compared as integers when they fit 16 bytes).
         if width > 0 && width <= 16 {
             let mut prev: Option<u128> = None;
@@ -261,6 +281,9 @@ impl<'a> FileKeysBuilder<'a> {
         fk.bloom = bloom;
         if width > 0 && width <= 16 && len > 0 {
             (fk.first, fk.last) = (key_u128(fk.get(0)), key_u128(fk.get(len - 1)));
+            let mut fences = Vec::with_capacity(fence_count(len, Some(width)));
+            fences.extend(fk.data.chunks_exact(width).step_by(FENCE_KEYS).map(key_u128));
+            fk.fences = fences;
         }
         Ok(fk)
     }
@@ -322,8 +345,18 @@ impl FileKeys {
         }
         let w = self.width;
         let data = &self.data[..self.len * w];
-        // Largest `base` with key(base) <= k (key(0) = first <= k holds).
-        let (mut base, mut size) = (0usize, self.len);
+        // The last fence <= k (fence 0 = first <= k holds), then within its run of keys the
+        // largest `base` with key(base) <= k; both branch-free lower-bound searches.
+        let fences = &self.fences[..];
+        let (mut run, mut size) = (0usize, fences.len());
+        while size > 1 {
+            let half = size / 2;
+            let mid = run + half;
+            run = if fences[mid] <= k { mid } else { run };
+            size -= half;
+        }
+        let mut base = run * FENCE_KEYS;
+        let mut size = (self.len - base).min(FENCE_KEYS);
         while size > 1 {
             let half = size / 2;
             let mid = base + half;
@@ -343,9 +376,12 @@ impl FileKeys {
         self.len == 0
     }
 
-    /// Heap bytes held (capacities: key bytes, offsets, bloom filter).
+    /// Heap bytes held (capacities: key bytes, offsets, bloom filter, fences).
     pub fn bytes(&self) -> usize {
-        self.data.capacity() + self.ends.bytes() + self.bloom.capacity() * std::mem::size_of::<BloomBlock>()
+        self.data.capacity()
+            + self.ends.bytes()
+            + self.bloom.capacity() * std::mem::size_of::<BloomBlock>()
+            + self.fences.capacity() * std::mem::size_of::<u128>()
     }
 }
 
@@ -517,7 +553,12 @@ impl KeyBuilder {
     pub(crate) fn start(&self, rows: usize) -> Result<KeySetBuild<'_>, StorageError> {
         check_file_rows(rows)?;
         let mut res = Reservation::new(&self.ctl, Category::KeyIndex, self.table.as_ref());
-        res.try_grow(self.width.map_or(0, |w| rows.saturating_mul(w)).saturating_add(bloom_blocks(rows).saturating_mul(std::mem::size_of::<BloomBlock>())))?;
+        res.try_grow(
+            self.width
+                .map_or(0, |w| rows.saturating_mul(w))
+                .saturating_add(bloom_blocks(rows).saturating_mul(std::mem::size_of::<BloomBlock>()))
+                .saturating_add(fence_count(rows, self.width).saturating_mul(std::mem::size_of::<u128>())),
+        )?;
         Ok(KeySetBuild { keys: FileKeysBuilder::new(&self.layout, rows), res })
     }
 }
@@ -773,10 +814,33 @@ mod tests {
         for r in &int_keys(&conv, 0..4000, 2) {
             assert_eq!(idx.find(r.as_ref(), |_| false), None);
         }
-        // Accounting: 12 key bytes per row + 10 bloom bits per row in 64-byte blocks (20).
-        assert_eq!(idx.bytes(), 2 * (1000 * 12 + 20 * 64));
+        // Accounting: 12 key bytes per row + 10 bloom bits per row in 64-byte blocks (20) +
+        // a 16-byte fence per 64 keys (16 for 1,000 keys).
+        assert_eq!(idx.bytes(), 2 * (1000 * 12 + 20 * 64 + 16 * 16));
         idx.remove_file(2);
-        assert_eq!(idx.bytes(), 1000 * 12 + 20 * 64);
+        assert_eq!(idx.bytes(), 1000 * 12 + 20 * 64 + 16 * 16);
+    }
+
+    /// The fenced search finds every key and no non-key at every file size around the fence
+    /// runs' edges (a last run of 1, 63 and 64 keys, a single run, one key), at the first and
+    /// last key of each run, and between and beyond them.
+    #[test]
+    fn fenced_search_is_exact_at_every_run_edge() {
+        let types = [DataType::Int64, DataType::Int32];
+        let conv = RowConverter::new(types.iter().map(|t| SortField::new(t.clone())).collect()).expect("conv");
+        let ctl = ctl();
+        for len in [1usize, 2, 63, 64, 65, 127, 128, 129, 191, 1000, 4097] {
+            let mut idx = KeyIndex::new(&ctl, None, &types);
+            // Keys 10, 20, 30, ...: each has a non-key on either side.
+            let keys: Vec<i64> = (1..=len as i64).map(|i| 10 * i).collect();
+            idx.add_file(1, &[int_keys(&conv, keys.clone(), 1)]).expect("budget").expect("sorted");
+            assert_eq!(idx.bytes(), len * 12 + bloom_blocks(len) * 64 + len.div_ceil(FENCE_KEYS) * 16, "{len} keys");
+            let probes: Vec<i64> = (0..=10 * len as i64 + 10).collect();
+            for (k, r) in probes.iter().zip(int_keys(&conv, probes.iter().copied(), 1).iter()) {
+                let want = (k % 10 == 0 && *k >= 10 && *k <= 10 * len as i64).then(|| Loc { file: 1, row: (k / 10 - 1) as u32 });
+                assert_eq!(idx.find(r.as_ref(), |_| false), want, "{len} keys, key {k}");
+            }
+        }
     }
 
     /// Variable-width keys: found only by their exact bytes.

@@ -260,6 +260,12 @@ pub enum BackgroundPriority {
     /// longer, and a reader started beside it is likelier to take the room it still needs
     /// (scans may use the flush headroom; exports flush first under pressure since an export
     /// at a 6 MiB limit failed that way in 7 of 8 runs with `Batch(0)`). It is not the default:
-    /// unpinned, its gain is inside the run-to-run spread (docs/performance.md, eighth pass).
+    /// unpinned, `Batch(0)`'s gain is inside the run-to-run spread (docs/performance.md, eighth
+    /// pass). `Batch(19)` lets the writes take the cores first (`gritdb-soak bench`, upsert
+    /// 1.9–2.7 → 3.9–4.3 M rows/s, insert 2.7–2.9 → 3.2–3.5, the durable step 0.51 → 0.57 s;
+    /// twenty-second pass), but a thread cannot raise its priority back without
+    /// `CAP_SYS_NICE`: beside other busy threads such a flush gets ~1.5% of a core, and
+    /// writers waiting for the memory it would free time out. Ask for it in an ingest-only
+    /// process.
     Batch(i8),
 }

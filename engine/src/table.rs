@@ -689,8 +689,9 @@ impl Table {
             }
             // A big batch with an fsync per write: a pool thread encodes the WAL record while
             // this one checks the keys and budgets the rows, then writes and fsyncs it while
-            // this one encodes the rows. The call returns after the append, and nothing
-            // becomes visible unless it succeeded (apply_puts_with frees the rows); a
+            // this one encodes the rows and places their entries (under the table lock, so
+            // unseen). The call returns after the append, and nothing stays applied unless it
+            // succeeded (apply_puts_with puts the entries back and frees the rows); a
             // rejected write waits for its record to be dropped unwritten.
             let pending = PendingAppend::start(&self.inner.shared, WalOp::Put, batch, id)?;
             self.check_keys(st, batch, &keys, &hashes, mode)?;

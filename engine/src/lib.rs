@@ -59,6 +59,20 @@ pub mod memory {
     };
 }
 
+/// The names gritdb gives what it writes in a data directory, spelled exactly as it spells
+/// them: what a tool may treat as gritdb's (the soak runner decides with these whether a
+/// `--data-dir` holds only gritdb's files before it wipes it). The engine's own open uses
+/// the same rules: a name shaped like these but spelled otherwise is not gritdb's.
+pub mod names {
+    pub use gritdb_storage::{MAX_SEGMENT_ID, is_table_file_name, wal_segment_id};
+
+    /// The id of a table directory named `t<id>` (`t7`; not `t07`, `t+7`, or an id past
+    /// `u64::MAX`), as under `tables/` and `trash/`.
+    pub fn table_dir_id(name: &str) -> Option<u64> {
+        crate::data_dir::table_dir_id(name)
+    }
+}
+
 /// The file layer, for fault injection ([`EngineConfig::vfs`]).
 pub mod vfs {
     pub use gritdb_storage::{FaultFs, FsOp, StdFs, Vfs, VfsFile};

@@ -29,8 +29,9 @@ struct DataDir {
 }
 
 /// True when every entry of `dir` is a file or directory gritdb creates: the marker `GRITDB`,
-/// `LOCK`, the directories `tables/` and `trash/` holding only `t<number>` table directories,
-/// and `wal/` holding only `wal-<number>.log` segments.
+/// `LOCK`, the directories `tables/` and `trash/` holding only `t<id>` table directories,
+/// and `wal/` holding only `wal-<id>.log` segments, each spelled as the engine spells it
+/// (`gritdb::names`).
 fn holds_only_gritdb_files(dir: &Path) -> Result<bool> {
     for e in fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
         let e = e.with_context(|| format!("reading {}", dir.display()))?;
@@ -58,14 +59,12 @@ fn holds_only_gritdb_files(dir: &Path) -> Result<bool> {
         {
             let t = t.with_context(|| format!("reading {}", e.path().display()))?;
             let n = t.file_name();
-            let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+            // Spelled exactly as the engine spells them (`wal-1.log` or `t07` are not its).
             let ok = n.to_str().is_some_and(|n| {
                 if name == "wal" {
-                    n.strip_prefix("wal-")
-                        .and_then(|r| r.strip_suffix(".log"))
-                        .is_some_and(digits)
+                    gritdb::names::wal_segment_id(n).is_some()
                 } else {
-                    n.strip_prefix('t').is_some_and(digits)
+                    gritdb::names::table_dir_id(n).is_some()
                 }
             });
             if !ok {
@@ -592,6 +591,34 @@ mod tests {
         assert!(got.fresh && got.path.starts_with(&d));
         assert!(d.join("precious.txt").exists());
         fs::remove_dir_all(&d).expect("cleanup");
+    }
+
+    /// Names shaped like the engine's but spelled otherwise are not its (the engine refuses
+    /// or leaves them): a dir holding one is not wiped; the engine's own spelling is.
+    #[test]
+    fn names_the_engine_does_not_spell_so_are_not_wiped() {
+        for (sub, name) in [("wal", "wal-1.log"), ("wal", "wal-000000003.log"), ("tables", "t07"), ("trash", "t+7")] {
+            let d = tmp(&format!("wipe-{name}"));
+            fs::create_dir_all(d.join(sub).join(name)).expect("mk");
+            fs::write(d.join("LOCK"), "1").expect("w");
+            let got = prepare_data_dir(&d).expect("prepare");
+            assert!(got.fresh, "{sub}/{name}: a fresh subdirectory, nothing wiped");
+            assert!(d.join(sub).join(name).exists(), "{sub}/{name} kept");
+            fs::remove_dir_all(&d).expect("cleanup");
+        }
+        for (sub, name) in [("wal", "wal-00000001.log"), ("tables", "t7"), ("trash", "t12")] {
+            let d = tmp(&format!("wipe-ok-{name}"));
+            fs::create_dir_all(d.join(sub)).expect("mk");
+            if sub == "wal" {
+                fs::write(d.join(sub).join(name), "x").expect("w");
+            } else {
+                fs::create_dir_all(d.join(sub).join(name)).expect("mk");
+            }
+            let got = prepare_data_dir(&d).expect("prepare");
+            assert!(!got.fresh, "{sub}/{name}: gritdb's, wiped in place");
+            assert!(!d.join(sub).exists());
+            fs::remove_dir_all(&d).expect("cleanup");
+        }
     }
 
     #[test]

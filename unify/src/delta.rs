@@ -31,6 +31,20 @@ pub struct DeltaBatches {
     pub delete_keys: RecordBatch,
 }
 
+/// Runs a caller's commit with `work` (which it may call while its commit waits), then `work`
+/// if the commit succeeded without calling it; a panic in either is caught and returned, so
+/// the caller can undo what `work` did before resuming it (a panic from the thread that wrote
+/// the WAL record must not leave entries behind a commit that did not happen).
+fn commit_beside<E>(run: impl FnOnce(&mut dyn FnMut()) -> Result<(), E>, work: &mut dyn FnMut()) -> std::thread::Result<Result<(), E>> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let res = run(&mut *work);
+        if res.is_ok() {
+            work();
+        }
+        res
+    }))
+}
+
 fn key_of(row: &[u8]) -> &[u8] {
     &row[HEADER..HEADER + crate::codec::key_len(row)]
 }
@@ -493,32 +507,8 @@ impl DeltaStore {
                 replaced.push(self.place(key.as_ref(), h, *r));
             }
         };
-        // A panic in `run` (resumed from the thread that wrote the record) undoes the rows
-        // as an error does, so no entry outlives a commit that did not happen.
-        let committed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let res = run(&mut encode);
-            if res.is_ok() {
-                encode();
-            }
-            res
-        }));
-        match committed {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                self.undo_places(hashes, &refs, &replaced, mark, before);
-                return Err(e);
-            }
-            Err(panic) => {
-                self.undo_places(hashes, &refs, &replaced, mark, before);
-                std::panic::resume_unwind(panic);
-            }
-        }
-        self.arena.release_spare();
-        for old in replaced.into_iter().flatten() {
-            let old = self.row_ref(old);
-            self.count_removed(old);
-            self.arena.free(old);
-        }
+        let committed = commit_beside(run, &mut encode);
+        self.settle_places(committed, hashes, &refs, replaced, mark, before)?;
         self.puts += n;
         self.max_seq = self.max_seq.max(seq + n as u64 - 1);
         Ok(())
@@ -539,11 +529,37 @@ impl DeltaStore {
         }
     }
 
-    /// Takes back what [`Self::apply_puts_with`] or [`Self::apply_deletes_with`] placed for a
-    /// commit that failed: row `j` of `refs` (key hash `hashes[j]`) gives its entry back the
-    /// row it replaced (or the entry goes), newest first so a key written twice in the batch
-    /// ends where it began; then the new rows and any map growth are given back.
-    fn undo_places(&mut self, hashes: &[u64], refs: &[RowRef], replaced: &[Option<RowAt>], mark: gritdb_memctl::ArenaMark, before: usize) {
+    /// Settles what [`Self::apply_puts_with`] or [`Self::apply_deletes_with`] placed once its
+    /// commit is known (`committed`, from [`commit_beside`]). Committed: the rows the new ones
+    /// replaced (`replaced[j]` for `refs[j]`) are freed. Failed or panicked: row `j` of `refs`
+    /// (key hash `hashes[j]`) gives its entry back the row it replaced (or the entry goes),
+    /// newest first so a key written twice in the batch ends where it began; then the new rows
+    /// and any map growth are given back, and the error is returned (the panic resumed).
+    ///
+    /// # Errors
+    /// The commit's error.
+    fn settle_places<E>(
+        &mut self,
+        committed: std::thread::Result<Result<(), E>>,
+        hashes: &[u64],
+        refs: &[RowRef],
+        replaced: Vec<Option<RowAt>>,
+        mark: gritdb_memctl::ArenaMark,
+        before: usize,
+    ) -> Result<(), E> {
+        let failed = match committed {
+            Ok(Ok(())) => {
+                self.arena.release_spare();
+                for old in replaced.into_iter().flatten() {
+                    let old = self.row_ref(old);
+                    self.count_removed(old);
+                    self.arena.free(old);
+                }
+                return Ok(());
+            }
+            Ok(Err(e)) => Ok(e),
+            Err(panic) => Err(panic),
+        };
         for (j, old) in replaced.iter().enumerate().rev() {
             let (hash, new) = (hashes[j], refs[j].at());
             let tag = hash as u32;
@@ -559,6 +575,10 @@ impl DeltaStore {
         self.arena.rollback(mark, refs);
         self.arena.release_spare();
         self.unreserve_map(before);
+        match failed {
+            Ok(e) => Err(e),
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
     }
 
     /// The row starting at `at`, with its length read from its bytes.
@@ -646,30 +666,8 @@ impl DeltaStore {
                 replaced.push(self.place(key, h, r));
             }
         };
-        let committed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let res = run(&mut place);
-            if res.is_ok() {
-                place();
-            }
-            res
-        }));
-        match committed {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => {
-                self.undo_places(&hashes, &refs, &replaced, mark, before);
-                return Err(e);
-            }
-            Err(panic) => {
-                self.undo_places(&hashes, &refs, &replaced, mark, before);
-                std::panic::resume_unwind(panic);
-            }
-        }
-        self.arena.release_spare();
-        for old in replaced.into_iter().flatten() {
-            let old = self.row_ref(old);
-            self.count_removed(old);
-            self.arena.free(old);
-        }
+        let committed = commit_beside(run, &mut place);
+        self.settle_places(committed, &hashes, &refs, replaced, mark, before)?;
         self.tombstones += refs.len();
         for &(i, t) in items {
             if t {

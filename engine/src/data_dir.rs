@@ -276,7 +276,7 @@ pub(crate) fn is_interrupted_create(dir: &Path) -> Result<bool> {
 }
 
 /// Whether the `LOCK` file at `path` is one gritdb wrote: its whole content is the decimal pid
-/// of the process that last opened the directory. LevelDB and RocksDB leave an empty `LOCK`
+/// of the process that last opened the directory. `LevelDB` and `RocksDB` leave an empty `LOCK`
 /// in their directories; taking one for gritdb's let the open's cleanup remove that program's
 /// files (fresh-clone trial, 2026-12-04). A file that cannot be read is not gritdb's.
 fn is_gritdb_lock(path: &Path) -> bool {

@@ -243,7 +243,7 @@ fn seg_name(id: u64) -> String {
 }
 
 /// The largest segment id: 15 digits. A log rotating every 16 MiB reaches it after about
-/// 14 ZiB written; a larger id in a name is not one this log gave, and an id near `u64::MAX`
+/// 14 zebibytes written; a larger id in a name is not one this log gave, and an id near `u64::MAX`
 /// would wrap the next segment's id to 0, whose records replay first (a fresh-clone trial
 /// lost an acknowledged write so, with a `wal-18446744073709551615.log` added).
 pub const MAX_SEGMENT_ID: u64 = 999_999_999_999_999;
@@ -260,6 +260,7 @@ pub fn wal_segment_id(name: &str) -> Option<u64> {
 }
 
 /// Whether a name is shaped like a segment's (`wal-*.log`) whatever lies between.
+#[expect(clippy::case_sensitive_file_extension_comparisons, reason = "gritdb writes `.log` in lower case only; `WAL-1.LOG` is not a name it gives")]
 fn segment_shaped(name: &str) -> bool {
     name.starts_with("wal-") && name.ends_with(".log")
 }
@@ -1441,13 +1442,15 @@ mod tests {
     /// and replayed first, losing an acknowledged write) is refused by its name.
     #[test]
     fn segment_names_on_other_than_regular_files_are_refused_and_nothing_is_cut() {
+        // What each case makes at the segment's path.
+        type Make<'a> = Box<dyn Fn(&Path) + 'a>;
         let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(64 << 20), ..ControllerConfig::default() }).unwrap();
         let [a, _, _] = three_records(&ctl);
         let outside = tempfile::tempdir().unwrap();
         let user_file = outside.path().join("notes.txt");
         fs::write(&user_file, b"ok\n").unwrap();
         let name = seg_name(2);
-        let cases: [(&str, Box<dyn Fn(&Path)>); 5] = [
+        let cases: [(&str, Make<'_>); 5] = [
             ("symlink to a user's file", Box::new(|p: &Path| std::os::unix::fs::symlink(&user_file, p).unwrap())),
             ("symlink to /dev/zero", Box::new(|p: &Path| std::os::unix::fs::symlink("/dev/zero", p).unwrap())),
             ("dangling symlink", Box::new(|p: &Path| std::os::unix::fs::symlink("/nonexistent/x", p).unwrap())),

@@ -957,7 +957,7 @@ const DICTIONARY_HEADER_PEEK: usize = 16;
 /// The uncompressed size in bytes of a dictionary page, from the first bytes of its
 /// Thrift compact-protocol `PageHeader` (parquet-format `parquet.thrift`: field 1 `type`,
 /// 2 `uncompressed_page_size`, 3 `compressed_page_size`, each a required `i32`, which
-/// arrow-rs, parquet-java and DuckDB all write first and in that order, each as the field
+/// arrow-rs, parquet-java and `DuckDB` all write first and in that order, each as the field
 /// byte `0x15`, delta 1 and type `i32`, then a zigzag varint). `stored` is the page's
 /// stored bytes, header included. None unless the three fields are there, the type is
 /// `DICTIONARY_PAGE` (2), and the compressed size leaves room in `stored` for the bytes

@@ -514,9 +514,10 @@ impl DeltaStore {
         Ok(())
     }
 
-    /// Points `key`'s entry at `r` (one probe finds the key or the free slot for it) and returns the entry it
-    /// replaced, without freeing or counting anything: [`Self::apply_puts_with`] settles
-    /// that once its commit is known. The map must have room (reserved before).
+    /// Points `key`'s entry at `r` (one probe finds the key or the free slot for it) and
+    /// returns the entry it replaced, without freeing or counting anything:
+    /// [`Self::settle_places`] does that once the commit is known. The map must have room
+    /// (reserved before).
     fn place(&mut self, key: &[u8], hash: u64, r: RowRef) -> Option<RowAt> {
         let arena = &self.arena;
         let tag = hash as u32;

@@ -739,14 +739,13 @@ impl Engine {
             let Some(id) = e.file_name().to_str().and_then(crate::data_dir::table_dir_id) else {
                 continue;
             };
+            max_id = max_id.max(id);
             // gritdb makes table directories; a file of such a name is someone else's (before:
-            // the open failed on it with `NotADirectory`).
+            // the open failed on it with `NotADirectory`). Its id still counts above.
             if !fs::symlink_metadata(&path).is_ok_and(|m| m.is_dir()) {
                 tracing::warn!(path = %path.display(), "leaving an entry of tables/ that is not a directory");
-                max_id = max_id.max(id);
                 continue;
             }
-            max_id = max_id.max(id);
             if !path.join(gritdb_storage::MANIFEST_FILE).exists() {
                 // An interrupted create leaves at most the manifest's temp file. Anything else
                 // means the manifest was lost: refuse rather than delete data.

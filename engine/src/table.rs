@@ -640,7 +640,7 @@ impl Table {
             }
             let n = items.len() as u64;
             let seq = self.inner.seq.fetch_add(n, Ordering::AcqRel);
-            st.active.apply_deletes_with(&rows, &items, seq, |place| match &pending {
+            st.active.apply_deletes_with(&rows, &hashes, &items, seq, |place| match &pending {
                 Some(p) => {
                     p.number(seq, seq + n - 1);
                     place();

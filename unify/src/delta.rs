@@ -605,7 +605,8 @@ impl DeltaStore {
         seq: u64,
         commit: impl FnOnce() -> Result<(), E>,
     ) -> Result<(), E> {
-        self.apply_deletes_with(keys, items, seq, |place| {
+        let hashes = hash_keys(keys);
+        self.apply_deletes_with(keys, &hashes, items, seq, |place| {
             commit()?;
             place();
             Ok(())
@@ -617,13 +618,18 @@ impl DeltaStore {
     /// budgeted, `run` is called with `place`, which writes the tombstone rows and points
     /// their keys' entries at them (the caller's lock keeps readers out). On `Ok` the rows
     /// they replaced are freed and the entries to remove are removed; on `Err` or a panic in
-    /// `run` every entry gets its old row back and nothing is applied.
+    /// `run` every entry gets its old row back and nothing is applied. `hashes` holds the
+    /// [`key_hash`] of every row of `keys` (from [`hash_keys`]).
     ///
     /// # Errors
     /// [`UnifyError::Memory`], or `run`'s error.
+    ///
+    /// # Panics
+    /// When `hashes` and `keys` differ in length.
     pub fn apply_deletes_with<E: From<UnifyError>>(
         &mut self,
         keys: &Rows,
+        hashes: &[u64],
         items: &[(usize, bool)],
         seq: u64,
         run: impl FnOnce(&mut dyn FnMut()) -> Result<(), E>,
@@ -637,16 +643,17 @@ impl DeltaStore {
             self.unreserve_map(before);
             return Err(UnifyError::from(e).into());
         }
+        assert_eq!(hashes.len(), keys.num_rows(), "one hash per key");
         // The tombstones' rows, their keys' hashes and the entries they replaced, in `tomb` order.
         let mut refs: Vec<RowRef> = Vec::new();
-        let mut hashes: Vec<u64> = Vec::new();
+        let mut tomb_hashes: Vec<u64> = Vec::new();
         let mut replaced: Vec<Option<RowAt>> = Vec::new();
         let mut place = || {
             if !refs.is_empty() || tomb.is_empty() {
                 return;
             }
             refs.reserve_exact(tomb.len());
-            hashes.reserve_exact(tomb.len());
+            tomb_hashes.reserve_exact(tomb.len());
             replaced.reserve_exact(tomb.len());
             // Sequence numbers follow `items` (each delete has one, tombstone or not).
             for (k, &(i, t)) in items.iter().enumerate() {
@@ -661,14 +668,13 @@ impl DeltaStore {
                 buf[1..9].copy_from_slice(&(seq + k as u64).to_le_bytes());
                 buf[9..13].copy_from_slice(&(key.len() as u32).to_le_bytes());
                 buf[HEADER..].copy_from_slice(key);
-                let h = key_hash(key);
                 refs.push(r);
-                hashes.push(h);
-                replaced.push(self.place(key, h, r));
+                tomb_hashes.push(hashes[i]);
+                replaced.push(self.place(key, hashes[i], r));
             }
         };
         let committed = commit_beside(run, &mut place);
-        self.settle_places(committed, &hashes, &refs, replaced, mark, before)?;
+        self.settle_places(committed, &tomb_hashes, &refs, replaced, mark, before)?;
         self.tombstones += refs.len();
         for &(i, t) in items {
             if t {
@@ -676,7 +682,7 @@ impl DeltaStore {
             }
             let key = keys.row(i);
             let key = key.as_ref();
-            let h = key_hash(key);
+            let h = hashes[i];
             let tag = h as u32;
             let arena = &self.arena;
             if let Ok(entry) = self.map.find_entry(h, |e| e.tag == tag && key_of(arena.get_from(e.at)) == key) {
@@ -1398,21 +1404,22 @@ mod tests {
         assert_eq!(looked, vec![Some(Lookup::Put), Some(Lookup::Put), Some(Lookup::Deleted)]);
         // Key 3 (row 0) removed outright, keys 1 and 2 (rows 1 and 2) get tombstones.
         let items = [(0, false), (1, true), (2, true)];
-        let res = d.apply_deletes_with(&keys, &items, 10, |place| {
+        let hashes = hash_keys(&keys);
+        let res = d.apply_deletes_with(&keys, &hashes, &items, 10, |place| {
             place();
             Err(UnifyError::SchemaMismatch { detail: "the record's fsync failed".into() })
         });
         assert!(res.is_err());
         assert_eq!((state(&d), lookups(&d)), (was, looked.clone()));
         let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let _ = d.apply_deletes_with(&keys, &items, 20, |place| -> Result<(), UnifyError> {
+            let _ = d.apply_deletes_with(&keys, &hashes, &items, 20, |place| -> Result<(), UnifyError> {
                 place();
                 panic!("the record's thread panicked");
             });
         }));
         assert!(panicked.is_err());
         assert_eq!((state(&d), lookups(&d)), (was, looked));
-        d.apply_deletes_with(&keys, &items, 30, |place| {
+        d.apply_deletes_with(&keys, &hashes, &items, 30, |place| {
             place();
             Ok::<(), UnifyError>(())
         })

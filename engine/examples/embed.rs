@@ -10,10 +10,7 @@ use std::sync::Arc;
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = std::env::temp_dir().join(format!("gritdb-embed-{}", std::process::id()));
     let engine = Engine::open(&dir, EngineConfig::default().memory_limit(256 << 20))?;
-    let schema = Arc::new(Schema::new(vec![
-        Field::new("id", DataType::Int64, false),
-        Field::new("name", DataType::Utf8, true),
-    ]));
+    let schema = Arc::new(Schema::new(vec![Field::new("id", DataType::Int64, false), Field::new("name", DataType::Utf8, true)]));
     let users = engine.create_table("users", schema.clone(), &["id"])?;
     let batch = RecordBatch::try_new(
         schema.clone(),

@@ -330,8 +330,7 @@ impl EngineInner {
             return true;
         }
         let target = if urgent { limit / 4 } else { used.saturating_sub(limit / 4 * 3) };
-        let mut by_size: Vec<(usize, Arc<TableInner>)> =
-            self.all_tables().into_iter().map(|t| (t.active_bytes(), t)).collect();
+        let mut by_size: Vec<(usize, Arc<TableInner>)> = self.all_tables().into_iter().map(|t| (t.active_bytes(), t)).collect();
         by_size.sort_by_key(|b| std::cmp::Reverse(b.0));
         let mut queued = 0usize;
         let mut busy = false;
@@ -379,10 +378,7 @@ impl EngineInner {
     /// Bytes of sealed deltas not yet turned into flush batches (what flushing them will
     /// need again, about, in `batch_blocks`).
     pub(crate) fn sealed_bytes(&self) -> usize {
-        self.all_tables()
-            .iter()
-            .map(|t| lock(&t.state).as_ref().map_or(0, |st| st.sealed.iter().map(|d| d.bytes()).sum::<usize>()))
-            .sum()
+        self.all_tables().iter().map(|t| lock(&t.state).as_ref().map_or(0, |st| st.sealed.iter().map(|d| d.bytes()).sum::<usize>())).sum()
     }
 
     /// Seals and queues every active delta whose first row is older than `age`.
@@ -666,13 +662,7 @@ impl Engine {
         let kind = crate::data_dir::classify(&dir, config.create_if_missing)?;
         fs::create_dir_all(&dir).map_err(io(&dir))?;
         let lock_path = dir.join("LOCK");
-        let lock_file = fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&lock_path)
-            .map_err(io(&lock_path))?;
+        let lock_file = fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&lock_path).map_err(io(&lock_path))?;
         // A lock recorded by this very process may be held only by a child it is forking:
         // between `fork` and `exec` the child shares the lock's open file description (std
         // opens it close-on-exec, which ends only at `exec`), so an engine closed and reopened
@@ -722,12 +712,7 @@ impl Engine {
             flushed: Mutex::new(HashMap::new()),
             closed: AtomicBool::new(false),
             write_target: std::sync::atomic::AtomicUsize::new(0),
-            wal_cleanup: WalCleanup {
-                pending: Mutex::new(Vec::new()),
-                running: Mutex::new(()),
-                queued: AtomicBool::new(false),
-                runtime: writer.handle(),
-            },
+            wal_cleanup: WalCleanup { pending: Mutex::new(Vec::new()), running: Mutex::new(()), queued: AtomicBool::new(false), runtime: writer.handle() },
             wal_pool: writer.wal_pool(),
         });
         let mut tables: BTreeMap<String, Arc<TableInner>> = BTreeMap::new();

@@ -194,9 +194,7 @@ pub enum DataDirFound {
 impl std::fmt::Display for DataDirFound {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            DataDirFound::Missing => {
-                f.write_str("it does not exist, and EngineConfig::create_if_missing is off (turn it on to create the directory)")
-            }
+            DataDirFound::Missing => f.write_str("it does not exist, and EngineConfig::create_if_missing is off (turn it on to create the directory)"),
             DataDirFound::NotADirectory => f.write_str("it is a file, not a directory"),
             DataDirFound::Foreign { entries, total } => {
                 let listed = entries.iter().map(|e| format!("`{e}`")).collect::<Vec<_>>().join(", ");
@@ -261,9 +259,7 @@ fn top_list(top: &[Consumer]) -> String {
 impl From<MemoryError> for Error {
     fn from(e: MemoryError) -> Self {
         match e {
-            MemoryError::Limit { requested, used, limit, category, top } => {
-                Error::MemoryLimit { requested, used, limit, category, top }
-            }
+            MemoryError::Limit { requested, used, limit, category, top } => Error::MemoryLimit { requested, used, limit, category, top },
             MemoryError::Config(s) => Error::Config(s),
             other => Error::Memory(other),
         }

@@ -165,12 +165,8 @@ impl From<ExportError> for Error {
     fn from(e: ExportError) -> Self {
         use std::io::{Error as IoError, ErrorKind};
         match e {
-            ExportError::TargetExists { path } => {
-                Error::Io { path, source: IoError::new(ErrorKind::AlreadyExists, "export target exists") }
-            }
-            ExportError::DirectoryNotFound { dir } => {
-                Error::Io { path: dir, source: IoError::new(ErrorKind::NotFound, "export directory does not exist") }
-            }
+            ExportError::TargetExists { path } => Error::Io { path, source: IoError::new(ErrorKind::AlreadyExists, "export target exists") },
+            ExportError::DirectoryNotFound { dir } => Error::Io { path: dir, source: IoError::new(ErrorKind::NotFound, "export directory does not exist") },
             ExportError::InvalidPath { path, reason } => Error::Io { path, source: IoError::new(ErrorKind::InvalidInput, reason) },
             ExportError::Io { path, source } => Error::Io { path, source },
             ExportError::Parquet { source, .. } => Error::Storage(gritdb_storage::StorageError::Parquet(source)),
@@ -238,12 +234,8 @@ impl Table {
         // The snapshot is taken before the temp file exists: an engine or table error leaves
         // nothing behind.
         let scan = self.scan(ScanOptions::default().batch_rows(options.batch_rows))?;
-        let tmp = dir.join(format!(
-            ".{}.{}.{}.gritdb-export.tmp",
-            file_name.to_string_lossy(),
-            std::process::id(),
-            TMP_COUNTER.fetch_add(1, Ordering::Relaxed)
-        ));
+        let tmp =
+            dir.join(format!(".{}.{}.{}.gritdb-export.tmp", file_name.to_string_lossy(), std::process::id(), TMP_COUNTER.fetch_add(1, Ordering::Relaxed)));
         let mut renamed = false;
         let res = self.write_export(vfs.as_ref(), scan, &tmp, path, &dir, options, &mut renamed);
         if res.is_err() {

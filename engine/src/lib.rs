@@ -32,30 +32,30 @@ mod table;
 mod writer;
 
 pub use config::{BackgroundPriority, EngineConfig};
-pub use engine::{DEFAULT_DATA_DIR, Engine, MAX_THREADS, RESERVED_TABLE_PREFIX};
 pub use data_dir::DATA_DIR_MARKER;
+pub use engine::{DEFAULT_DATA_DIR, Engine, MAX_THREADS, RESERVED_TABLE_PREFIX};
 pub use error::{DataDirFound, Error, MarkerProblem, Result};
+pub use export::{ExportError, ExportOptions, ExportStats};
 /// The error types [`Error`] wraps ([`Error::Input`], [`Error::Storage`], [`Error::Memory`]),
 /// so a caller can match on their typed fields (e.g. `UnifyError::NullKey { column, row }`).
 pub use gritdb_memctl::MemoryError;
 pub use gritdb_storage::StorageError;
-pub use gritdb_unify::UnifyError;
-pub use export::{ExportError, ExportOptions, ExportStats};
-pub use scan::{RETAIN_RATIO, Scan, ScanOptions, compact_if_sparse, retained_bytes};
 pub use gritdb_storage::{CompareOp, FilterError, MAX_FILTER_DEPTH, ScanFilter, ScanMetrics, WalSync};
-pub use table::{COMPACTION_FAILED, Table, TableStats};
 /// The Parquet writer settings of gritdb's data files and exports, for a caller that writes
 /// files to compare with or load into gritdb's (the bench's raw-writer baseline does).
 pub use gritdb_storage::{DATA_FILE_COMPRESSION, DICTIONARY_PAGE_BYTES, EXPORT_COMPRESSION, data_file_properties};
 /// What a scan reserves for a data file's metadata before parsing it, per encoded byte
 /// (docs/memory.md, "Not accounted").
 pub use gritdb_storage::{FOOTER_MEMORY_FACTOR, OFFSET_INDEX_MEMORY_FACTOR, PAGE_INDEX_MEMORY_FACTOR};
+pub use gritdb_unify::UnifyError;
+pub use scan::{RETAIN_RATIO, Scan, ScanOptions, compact_if_sparse, retained_bytes};
+pub use table::{COMPACTION_FAILED, Table, TableStats};
 
 /// Memory-controller types re-exported for reports and configuration.
 pub mod memory {
     pub use gritdb_memctl::{
-        AllocatorKind, AllocatorStats, Category, CategoryReport, Consumer, MemoryController, MemoryReport,
-        ProcessView, TableReport, default_memory_limit, format_bytes, physical_memory_bytes,
+        AllocatorKind, AllocatorStats, Category, CategoryReport, Consumer, MemoryController, MemoryReport, ProcessView, TableReport, default_memory_limit,
+        format_bytes, physical_memory_bytes,
     };
 }
 

@@ -1,12 +1,14 @@
 use crate::error::{Error, Result};
 use crate::table::TableInner;
 use arrow_array::{BooleanArray, RecordBatch};
-use arrow_select::filter::filter_record_batch;
 use arrow_buffer::{BooleanBuffer, Buffer, NullBuffer};
 use arrow_data::ArrayData;
+use arrow_select::filter::filter_record_batch;
 use gritdb_memctl::{Category, MemoryController, MemoryError, Reservation, TableAccount};
+use gritdb_storage::{
+    BoundFilter, FileReader, FileScan, FilterError, ReadSpec, ScanCounters, ScanFilter, ScanMetrics, ScanSource, StorageError, filter_batch, read_file_within,
+};
 use std::collections::HashMap;
-use gritdb_storage::{BoundFilter, FileReader, FileScan, FilterError, ReadSpec, ScanCounters, ScanFilter, ScanMetrics, ScanSource, StorageError, filter_batch, read_file_within};
 use std::collections::VecDeque;
 use std::sync::Arc;
 
@@ -136,9 +138,7 @@ impl Scan {
             None => None,
             Some(cols) => Some(
                 cols.iter()
-                    .map(|c| {
-                        schema.index_of(c).map_err(|_| Error::ColumnNotFound { table: inner.name.clone(), column: c.clone() })
-                    })
+                    .map(|c| schema.index_of(c).map_err(|_| Error::ColumnNotFound { table: inner.name.clone(), column: c.clone() }))
                     .collect::<Result<Vec<_>>>()?,
             ),
         };
@@ -158,16 +158,11 @@ impl Scan {
         memory.extend(st.active.to_batches(Category::ScanBuffers, false, rows, bytes, |_| true)?.puts);
         for k in (0..st.sealed.len()).rev() {
             let newer = st.sealed.range(k + 1..);
-            let b = st.sealed[k].to_batches(Category::ScanBuffers, false, rows, bytes, |key| {
-                st.active.get(key).is_none() && newer.clone().all(|n| n.get(key).is_none())
-            })?;
+            let b = st.sealed[k]
+                .to_batches(Category::ScanBuffers, false, rows, bytes, |key| st.active.get(key).is_none() && newer.clone().all(|n| n.get(key).is_none()))?;
             memory.extend(b.puts);
         }
-        let delta_keys = st
-            .active
-            .entries()
-            .map(|(k, _)| k)
-            .chain(st.sealed.iter().flat_map(|s| s.entries().map(|(k, _)| k)));
+        let delta_keys = st.active.entries().map(|(k, _)| k).chain(st.sealed.iter().flat_map(|s| s.entries().map(|(k, _)| k)));
         let files = st.store.scan_files(delta_keys);
         drop(g);
         let mut scan = Self {
@@ -411,7 +406,6 @@ fn apply_filter(b: RecordBatch, filter: Option<&BoundFilter>) -> Result<Option<(
         })),
     }
 }
-
 
 /// Copy-out threshold: a returned batch is compacted when the buffers it keeps alive hold at
 /// least this many times the bytes it uses (`shared/reference/seeds/000_b69fcdd581e98bef.txt`:

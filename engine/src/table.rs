@@ -732,9 +732,7 @@ impl Table {
     fn key_text(&self, batch: &RecordBatch, row: usize) -> String {
         let schema = batch.schema();
         let opts = arrow_cast::display::FormatOptions::default().with_null("null");
-        let show = |a: &dyn arrow_array::Array| {
-            arrow_cast::display::ArrayFormatter::try_new(a, &opts).ok().and_then(|f| f.value(row).try_to_string().ok())
-        };
+        let show = |a: &dyn arrow_array::Array| arrow_cast::display::ArrayFormatter::try_new(a, &opts).ok().and_then(|f| f.value(row).try_to_string().ok());
         self.inner
             .codec
             .keys()
@@ -1150,9 +1148,7 @@ impl Drop for PendingAppend {
     fn drop(&mut self) {
         // Never numbered: the write was rejected. A task no thread took yet is cancelled;
         // a running one drops its record at once (its channel closed here): wait for that.
-        if self.numbered.take().is_some()
-            && self.state.compare_exchange(QUEUED, CANCELLED, Ordering::AcqRel, Ordering::Acquire).is_err()
-        {
+        if self.numbered.take().is_some() && self.state.compare_exchange(QUEUED, CANCELLED, Ordering::AcqRel, Ordering::Acquire).is_err() {
             let _ = self.done.recv();
         }
     }
@@ -1176,17 +1172,8 @@ mod tests {
     /// same first duplicate and the same first occurrences (checked against a plain scan).
     #[test]
     fn duplicates_are_found_in_sorted_and_unsorted_batches() {
-        let cases: &[&[i64]] = &[
-            &[],
-            &[7],
-            &[1, 2, 3, 4],
-            &[1, 2, 2, 3],
-            &[-5, -1, 0, 9, 9],
-            &[4, 3, 2, 1],
-            &[3, 1, 3, 2, 1],
-            &[1, 2, 3, 1],
-            &[i64::MIN, -1, 0, 1, i64::MAX],
-        ];
+        let cases: &[&[i64]] =
+            &[&[], &[7], &[1, 2, 3, 4], &[1, 2, 2, 3], &[-5, -1, 0, 9, 9], &[4, 3, 2, 1], &[3, 1, 3, 2, 1], &[1, 2, 3, 1], &[i64::MIN, -1, 0, 1, i64::MAX]];
         for v in cases {
             let (rows, hashes) = keys(v);
             let mut want_dup = None;

@@ -28,12 +28,7 @@ const ROW: usize = 24;
 const CHUNK: usize = gritdb_memctl::DEFAULT_CHUNK_SIZE;
 
 fn controller(thread_cache: bool) -> Arc<MemoryController> {
-    MemoryController::new(ControllerConfig {
-        memory_limit: Some(1 << 30),
-        thread_cache,
-        ..ControllerConfig::default()
-    })
-    .expect("valid config")
+    MemoryController::new(ControllerConfig { memory_limit: Some(1 << 30), thread_cache, ..ControllerConfig::default() }).expect("valid config")
 }
 
 /// Runs `work(iters)` on `threads` threads started together; returns the wall time from the
@@ -89,34 +84,20 @@ fn alloc_burst(burst: usize, iters: u64) {
 fn chunk_pool(c: &mut Criterion) {
     for burst in BURSTS {
         let mut g = c.benchmark_group(format!("chunk_pool_burst{burst}"));
-        g.measurement_time(Duration::from_secs(4))
-            .warm_up_time(Duration::from_secs(1));
+        g.measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_secs(1));
         for threads in [1usize, 2, 4] {
             g.throughput(Throughput::Elements((threads * burst) as u64));
             let cached = controller(true);
-            g.bench_function(
-                BenchmarkId::new("thread_cache", format!("{threads}t")),
-                |b| {
-                    b.iter_custom(|iters| {
-                        run_threads(threads, iters, &|n| pool_burst(&cached, burst, n))
-                    });
-                },
-            );
+            g.bench_function(BenchmarkId::new("thread_cache", format!("{threads}t")), |b| {
+                b.iter_custom(|iters| run_threads(threads, iters, &|n| pool_burst(&cached, burst, n)));
+            });
             let central = controller(false);
-            g.bench_function(
-                BenchmarkId::new("central_mutex", format!("{threads}t")),
-                |b| {
-                    b.iter_custom(|iters| {
-                        run_threads(threads, iters, &|n| pool_burst(&central, burst, n))
-                    });
-                },
-            );
-            g.bench_function(
-                BenchmarkId::new("global_alloc", format!("{threads}t")),
-                |b| {
-                    b.iter_custom(|iters| run_threads(threads, iters, &|n| alloc_burst(burst, n)));
-                },
-            );
+            g.bench_function(BenchmarkId::new("central_mutex", format!("{threads}t")), |b| {
+                b.iter_custom(|iters| run_threads(threads, iters, &|n| pool_burst(&central, burst, n)));
+            });
+            g.bench_function(BenchmarkId::new("global_alloc", format!("{threads}t")), |b| {
+                b.iter_custom(|iters| run_threads(threads, iters, &|n| alloc_burst(burst, n)));
+            });
         }
         g.finish();
     }
@@ -124,8 +105,7 @@ fn chunk_pool(c: &mut Criterion) {
 
 fn row_alloc(c: &mut Criterion) {
     let mut g = c.benchmark_group("row_alloc");
-    g.measurement_time(Duration::from_secs(4))
-        .warm_up_time(Duration::from_secs(1));
+    g.measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_secs(1));
     g.throughput(Throughput::Elements(ROWS as u64));
     let row = [7u8; ROW];
     let ctl = controller(true);

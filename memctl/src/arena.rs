@@ -155,10 +155,7 @@ pub struct RowArena {
 
 impl std::fmt::Debug for RowArena {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RowArena")
-            .field("live_rows", &self.live_rows)
-            .field("bytes", &self.bytes)
-            .finish_non_exhaustive()
+        f.debug_struct("RowArena").field("live_rows", &self.live_rows).field("bytes", &self.bytes).finish_non_exhaustive()
     }
 }
 
@@ -192,9 +189,7 @@ impl RowArena {
 
     fn active_room(&self) -> usize {
         match self.active {
-            Some(id) => self.blocks[id as usize]
-                .as_ref()
-                .map_or(0, |b| b.data.len() - b.used),
+            Some(id) => self.blocks[id as usize].as_ref().map_or(0, |b| b.data.len() - b.used),
             None => 0,
         }
     }
@@ -243,10 +238,7 @@ impl RowArena {
         }
         let extra_oversize = oversize.saturating_sub(self.prepaid_oversize);
         if extra_oversize > 0 {
-            if let Err(e) =
-                self.ctl
-                    .try_reserve(Category::RowBlocks, self.table.as_ref(), extra_oversize)
-            {
+            if let Err(e) = self.ctl.try_reserve(Category::RowBlocks, self.table.as_ref(), extra_oversize) {
                 for c in got {
                     self.ctl.put_chunk(c, self.table.as_ref());
                 }
@@ -265,11 +257,7 @@ impl RowArena {
             self.ctl.put_chunk(c, self.table.as_ref());
         }
         if self.prepaid_oversize > 0 {
-            self.ctl.release(
-                Category::RowBlocks,
-                self.table.as_ref(),
-                self.prepaid_oversize,
-            );
+            self.ctl.release(Category::RowBlocks, self.table.as_ref(), self.prepaid_oversize);
             self.prepaid_oversize = 0;
         }
     }
@@ -308,10 +296,7 @@ impl RowArena {
             self.blocks[id as usize] = Some(block);
             return id;
         }
-        debug_assert!(
-            self.blocks.len() < self.blocks.capacity(),
-            "reserve_blocks first"
-        );
+        debug_assert!(self.blocks.len() < self.blocks.capacity(), "reserve_blocks first");
         self.blocks.push(Some(block));
         (self.blocks.len() - 1) as u32
     }
@@ -344,11 +329,7 @@ impl RowArena {
         let offset = block.used;
         block.used += len;
         block.live += 1;
-        let r = RowRef {
-            block: id,
-            offset: offset as u32,
-            len: len as u32,
-        };
+        let r = RowRef { block: id, offset: offset as u32, len: len as u32 };
         (r, &mut block.data[offset..offset + len])
     }
 
@@ -363,28 +344,17 @@ impl RowArena {
             if self.prepaid_oversize >= len {
                 self.prepaid_oversize -= len;
             } else {
-                self.ctl
-                    .try_reserve(Category::RowBlocks, self.table.as_ref(), len)?;
+                self.ctl.try_reserve(Category::RowBlocks, self.table.as_ref(), len)?;
             }
             self.bytes += len;
-            self.insert_block(Block {
-                data: vec![0u8; len].into_boxed_slice(),
-                used: 0,
-                live: 0,
-                oversize: true,
-            })
+            self.insert_block(Block { data: vec![0u8; len].into_boxed_slice(), used: 0, live: 0, oversize: true })
         } else {
             let data = match self.spare.pop() {
                 Some(c) => c,
                 None => self.ctl.take_chunk(self.table.as_ref())?,
             };
             self.bytes += data.len();
-            let id = self.insert_block(Block {
-                data,
-                used: 0,
-                live: 0,
-                oversize: false,
-            });
+            let id = self.insert_block(Block { data, used: 0, live: 0, oversize: false });
             if let Some(old) = self.active.replace(id) {
                 self.release_if_empty(old);
             }
@@ -398,9 +368,7 @@ impl RowArena {
     /// # Panics
     /// If `r` was freed or comes from another arena (a bug in the caller).
     pub fn get(&self, r: RowRef) -> &[u8] {
-        let b = self.blocks[r.block as usize]
-            .as_ref()
-            .expect("row of a freed block"); // infallible for a RowRef this arena handed out (see # Panics)
+        let b = self.blocks[r.block as usize].as_ref().expect("row of a freed block"); // infallible for a RowRef this arena handed out (see # Panics)
         &b.data[r.offset as usize..(r.offset + r.len) as usize]
     }
 
@@ -411,9 +379,7 @@ impl RowArena {
     /// # Panics
     /// If the row's block was freed or `at` comes from another arena (a bug in the caller).
     pub fn get_from(&self, at: RowAt) -> &[u8] {
-        let b = self.blocks[at.block as usize]
-            .as_ref()
-            .expect("row of a freed block"); // infallible for a row this arena handed out (see # Panics)
+        let b = self.blocks[at.block as usize].as_ref().expect("row of a freed block"); // infallible for a row this arena handed out (see # Panics)
         &b.data[at.offset as usize..]
     }
 
@@ -422,9 +388,7 @@ impl RowArena {
     /// # Panics
     /// If `r` was freed or comes from another arena (a bug in the caller).
     pub fn get_mut(&mut self, r: RowRef) -> &mut [u8] {
-        let b = self.blocks[r.block as usize]
-            .as_mut()
-            .expect("row of a freed block"); // infallible for a RowRef this arena handed out (see # Panics)
+        let b = self.blocks[r.block as usize].as_mut().expect("row of a freed block"); // infallible for a RowRef this arena handed out (see # Panics)
         &mut b.data[r.offset as usize..(r.offset + r.len) as usize]
     }
 
@@ -483,10 +447,7 @@ impl RowArena {
     }
 
     fn release_if_empty(&mut self, id: u32) {
-        if self.blocks[id as usize]
-            .as_ref()
-            .is_some_and(|b| b.live == 0)
-        {
+        if self.blocks[id as usize].as_ref().is_some_and(|b| b.live == 0) {
             self.release_block(id);
         }
     }
@@ -498,8 +459,7 @@ impl RowArena {
         self.free_ids.push(id);
         if b.oversize {
             self.bytes -= b.data.len();
-            self.ctl
-                .release(Category::RowBlocks, self.table.as_ref(), b.data.len());
+            self.ctl.release(Category::RowBlocks, self.table.as_ref(), b.data.len());
         } else {
             self.bytes -= b.data.len();
             self.ctl.put_chunk(b.data, self.table.as_ref());

@@ -16,9 +16,7 @@ pub struct BatchBlock {
 
 impl std::fmt::Debug for BatchBlock {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("BatchBlock")
-            .field("bytes", &self.len())
-            .finish()
+        f.debug_struct("BatchBlock").field("bytes", &self.len()).finish()
     }
 }
 
@@ -27,19 +25,11 @@ impl BatchBlock {
     ///
     /// # Errors
     /// [`MemoryError`] when the budget cannot be had (nothing is allocated then).
-    pub fn new(
-        ctl: &Arc<MemoryController>,
-        category: Category,
-        table: Option<&TableAccount>,
-        bytes: usize,
-    ) -> Result<Self, MemoryError> {
+    pub fn new(ctl: &Arc<MemoryController>, category: Category, table: Option<&TableAccount>, bytes: usize) -> Result<Self, MemoryError> {
         let words = bytes.div_ceil(16);
         let mut reservation = Reservation::new(ctl, category, table);
         reservation.try_grow(words * 16)?;
-        Ok(Self {
-            data: vec![0u128; words].into_boxed_slice(),
-            _reservation: reservation,
-        })
+        Ok(Self { data: vec![0u128; words].into_boxed_slice(), _reservation: reservation })
     }
 
     /// Length in bytes.

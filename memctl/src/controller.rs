@@ -34,14 +34,7 @@ pub struct ControllerConfig {
 
 impl Default for ControllerConfig {
     fn default() -> Self {
-        Self {
-            memory_limit: None,
-            chunk_size: DEFAULT_CHUNK_SIZE,
-            free_chunk_divisor: 8,
-            thread_cache: true,
-            thread_cache_chunks: 32,
-            batch_chunks: 16,
-        }
+        Self { memory_limit: None, chunk_size: DEFAULT_CHUNK_SIZE, free_chunk_divisor: 8, thread_cache: true, thread_cache_chunks: 32, batch_chunks: 16 }
     }
 }
 
@@ -100,10 +93,7 @@ fn format_top(top: &[Consumer]) -> String {
     if top.is_empty() {
         return "none".to_owned();
     }
-    top.iter()
-        .map(|c| format!("{} {}", c.name, format_bytes(c.bytes)))
-        .collect::<Vec<_>>()
-        .join(", ")
+    top.iter().map(|c| format!("{} {}", c.name, format_bytes(c.bytes))).collect::<Vec<_>>().join(", ")
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -137,10 +127,7 @@ pub struct TableAccount(pub(crate) Arc<TableInner>);
 
 impl std::fmt::Debug for TableAccount {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TableAccount")
-            .field("id", &self.0.id)
-            .field("name", &self.0.name)
-            .finish()
+        f.debug_struct("TableAccount").field("id", &self.0.id).field("name", &self.0.name).finish()
     }
 }
 
@@ -169,11 +156,7 @@ impl TableAccount {
 
     /// Bytes this table currently holds in all categories.
     pub fn total_bytes(&self) -> usize {
-        self.0
-            .counters
-            .iter()
-            .map(crate::category::Counters::get)
-            .sum()
+        self.0.counters.iter().map(crate::category::Counters::get).sum()
     }
 }
 
@@ -219,9 +202,7 @@ impl MemoryController {
     pub fn new(config: ControllerConfig) -> Result<Arc<Self>, MemoryError> {
         let chunk_size = config.chunk_size;
         if !chunk_size.is_power_of_two() || !(4 << 10..=64 << 20).contains(&chunk_size) {
-            return Err(MemoryError::Config(format!(
-                "chunk size must be a power of two between 4 KiB and 64 MiB, got {chunk_size} bytes"
-            )));
+            return Err(MemoryError::Config(format!("chunk size must be a power of two between 4 KiB and 64 MiB, got {chunk_size} bytes")));
         }
         let limit = config.memory_limit.unwrap_or_else(default_memory_limit);
         Self::check_limit(limit, chunk_size)?;
@@ -233,14 +214,7 @@ impl MemoryController {
             tables: Mutex::new(HashMap::new()),
             next_table: AtomicU64::new(1),
             chunk_size,
-            pool: ChunkPool::new(
-                chunk_size,
-                limit,
-                config.free_chunk_divisor,
-                config.thread_cache,
-                config.batch_chunks,
-                config.thread_cache_chunks,
-            ),
+            pool: ChunkPool::new(chunk_size, limit, config.free_chunk_divisor, config.thread_cache, config.batch_chunks, config.thread_cache_chunks),
             release_lock: Mutex::new(0),
             release_cv: Condvar::new(),
             waiters: Padded(AtomicUsize::new(0)),
@@ -260,9 +234,7 @@ impl MemoryController {
     fn check_limit(limit: usize, chunk_size: usize) -> Result<(), MemoryError> {
         let min = 2 * chunk_size;
         if limit < min {
-            return Err(MemoryError::Config(format!(
-                "memory limit of {limit} B is below the minimum of two chunks ({min} B)"
-            )));
+            return Err(MemoryError::Config(format!("memory limit of {limit} B is below the minimum of two chunks ({min} B)")));
         }
         Ok(())
     }
@@ -292,11 +264,7 @@ impl MemoryController {
     pub fn category_bytes(&self, category: Category) -> usize {
         if category.is_pool() {
             let f = self.pool_figures();
-            return if category == Category::RowBlocks {
-                f.row_bytes
-            } else {
-                f.free_bytes
-            };
+            return if category == Category::RowBlocks { f.row_bytes } else { f.free_bytes };
         }
         self.counters[category.index()].get()
     }
@@ -340,9 +308,7 @@ impl MemoryController {
         self.peak.store(self.used(), Ordering::Release);
         for c in Category::ALL {
             if c.is_pool() {
-                self.counters[c.index()]
-                    .peak
-                    .store(self.category_bytes(c), Ordering::Release);
+                self.counters[c.index()].peak.store(self.category_bytes(c), Ordering::Release);
             } else {
                 self.counters[c.index()].reset_peak();
             }
@@ -369,12 +335,8 @@ impl MemoryController {
     }
 
     pub(crate) fn live_tables(&self) -> Vec<TableAccount> {
-        let mut v: Vec<TableAccount> = lock(&self.tables)
-            .values()
-            .filter_map(Weak::upgrade)
-            .map(TableAccount)
-            .filter(|t| !t.is_dropped() || t.total_bytes() > 0)
-            .collect();
+        let mut v: Vec<TableAccount> =
+            lock(&self.tables).values().filter_map(Weak::upgrade).map(TableAccount).filter(|t| !t.is_dropped() || t.total_bytes() > 0).collect();
         v.sort_by_key(|t| t.0.id);
         v
     }
@@ -389,21 +351,14 @@ impl MemoryController {
     /// [`MemoryError::Injected`] (`n = 0`: the next one). `None` disarms.
     /// Only active with the `fault-injection` feature.
     pub fn inject_failure_after(&self, n: Option<u64>) {
-        self.fault_countdown
-            .store(n.map_or(-1, |n| n as i64), Ordering::Release);
+        self.fault_countdown.store(n.map_or(-1, |n| n as i64), Ordering::Release);
     }
 
     pub(crate) fn injected(&self, category: Category) -> Result<(), MemoryError> {
         if cfg!(feature = "fault-injection") {
-            let prev =
-                self.fault_countdown
-                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
-                        if v >= 0 { Some(v - 1) } else { None }
-                    });
+            let prev = self.fault_countdown.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| if v >= 0 { Some(v - 1) } else { None });
             if prev == Ok(0) {
-                self.counters[category.index()]
-                    .failures
-                    .fetch_add(1, Ordering::Relaxed);
+                self.counters[category.index()].failures.fetch_add(1, Ordering::Relaxed);
                 return Err(MemoryError::Injected { category });
             }
         }
@@ -415,12 +370,7 @@ impl MemoryController {
     /// # Errors
     /// [`MemoryError::Limit`] when `used + bytes` would exceed the limit even after trimming
     /// cached free chunks.
-    pub fn try_reserve(
-        &self,
-        category: Category,
-        table: Option<&TableAccount>,
-        bytes: usize,
-    ) -> Result<(), MemoryError> {
+    pub fn try_reserve(&self, category: Category, table: Option<&TableAccount>, bytes: usize) -> Result<(), MemoryError> {
         self.injected(category)?;
         self.grow_used(category, bytes)?;
         self.counter_add(category, bytes);
@@ -434,9 +384,7 @@ impl MemoryController {
     /// down (the SQL memory pool keeps queries under the write soft limit), so the report's
     /// `failures` shows it like a refusal at the limit.
     pub fn count_failure(&self, category: Category) {
-        self.counters[category.index()]
-            .failures
-            .fetch_add(1, Ordering::Relaxed);
+        self.counters[category.index()].failures.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts `bytes` in `category` (and for `table`) without checking the limit: for memory a
@@ -445,12 +393,7 @@ impl MemoryController {
     /// so `used` may pass the limit; when it does, the request counts as a failure of
     /// `category`. Returns `true` when the bytes fit under the limit. Release them with
     /// [`Self::release`].
-    pub fn force_reserve(
-        &self,
-        category: Category,
-        table: Option<&TableAccount>,
-        bytes: usize,
-    ) -> bool {
+    pub fn force_reserve(&self, category: Category, table: Option<&TableAccount>, bytes: usize) -> bool {
         if self.try_reserve(category, table, bytes).is_ok() {
             return true;
         }
@@ -496,16 +439,10 @@ impl MemoryController {
                     self.trim_free_chunks(0);
                     continue;
                 }
-                self.counters[category.index()]
-                    .failures
-                    .fetch_add(1, Ordering::Relaxed);
+                self.counters[category.index()].failures.fetch_add(1, Ordering::Relaxed);
                 return Err(self.limit_error(category, bytes));
             }
-            if self
-                .used
-                .compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Acquire)
-                .is_ok()
-            {
+            if self.used.compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Acquire).is_ok() {
                 self.peak.fetch_max(new, Ordering::AcqRel);
                 return Ok(());
             }
@@ -515,35 +452,16 @@ impl MemoryController {
     /// Builds the limit error for a request of `requested` bytes, naming the biggest
     /// categories and tables.
     pub fn limit_error(&self, category: Category, requested: usize) -> MemoryError {
-        let mut top: Vec<Consumer> = Category::ALL
-            .iter()
-            .map(|c| Consumer {
-                name: format!("category:{c}"),
-                bytes: self.category_bytes(*c),
-            })
-            .filter(|c| c.bytes > 0)
-            .collect();
+        let mut top: Vec<Consumer> =
+            Category::ALL.iter().map(|c| Consumer { name: format!("category:{c}"), bytes: self.category_bytes(*c) }).filter(|c| c.bytes > 0).collect();
         top.sort_by_key(|c| std::cmp::Reverse(c.bytes));
         top.truncate(3);
-        let mut tables: Vec<Consumer> = self
-            .live_tables()
-            .iter()
-            .map(|t| Consumer {
-                name: format!("table:{}", t.name()),
-                bytes: t.total_bytes(),
-            })
-            .filter(|c| c.bytes > 0)
-            .collect();
+        let mut tables: Vec<Consumer> =
+            self.live_tables().iter().map(|t| Consumer { name: format!("table:{}", t.name()), bytes: t.total_bytes() }).filter(|c| c.bytes > 0).collect();
         tables.sort_by_key(|c| std::cmp::Reverse(c.bytes));
         tables.truncate(3);
         top.extend(tables);
-        MemoryError::Limit {
-            requested,
-            used: self.used(),
-            limit: self.limit(),
-            category,
-            top,
-        }
+        MemoryError::Limit { requested, used: self.used(), limit: self.limit(), category, top }
     }
 
     pub(crate) fn notify_release(&self) {
@@ -560,10 +478,7 @@ impl MemoryController {
         self.waiters.fetch_add(1, Ordering::AcqRel);
         let generation = lock(&self.release_lock);
         let start = *generation;
-        let (g, _) = self
-            .release_cv
-            .wait_timeout_while(generation, timeout, |g| *g == start)
-            .unwrap_or_else(PoisonError::into_inner);
+        let (g, _) = self.release_cv.wait_timeout_while(generation, timeout, |g| *g == start).unwrap_or_else(PoisonError::into_inner);
         let released = *g != start;
         drop(g);
         self.waiters.fetch_sub(1, Ordering::AcqRel);
@@ -589,26 +504,14 @@ pub struct Reservation {
 
 impl std::fmt::Debug for Reservation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Reservation")
-            .field("category", &self.category)
-            .field("size", &self.size)
-            .finish_non_exhaustive()
+        f.debug_struct("Reservation").field("category", &self.category).field("size", &self.size).finish_non_exhaustive()
     }
 }
 
 impl Reservation {
     /// An empty reservation in `category`, optionally attributed to `table`.
-    pub fn new(
-        ctl: &Arc<MemoryController>,
-        category: Category,
-        table: Option<&TableAccount>,
-    ) -> Self {
-        Self {
-            ctl: Arc::clone(ctl),
-            category,
-            table: table.cloned(),
-            size: 0,
-        }
+    pub fn new(ctl: &Arc<MemoryController>, category: Category, table: Option<&TableAccount>) -> Self {
+        Self { ctl: Arc::clone(ctl), category, table: table.cloned(), size: 0 }
     }
 
     /// Bytes held.
@@ -629,8 +532,7 @@ impl Reservation {
         if bytes == 0 {
             return Ok(());
         }
-        self.ctl
-            .try_reserve(self.category, self.table.as_ref(), bytes)?;
+        self.ctl.try_reserve(self.category, self.table.as_ref(), bytes)?;
         self.size += bytes;
         Ok(())
     }

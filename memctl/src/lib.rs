@@ -120,10 +120,7 @@ mod spin;
 pub use arena::{ArenaMark, MAX_ROW_LEN, RowArena, RowAt, RowRef};
 pub use batch::BatchBlock;
 pub use category::Category;
-pub use controller::{
-    Consumer, ControllerConfig, DEFAULT_CHUNK_SIZE, MemoryController, MemoryError, Reservation,
-    TableAccount,
-};
+pub use controller::{Consumer, ControllerConfig, DEFAULT_CHUNK_SIZE, MemoryController, MemoryError, Reservation, TableAccount};
 pub use limit::{cgroup_memory_limit, default_memory_limit, physical_memory_bytes};
 pub use pool::{PoolChunk, PoolStats};
 pub use process::{AllocatorKind, AllocatorStats, ProcessView};

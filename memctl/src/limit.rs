@@ -9,11 +9,7 @@ pub fn physical_memory_bytes() -> usize {
     let pages = unsafe { libc::sysconf(libc::_SC_PHYS_PAGES) };
     // SAFETY: as above.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if pages > 0 && page > 0 {
-        (pages as usize).saturating_mul(page as usize)
-    } else {
-        8 << 30
-    }
+    if pages > 0 && page > 0 { (pages as usize).saturating_mul(page as usize) } else { 8 << 30 }
 }
 
 /// The cgroup memory limit of this process in bytes: cgroup v2 `memory.max` of the process's
@@ -37,10 +33,7 @@ pub fn cgroup_memory_limit() -> Option<usize> {
     }
     candidates.push("/sys/fs/cgroup/memory.max".to_owned());
     candidates.push("/sys/fs/cgroup/memory/memory.limit_in_bytes".to_owned());
-    candidates
-        .iter()
-        .filter_map(|p| parse_limit(&fs::read_to_string(p).ok()?))
-        .min()
+    candidates.iter().filter_map(|p| parse_limit(&fs::read_to_string(p).ok()?)).min()
 }
 
 fn parse_limit(text: &str) -> Option<usize> {
@@ -50,11 +43,7 @@ fn parse_limit(text: &str) -> Option<usize> {
     }
     let v: u64 = t.parse().ok()?;
     // cgroup v1 reports "unlimited" as a huge page-aligned number.
-    if v >= (1u64 << 60) {
-        None
-    } else {
-        Some(v as usize)
-    }
+    if v >= (1u64 << 60) { None } else { Some(v as usize) }
 }
 
 /// 50% of `min(physical memory, cgroup limit)`, in bytes.

@@ -87,9 +87,7 @@ pub struct PoolChunk<'a> {
 
 impl std::fmt::Debug for PoolChunk<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PoolChunk")
-            .field("len", &self.len())
-            .finish_non_exhaustive()
+        f.debug_struct("PoolChunk").field("len", &self.len()).finish_non_exhaustive()
     }
 }
 
@@ -135,11 +133,7 @@ struct Idle {
 
 impl Idle {
     fn new() -> Self {
-        Self {
-            uses: 0,
-            seen: 0,
-            since: Instant::now(),
-        }
+        Self { uses: 0, seen: 0, since: Instant::now() }
     }
 
     /// True when no operation happened for at least `max_idle` (as observed by the calls).
@@ -183,10 +177,7 @@ pub(crate) struct Slot {
 impl Slot {
     fn new(cap: usize) -> Self {
         Self {
-            inner: SpinLock::new(CacheInner {
-                chunks: Vec::with_capacity(cap),
-                idle: Idle::new(),
-            }),
+            inner: SpinLock::new(CacheInner { chunks: Vec::with_capacity(cap), idle: Idle::new() }),
             moved: AtomicIsize::new(0),
             takes: AtomicU64::new(0),
             puts: AtomicU64::new(0),
@@ -195,10 +186,7 @@ impl Slot {
 
     /// Records a fast-path move; the caller holds `inner` (so it is the only writer).
     fn record(&self, bytes: isize, take: bool) {
-        self.moved.store(
-            self.moved.load(Ordering::Relaxed) + bytes,
-            Ordering::Relaxed,
-        );
+        self.moved.store(self.moved.load(Ordering::Relaxed) + bytes, Ordering::Relaxed);
         let events = if take { &self.takes } else { &self.puts };
         events.store(events.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
     }
@@ -260,14 +248,7 @@ struct PoolCounters {
 }
 
 impl ChunkPool {
-    pub(crate) fn new(
-        chunk_size: usize,
-        limit: usize,
-        free_chunk_divisor: usize,
-        thread_cache: bool,
-        batch: usize,
-        max_thread_chunks: usize,
-    ) -> Self {
+    pub(crate) fn new(chunk_size: usize, limit: usize, free_chunk_divisor: usize, thread_cache: bool, batch: usize, max_thread_chunks: usize) -> Self {
         let pool = Self {
             id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
             chunk_size,
@@ -278,10 +259,7 @@ impl ChunkPool {
             thread_cap: AtomicUsize::new(0),
             central_cap: AtomicUsize::new(0),
             over_limit: AtomicBool::new(false),
-            central: Padded(Mutex::new(CacheInner {
-                chunks: Vec::new(),
-                idle: Idle::new(),
-            })),
+            central: Padded(Mutex::new(CacheInner { chunks: Vec::new(), idle: Idle::new() })),
             slots: Padded(Mutex::new(Vec::new())),
             stats: PoolCounters::default(),
         };
@@ -298,14 +276,9 @@ impl ChunkPool {
     fn set_caps(&self, limit: usize, caches: usize) {
         let share = self.share_bytes(limit) / self.chunk_size;
         // Computed for at least one cache, so the first thread can register its own.
-        let thread_cap = if self.thread_cache {
-            self.max_thread_chunks.min(share / (2 * caches.max(1)))
-        } else {
-            0
-        };
+        let thread_cap = if self.thread_cache { self.max_thread_chunks.min(share / (2 * caches.max(1))) } else { 0 };
         self.thread_cap.store(thread_cap, Ordering::Release);
-        self.central_cap
-            .store(share.saturating_sub(caches * thread_cap), Ordering::Release);
+        self.central_cap.store(share.saturating_sub(caches * thread_cap), Ordering::Release);
     }
 }
 
@@ -348,11 +321,7 @@ impl MemoryController {
                     None => {
                         entries.retain(|e| e.ctl.strong_count() > 0);
                         let slot = self.register_slot();
-                        entries.push(CacheEntry {
-                            pool_id,
-                            ctl: self.weak_self.clone(),
-                            slot,
-                        });
+                        entries.push(CacheEntry { pool_id, ctl: self.weak_self.clone(), slot });
                         let last = entries.len() - 1;
                         entries.swap(0, last);
                     }
@@ -393,13 +362,7 @@ impl MemoryController {
 
     /// Frees every chunk cached in thread caches registered with this controller (on drop).
     pub(crate) fn drop_thread_caches(&mut self) {
-        let slots = std::mem::take(
-            self.pool
-                .slots
-                .0
-                .get_mut()
-                .unwrap_or_else(std::sync::PoisonError::into_inner),
-        );
+        let slots = std::mem::take(self.pool.slots.0.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner));
         for s in slots {
             drop(std::mem::take(&mut s.inner.lock().chunks));
         }
@@ -431,12 +394,7 @@ impl MemoryController {
         let slots = lock(&self.pool.slots);
         let row = &self.counters[Category::RowBlocks.index()];
         let free = &self.counters[Category::FreeChunks.index()];
-        let mut f = PoolFigures {
-            row_bytes: row.current.load(Ordering::Acquire),
-            free_bytes: free.current.load(Ordering::Acquire),
-            takes: 0,
-            puts: 0,
-        };
+        let mut f = PoolFigures { row_bytes: row.current.load(Ordering::Acquire), free_bytes: free.current.load(Ordering::Acquire), takes: 0, puts: 0 };
         for s in slots.iter() {
             let moved = s.moved.load(Ordering::Relaxed) as usize;
             f.row_bytes = f.row_bytes.wrapping_add(moved);
@@ -459,12 +417,8 @@ impl MemoryController {
             return;
         }
         let f = self.pool_figures();
-        self.counters[Category::RowBlocks.index()]
-            .peak
-            .fetch_max(f.row_bytes, Ordering::AcqRel);
-        self.counters[Category::FreeChunks.index()]
-            .peak
-            .fetch_max(f.free_bytes, Ordering::AcqRel);
+        self.counters[Category::RowBlocks.index()].peak.fetch_max(f.row_bytes, Ordering::AcqRel);
+        self.counters[Category::FreeChunks.index()].peak.fetch_max(f.free_bytes, Ordering::AcqRel);
     }
 
     /// Adds to a category: pool categories by wrapping add plus a peak observation, the others
@@ -504,10 +458,7 @@ impl MemoryController {
         }
         let bytes = n * self.pool.chunk_size;
         self.counters[Category::FreeChunks.index()].sub_raw_n(bytes, n as u64);
-        self.pool
-            .stats
-            .returned
-            .fetch_add(n as u64, Ordering::Relaxed);
+        self.pool.stats.returned.fetch_add(n as u64, Ordering::Relaxed);
         self.sub_used(bytes);
     }
 
@@ -556,16 +507,9 @@ impl MemoryController {
     /// # Errors
     /// [`MemoryError::Limit`] when a new chunk is needed and the limit would be exceeded even
     /// after trimming every cache; [`MemoryError::Injected`] from the fault-injection hook.
-    pub fn acquire_chunk<'a>(
-        &'a self,
-        table: Option<&'a TableAccount>,
-    ) -> Result<PoolChunk<'a>, MemoryError> {
+    pub fn acquire_chunk<'a>(&'a self, table: Option<&'a TableAccount>) -> Result<PoolChunk<'a>, MemoryError> {
         let data = self.take_chunk(table)?;
-        Ok(PoolChunk {
-            ctl: self,
-            table,
-            data: Some(data),
-        })
+        Ok(PoolChunk { ctl: self, table, data: Some(data) })
     }
 
     /// Takes a chunk from this thread's cache; an empty cache is first refilled with up to
@@ -581,11 +525,7 @@ impl MemoryController {
             return (Some(chunk), false);
         }
         drop(c);
-        let want = self
-            .pool
-            .batch
-            .min(self.pool.thread_cap.load(Ordering::Relaxed))
-            .max(1);
+        let want = self.pool.batch.min(self.pool.thread_cap.load(Ordering::Relaxed)).max(1);
         let mut central = lock(&self.pool.central);
         central.idle.uses += 1;
         let n = want.min(central.chunks.len());
@@ -697,11 +637,7 @@ impl MemoryController {
             return None;
         }
         let n = self.pool.batch.min(c.chunks.len());
-        let room = self
-            .pool
-            .central_cap
-            .load(Ordering::Relaxed)
-            .saturating_sub(central.chunks.len());
+        let room = self.pool.central_cap.load(Ordering::Relaxed).saturating_sub(central.chunks.len());
         let at = c.chunks.len() - n;
         let to_central = n.min(room);
         let excess: Vec<Chunk> = c.chunks.drain(at + to_central..).collect();
@@ -721,11 +657,7 @@ impl MemoryController {
         {
             let mut c = lock(&self.pool.central);
             c.idle.uses += 1;
-            let room = self
-                .pool
-                .central_cap
-                .load(Ordering::Relaxed)
-                .saturating_sub(c.chunks.len());
+            let room = self.pool.central_cap.load(Ordering::Relaxed).saturating_sub(c.chunks.len());
             let keep = room.min(chunks.len());
             let at = chunks.len() - keep;
             c.chunks.extend(chunks.drain(at..));
@@ -790,10 +722,7 @@ impl MemoryController {
     /// afterwards. Returns the bytes released.
     pub fn trim_free_chunks(&self, keep_bytes: usize) -> usize {
         let keep = keep_bytes / self.pool.chunk_size;
-        let in_threads: usize = lock(&self.pool.slots)
-            .iter()
-            .map(|s| s.inner.lock().chunks.len())
-            .sum();
+        let in_threads: usize = lock(&self.pool.slots).iter().map(|s| s.inner.lock().chunks.len()).sum();
         let mut released = Vec::new();
         let mut keep_in_threads = {
             let mut c = lock(&self.pool.central);
@@ -821,13 +750,7 @@ impl MemoryController {
     /// memctl starts no thread for it: the engine calls it from its background work.
     pub fn trim_idle(&self, max_idle: Duration) -> usize {
         let now = Instant::now();
-        let mut released = self.steal(|c| {
-            if c.idle.idle_for(now, max_idle) {
-                0
-            } else {
-                c.chunks.len()
-            }
-        });
+        let mut released = self.steal(|c| if c.idle.idle_for(now, max_idle) { 0 } else { c.chunks.len() });
         {
             let mut c = lock(&self.pool.central);
             if c.idle.idle_for(now, max_idle) {
@@ -845,10 +768,7 @@ impl MemoryController {
     pub fn pool_stats(&self) -> PoolStats {
         let (caches, in_threads) = {
             let slots = lock(&self.pool.slots);
-            (
-                slots.len(),
-                slots.iter().map(|s| s.inner.lock().chunks.len()).sum(),
-            )
+            (slots.len(), slots.iter().map(|s| s.inner.lock().chunks.len()).sum())
         };
         PoolStats {
             thread_cache: self.pool.thread_cache,

@@ -44,11 +44,7 @@ impl ProcessView {
     /// Reads `/proc/self/status` and the allocator (advancing jemalloc's epoch first).
     pub fn read() -> Self {
         let (rss, vmhwm) = read_proc_status();
-        Self {
-            rss,
-            vmhwm,
-            allocator: allocator_stats(),
-        }
+        Self { rss, vmhwm, allocator: allocator_stats() }
     }
 }
 
@@ -57,11 +53,7 @@ fn read_proc_status() -> (usize, usize) {
         return (0, 0);
     };
     let field = |name: &str| {
-        text.lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse::<usize>().ok())
-            .map_or(0, |kb| kb * 1024)
+        text.lines().find(|l| l.starts_with(name)).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse::<usize>().ok()).map_or(0, |kb| kb * 1024)
     };
     (field("VmRSS:"), field("VmHWM:"))
 }
@@ -118,13 +110,7 @@ fn glibc_stats() -> AllocatorStats {
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn glibc_stats() -> AllocatorStats {
-    AllocatorStats {
-        kind: AllocatorKind::Unknown,
-        allocated: 0,
-        active: 0,
-        resident: 0,
-        retained: 0,
-    }
+    AllocatorStats { kind: AllocatorKind::Unknown, allocated: 0, active: 0, resident: 0, retained: 0 }
 }
 
 #[cfg(test)]

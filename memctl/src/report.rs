@@ -153,11 +153,7 @@ impl MemoryController {
                 table: t.name().to_owned(),
                 bytes: t.total_bytes(),
                 dropped: t.is_dropped(),
-                categories: Category::ALL
-                    .iter()
-                    .map(|c| CategoryReport::from_counters(*c, &t.0.counters[c.index()]))
-                    .filter(|r| r.allocs > 0)
-                    .collect(),
+                categories: Category::ALL.iter().map(|c| CategoryReport::from_counters(*c, &t.0.counters[c.index()])).filter(|r| r.allocs > 0).collect(),
             })
             .collect()
     }
@@ -166,10 +162,7 @@ impl MemoryController {
 impl MemoryReport {
     /// Current bytes of one category.
     pub fn category(&self, category: Category) -> usize {
-        self.categories
-            .iter()
-            .find(|c| c.category == category)
-            .map_or(0, |c| c.bytes)
+        self.categories.iter().find(|c| c.category == category).map_or(0, |c| c.bytes)
     }
 }
 
@@ -191,19 +184,8 @@ pub fn format_bytes(bytes: usize) -> String {
 
 impl fmt::Display for MemoryReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(
-            f,
-            "limit {}  used {}  peak {}  ({} tables)",
-            format_bytes(self.limit),
-            format_bytes(self.used),
-            format_bytes(self.peak),
-            self.tables.len()
-        )?;
-        writeln!(
-            f,
-            "{:<14} {:>12} {:>12} {:>10} {:>10} {:>8}",
-            "category", "bytes", "peak", "allocs", "frees", "failed"
-        )?;
+        writeln!(f, "limit {}  used {}  peak {}  ({} tables)", format_bytes(self.limit), format_bytes(self.used), format_bytes(self.peak), self.tables.len())?;
+        writeln!(f, "{:<14} {:>12} {:>12} {:>10} {:>10} {:>8}", "category", "bytes", "peak", "allocs", "frees", "failed")?;
         for c in &self.categories {
             writeln!(
                 f,

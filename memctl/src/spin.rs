@@ -23,10 +23,7 @@ unsafe impl<T: Send> Sync for SpinLock<T> {}
 
 impl<T> SpinLock<T> {
     pub(crate) const fn new(value: T) -> Self {
-        Self {
-            locked: AtomicBool::new(false),
-            value: UnsafeCell::new(value),
-        }
+        Self { locked: AtomicBool::new(false), value: UnsafeCell::new(value) }
     }
 
     pub(crate) fn lock(&self) -> SpinGuard<'_, T> {

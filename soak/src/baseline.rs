@@ -6,10 +6,7 @@
 //! Nothing here is accounted by a memory controller: all of its bytes are outside any engine.
 
 use anyhow::{Result, bail};
-use arrow::array::{
-    Array, AsArray, Date32Array, Decimal128Array, Int32Array, Int64Array, LargeStringArray,
-    RecordBatch, StringArray, StringViewArray,
-};
+use arrow::array::{Array, AsArray, Date32Array, Decimal128Array, Int32Array, Int64Array, LargeStringArray, RecordBatch, StringArray, StringViewArray};
 use arrow::datatypes::{DataType, Date32Type, Decimal128Type, Int32Type, Int64Type};
 use std::collections::HashMap;
 
@@ -245,8 +242,7 @@ mod tests {
         ]));
         let k1: ArrayRef = Arc::new(keys.iter().map(|k| k.0).collect::<Int64Array>());
         let k2: ArrayRef = Arc::new(keys.iter().map(|k| k.1).collect::<Int32Array>());
-        let q: ArrayRef =
-            Arc::new(keys.iter().map(|_| qty).collect::<Decimal128Array>().with_precision_and_scale(15, 2).unwrap());
+        let q: ArrayRef = Arc::new(keys.iter().map(|_| qty).collect::<Decimal128Array>().with_precision_and_scale(15, 2).unwrap());
         let s: ArrayRef = Arc::new(keys.iter().map(|k| Some(format!("row {}", k.0))).collect::<StringViewArray>());
         RecordBatch::try_new(schema, vec![k1, k2, q, s]).unwrap()
     }

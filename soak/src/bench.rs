@@ -127,23 +127,12 @@ impl PeerFigures {
 /// Runs the peer script on `parquet` (database file in `dir`) and returns its JSON line.
 fn run_peer(script: &Path, parquet: &Path, dir: &Path) -> Result<serde_json::Value> {
     let db = dir.join("duckdb.db");
-    let out = std::process::Command::new("python3")
-        .arg(script)
-        .arg(parquet)
-        .arg(&db)
-        .output()
-        .with_context(|| format!("running python3 {}", script.display()))?;
+    let out =
+        std::process::Command::new("python3").arg(script).arg(parquet).arg(&db).output().with_context(|| format!("running python3 {}", script.display()))?;
     let _ = std::fs::remove_file(&db);
     let _ = std::fs::remove_file(dir.join("duckdb.db.wal"));
     let stdout = String::from_utf8_lossy(&out.stdout);
-    ensure!(
-        out.status.success(),
-        "python3 {} failed ({}): {}{}",
-        script.display(),
-        out.status,
-        stdout.trim(),
-        String::from_utf8_lossy(&out.stderr).trim()
-    );
+    ensure!(out.status.success(), "python3 {} failed ({}): {}{}", script.display(), out.status, stdout.trim(), String::from_utf8_lossy(&out.stderr).trim());
     let line = stdout.lines().rev().find(|l| l.starts_with('{')).with_context(|| format!("no JSON line from {}: {stdout}", script.display()))?;
     Ok(serde_json::from_str(line)?)
 }
@@ -390,10 +379,8 @@ fn decimal(a: &dyn Array, name: &str) -> Result<arrow::array::Decimal128Array> {
 fn load(args: &BenchArgs) -> Result<Vec<RecordBatch>> {
     if let Some(path) = &args.parquet {
         let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-        let reader = ParquetRecordBatchReaderBuilder::try_new(file)
-            .with_context(|| format!("reading {}", path.display()))?
-            .with_batch_size(BATCH_ROWS)
-            .build()?;
+        let reader =
+            ParquetRecordBatchReaderBuilder::try_new(file).with_context(|| format!("reading {}", path.display()))?.with_batch_size(BATCH_ROWS).build()?;
         Ok(reader.collect::<Result<Vec<_>, _>>()?)
     } else {
         let generator = tpchgen::generators::LineItemGenerator::new(args.scale, 1, 1);
@@ -556,7 +543,9 @@ pub fn q1_partitioned(table: &gritdb::Table, threads: usize) -> Result<Vec<Q1Gro
     let mut out: Vec<Q1Group> = Vec::new();
     for g in parts.into_iter().flatten() {
         match out.iter_mut().find(|o| (&o.returnflag, &o.linestatus) == (&g.returnflag, &g.linestatus)) {
-            Some(o) => (o.sum_qty, o.sum_price, o.sum_disc, o.count) = (o.sum_qty + g.sum_qty, o.sum_price + g.sum_price, o.sum_disc + g.sum_disc, o.count + g.count),
+            Some(o) => {
+                (o.sum_qty, o.sum_price, o.sum_disc, o.count) = (o.sum_qty + g.sum_qty, o.sum_price + g.sum_price, o.sum_disc + g.sum_disc, o.count + g.count);
+            }
             None => out.push(g),
         }
     }
@@ -589,7 +578,11 @@ fn fresh_dir(args: &BenchArgs) -> Result<(PathBuf, bool)> {
 pub fn run_cli(args: &BenchArgs) -> Result<bool> {
     ensure!(args.runs >= 1, "--runs must be at least 1");
     if let Some(script) = &args.duckdb {
-        ensure!(script.is_file(), "--duckdb {}: no such file (the peer script is shared/peers/duckdb_ingest.py of the workspace around the repository, /work/shared/peers/duckdb_ingest.py on the machine it was written on; a relative path is taken from the current directory)", script.display());
+        ensure!(
+            script.is_file(),
+            "--duckdb {}: no such file (the peer script is shared/peers/duckdb_ingest.py of the workspace around the repository, /work/shared/peers/duckdb_ingest.py on the machine it was written on; a relative path is taken from the current directory)",
+            script.display()
+        );
     }
     let (dir, temporary) = fresh_dir(args)?;
     let result = run(args, &dir, temporary);
@@ -846,10 +839,7 @@ fn measure(args: &BenchArgs, batches: &[RecordBatch], dir: &Path) -> Result<(Ben
     engine.close()?;
 
     // Phase 2, relaxed: the same inserts without an fsync per call.
-    let engine = Engine::open(
-        dir.join("relaxed"),
-        defaults.memory_limit(big).table_flush_bytes(big >> 1).wal_sync(WalSync::Relaxed),
-    )?;
+    let engine = Engine::open(dir.join("relaxed"), defaults.memory_limit(big).table_flush_bytes(big >> 1).wal_sync(WalSync::Relaxed))?;
     let table = engine.create_table("lineitem", schema.clone(), &KEY)?;
     let t = Instant::now();
     for b in batches {
@@ -967,7 +957,11 @@ fn print_table(r: &BenchResult, groups: &[Q1Group]) {
             "DuckDB (here)",
             format!("{} measured by the peer script in this run, median of {}, one after each of gritdb's", p.engine, p.runs),
         ),
-        None => (DUCKDB, "DuckDB 2.0.1*", "* DuckDB's figures were recorded on this machine with the peer script, not measured by this command (--duckdb SCRIPT measures them)".to_owned()),
+        None => (
+            DUCKDB,
+            "DuckDB 2.0.1*",
+            "* DuckDB's figures were recorded on this machine with the peer script, not measured by this command (--duckdb SCRIPT measures them)".to_owned(),
+        ),
     };
     let mib = |b: f64| b / f64::from(1u32 << 20);
     println!(
@@ -1021,8 +1015,22 @@ fn print_table(r: &BenchResult, groups: &[Q1Group]) {
     }
     println!("RSS above base {:.1} MiB; VmHWM {:.1} MiB", mib(r.rss_above_base_bytes as f64), mib(r.vmhwm_bytes as f64));
     println!("{:<26} {:>20} {:>20} {:>9}", "physical limit", "raw", "gritdb", "ratio");
-    println!("{:<26} {:>20} {:>20} {:>9.2}{}", format!("write ({:?}) vs flush", gritdb::DATA_FILE_COMPRESSION), mrows(r.raw_write_rows_per_s), mrows(r.flush_rows_per_s), r.flush_vs_raw_write, range("flush_vs_raw_write", 1.0));
-    println!("{:<26} {:>20} {:>20} {:>9.2}{}", "read vs full scan", mrows(r.raw_read_rows_per_s), mrows(r.scan_rows_per_s), r.scan_vs_raw_read, range("scan_vs_raw_read", 1.0));
+    println!(
+        "{:<26} {:>20} {:>20} {:>9.2}{}",
+        format!("write ({:?}) vs flush", gritdb::DATA_FILE_COMPRESSION),
+        mrows(r.raw_write_rows_per_s),
+        mrows(r.flush_rows_per_s),
+        r.flush_vs_raw_write,
+        range("flush_vs_raw_write", 1.0)
+    );
+    println!(
+        "{:<26} {:>20} {:>20} {:>9.2}{}",
+        "read vs full scan",
+        mrows(r.raw_read_rows_per_s),
+        mrows(r.scan_rows_per_s),
+        r.scan_vs_raw_read,
+        range("scan_vs_raw_read", 1.0)
+    );
     println!(
         "{:<26} {:>20} {:>20} {:>9.2}   ({:.1} WAL bytes/row)",
         "write+fsync vs insert",
@@ -1141,11 +1149,7 @@ mod tests {
     #[test]
     #[allow(clippy::float_cmp)] // the medians picked are input values (or an exact midpoint)
     fn summarize_takes_medians_worst_memory_and_the_first_peak() {
-        let runs = [
-            run_result(2.0e6, 700, -5, Some(0.03)),
-            run_result(1.5e6, 1_000, 90, Some(0.05)),
-            run_result(2.6e6, 1_200, 40, Some(0.04)),
-        ];
+        let runs = [run_result(2.0e6, 700, -5, Some(0.03)), run_result(1.5e6, 1_000, 90, Some(0.05)), run_result(2.6e6, 1_200, 40, Some(0.04))];
         let r = summarize(&runs).unwrap();
         assert_eq!(r.runs, 3);
         assert_eq!(r.insert_rows_per_s, 2.0e6, "median of 1.5, 2.0, 2.6 M");
@@ -1309,7 +1313,8 @@ mod tests {
         let rows = 9_000usize;
         let pair = |i: usize| (format!("f{}", i % 20), format!("s{}", (i / 20) % 15));
         let (f, s): (Vec<String>, Vec<String>) = (0..rows).map(pair).unzip();
-        let dec = |m: i128| -> ArrayRef { Arc::new(Decimal128Array::from_iter_values((0..rows as i128).map(|i| i * m)).with_precision_and_scale(15, 2).unwrap()) };
+        let dec =
+            |m: i128| -> ArrayRef { Arc::new(Decimal128Array::from_iter_values((0..rows as i128).map(|i| i * m)).with_precision_and_scale(15, 2).unwrap()) };
         let schema = Arc::new(Schema::new(vec![
             Field::new("l_returnflag", DataType::Utf8View, false),
             Field::new("l_linestatus", DataType::Utf8View, false),
@@ -1317,13 +1322,8 @@ mod tests {
             Field::new("l_extendedprice", DataType::Decimal128(15, 2), false),
             Field::new("l_discount", DataType::Decimal128(15, 2), false),
         ]));
-        let cols: Vec<ArrayRef> = vec![
-            Arc::new(StringViewArray::from_iter_values(f.iter())),
-            Arc::new(StringViewArray::from_iter_values(s.iter())),
-            dec(1),
-            dec(3),
-            dec(5),
-        ];
+        let cols: Vec<ArrayRef> =
+            vec![Arc::new(StringViewArray::from_iter_values(f.iter())), Arc::new(StringViewArray::from_iter_values(s.iter())), dec(1), dec(3), dec(5)];
         let b = RecordBatch::try_new(schema, cols).unwrap();
         let mut want: std::collections::BTreeMap<(String, String), (i128, u64)> = std::collections::BTreeMap::new();
         for i in 0..rows {

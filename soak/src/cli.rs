@@ -214,8 +214,7 @@ impl RunArgs {
     /// The per-table flush threshold in bytes: `--table-flush-bytes`, else limit / 64 clamped
     /// to 1..=64 MiB.
     pub fn flush_bytes(&self) -> u64 {
-        self.table_flush_bytes
-            .unwrap_or_else(|| (self.memory_limit / 64).clamp(1 << 20, 64 << 20))
+        self.table_flush_bytes.unwrap_or_else(|| (self.memory_limit / 64).clamp(1 << 20, 64 << 20))
     }
 }
 
@@ -238,10 +237,7 @@ impl Default for RunArgs {
 
 /// Parses a positive TPC-H scale factor (`0.1`, `1`).
 fn parse_scale(s: &str) -> Result<f64, String> {
-    let v: f64 = s
-        .trim()
-        .parse()
-        .map_err(|_| format!("`{s}` is not a number (example: 0.1)"))?;
+    let v: f64 = s.trim().parse().map_err(|_| format!("`{s}` is not a number (example: 0.1)"))?;
     if !v.is_finite() || v <= 0.0 {
         return Err(format!("scale must be a positive number, got `{s}`"));
     }
@@ -260,8 +256,7 @@ fn parse_scale(s: &str) -> Result<f64, String> {
 /// # Errors
 /// A message naming the bad input and the accepted forms.
 pub fn parse_size(s: &str) -> Result<u64, String> {
-    const HELP: &str =
-        "expected bytes or a size with unit, e.g. 268435456, 256MiB, 1GiB, 1.5GiB, 64MB";
+    const HELP: &str = "expected bytes or a size with unit, e.g. 268435456, 256MiB, 1GiB, 1.5GiB, 64MB";
     let t = s.trim();
     if t.is_empty() {
         return Err(format!("empty size; {HELP}"));
@@ -269,9 +264,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     if t.starts_with('-') {
         return Err(format!("size `{s}` is negative; {HELP}"));
     }
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     let unit = unit.trim();
     if num.is_empty() || num == "." {
@@ -296,14 +289,8 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     if frac.contains('.') || frac.len() > 12 || int.len() > 20 {
         return Err(format!("`{s}` is not a valid number; {HELP}"));
     }
-    let parse = |d: &str| -> Result<u128, String> {
-        if d.is_empty() {
-            Ok(0)
-        } else {
-            d.parse::<u128>()
-                .map_err(|_| format!("`{s}` is not a valid number; {HELP}"))
-        }
-    };
+    let parse =
+        |d: &str| -> Result<u128, String> { if d.is_empty() { Ok(0) } else { d.parse::<u128>().map_err(|_| format!("`{s}` is not a valid number; {HELP}")) } };
     let scale = 10u128.pow(frac.len() as u32);
     let value = parse(int)? * scale + parse(frac)?;
     let bytes = value * multiplier;
@@ -353,10 +340,7 @@ mod tests {
             ("1e9", "unknown unit"),
         ] {
             let err = parse_size(input).expect_err(input);
-            assert!(
-                err.contains(needle),
-                "`{input}` gave `{err}`, expected it to mention `{needle}`"
-            );
+            assert!(err.contains(needle), "`{input}` gave `{err}`, expected it to mention `{needle}`");
         }
     }
 
@@ -367,15 +351,7 @@ mod tests {
         assert!(cli.command.is_none());
         assert_eq!(cli.run.rounds, 200);
         assert_eq!(cli.run.memory_limit, 256 << 20);
-        let cli = Cli::try_parse_from([
-            "gritdb-soak",
-            "run",
-            "--rounds",
-            "3",
-            "--memory-limit",
-            "1GiB",
-        ])
-        .expect("run");
+        let cli = Cli::try_parse_from(["gritdb-soak", "run", "--rounds", "3", "--memory-limit", "1GiB"]).expect("run");
         match cli.command {
             Some(Command::Run(a)) => assert_eq!((a.rounds, a.memory_limit), (3, 1 << 30)),
             other => panic!("{other:?}"),
@@ -388,8 +364,7 @@ mod tests {
         assert!(matches!(cli.command, Some(Command::Report { .. })));
         let cli = Cli::try_parse_from(["gritdb-soak", "--allocator", "system"]).expect("allocator");
         assert_eq!(cli.run.allocator, Allocator::System);
-        let cli =
-            Cli::try_parse_from(["gritdb-soak", "tune", "--limits", "64MiB,1GiB"]).expect("tune");
+        let cli = Cli::try_parse_from(["gritdb-soak", "tune", "--limits", "64MiB,1GiB"]).expect("tune");
         match cli.command {
             Some(Command::Tune(t)) => assert_eq!(t.limits, vec![64 << 20, 1 << 30]),
             other => panic!("{other:?}"),

@@ -11,10 +11,10 @@ use gritdb::{Engine, EngineConfig, ScanOptions};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// `(k1 Int64, k2 Int32, v Int64 nullable, s Utf8 nullable)` with primary key `(k1, k2)`.
@@ -39,8 +39,7 @@ pub fn composite_batch(rows: &[((i64, i32), Row)]) -> RecordBatch {
     let k2: Int32Array = rows.iter().map(|r| Some(r.0.1)).collect();
     let v: Int64Array = rows.iter().map(|r| r.1.0).collect();
     let s: StringArray = rows.iter().map(|r| r.1.1.clone()).collect();
-    RecordBatch::try_new(composite_schema(), vec![Arc::new(k1), Arc::new(k2), Arc::new(v), Arc::new(s)])
-        .expect("columns match the schema") // infallible by construction
+    RecordBatch::try_new(composite_schema(), vec![Arc::new(k1), Arc::new(k2), Arc::new(v), Arc::new(s)]).expect("columns match the schema") // infallible by construction
 }
 
 /// Builds a key batch `(k1, k2)`.

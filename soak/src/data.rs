@@ -17,13 +17,10 @@
 
 use anyhow::{Context, Result};
 use arrow::array::{
-    Array, ArrayRef, AsArray, BinaryArray, BooleanArray, Date32Array, Decimal128Array,
-    Float32Array, Float64Array, Int8Array, Int16Array, Int32Array, Int64Array, LargeStringArray,
-    RecordBatch, StringArray, StringViewArray, TimestampMicrosecondArray, UInt32Array, UInt64Array,
+    Array, ArrayRef, AsArray, BinaryArray, BooleanArray, Date32Array, Decimal128Array, Float32Array, Float64Array, Int8Array, Int16Array, Int32Array,
+    Int64Array, LargeStringArray, RecordBatch, StringArray, StringViewArray, TimestampMicrosecondArray, UInt32Array, UInt64Array,
 };
-use arrow::datatypes::{
-    DataType, Decimal128Type, Field, Int32Type, Int64Type, Schema, SchemaRef, TimeUnit,
-};
+use arrow::datatypes::{DataType, Decimal128Type, Field, Int32Type, Int64Type, Schema, SchemaRef, TimeUnit};
 use std::sync::{Arc, LazyLock};
 use tpchgen::distribution::Distributions;
 use tpchgen::generators::{LineItemGenerator, OrderGenerator};
@@ -43,8 +40,7 @@ const BATCH_ROWS: usize = 8192;
 /// instead; every other column keeps its official TPC-H value.
 const TEXT_POOL_BYTES: i32 = 4 << 20;
 
-static TEXT_POOL: LazyLock<TextPool> =
-    LazyLock::new(|| TextPool::new(TEXT_POOL_BYTES, Distributions::static_default()));
+static TEXT_POOL: LazyLock<TextPool> = LazyLock::new(|| TextPool::new(TEXT_POOL_BYTES, Distributions::static_default()));
 
 /// Primary key of `orders`.
 pub const ORDERS_KEY: [&str; 1] = ["o_orderkey"];
@@ -71,13 +67,7 @@ fn key_offset(seq: u64) -> i64 {
 
 /// The orders of part `seq` as they stand after `version` status updates.
 pub fn orders(scale: f64, seq: u64, version: u32) -> Result<Vec<RecordBatch>> {
-    let generator = OrderGenerator::new_with_distributions_and_text_pool(
-        scale,
-        generator_part(seq),
-        PARTS as i32,
-        Distributions::static_default(),
-        &TEXT_POOL,
-    );
+    let generator = OrderGenerator::new_with_distributions_and_text_pool(scale, generator_part(seq), PARTS as i32, Distributions::static_default(), &TEXT_POOL);
     let offset = key_offset(seq);
     OrderArrow::new(generator)
         .with_batch_size(BATCH_ROWS)
@@ -88,11 +78,7 @@ pub fn orders(scale: f64, seq: u64, version: u32) -> Result<Vec<RecordBatch>> {
             cols[0] = keys.clone();
             if version > 0 {
                 let keys = keys.as_primitive::<Int64Type>();
-                let status: StringViewArray = keys
-                    .values()
-                    .iter()
-                    .map(|&k| Some(order_status(k, version)))
-                    .collect();
+                let status: StringViewArray = keys.values().iter().map(|&k| Some(order_status(k, version))).collect();
                 cols[2] = Arc::new(status);
             }
             RecordBatch::try_new(b.schema(), cols).context("building orders batch")
@@ -102,13 +88,8 @@ pub fn orders(scale: f64, seq: u64, version: u32) -> Result<Vec<RecordBatch>> {
 
 /// The lineitems of part `seq` as they stand after `version` quantity updates.
 pub fn lineitems(scale: f64, seq: u64, version: u32) -> Result<Vec<RecordBatch>> {
-    let generator = LineItemGenerator::new_with_distributions_and_text_pool(
-        scale,
-        generator_part(seq),
-        PARTS as i32,
-        Distributions::static_default(),
-        &TEXT_POOL,
-    );
+    let generator =
+        LineItemGenerator::new_with_distributions_and_text_pool(scale, generator_part(seq), PARTS as i32, Distributions::static_default(), &TEXT_POOL);
     let offset = key_offset(seq);
     LineItemArrow::new(generator)
         .with_batch_size(BATCH_ROWS)
@@ -135,9 +116,7 @@ pub fn lineitems(scale: f64, seq: u64, version: u32) -> Result<Vec<RecordBatch>>
 }
 
 fn shift_keys(col: &ArrayRef, offset: i64) -> Result<ArrayRef> {
-    let keys = col
-        .as_primitive_opt::<Int64Type>()
-        .context("order key column is not Int64")?;
+    let keys = col.as_primitive_opt::<Int64Type>().context("order key column is not Int64")?;
     Ok(Arc::new(keys.unary::<_, Int64Type>(|k| k + offset)))
 }
 
@@ -156,64 +135,55 @@ pub fn order_status(orderkey: i64, version: u32) -> &'static str {
 
 /// Only the primary-key columns of `batch` (for deletes).
 pub fn key_columns(batch: &RecordBatch, key: &[&str]) -> Result<RecordBatch> {
-    let idx = key
-        .iter()
-        .map(|k| batch.schema().index_of(k))
-        .collect::<Result<Vec<_>, _>>()
-        .context("key column")?;
+    let idx = key.iter().map(|k| batch.schema().index_of(k)).collect::<Result<Vec<_>, _>>().context("key column")?;
     batch.project(&idx).context("projecting key columns")
 }
 
 /// Number of schemas used by the create/drop load.
 pub const CHURN_SCHEMAS: usize = 4;
 
-static CHURN: LazyLock<[(SchemaRef, &'static [&'static str]); CHURN_SCHEMAS]> =
-    LazyLock::new(|| {
-        [
-            (
-                Arc::new(Schema::new(vec![
-                    Field::new("id", DataType::Int64, false),
-                    Field::new("name", DataType::Utf8, false),
-                    Field::new("amount", DataType::Decimal128(15, 2), true),
-                    Field::new("created", DataType::Date32, false),
-                ])),
-                &["id"],
-            ),
-            (
-                Arc::new(Schema::new(vec![
-                    Field::new("a", DataType::Int32, false),
-                    Field::new("b", DataType::Int32, false),
-                    Field::new("flag", DataType::Boolean, true),
-                    Field::new("score", DataType::Float64, false),
-                    Field::new("note", DataType::LargeUtf8, true),
-                ])),
-                &["a", "b"],
-            ),
-            (
-                Arc::new(Schema::new(vec![
-                    Field::new("k", DataType::Utf8, false),
-                    Field::new("payload", DataType::Binary, true),
-                    Field::new(
-                        "ts",
-                        DataType::Timestamp(TimeUnit::Microsecond, None),
-                        false,
-                    ),
-                    Field::new("n", DataType::UInt64, false),
-                ])),
-                &["k"],
-            ),
-            (
-                Arc::new(Schema::new(vec![
-                    Field::new("id", DataType::UInt32, false),
-                    Field::new("x", DataType::Int16, false),
-                    Field::new("y", DataType::Int8, true),
-                    Field::new("z", DataType::Float32, false),
-                    Field::new("s", DataType::Utf8View, true),
-                ])),
-                &["id"],
-            ),
-        ]
-    });
+static CHURN: LazyLock<[(SchemaRef, &'static [&'static str]); CHURN_SCHEMAS]> = LazyLock::new(|| {
+    [
+        (
+            Arc::new(Schema::new(vec![
+                Field::new("id", DataType::Int64, false),
+                Field::new("name", DataType::Utf8, false),
+                Field::new("amount", DataType::Decimal128(15, 2), true),
+                Field::new("created", DataType::Date32, false),
+            ])),
+            &["id"],
+        ),
+        (
+            Arc::new(Schema::new(vec![
+                Field::new("a", DataType::Int32, false),
+                Field::new("b", DataType::Int32, false),
+                Field::new("flag", DataType::Boolean, true),
+                Field::new("score", DataType::Float64, false),
+                Field::new("note", DataType::LargeUtf8, true),
+            ])),
+            &["a", "b"],
+        ),
+        (
+            Arc::new(Schema::new(vec![
+                Field::new("k", DataType::Utf8, false),
+                Field::new("payload", DataType::Binary, true),
+                Field::new("ts", DataType::Timestamp(TimeUnit::Microsecond, None), false),
+                Field::new("n", DataType::UInt64, false),
+            ])),
+            &["k"],
+        ),
+        (
+            Arc::new(Schema::new(vec![
+                Field::new("id", DataType::UInt32, false),
+                Field::new("x", DataType::Int16, false),
+                Field::new("y", DataType::Int8, true),
+                Field::new("z", DataType::Float32, false),
+                Field::new("s", DataType::Utf8View, true),
+            ])),
+            &["id"],
+        ),
+    ]
+});
 
 /// Schema and primary key of create/drop schema `i % CHURN_SCHEMAS`.
 pub fn churn_schema(i: usize) -> (SchemaRef, &'static [&'static str]) {
@@ -228,72 +198,29 @@ pub fn churn_rows(i: usize, rows: usize) -> Result<RecordBatch> {
     let cols: Vec<ArrayRef> = match i % CHURN_SCHEMAS {
         0 => vec![
             Arc::new(Int64Array::from_iter_values(0..n)),
-            Arc::new(StringArray::from_iter_values(
-                (0..n).map(|r| format!("row {r} of table {i}")),
-            )),
-            Arc::new(
-                (0..n)
-                    .map(|r| (r % 2 == 0).then_some(i128::from(r) * 1234))
-                    .collect::<Decimal128Array>()
-                    .with_precision_and_scale(15, 2)?,
-            ),
-            Arc::new(Date32Array::from_iter_values(
-                (0..n).map(|r| 9000 + r as i32),
-            )),
+            Arc::new(StringArray::from_iter_values((0..n).map(|r| format!("row {r} of table {i}")))),
+            Arc::new((0..n).map(|r| (r % 2 == 0).then_some(i128::from(r) * 1234)).collect::<Decimal128Array>().with_precision_and_scale(15, 2)?),
+            Arc::new(Date32Array::from_iter_values((0..n).map(|r| 9000 + r as i32))),
         ],
         1 => vec![
             Arc::new(Int32Array::from_iter_values((0..n).map(|r| r as i32 / 2))),
             Arc::new(Int32Array::from_iter_values((0..n).map(|r| r as i32 % 2))),
-            Arc::new(
-                (0..n)
-                    .map(|r| (r % 3 != 0).then_some(r % 2 == 0))
-                    .collect::<BooleanArray>(),
-            ),
-            Arc::new(Float64Array::from_iter_values(
-                (0..n).map(|r| r as f64 * 0.5),
-            )),
-            Arc::new(
-                (0..n)
-                    .map(|r| (r % 2 == 1).then(|| "x".repeat(40 + r as usize)))
-                    .collect::<LargeStringArray>(),
-            ),
+            Arc::new((0..n).map(|r| (r % 3 != 0).then_some(r % 2 == 0)).collect::<BooleanArray>()),
+            Arc::new(Float64Array::from_iter_values((0..n).map(|r| r as f64 * 0.5))),
+            Arc::new((0..n).map(|r| (r % 2 == 1).then(|| "x".repeat(40 + r as usize))).collect::<LargeStringArray>()),
         ],
         2 => vec![
-            Arc::new(StringArray::from_iter_values(
-                (0..n).map(|r| format!("key-{r:08}")),
-            )),
-            Arc::new(
-                (0..n)
-                    .map(|r| (r % 2 == 0).then(|| vec![r as u8; 24]))
-                    .collect::<BinaryArray>(),
-            ),
-            Arc::new(TimestampMicrosecondArray::from_iter_values(
-                (0..n).map(|r| 1_700_000_000_000_000 + r),
-            )),
+            Arc::new(StringArray::from_iter_values((0..n).map(|r| format!("key-{r:08}")))),
+            Arc::new((0..n).map(|r| (r % 2 == 0).then(|| vec![r as u8; 24])).collect::<BinaryArray>()),
+            Arc::new(TimestampMicrosecondArray::from_iter_values((0..n).map(|r| 1_700_000_000_000_000 + r))),
             Arc::new(UInt64Array::from_iter_values((0..n).map(|r| r as u64 * 7))),
         ],
         _ => vec![
             Arc::new(UInt32Array::from_iter_values((0..n).map(|r| r as u32))),
             Arc::new(Int16Array::from_iter_values((0..n).map(|r| r as i16 - 5))),
-            Arc::new(
-                (0..n)
-                    .map(|r| (r % 2 == 0).then_some(r as i8))
-                    .collect::<Int8Array>(),
-            ),
-            Arc::new(Float32Array::from_iter_values(
-                (0..n).map(|r| r as f32 / 3.0),
-            )),
-            Arc::new(
-                (0..n)
-                    .map(|r| {
-                        (r % 3 != 2).then_some(if r % 2 == 0 {
-                            "short"
-                        } else {
-                            "a string longer than twelve"
-                        })
-                    })
-                    .collect::<StringViewArray>(),
-            ),
+            Arc::new((0..n).map(|r| (r % 2 == 0).then_some(r as i8)).collect::<Int8Array>()),
+            Arc::new(Float32Array::from_iter_values((0..n).map(|r| r as f32 / 3.0))),
+            Arc::new((0..n).map(|r| (r % 3 != 2).then_some(if r % 2 == 0 { "short" } else { "a string longer than twelve" })).collect::<StringViewArray>()),
         ],
     };
     RecordBatch::try_new(schema, cols).context("building create/drop rows")
@@ -302,11 +229,7 @@ pub fn churn_rows(i: usize, rows: usize) -> Result<RecordBatch> {
 /// Schema of the persistent small tables of the mixed load: `id` (key), `v`, `tag`.
 pub fn mixed_schema() -> SchemaRef {
     static S: LazyLock<SchemaRef> = LazyLock::new(|| {
-        Arc::new(Schema::new(vec![
-            Field::new("id", DataType::Int64, false),
-            Field::new("v", DataType::Int64, false),
-            Field::new("tag", DataType::Utf8, true),
-        ]))
+        Arc::new(Schema::new(vec![Field::new("id", DataType::Int64, false), Field::new("v", DataType::Int64, false), Field::new("tag", DataType::Utf8, true)]))
     });
     Arc::clone(&S)
 }
@@ -316,11 +239,7 @@ pub fn mixed_rows(rows: &[(i64, i64)]) -> Result<RecordBatch> {
     let cols: Vec<ArrayRef> = vec![
         Arc::new(Int64Array::from_iter_values(rows.iter().map(|r| r.0))),
         Arc::new(Int64Array::from_iter_values(rows.iter().map(|r| r.1))),
-        Arc::new(
-            rows.iter()
-                .map(|&(id, v)| (v % 4 != 0).then(|| format!("tag-{id}-{v}")))
-                .collect::<StringArray>(),
-        ),
+        Arc::new(rows.iter().map(|&(id, v)| (v % 4 != 0).then(|| format!("tag-{id}-{v}"))).collect::<StringArray>()),
     ];
     RecordBatch::try_new(mixed_schema(), cols).context("building mixed rows")
 }
@@ -328,11 +247,7 @@ pub fn mixed_rows(rows: &[(i64, i64)]) -> Result<RecordBatch> {
 /// Keys `id` for a delete on a mixed table.
 pub fn mixed_keys(ids: &[i64]) -> Result<RecordBatch> {
     let schema = Arc::new(Schema::new(vec![Field::new("id", DataType::Int64, false)]));
-    RecordBatch::try_new(
-        schema,
-        vec![Arc::new(Int64Array::from_iter_values(ids.iter().copied()))],
-    )
-    .context("building mixed keys")
+    RecordBatch::try_new(schema, vec![Arc::new(Int64Array::from_iter_values(ids.iter().copied()))]).context("building mixed keys")
 }
 
 /// The string at `row` of a `Utf8` / `LargeUtf8` / `Utf8View` column (`None` when null or when
@@ -357,28 +272,12 @@ mod tests {
     fn parts_align_and_keys_shift() {
         let o = orders(0.01, PARTS + 3, 0).expect("orders");
         let l = lineitems(0.01, PARTS + 3, 2).expect("lineitem");
-        let okeys: Vec<i64> = o
-            .iter()
-            .flat_map(|b| b.column(0).as_primitive::<Int64Type>().values().to_vec())
-            .collect();
-        let lkeys: std::collections::BTreeSet<i64> = l
-            .iter()
-            .flat_map(|b| b.column(0).as_primitive::<Int64Type>().values().to_vec())
-            .collect();
+        let okeys: Vec<i64> = o.iter().flat_map(|b| b.column(0).as_primitive::<Int64Type>().values().to_vec()).collect();
+        let lkeys: std::collections::BTreeSet<i64> = l.iter().flat_map(|b| b.column(0).as_primitive::<Int64Type>().values().to_vec()).collect();
         assert!(okeys.iter().all(|&k| k > KEY_STRIDE));
-        assert_eq!(
-            okeys
-                .iter()
-                .copied()
-                .collect::<std::collections::BTreeSet<_>>(),
-            lkeys
-        );
+        assert_eq!(okeys.iter().copied().collect::<std::collections::BTreeSet<_>>(), lkeys);
         let q = l[0].column(4).as_primitive::<Decimal128Type>();
-        assert!(
-            q.values()
-                .iter()
-                .all(|&v| (100..=5000).contains(&v) && v % 100 == 0)
-        );
+        assert!(q.values().iter().all(|&v| (100..=5000).contains(&v) && v % 100 == 0));
     }
 
     #[test]

@@ -34,13 +34,7 @@ pub fn main_with(allocator: Allocator) -> ExitCode {
         None => Some(cli.run.allocator),
         Some(Command::Run(a)) => Some(a.allocator),
         // `tune` starts one `run` process per limit, each with `--allocator`.
-        Some(
-            Command::Tune(_)
-            | Command::Report { .. }
-            | Command::Crash(_)
-            | Command::CrashChild(_)
-            | Command::Bench(_),
-        ) => None,
+        Some(Command::Tune(_) | Command::Report { .. } | Command::Crash(_) | Command::CrashChild(_) | Command::Bench(_)) => None,
     };
     if let Some(wanted) = wanted
         && wanted != allocator

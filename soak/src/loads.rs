@@ -92,12 +92,7 @@ impl OutsidePersistent {
     /// whose bytes differ (signed bytes), and the tables holding bytes at `later`.
     fn change_to(&self, later: &Self) -> String {
         let diff = |a: usize, b: usize| b as i64 - a as i64;
-        let mut parts = vec![format!(
-            "used {:+} (reports consistent: {} then {})",
-            diff(self.used, later.used),
-            self.consistent,
-            later.consistent
-        )];
+        let mut parts = vec![format!("used {:+} (reports consistent: {} then {})", diff(self.used, later.used), self.consistent, later.consistent)];
         for ((c, a), (_, b)) in self.categories.iter().zip(&later.categories) {
             if a != b {
                 parts.push(format!("{} {:+}", c.name(), diff(*a, *b)));
@@ -163,41 +158,20 @@ pub struct Soak {
 
 impl std::fmt::Debug for Soak {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Soak")
-            .field("engine", &self.engine)
-            .field("scale", &self.scale)
-            .field("parts", &self.model.parts.len())
-            .finish_non_exhaustive()
+        f.debug_struct("Soak").field("engine", &self.engine).field("scale", &self.scale).field("parts", &self.model.parts.len()).finish_non_exhaustive()
     }
 }
 
 impl Soak {
     /// Creates `orders`, `lineitem` and the mixed tables in an empty engine.
     pub fn new(engine: Engine, scale: f64, sizes: Sizes, seed: u64) -> Result<Self> {
-        let orders = engine
-            .create_table("orders", data::orders_schema(), &ORDERS_KEY)
-            .context("creating orders")?;
-        let lineitem = engine
-            .create_table("lineitem", data::lineitem_schema(), &LINEITEM_KEY)
-            .context("creating lineitem")?;
+        let orders = engine.create_table("orders", data::orders_schema(), &ORDERS_KEY).context("creating orders")?;
+        let lineitem = engine.create_table("lineitem", data::lineitem_schema(), &LINEITEM_KEY).context("creating lineitem")?;
         let mixed = (0..sizes.mixed_tables)
-            .map(|i| {
-                engine
-                    .create_table(&format!("mixed_{i:02}"), data::mixed_schema(), &["id"])
-                    .context("creating mixed table")
-            })
+            .map(|i| engine.create_table(&format!("mixed_{i:02}"), data::mixed_schema(), &["id"]).context("creating mixed table"))
             .collect::<Result<Vec<_>>>()?;
         let model = Model::new(sizes.mixed_tables);
-        Ok(Self {
-            engine,
-            scale,
-            sizes,
-            lineitem,
-            orders,
-            mixed,
-            model,
-            rng: Rng::new(seed),
-        })
+        Ok(Self { engine, scale, sizes, lineitem, orders, mixed, model, rng: Rng::new(seed) })
     }
 
     /// The engine.
@@ -227,25 +201,12 @@ impl Soak {
         let lines = data::lineitems(self.scale, seq, 0)?;
         let mut rows = 0u64;
         for b in &orders {
-            rows += self
-                .orders
-                .insert(b)
-                .with_context(|| format!("RF1: inserting orders of part {seq}"))?
-                as u64;
+            rows += self.orders.insert(b).with_context(|| format!("RF1: inserting orders of part {seq}"))? as u64;
         }
         for b in &lines {
-            rows += self
-                .lineitem
-                .insert(b)
-                .with_context(|| format!("RF1: inserting lineitem of part {seq}"))?
-                as u64;
+            rows += self.lineitem.insert(b).with_context(|| format!("RF1: inserting lineitem of part {seq}"))? as u64;
         }
-        let part = Part {
-            lineitem_version: 0,
-            orders_version: 0,
-            lineitem: LineitemAgg::from_batches(&lines)?,
-            orders: OrdersAgg::from_batches(&orders)?,
-        };
+        let part = Part { lineitem_version: 0, orders_version: 0, lineitem: LineitemAgg::from_batches(&lines)?, orders: OrdersAgg::from_batches(&orders)? };
         self.model.parts.insert(seq, part);
         self.model.next_seq += 1;
         Ok(rows)
@@ -260,108 +221,56 @@ impl Soak {
             out.rows += self.insert_next_part()?;
         }
         // Parts that RF2 will not delete this round.
-        let keep: Vec<u64> = self
-            .model
-            .parts
-            .keys()
-            .copied()
-            .skip(self.sizes.refresh_parts as usize)
-            .collect();
+        let keep: Vec<u64> = self.model.parts.keys().copied().skip(self.sizes.refresh_parts as usize).collect();
         for seq in self.rng.choose(&keep, self.sizes.lineitem_update_parts) {
-            let part = self
-                .model
-                .parts
-                .get_mut(&seq)
-                .context("part vanished from the model")?;
+            let part = self.model.parts.get_mut(&seq).context("part vanished from the model")?;
             let version = part.lineitem_version + 1;
             let lines = data::lineitems(self.scale, seq, version)?;
             let mut updated = 0u64;
             for b in &lines {
-                updated += self
-                    .lineitem
-                    .update(b)
-                    .with_context(|| format!("updating lineitem of part {seq}"))?
-                    as u64;
+                updated += self.lineitem.update(b).with_context(|| format!("updating lineitem of part {seq}"))? as u64;
             }
             part.lineitem_version = version;
             part.lineitem = LineitemAgg::from_batches(&lines)?;
             if updated != part.lineitem.rows {
-                out.mismatch(format!(
-                    "update of lineitem part {seq}: {updated} rows updated, model {}",
-                    part.lineitem.rows
-                ));
+                out.mismatch(format!("update of lineitem part {seq}: {updated} rows updated, model {}", part.lineitem.rows));
             }
             out.rows += updated;
         }
         for seq in self.rng.choose(&keep, self.sizes.orders_update_parts) {
-            let part = self
-                .model
-                .parts
-                .get_mut(&seq)
-                .context("part vanished from the model")?;
+            let part = self.model.parts.get_mut(&seq).context("part vanished from the model")?;
             let version = part.orders_version + 1;
             let orders = data::orders(self.scale, seq, version)?;
             let mut updated = 0u64;
             for b in &orders {
-                updated += self
-                    .orders
-                    .update(b)
-                    .with_context(|| format!("updating orders of part {seq}"))?
-                    as u64;
+                updated += self.orders.update(b).with_context(|| format!("updating orders of part {seq}"))? as u64;
             }
             part.orders_version = version;
             part.orders = OrdersAgg::from_batches(&orders)?;
             if updated != part.orders.rows {
-                out.mismatch(format!(
-                    "update of orders part {seq}: {updated} rows updated, model {}",
-                    part.orders.rows
-                ));
+                out.mismatch(format!("update of orders part {seq}: {updated} rows updated, model {}", part.orders.rows));
             }
             out.rows += updated;
         }
-        let oldest: Vec<u64> = self
-            .model
-            .parts
-            .keys()
-            .copied()
-            .take(self.sizes.refresh_parts as usize)
-            .collect();
+        let oldest: Vec<u64> = self.model.parts.keys().copied().take(self.sizes.refresh_parts as usize).collect();
         for seq in oldest {
-            let part = self
-                .model
-                .parts
-                .remove(&seq)
-                .context("part vanished from the model")?;
+            let part = self.model.parts.remove(&seq).context("part vanished from the model")?;
             let mut deleted = 0u64;
             for b in data::lineitems(self.scale, seq, part.lineitem_version)? {
                 let keys = data::key_columns(&b, &LINEITEM_KEY)?;
-                deleted += self
-                    .lineitem
-                    .delete(&keys)
-                    .with_context(|| format!("RF2: deleting lineitem of part {seq}"))?
-                    as u64;
+                deleted += self.lineitem.delete(&keys).with_context(|| format!("RF2: deleting lineitem of part {seq}"))? as u64;
             }
             if deleted != part.lineitem.rows {
-                out.mismatch(format!(
-                    "RF2 lineitem part {seq}: {deleted} rows deleted, model {}",
-                    part.lineitem.rows
-                ));
+                out.mismatch(format!("RF2 lineitem part {seq}: {deleted} rows deleted, model {}", part.lineitem.rows));
             }
             out.rows += deleted;
             let mut deleted = 0u64;
             for b in data::orders(self.scale, seq, part.orders_version)? {
                 let keys = data::key_columns(&b, &ORDERS_KEY)?;
-                deleted += self
-                    .orders
-                    .delete(&keys)
-                    .with_context(|| format!("RF2: deleting orders of part {seq}"))?
-                    as u64;
+                deleted += self.orders.delete(&keys).with_context(|| format!("RF2: deleting orders of part {seq}"))? as u64;
             }
             if deleted != part.orders.rows {
-                out.mismatch(format!(
-                    "RF2 orders part {seq}: {deleted} rows deleted, model {}",
-                    part.orders.rows
-                ));
+                out.mismatch(format!("RF2 orders part {seq}: {deleted} rows deleted, model {}", part.orders.rows));
             }
             out.rows += deleted;
         }
@@ -384,24 +293,16 @@ impl Soak {
         let tables: Vec<(String, usize)> = r
             .tables
             .iter()
-            .filter(|t| {
-                t.table == "orders" || t.table == "lineitem" || t.table.starts_with("mixed_")
-            })
+            .filter(|t| t.table == "orders" || t.table == "lineitem" || t.table.starts_with("mixed_"))
             .map(|t| (t.table.clone(), t.bytes))
             .collect();
         let persistent: usize = tables.iter().map(|t| t.1).sum();
         OutsidePersistent {
-            bytes: r.used.saturating_sub(r.category(Category::FreeChunks)) as i64
-                - persistent as i64,
+            bytes: r.used.saturating_sub(r.category(Category::FreeChunks)) as i64 - persistent as i64,
             used: r.used,
             categories: r.categories.iter().map(|c| (c.category, c.bytes)).collect(),
             tables,
-            others: r
-                .tables
-                .iter()
-                .filter(|t| t.bytes > 0)
-                .map(|t| t.table.clone())
-                .collect(),
+            others: r.tables.iter().filter(|t| t.bytes > 0).map(|t| t.table.clone()).collect(),
             consistent: r.categories.iter().map(|c| c.bytes).sum::<usize>() == r.used,
         }
     }
@@ -419,10 +320,7 @@ impl Soak {
         loop {
             std::thread::sleep(std::time::Duration::from_millis(20));
             let next = self.outside_persistent();
-            let settled = next.consistent
-                && next.bytes == last.bytes
-                && next.used == last.used
-                && self.engine.flushes_in_flight() == 0;
+            let settled = next.consistent && next.bytes == last.bytes && next.used == last.used && self.engine.flushes_in_flight() == 0;
             last = next;
             if settled || Instant::now() >= deadline {
                 return last;
@@ -444,37 +342,23 @@ impl Soak {
         for i in 0..n {
             let (schema, key) = data::churn_schema(i);
             let name = format!("churn_r{round}_t{i}");
-            tables.push(
-                self.engine
-                    .create_table(&name, schema, key)
-                    .with_context(|| format!("creating {name}"))?,
-            );
+            tables.push(self.engine.create_table(&name, schema, key).with_context(|| format!("creating {name}"))?);
         }
         let create_ms = t0.elapsed().as_secs_f64() * 1e3;
         if n > 0 {
-            out.empty_table_bytes =
-                Some((self.settled_outside_persistent().bytes - before) as f64 / n as f64);
+            out.empty_table_bytes = Some((self.settled_outside_persistent().bytes - before) as f64 / n as f64);
         }
         let t1 = Instant::now();
         for (i, t) in tables.iter().enumerate() {
             let rows = data::churn_rows(i, 1 + i % 4)?;
-            out.rows += t
-                .insert(&rows)
-                .with_context(|| format!("inserting into {}", t.name()))?
-                as u64;
+            out.rows += t.insert(&rows).with_context(|| format!("inserting into {}", t.name()))? as u64;
         }
         let insert_ms = t1.elapsed().as_secs_f64() * 1e3;
         let t2 = Instant::now();
         for (i, t) in tables.iter().enumerate() {
-            let count = t
-                .row_count()
-                .with_context(|| format!("counting {}", t.name()))?;
+            let count = t.row_count().with_context(|| format!("counting {}", t.name()))?;
             if count != 1 + (i % 4) as u64 {
-                out.mismatch(format!(
-                    "{}: {count} rows, expected {}",
-                    t.name(),
-                    1 + i % 4
-                ));
+                out.mismatch(format!("{}: {count} rows, expected {}", t.name(), 1 + i % 4));
             }
         }
         let count_ms = t2.elapsed().as_secs_f64() * 1e3;
@@ -482,9 +366,7 @@ impl Soak {
         drop(tables);
         let t3 = Instant::now();
         for name in &names {
-            self.engine
-                .drop_table(name)
-                .with_context(|| format!("dropping {name}"))?;
+            self.engine.drop_table(name).with_context(|| format!("dropping {name}"))?;
         }
         let drop_ms = t3.elapsed().as_secs_f64() * 1e3;
         tracing::info!(
@@ -521,12 +403,7 @@ impl Soak {
             tracing::warn!(round, residual, flushes_in_flight = self.engine.flushes_in_flight(), %change, "create_drop residual after the drops");
         }
         out.residual = Some(residual);
-        let left = self
-            .engine
-            .table_names()
-            .iter()
-            .filter(|t| t.starts_with("churn_"))
-            .count();
+        let left = self.engine.table_names().iter().filter(|t| t.starts_with("churn_")).count();
         if left > 0 {
             out.mismatch(format!("{left} dropped tables still listed"));
         }
@@ -539,11 +416,7 @@ impl Soak {
         let mut out = Outcome::default();
         let expect = self.model.lineitem();
         let mut q1 = LineitemAgg::default();
-        for b in self
-            .lineitem
-            .scan(ScanOptions::default().projection(model::Q1_COLUMNS))
-            .context("Q1 scan")?
-        {
+        for b in self.lineitem.scan(ScanOptions::default().projection(model::Q1_COLUMNS)).context("Q1 scan")? {
             q1.add_q1(&b.context("Q1 scan")?)?;
         }
         if let Some(d) = model::q1_diff(&expect, &q1) {
@@ -551,28 +424,17 @@ impl Soak {
         }
         let mut q6 = LineitemAgg::default();
         let mut q6_rows = 0u64;
-        for b in self
-            .lineitem
-            .scan(ScanOptions::default().projection(model::Q6_COLUMNS))
-            .context("Q6 scan")?
-        {
+        for b in self.lineitem.scan(ScanOptions::default().projection(model::Q6_COLUMNS)).context("Q6 scan")? {
             let b = b.context("Q6 scan")?;
             q6_rows += b.num_rows() as u64;
             q6.add_q6(&b)?;
         }
         if q6.q6_revenue != expect.q6_revenue || q6_rows != expect.rows {
-            out.mismatch(format!(
-                "Q6: revenue model {} engine {}, rows model {} engine {q6_rows}",
-                expect.q6_revenue, q6.q6_revenue, expect.rows
-            ));
+            out.mismatch(format!("Q6: revenue model {} engine {}, rows model {} engine {q6_rows}", expect.q6_revenue, q6.q6_revenue, expect.rows));
         }
         let expect_orders = self.model.orders();
         let mut orders = OrdersAgg::default();
-        for b in self
-            .orders
-            .scan(ScanOptions::default().projection(model::ORDERS_COLUMNS))
-            .context("orders scan")?
-        {
+        for b in self.orders.scan(ScanOptions::default().projection(model::ORDERS_COLUMNS)).context("orders scan")? {
             orders.add(&b.context("orders scan")?)?;
         }
         if orders != expect_orders {
@@ -599,26 +461,15 @@ impl Soak {
             let model = &mut self.model.mixed[t];
             match op {
                 0..50 => {
-                    let rows: Vec<(i64, i64)> = ids
-                        .iter()
-                        .map(|&id| (id, self.rng.below(2_000_000) as i64 - 1_000_000))
-                        .collect();
-                    out.rows += table
-                        .upsert(&data::mixed_rows(&rows)?)
-                        .with_context(|| format!("upsert into {}", table.name()))?
-                        as u64;
+                    let rows: Vec<(i64, i64)> = ids.iter().map(|&id| (id, self.rng.below(2_000_000) as i64 - 1_000_000)).collect();
+                    out.rows += table.upsert(&data::mixed_rows(&rows)?).with_context(|| format!("upsert into {}", table.name()))? as u64;
                     model.extend(rows);
                 }
                 50..75 => {
                     let expect = ids.iter().filter(|id| model.contains_key(id)).count();
-                    let got = table
-                        .delete(&data::mixed_keys(&ids)?)
-                        .with_context(|| format!("delete from {}", table.name()))?;
+                    let got = table.delete(&data::mixed_keys(&ids)?).with_context(|| format!("delete from {}", table.name()))?;
                     if got != expect {
-                        out.mismatch(format!(
-                            "delete from {}: {got} rows deleted, model {expect}",
-                            table.name()
-                        ));
+                        out.mismatch(format!("delete from {}: {got} rows deleted, model {expect}", table.name()));
                     }
                     for id in &ids {
                         model.remove(id);
@@ -629,39 +480,19 @@ impl Soak {
                     if model.is_empty() {
                         continue;
                     }
-                    let mut existing: Vec<i64> = (0..k)
-                        .filter_map(|_| {
-                            model
-                                .keys()
-                                .nth(self.rng.below(model.len() as u64) as usize)
-                                .copied()
-                        })
-                        .collect();
+                    let mut existing: Vec<i64> = (0..k).filter_map(|_| model.keys().nth(self.rng.below(model.len() as u64) as usize).copied()).collect();
                     existing.sort_unstable();
                     existing.dedup();
-                    let rows: Vec<(i64, i64)> = existing
-                        .iter()
-                        .map(|&id| (id, self.rng.below(2_000_000) as i64 - 1_000_000))
-                        .collect();
-                    out.rows += table
-                        .update(&data::mixed_rows(&rows)?)
-                        .with_context(|| format!("update of {}", table.name()))?
-                        as u64;
+                    let rows: Vec<(i64, i64)> = existing.iter().map(|&id| (id, self.rng.below(2_000_000) as i64 - 1_000_000)).collect();
+                    out.rows += table.update(&data::mixed_rows(&rows)?).with_context(|| format!("update of {}", table.name()))? as u64;
                     model.extend(rows);
                 }
                 _ => {
-                    let rows: Vec<(i64, i64)> = ids
-                        .iter()
-                        .filter(|id| !model.contains_key(id))
-                        .map(|&id| (id, self.rng.below(1000) as i64))
-                        .collect();
+                    let rows: Vec<(i64, i64)> = ids.iter().filter(|id| !model.contains_key(id)).map(|&id| (id, self.rng.below(1000) as i64)).collect();
                     if rows.is_empty() {
                         continue;
                     }
-                    out.rows += table
-                        .insert(&data::mixed_rows(&rows)?)
-                        .with_context(|| format!("insert into {}", table.name()))?
-                        as u64;
+                    out.rows += table.insert(&data::mixed_rows(&rows)?).with_context(|| format!("insert into {}", table.name()))? as u64;
                     model.extend(rows);
                 }
             }
@@ -669,16 +500,12 @@ impl Soak {
         let n = self.mixed.len();
         for j in 0..self.sizes.mixed_flush_per_round.min(n) {
             let t = &self.mixed[(round as usize * self.sizes.mixed_flush_per_round + j) % n];
-            t.flush()
-                .with_context(|| format!("flushing {}", t.name()))?;
+            t.flush().with_context(|| format!("flushing {}", t.name()))?;
         }
         let mut bad = String::new();
         for (i, t) in self.mixed.iter().enumerate() {
             let mut agg = MixedAgg::default();
-            for b in t
-                .scan(ScanOptions::default().projection(["id", "v"]))
-                .with_context(|| format!("scanning {}", t.name()))?
-            {
+            for b in t.scan(ScanOptions::default().projection(["id", "v"])).with_context(|| format!("scanning {}", t.name()))? {
                 agg.add(&b.with_context(|| format!("scanning {}", t.name()))?)?;
             }
             let expect = self.model.mixed_agg(i);
@@ -723,8 +550,7 @@ mod tests {
     fn a_small_soak_verifies_and_a_wrong_model_is_caught() {
         let dir = std::env::temp_dir().join(format!("gritdb-soak-loads-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let engine = Engine::open(&dir, gritdb::EngineConfig::default().memory_limit(64 << 20))
-            .expect("open");
+        let engine = Engine::open(&dir, gritdb::EngineConfig::default().memory_limit(64 << 20)).expect("open");
         let mut sizes = Sizes::new(8);
         sizes.mixed_tables = 3;
         sizes.mixed_transactions = 60;
@@ -740,11 +566,7 @@ mod tests {
         }
         let part = soak.model.parts.values_mut().next().expect("a part");
         part.lineitem.sum_qty += 100;
-        let wrong = soak
-            .scan_load()
-            .expect("scan")
-            .mismatch
-            .expect("a mismatch");
+        let wrong = soak.scan_load().expect("scan").mismatch.expect("a mismatch");
         assert!(wrong.contains("sum(l_quantity)"), "{wrong}");
         soak.close().expect("close");
         std::fs::remove_dir_all(&dir).expect("cleanup");

@@ -31,15 +31,7 @@ pub const Q6_SHIPDATE_MIN: i32 = days_from_civil(1994, 1, 1);
 pub const Q6_SHIPDATE_END: i32 = days_from_civil(1995, 1, 1);
 
 /// Columns a Q1 scan projects.
-pub const Q1_COLUMNS: [&str; 7] = [
-    "l_returnflag",
-    "l_linestatus",
-    "l_quantity",
-    "l_extendedprice",
-    "l_discount",
-    "l_tax",
-    "l_shipdate",
-];
+pub const Q1_COLUMNS: [&str; 7] = ["l_returnflag", "l_linestatus", "l_quantity", "l_extendedprice", "l_discount", "l_tax", "l_shipdate"];
 /// Columns a Q6 scan projects.
 pub const Q6_COLUMNS: [&str; 4] = ["l_shipdate", "l_discount", "l_quantity", "l_extendedprice"];
 /// Columns an orders check projects.
@@ -90,60 +82,36 @@ pub struct LineitemAgg {
 }
 
 fn dec<'a>(b: &'a RecordBatch, name: &str) -> Result<&'a [i128]> {
-    let col = b
-        .column_by_name(name)
-        .with_context(|| format!("column {name} missing"))?;
+    let col = b.column_by_name(name).with_context(|| format!("column {name} missing"))?;
     if col.null_count() > 0 {
         bail!("column {name} has nulls");
     }
-    Ok(col
-        .as_primitive_opt::<Decimal128Type>()
-        .with_context(|| format!("column {name} is not Decimal128"))?
-        .values())
+    Ok(col.as_primitive_opt::<Decimal128Type>().with_context(|| format!("column {name} is not Decimal128"))?.values())
 }
 
 fn date<'a>(b: &'a RecordBatch, name: &str) -> Result<&'a [i32]> {
-    let col = b
-        .column_by_name(name)
-        .with_context(|| format!("column {name} missing"))?;
-    Ok(col
-        .as_primitive_opt::<Date32Type>()
-        .with_context(|| format!("column {name} is not Date32"))?
-        .values())
+    let col = b.column_by_name(name).with_context(|| format!("column {name} missing"))?;
+    Ok(col.as_primitive_opt::<Date32Type>().with_context(|| format!("column {name} is not Date32"))?.values())
 }
 
 fn first_byte(col: &dyn Array, row: usize) -> Result<u8> {
-    str_at(col, row)
-        .and_then(|s| s.bytes().next())
-        .context("flag column is not a non-empty string")
+    str_at(col, row).and_then(|s| s.bytes().next()).context("flag column is not a non-empty string")
 }
 
 impl LineitemAgg {
     /// Adds rows, count, `sum(l_quantity)` and the Q1 groups of a batch holding [`Q1_COLUMNS`].
     pub fn add_q1(&mut self, b: &RecordBatch) -> Result<()> {
-        let (qty, price, disc, tax) = (
-            dec(b, "l_quantity")?,
-            dec(b, "l_extendedprice")?,
-            dec(b, "l_discount")?,
-            dec(b, "l_tax")?,
-        );
+        let (qty, price, disc, tax) = (dec(b, "l_quantity")?, dec(b, "l_extendedprice")?, dec(b, "l_discount")?, dec(b, "l_tax")?);
         let ship = date(b, "l_shipdate")?;
-        let rf = b
-            .column_by_name("l_returnflag")
-            .context("l_returnflag missing")?;
-        let ls = b
-            .column_by_name("l_linestatus")
-            .context("l_linestatus missing")?;
+        let rf = b.column_by_name("l_returnflag").context("l_returnflag missing")?;
+        let ls = b.column_by_name("l_linestatus").context("l_linestatus missing")?;
         self.rows += b.num_rows() as u64;
         for r in 0..b.num_rows() {
             self.sum_qty += qty[r];
             if ship[r] > Q1_SHIPDATE_MAX {
                 continue;
             }
-            let g = self
-                .q1
-                .entry([first_byte(rf.as_ref(), r)?, first_byte(ls.as_ref(), r)?])
-                .or_default();
+            let g = self.q1.entry([first_byte(rf.as_ref(), r)?, first_byte(ls.as_ref(), r)?]).or_default();
             let disc_price = price[r] * (100 - disc[r]);
             g.count += 1;
             g.sum_qty += qty[r];
@@ -157,17 +125,10 @@ impl LineitemAgg {
 
     /// Adds the Q6 revenue of a batch holding [`Q6_COLUMNS`].
     pub fn add_q6(&mut self, b: &RecordBatch) -> Result<()> {
-        let (qty, price, disc) = (
-            dec(b, "l_quantity")?,
-            dec(b, "l_extendedprice")?,
-            dec(b, "l_discount")?,
-        );
+        let (qty, price, disc) = (dec(b, "l_quantity")?, dec(b, "l_extendedprice")?, dec(b, "l_discount")?);
         let ship = date(b, "l_shipdate")?;
         for r in 0..b.num_rows() {
-            if (Q6_SHIPDATE_MIN..Q6_SHIPDATE_END).contains(&ship[r])
-                && (5..=7).contains(&disc[r])
-                && qty[r] < 2400
-            {
+            if (Q6_SHIPDATE_MIN..Q6_SHIPDATE_END).contains(&ship[r]) && (5..=7).contains(&disc[r]) && qty[r] < 2400 {
                 self.q6_revenue += price[r] * disc[r];
             }
         }
@@ -209,9 +170,7 @@ impl OrdersAgg {
     /// Adds a batch holding [`ORDERS_COLUMNS`].
     pub fn add(&mut self, b: &RecordBatch) -> Result<()> {
         let price = dec(b, "o_totalprice")?;
-        let status = b
-            .column_by_name("o_orderstatus")
-            .context("o_orderstatus missing")?;
+        let status = b.column_by_name("o_orderstatus").context("o_orderstatus missing")?;
         self.rows += b.num_rows() as u64;
         for (r, p) in price.iter().enumerate() {
             self.sum_totalprice += p;
@@ -254,10 +213,7 @@ impl MixedAgg {
     /// Adds a batch holding `id` and `v`.
     pub fn add(&mut self, b: &RecordBatch) -> Result<()> {
         let col = |n: &str| -> Result<&[i64]> {
-            Ok(b.column_by_name(n)
-                .and_then(|c| c.as_primitive_opt::<Int64Type>())
-                .with_context(|| format!("column {n} missing or not Int64"))?
-                .values())
+            Ok(b.column_by_name(n).and_then(|c| c.as_primitive_opt::<Int64Type>()).with_context(|| format!("column {n} missing or not Int64"))?.values())
         };
         let (id, v) = (col("id")?, col("v")?);
         self.rows += b.num_rows() as u64;
@@ -294,11 +250,7 @@ pub struct Model {
 impl Model {
     /// A model with `mixed_tables` empty mixed tables and no parts.
     pub fn new(mixed_tables: usize) -> Self {
-        Self {
-            parts: BTreeMap::new(),
-            next_seq: 0,
-            mixed: vec![BTreeMap::new(); mixed_tables],
-        }
+        Self { parts: BTreeMap::new(), next_seq: 0, mixed: vec![BTreeMap::new(); mixed_tables] }
     }
 
     /// Lineitem aggregates over the window.
@@ -322,11 +274,7 @@ impl Model {
     /// Aggregates of mixed table `t`.
     pub fn mixed_agg(&self, t: usize) -> MixedAgg {
         let m = &self.mixed[t];
-        MixedAgg {
-            rows: m.len() as u64,
-            sum_id: m.keys().map(|&k| i128::from(k)).sum(),
-            sum_v: m.values().map(|&v| i128::from(v)).sum(),
-        }
+        MixedAgg { rows: m.len() as u64, sum_id: m.keys().map(|&k| i128::from(k)).sum(), sum_v: m.values().map(|&v| i128::from(v)).sum() }
     }
 }
 
@@ -334,28 +282,16 @@ impl Model {
 pub fn q1_diff(model: &LineitemAgg, engine: &LineitemAgg) -> Option<String> {
     let mut out = String::new();
     if model.rows != engine.rows {
-        let _ = write!(
-            out,
-            "lineitem rows: model {} engine {}; ",
-            model.rows, engine.rows
-        );
+        let _ = write!(out, "lineitem rows: model {} engine {}; ", model.rows, engine.rows);
     }
     if model.sum_qty != engine.sum_qty {
-        let _ = write!(
-            out,
-            "sum(l_quantity)*100: model {} engine {}; ",
-            model.sum_qty, engine.sum_qty
-        );
+        let _ = write!(out, "sum(l_quantity)*100: model {} engine {}; ", model.sum_qty, engine.sum_qty);
     }
     let keys: std::collections::BTreeSet<_> = model.q1.keys().chain(engine.q1.keys()).collect();
     for k in keys {
         let (m, e) = (model.q1.get(k), engine.q1.get(k));
         if m != e {
-            let _ = write!(
-                out,
-                "Q1 group {}{}: model {m:?} engine {e:?}; ",
-                k[0] as char, k[1] as char
-            );
+            let _ = write!(out, "Q1 group {}{}: model {m:?} engine {e:?}; ", k[0] as char, k[1] as char);
         }
     }
     (!out.is_empty()).then_some(out)
@@ -379,15 +315,7 @@ mod tests {
         let b = LineitemAgg::from_batches(&data::lineitems(0.01, 1, 0).expect("gen")).expect("agg");
         let mut m = Model::new(0);
         for (seq, agg) in [(0, a.clone()), (1, b.clone())] {
-            m.parts.insert(
-                seq,
-                Part {
-                    lineitem_version: 0,
-                    orders_version: 0,
-                    lineitem: agg,
-                    orders: OrdersAgg::default(),
-                },
-            );
+            m.parts.insert(seq, Part { lineitem_version: 0, orders_version: 0, lineitem: agg, orders: OrdersAgg::default() });
         }
         let total = m.lineitem();
         assert_eq!(total.rows, a.rows + b.rows);

@@ -182,11 +182,7 @@ pub fn fmt_bytes(v: f64) -> String {
         u += 1;
     }
     let sign = if v < 0.0 { "-" } else { "" };
-    if u == 0 {
-        format!("{sign}{x:.0} B")
-    } else {
-        format!("{sign}{x:.1} {}", UNITS[u])
-    }
+    if u == 0 { format!("{sign}{x:.0} B") } else { format!("{sign}{x:.1} {}", UNITS[u]) }
 }
 
 /// The last sample of each completed round (after load 4), by round.
@@ -196,11 +192,7 @@ pub fn end_of_round(samples: &[Sample]) -> Vec<&Sample> {
 
 /// Computes the summary of `samples`. `error` is the error that stopped the run, if any;
 /// `config` is recorded as given.
-pub fn summarize(
-    samples: &[Sample],
-    error: Option<String>,
-    config: serde_json::Value,
-) -> Result<Summary> {
+pub fn summarize(samples: &[Sample], error: Option<String>, config: serde_json::Value) -> Result<Summary> {
     let last = samples.last().context("no samples")?;
     let limit = last.limit;
     let th = Thresholds::defaults(limit);
@@ -209,32 +201,15 @@ pub fn summarize(
     let warmup = th.warmup_rounds(rounds);
     let after: Vec<&&Sample> = ends.iter().filter(|s| s.round > warmup).collect();
     let slope_checked = after.len() >= th.min_rounds_for_slopes as usize;
-    let slope_of = |f: fn(&Sample) -> f64| {
-        slope(
-            &after
-                .iter()
-                .map(|s| (f64::from(s.round), f(s)))
-                .collect::<Vec<_>>(),
-        )
-    };
+    let slope_of = |f: fn(&Sample) -> f64| slope(&after.iter().map(|s| (f64::from(s.round), f(s))).collect::<Vec<_>>());
     let first = ends.first().copied();
     let lastr = ends.last().copied();
     let pick = |s: Option<&Sample>, f: fn(&Sample) -> u64| s.map_or(0, f);
 
     let verified = error.is_none() && rounds > 0 && samples.iter().all(|s| s.verified);
-    let used_max = samples
-        .iter()
-        .map(|s| s.used.max(s.used_max) as f64 / s.limit.max(1) as f64)
-        .fold(0.0, f64::max);
-    let residual = samples
-        .iter()
-        .filter_map(|s| s.create_drop_residual)
-        .max()
-        .unwrap_or(0);
-    let empty = samples
-        .iter()
-        .filter_map(|s| s.empty_table_bytes)
-        .fold(0.0, f64::max);
+    let used_max = samples.iter().map(|s| s.used.max(s.used_max) as f64 / s.limit.max(1) as f64).fold(0.0, f64::max);
+    let residual = samples.iter().filter_map(|s| s.create_drop_residual).max().unwrap_or(0);
+    let empty = samples.iter().filter_map(|s| s.empty_table_bytes).fold(0.0, f64::max);
     let vmhwm_slope = slope_of(|s| s.vmhwm as f64);
     let outside_slope = slope_of(|s| s.outside_engine as f64);
 
@@ -252,31 +227,19 @@ pub fn summarize(
                 count: of.len() as u32,
                 mean_ms: total_ms / of.len() as f64,
                 max_ms: of.iter().map(|s| s.load_ms).fold(0.0, f64::max),
-                rows_per_s: if total_ms > 0.0 {
-                    rows as f64 / (total_ms / 1000.0)
-                } else {
-                    0.0
-                },
+                rows_per_s: if total_ms > 0.0 { rows as f64 / (total_ms / 1000.0) } else { 0.0 },
             },
         );
     }
 
-    let not_enough = format!(
-        "not checked: {} after {warmup} warm-up, need {}",
-        plural(after.len() as u64, "round"),
-        th.min_rounds_for_slopes
-    );
+    let not_enough = format!("not checked: {} after {warmup} warm-up, need {}", plural(after.len() as u64, "round"), th.min_rounds_for_slopes);
     let slope_check = |name: &str, v: Option<f64>, max: f64| -> Check {
         let value = v.map_or_else(|| "n/a".to_owned(), |v| format!("{}/round", fmt_bytes(v)));
         let checked = slope_checked && v.is_some();
         Check {
             name: name.to_owned(),
             value,
-            threshold: if checked {
-                format!("<= {}/round", fmt_bytes(max))
-            } else {
-                not_enough.clone()
-            },
+            threshold: if checked { format!("<= {}/round", fmt_bytes(max)) } else { not_enough.clone() },
             checked,
             pass: !checked || v.is_some_and(|v| v <= max),
         }
@@ -303,22 +266,10 @@ pub fn summarize(
             checked: true,
             pass: residual <= th.create_drop_residual_max_bytes,
         },
-        slope_check(
-            "VmHWM slope",
-            vmhwm_slope,
-            th.vmhwm_slope_max_bytes_per_round,
-        ),
-        slope_check(
-            "outside-engine slope",
-            outside_slope,
-            th.outside_engine_slope_max_bytes_per_round,
-        ),
+        slope_check("VmHWM slope", vmhwm_slope, th.vmhwm_slope_max_bytes_per_round),
+        slope_check("outside-engine slope", outside_slope, th.outside_engine_slope_max_bytes_per_round),
     ];
-    let verdict = if checks.iter().all(|c| c.pass) {
-        "pass"
-    } else {
-        "fail"
-    };
+    let verdict = if checks.iter().all(|c| c.pass) { "pass" } else { "fail" };
     Ok(Summary {
         rounds,
         verified,
@@ -340,26 +291,16 @@ pub fn summarize(
         engine_used_slope_bytes_per_round: slope_of(|s| s.used as f64),
         key_index_slope_bytes_per_round: slope_of(|s| s.key_index_bytes as f64),
         files_slope_per_round: slope_of(|s| s.files as f64),
-        outside_engine_share_last: if last.alloc_allocated > 0 {
-            last.outside_engine as f64 / last.alloc_allocated as f64
-        } else {
-            0.0
-        },
+        outside_engine_share_last: if last.alloc_allocated > 0 { last.outside_engine as f64 / last.alloc_allocated as f64 } else { 0.0 },
         engine_used_max_over_limit: used_max,
-        outside_engine_max: samples
-            .iter()
-            .map(|s| s.outside_engine_max)
-            .max()
-            .unwrap_or(0),
+        outside_engine_max: samples.iter().map(|s| s.outside_engine_max).max().unwrap_or(0),
         rss_max: samples.iter().map(|s| s.rss_max).max().unwrap_or(0),
         engine_peak_over_limit: last.peak as f64 / limit.max(1) as f64,
         create_drop_residual_bytes: residual,
         empty_table_bytes: empty,
         files_last: last.files,
         commits_per_round: match (samples.iter().find(|s| s.load == Load::Base), lastr) {
-            (Some(b), Some(l)) if rounds > 0 => {
-                l.commits.saturating_sub(b.commits) as f64 / f64::from(rounds)
-            }
+            (Some(b), Some(l)) if rounds > 0 => l.commits.saturating_sub(b.commits) as f64 / f64::from(rounds),
             _ => 0.0,
         },
         key_index_bytes_last: last.key_index_bytes,
@@ -390,45 +331,15 @@ impl Summary {
             b(self.limit_bytes),
             plural(u64::from(self.warmup_rounds), "round")
         );
-        let _ = writeln!(
-            s,
-            "{:<22} {:>12} {:>12} {:>16}",
-            "figure", "round 1", "last round", "slope/round"
-        );
+        let _ = writeln!(s, "{:<22} {:>12} {:>12} {:>16}", "figure", "round 1", "last round", "slope/round");
         let sl = |v: Option<f64>| v.map_or_else(|| "n/a".to_owned(), fmt_bytes);
         for (name, first, last, slope) in [
-            (
-                "RSS",
-                self.rss_first,
-                self.rss_last,
-                self.rss_slope_bytes_per_round,
-            ),
-            (
-                "VmHWM",
-                self.vmhwm_first,
-                self.vmhwm_last,
-                self.vmhwm_slope_bytes_per_round,
-            ),
-            (
-                "outside-engine",
-                self.outside_engine_first,
-                self.outside_engine_last,
-                self.outside_engine_slope_bytes_per_round,
-            ),
-            (
-                "engine used",
-                self.engine_used_first,
-                self.engine_used_last,
-                self.engine_used_slope_bytes_per_round,
-            ),
+            ("RSS", self.rss_first, self.rss_last, self.rss_slope_bytes_per_round),
+            ("VmHWM", self.vmhwm_first, self.vmhwm_last, self.vmhwm_slope_bytes_per_round),
+            ("outside-engine", self.outside_engine_first, self.outside_engine_last, self.outside_engine_slope_bytes_per_round),
+            ("engine used", self.engine_used_first, self.engine_used_last, self.engine_used_slope_bytes_per_round),
         ] {
-            let _ = writeln!(
-                s,
-                "{name:<22} {:>12} {:>12} {:>16}",
-                b(first),
-                b(last),
-                sl(slope)
-            );
+            let _ = writeln!(s, "{name:<22} {:>12} {:>12} {:>16}", b(first), b(last), sl(slope));
         }
         let _ = writeln!(
             s,
@@ -448,22 +359,14 @@ impl Summary {
             self.engine_used_max_over_limit,
             self.engine_peak_over_limit
         );
-        let _ = writeln!(
-            s,
-            "{:<28} {:>18}  {:<40} result",
-            "check", "value", "threshold"
-        );
+        let _ = writeln!(s, "{:<28} {:>18}  {:<40} result", "check", "value", "threshold");
         for c in &self.checks {
             let result = match (c.checked, c.pass) {
                 (false, _) => "-",
                 (true, true) => "pass",
                 (true, false) => "FAIL",
             };
-            let _ = writeln!(
-                s,
-                "{:<28} {:>18}  {:<40} {result}",
-                c.name, c.value, c.threshold
-            );
+            let _ = writeln!(s, "{:<28} {:>18}  {:<40} {result}", c.name, c.value, c.threshold);
         }
         if let Some(e) = &self.error {
             let _ = writeln!(s, "error: {e}");
@@ -497,18 +400,10 @@ mod tests {
         assert_eq!(slope(&[]), None);
         assert_eq!(slope(&[(1.0, 5.0)]), None);
         assert_eq!(slope(&[(2.0, 1.0), (2.0, 3.0)]), None);
-        let line: Vec<(f64, f64)> = (0..10)
-            .map(|x| (f64::from(x), 3.0 * f64::from(x) + 7.0))
-            .collect();
+        let line: Vec<(f64, f64)> = (0..10).map(|x| (f64::from(x), 3.0 * f64::from(x) + 7.0)).collect();
         assert!((slope(&line).expect("slope") - 3.0).abs() < 1e-9);
         // Symmetric noise around a flat line gives slope 0.
-        let flat = [
-            (1.0, 10.0),
-            (2.0, 12.0),
-            (3.0, 10.0),
-            (4.0, 12.0),
-            (5.0, 11.0),
-        ];
+        let flat = [(1.0, 10.0), (2.0, 12.0), (3.0, 10.0), (4.0, 12.0), (5.0, 11.0)];
         assert!(slope(&flat).expect("slope").abs() < 0.5);
         let noisy = [(1.0, 1.0), (2.0, 3.0), (3.0, 2.0), (4.0, 5.0)];
         assert!((slope(&noisy).expect("slope") - 1.1).abs() < 1e-9);
@@ -549,8 +444,7 @@ mod tests {
         few[2].create_drop_residual = Some(4096);
         let sum = summarize(&few, None, serde_json::Value::Null).expect("summary");
         assert_eq!(sum.verdict, "fail");
-        let sum =
-            summarize(&samples, Some("boom".into()), serde_json::Value::Null).expect("summary");
+        let sum = summarize(&samples, Some("boom".into()), serde_json::Value::Null).expect("summary");
         assert!(!sum.verified);
         assert_eq!(sum.verdict, "fail");
     }

@@ -42,9 +42,7 @@ fn holds_only_gritdb_files(dir: &Path) -> Result<bool> {
         if !GRITDB_ENTRIES.contains(&name) {
             return Ok(false);
         }
-        let ty = e
-            .file_type()
-            .with_context(|| format!("reading {}", e.path().display()))?;
+        let ty = e.file_type().with_context(|| format!("reading {}", e.path().display()))?;
         if GRITDB_FILES.contains(&name) {
             if !ty.is_file() {
                 return Ok(false);
@@ -54,19 +52,12 @@ fn holds_only_gritdb_files(dir: &Path) -> Result<bool> {
         if !ty.is_dir() {
             return Ok(false);
         }
-        for t in
-            fs::read_dir(e.path()).with_context(|| format!("reading {}", e.path().display()))?
-        {
+        for t in fs::read_dir(e.path()).with_context(|| format!("reading {}", e.path().display()))? {
             let t = t.with_context(|| format!("reading {}", e.path().display()))?;
             let n = t.file_name();
             // Spelled exactly as the engine spells them (`wal-1.log` or `t07` are not its).
-            let ok = n.to_str().is_some_and(|n| {
-                if name == "wal" {
-                    gritdb::names::wal_segment_id(n).is_some()
-                } else {
-                    gritdb::names::table_dir_id(n).is_some()
-                }
-            });
+            let ok =
+                n.to_str().is_some_and(|n| if name == "wal" { gritdb::names::wal_segment_id(n).is_some() } else { gritdb::names::table_dir_id(n).is_some() });
             if !ok {
                 return Ok(false);
             }
@@ -89,11 +80,7 @@ fn check_data_dir_arg(dir: &Path) -> Result<()> {
 /// Creates `dir` with its parents, returning the topmost directory it created (`None` when
 /// `dir` was there), so a set-up that fails later can remove what it made.
 fn create_dir_tracked(dir: &Path) -> Result<Option<PathBuf>> {
-    let topmost = dir
-        .ancestors()
-        .take_while(|a| !a.as_os_str().is_empty() && !a.exists())
-        .last()
-        .map(Path::to_path_buf);
+    let topmost = dir.ancestors().take_while(|a| !a.as_os_str().is_empty() && !a.exists()).last().map(Path::to_path_buf);
     fs::create_dir_all(dir).with_context(|| format!("creating output dir {}", dir.display()))?;
     Ok(topmost)
 }
@@ -103,29 +90,18 @@ fn create_dir_tracked(dir: &Path) -> Result<Option<PathBuf>> {
 fn prepare_data_dir(dir: &Path) -> Result<DataDir> {
     if !dir.exists() {
         fs::create_dir_all(dir).with_context(|| format!("creating data dir {}", dir.display()))?;
-        return Ok(DataDir {
-            path: dir.to_path_buf(),
-            fresh: false,
-        });
+        return Ok(DataDir { path: dir.to_path_buf(), fresh: false });
     }
     check_data_dir_arg(dir)?;
     if holds_only_gritdb_files(dir)? {
         let lock_path = dir.join("LOCK");
         if lock_path.exists() {
-            let lock = File::options()
-                .read(true)
-                .write(true)
-                .open(&lock_path)
-                .with_context(|| format!("opening {}", lock_path.display()))?;
+            let lock = File::options().read(true).write(true).open(&lock_path).with_context(|| format!("opening {}", lock_path.display()))?;
             match lock.try_lock() {
                 Ok(()) => {}
                 Err(fs::TryLockError::WouldBlock) => {
                     let holder = fs::read_to_string(&lock_path).unwrap_or_default();
-                    bail!(
-                        "data dir {} is in use by another gritdb process (pid {}); pass another --data-dir",
-                        dir.display(),
-                        holder.trim()
-                    );
+                    bail!("data dir {} is in use by another gritdb process (pid {}); pass another --data-dir", dir.display(), holder.trim());
                 }
                 Err(fs::TryLockError::Error(e)) => {
                     return Err(e).with_context(|| format!("locking {}", lock_path.display()));
@@ -142,25 +118,13 @@ fn prepare_data_dir(dir: &Path) -> Result<DataDir> {
             }
         }
         tracing::info!(dir = %dir.display(), "wiped the data dir of an earlier run");
-        return Ok(DataDir {
-            path: dir.to_path_buf(),
-            fresh: false,
-        });
+        return Ok(DataDir { path: dir.to_path_buf(), fresh: false });
     }
-    let stamp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
+    let stamp = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let sub = dir.join(format!("gritdb-soak-{stamp}-{}", std::process::id()));
     fs::create_dir(&sub).with_context(|| format!("creating {}", sub.display()))?;
-    eprintln!(
-        "gritdb-soak: {} holds files that are not gritdb's; leaving them and using {}",
-        dir.display(),
-        sub.display()
-    );
-    Ok(DataDir {
-        path: sub,
-        fresh: true,
-    })
+    eprintln!("gritdb-soak: {} holds files that are not gritdb's; leaving them and using {}", dir.display(), sub.display());
+    Ok(DataDir { path: sub, fresh: true })
 }
 
 /// Installs the tracing subscriber writing to `soak.log` (filter from `RUST_LOG`, default
@@ -169,8 +133,7 @@ fn init_logging(out: &Path) -> Result<()> {
     use tracing_subscriber::EnvFilter;
     let path = out.join("soak.log");
     let file = File::create(&path).with_context(|| format!("creating {}", path.display()))?;
-    let filter = EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| EnvFilter::new("info,gritdb::writer=debug"));
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,gritdb::writer=debug"));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::sync::Mutex::new(file))
@@ -190,28 +153,18 @@ impl Progress {
     fn new(rounds: u32) -> Self {
         let bar = std::io::stderr().is_terminal().then(|| {
             let bar = ProgressBar::new(u64::from(rounds));
-            let style = ProgressStyle::with_template(
-                "{bar:30.cyan/blue} round {pos}/{len}  elapsed {elapsed_precise}  ETA {eta_precise}  {msg}",
-            )
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> ");
+            let style = ProgressStyle::with_template("{bar:30.cyan/blue} round {pos}/{len}  elapsed {elapsed_precise}  ETA {eta_precise}  {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> ");
             bar.set_style(style);
             bar.enable_steady_tick(Duration::from_millis(500));
             bar
         });
-        Self {
-            bar,
-            rounds,
-            next_line: 1,
-        }
+        Self { bar, rounds, next_line: 1 }
     }
 
     fn update(&mut self, round: u32, start: Instant, s: &Sample) {
-        let msg = format!(
-            "RSS {}  engine used {}",
-            fmt_bytes(s.rss as f64),
-            fmt_bytes(s.used as f64)
-        );
+        let msg = format!("RSS {}  engine used {}", fmt_bytes(s.rss as f64), fmt_bytes(s.used as f64));
         if let Some(bar) = &self.bar {
             bar.set_position(u64::from(round));
             bar.set_message(msg);
@@ -249,9 +202,7 @@ impl Csv {
     }
 
     fn push(&mut self, s: &Sample) -> Result<()> {
-        writeln!(self.w, "{}", s.csv_line())
-            .and_then(|()| self.w.flush())
-            .with_context(|| format!("writing {}", self.path.display()))
+        writeln!(self.w, "{}", s.csv_line()).and_then(|()| self.w.flush()).with_context(|| format!("writing {}", self.path.display()))
     }
 }
 
@@ -309,21 +260,11 @@ impl Runner {
         if let Some(m) = &outcome.mismatch {
             tracing::error!(round, load = load.name(), mismatch = %m, "verification failed");
         }
-        Ok(outcome.mismatch.map(|m| {
-            format!(
-                "verification failed in round {round}, {} load: {m}",
-                load.name()
-            )
-        }))
+        Ok(outcome.mismatch.map(|m| format!("verification failed in round {round}, {} load: {m}", load.name())))
     }
 }
 
-fn config_json(
-    args: &RunArgs,
-    allocator: Allocator,
-    sizes: &Sizes,
-    data_dir: &Path,
-) -> serde_json::Value {
+fn config_json(args: &RunArgs, allocator: Allocator, sizes: &Sizes, data_dir: &Path) -> serde_json::Value {
     serde_json::json!({
         "rounds_requested": args.rounds,
         "tables": args.tables,
@@ -346,13 +287,9 @@ fn config_json(
 /// Set-up failures (output or data directory, engine open). Failures during the rounds are
 /// recorded in the summary and give `Ok(false)`.
 pub fn run(args: &RunArgs, allocator: Allocator) -> Result<bool> {
-    let limit = usize::try_from(args.memory_limit)
-        .context("--memory-limit does not fit this platform's address size")?;
-    let flush_bytes = usize::try_from(args.flush_bytes())
-        .context("--table-flush-bytes does not fit this platform's address size")?;
-    let engine_config = gritdb::EngineConfig::default()
-        .memory_limit(limit)
-        .table_flush_bytes(flush_bytes);
+    let limit = usize::try_from(args.memory_limit).context("--memory-limit does not fit this platform's address size")?;
+    let flush_bytes = usize::try_from(args.flush_bytes()).context("--table-flush-bytes does not fit this platform's address size")?;
+    let engine_config = gritdb::EngineConfig::default().memory_limit(limit).table_flush_bytes(flush_bytes);
     // A limit the engine would refuse is refused before the output log is replaced and the
     // previous run's data dir wiped (a new user's `--memory-limit 1KB` cleared both).
     gritdb::memory::MemoryController::check_limit_value(limit, engine_config.chunk_size)
@@ -369,13 +306,7 @@ pub fn run(args: &RunArgs, allocator: Allocator) -> Result<bool> {
                 if data_dir.fresh {
                     let _ = fs::remove_dir_all(&data_dir.path);
                 }
-                Err(e).with_context(|| {
-                    format!(
-                        "opening the engine in {} with limit {}",
-                        data_dir.path.display(),
-                        fmt_bytes(limit as f64)
-                    )
-                })
+                Err(e).with_context(|| format!("opening the engine in {} with limit {}", data_dir.path.display(), fmt_bytes(limit as f64)))
             }
         }
     };
@@ -393,18 +324,9 @@ pub fn run(args: &RunArgs, allocator: Allocator) -> Result<bool> {
     let sizes = Sizes::new(args.tables);
     let config = config_json(args, allocator, &sizes, &data_dir.path);
     tracing::info!(%config, "soak starting");
-    let monitor = Monitor::start(
-        std::sync::Arc::clone(engine.memory()),
-        Duration::from_millis(25),
-    )?;
+    let monitor = Monitor::start(std::sync::Arc::clone(engine.memory()), Duration::from_millis(25))?;
     let soak = Soak::new(engine, args.scale, sizes, args.seed)?;
-    let mut runner = Runner {
-        soak,
-        monitor,
-        csv: Csv::create(args.out.join("soak.csv"))?,
-        samples: Vec::new(),
-        start: Instant::now(),
-    };
+    let mut runner = Runner { soak, monitor, csv: Csv::create(args.out.join("soak.csv"))?, samples: Vec::new(), start: Instant::now() };
 
     eprintln!(
         "gritdb-soak: {}, {} tables/round, scale {}, limit {}, allocator {}, output {}",
@@ -418,13 +340,7 @@ pub fn run(args: &RunArgs, allocator: Allocator) -> Result<bool> {
     let mut progress = Progress::new(args.rounds);
     let error = rounds(&mut runner, args, &mut progress);
     progress.finish();
-    let Runner {
-        soak,
-        samples,
-        start,
-        monitor,
-        ..
-    } = runner;
+    let Runner { soak, samples, start, monitor, .. } = runner;
     drop(monitor);
     let error = match (error, soak.close()) {
         (Err(e), _) | (Ok(()), Err(e)) => Some(format!("{e:#}")),
@@ -434,22 +350,15 @@ pub fn run(args: &RunArgs, allocator: Allocator) -> Result<bool> {
         tracing::error!(error = %e, "soak stopped");
     }
     if data_dir.fresh {
-        fs::remove_dir_all(&data_dir.path)
-            .with_context(|| format!("removing {}", data_dir.path.display()))?;
+        fs::remove_dir_all(&data_dir.path).with_context(|| format!("removing {}", data_dir.path.display()))?;
     }
     tracing::info!(wall_s = start.elapsed().as_secs_f64(), "soak finished");
     if samples.is_empty() {
-        bail!(
-            "the soak stopped before its first sample: {}",
-            error.unwrap_or_default()
-        );
+        bail!("the soak stopped before its first sample: {}", error.unwrap_or_default());
     }
     let summary = summarize(&samples, error, config)?;
     write_outputs(&summary, &samples, &args.out)?;
-    println!(
-        "wrote {0}/soak.csv, {0}/summary.json, {0}/soak.svg, {0}/soak.log",
-        args.out.display()
-    );
+    println!("wrote {0}/soak.csv, {0}/summary.json, {0}/soak.svg, {0}/soak.log", args.out.display());
     Ok(summary.verdict == "pass")
 }
 
@@ -470,10 +379,7 @@ fn rounds(runner: &mut Runner, args: &RunArgs, progress: &mut Progress) -> Resul
         }
         if args.duration > 0 && runner.start.elapsed() >= limit {
             tracing::info!(round, "--duration reached");
-            eprintln!(
-                "gritdb-soak: --duration {} s reached after round {round}",
-                args.duration
-            );
+            eprintln!("gritdb-soak: --duration {} s reached after round {round}", args.duration);
             break;
         }
     }
@@ -482,17 +388,8 @@ fn rounds(runner: &mut Runner, args: &RunArgs, progress: &mut Progress) -> Resul
 
 fn write_outputs(summary: &Summary, samples: &[Sample], out: &Path) -> Result<()> {
     summary.write(out)?;
-    let allocator = summary
-        .config
-        .get("allocator")
-        .and_then(serde_json::Value::as_str)
-        .unwrap_or("unknown allocator");
-    let title = format!(
-        "gritdb soak: {} rounds, limit {}, {allocator}, verdict {}",
-        summary.rounds,
-        fmt_bytes(summary.limit_bytes as f64),
-        summary.verdict
-    );
+    let allocator = summary.config.get("allocator").and_then(serde_json::Value::as_str).unwrap_or("unknown allocator");
+    let title = format!("gritdb soak: {} rounds, limit {}, {allocator}, verdict {}", summary.rounds, fmt_bytes(summary.limit_bytes as f64), summary.verdict);
     plot::render(samples, &title, &out.join("soak.svg"))?;
     println!("{}", summary.table());
     Ok(())
@@ -505,11 +402,7 @@ fn write_outputs(summary: &Summary, samples: &[Sample], out: &Path) -> Result<()
 /// When the other binary is missing (with the command that builds it) or cannot be started.
 pub fn exec_sibling(allocator: Allocator) -> Result<u8> {
     let me = std::env::current_exe().context("locating this executable")?;
-    let other = me.with_file_name(format!(
-        "{}{}",
-        allocator.binary(),
-        std::env::consts::EXE_SUFFIX
-    ));
+    let other = me.with_file_name(format!("{}{}", allocator.binary(), std::env::consts::EXE_SUFFIX));
     if !other.exists() {
         bail!(
             "--allocator {} needs the binary {}; build it with `cargo build --release -p gritdb-soak --bins` \
@@ -519,10 +412,7 @@ pub fn exec_sibling(allocator: Allocator) -> Result<u8> {
             allocator.binary()
         );
     }
-    let status = std::process::Command::new(&other)
-        .args(std::env::args_os().skip(1))
-        .status()
-        .with_context(|| format!("starting {}", other.display()))?;
+    let status = std::process::Command::new(&other).args(std::env::args_os().skip(1)).status().with_context(|| format!("starting {}", other.display()))?;
     Ok(status.code().map_or(2, |c| u8::try_from(c).unwrap_or(2)))
 }
 
@@ -536,18 +426,9 @@ pub fn report(dir: &Path) -> Result<bool> {
     if samples.is_empty() {
         bail!("{} has no samples", dir.join("soak.csv").display());
     }
-    let old: Option<serde_json::Value> = fs::read_to_string(dir.join("summary.json"))
-        .ok()
-        .and_then(|s| serde_json::from_str(&s).ok());
-    let config = old
-        .as_ref()
-        .and_then(|o| o.get("config").cloned())
-        .unwrap_or(serde_json::Value::Null);
-    let error = old
-        .as_ref()
-        .and_then(|o| o.get("error"))
-        .and_then(|e| e.as_str())
-        .map(str::to_owned);
+    let old: Option<serde_json::Value> = fs::read_to_string(dir.join("summary.json")).ok().and_then(|s| serde_json::from_str(&s).ok());
+    let config = old.as_ref().and_then(|o| o.get("config").cloned()).unwrap_or(serde_json::Value::Null);
+    let error = old.as_ref().and_then(|o| o.get("error")).and_then(|e| e.as_str()).map(str::to_owned);
     let summary = summarize(&samples, error, config)?;
     write_outputs(&summary, &samples, dir)?;
     // `report` reads soak.csv (and soak.log is the run's): only these two are rewritten.
@@ -560,8 +441,7 @@ mod tests {
     use super::*;
 
     fn tmp(name: &str) -> PathBuf {
-        let d =
-            std::env::temp_dir().join(format!("gritdb-soak-test-{name}-{}", std::process::id()));
+        let d = std::env::temp_dir().join(format!("gritdb-soak-test-{name}-{}", std::process::id()));
         let _ = fs::remove_dir_all(&d);
         fs::create_dir_all(&d).expect("tmp dir");
         d
@@ -575,11 +455,7 @@ mod tests {
         fs::write(d.join("wal/wal-00000003.log"), "x").expect("w");
         fs::write(d.join("tables/t1/manifest.json"), "{}").expect("w");
         fs::write(d.join("LOCK"), "1").expect("w");
-        fs::write(
-            d.join(gritdb::DATA_DIR_MARKER),
-            "gritdb data directory\nformat 1\n",
-        )
-        .expect("w");
+        fs::write(d.join(gritdb::DATA_DIR_MARKER), "gritdb data directory\nformat 1\n").expect("w");
         assert_eq!(GRITDB_FILES[0], gritdb::DATA_DIR_MARKER);
         let got = prepare_data_dir(&d).expect("prepare");
         assert!(!got.fresh);
@@ -627,17 +503,13 @@ mod tests {
         let d = tmp("report");
         let mut csv = csv_header();
         csv.push('\n');
-        for s in std::iter::once(sample(0, Load::Base))
-            .chain((1..=3).flat_map(|r| Load::ROUND.into_iter().map(move |l| sample(r, l))))
-        {
+        for s in std::iter::once(sample(0, Load::Base)).chain((1..=3).flat_map(|r| Load::ROUND.into_iter().map(move |l| sample(r, l)))) {
             csv.push_str(&s.csv_line());
             csv.push('\n');
         }
         fs::write(d.join("soak.csv"), csv).expect("w");
         let pass = report(&d).expect("report");
-        let summary: serde_json::Value =
-            serde_json::from_str(&fs::read_to_string(d.join("summary.json")).expect("r"))
-                .expect("json");
+        let summary: serde_json::Value = serde_json::from_str(&fs::read_to_string(d.join("summary.json")).expect("r")).expect("json");
         assert_eq!(summary["rounds"], 3);
         assert_eq!(summary["slope_checked"], false);
         // The test samples carry a residual of -64 B and pass otherwise.

@@ -56,15 +56,7 @@ impl Load {
     }
 
     fn parse(s: &str) -> Option<Load> {
-        [
-            Load::Base,
-            Load::Write,
-            Load::CreateDrop,
-            Load::Scan,
-            Load::Mixed,
-        ]
-        .into_iter()
-        .find(|l| l.name() == s)
+        [Load::Base, Load::Write, Load::CreateDrop, Load::Scan, Load::Mixed].into_iter().find(|l| l.name() == s)
     }
 }
 
@@ -112,18 +104,12 @@ impl Monitor {
                     let used = ctl.used();
                     s.rss.fetch_max(p.rss as u64, Ordering::AcqRel);
                     s.used.fetch_max(used as u64, Ordering::AcqRel);
-                    s.outside.fetch_max(
-                        p.allocator.allocated.saturating_sub(used) as u64,
-                        Ordering::AcqRel,
-                    );
+                    s.outside.fetch_max(p.allocator.allocated.saturating_sub(used) as u64, Ordering::AcqRel);
                     std::thread::park_timeout(every);
                 }
             })
             .context("starting the monitor thread")?;
-        Ok(Self {
-            shared,
-            handle: Some(handle),
-        })
+        Ok(Self { shared, handle: Some(handle) })
     }
 
     /// The highest values since the last call (and resets them).
@@ -256,14 +242,8 @@ impl Sample {
             limit: r.limit as u64,
             used: r.used as u64,
             peak: r.peak as u64,
-            categories: Category::ALL
-                .iter()
-                .map(|&c| cat(c).map_or(0, |x| x.bytes as u64))
-                .collect(),
-            category_peaks: Category::ALL
-                .iter()
-                .map(|&c| cat(c).map_or(0, |x| x.peak_bytes as u64))
-                .collect(),
+            categories: Category::ALL.iter().map(|&c| cat(c).map_or(0, |x| x.bytes as u64)).collect(),
+            category_peaks: Category::ALL.iter().map(|&c| cat(c).map_or(0, |x| x.peak_bytes as u64)).collect(),
             outside_engine: r.outside_engine as u64,
             alloc_allocated: a.allocated as u64,
             alloc_active: a.active as u64,
@@ -285,23 +265,11 @@ impl Sample {
 
     /// Position on the plot's x axis (rounds; the base load sits at 0).
     pub fn x(&self) -> f64 {
-        if self.load == Load::Base {
-            0.0
-        } else {
-            f64::from(self.round) - 1.0 + f64::from(self.load.position() + 1) / 4.0
-        }
+        if self.load == Load::Base { 0.0 } else { f64::from(self.round) - 1.0 + f64::from(self.load.position() + 1) / 4.0 }
     }
 }
 
-const FIXED_HEAD: [&str; 7] = [
-    "round",
-    "load",
-    "elapsed_s",
-    "load_ms",
-    "rows",
-    "verified",
-    "limit",
-];
+const FIXED_HEAD: [&str; 7] = ["round", "load", "elapsed_s", "load_ms", "rows", "verified", "limit"];
 const MID: [&str; 2] = ["used", "peak"];
 const TAIL: [&str; 16] = [
     "outside_engine",
@@ -324,11 +292,7 @@ const TAIL: [&str; 16] = [
 
 /// The CSV header line (without newline).
 pub fn csv_header() -> String {
-    let mut cols: Vec<String> = FIXED_HEAD
-        .iter()
-        .chain(&MID)
-        .map(|s| (*s).to_owned())
-        .collect();
+    let mut cols: Vec<String> = FIXED_HEAD.iter().chain(&MID).map(|s| (*s).to_owned()).collect();
     cols.extend(Category::ALL.iter().map(|c| c.name().to_owned()));
     cols.extend(Category::ALL.iter().map(|c| format!("{}_peak", c.name())));
     cols.extend(TAIL.iter().map(|s| (*s).to_owned()));
@@ -372,12 +336,8 @@ impl Sample {
             self.files,
             self.key_index_bytes,
             self.commits,
-            self.create_drop_residual
-                .map(|v| v.to_string())
-                .unwrap_or_default(),
-            self.empty_table_bytes
-                .map(|v| format!("{v:.1}"))
-                .unwrap_or_default(),
+            self.create_drop_residual.map(|v| v.to_string()).unwrap_or_default(),
+            self.empty_table_bytes.map(|v| format!("{v:.1}")).unwrap_or_default(),
         );
         s
     }
@@ -388,78 +348,43 @@ impl Sample {
 /// # Errors
 /// I/O errors, a missing column, or a value that does not parse (with line and column).
 pub fn read_csv(path: &Path) -> Result<Vec<Sample>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     parse_csv(&text).with_context(|| format!("parsing {}", path.display()))
 }
 
 /// Parses CSV text as written by [`csv_header`] and [`Sample::csv_line`].
 pub fn parse_csv(text: &str) -> Result<Vec<Sample>> {
-    let mut lines = text
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty());
-    let Some((_, header)) = lines.next() else {
-        bail!("empty file (no header)")
-    };
-    let index: HashMap<&str, usize> = header
-        .split(',')
-        .enumerate()
-        .map(|(i, h)| (h.trim(), i))
-        .collect();
-    let col = |name: &str| {
-        index
-            .get(name)
-            .copied()
-            .with_context(|| format!("column `{name}` missing"))
-    };
-    let cat_cols: Vec<usize> = Category::ALL
-        .iter()
-        .map(|c| col(c.name()))
-        .collect::<Result<_>>()?;
-    let cat_peak_cols: Vec<usize> = Category::ALL
-        .iter()
-        .map(|c| col(&format!("{}_peak", c.name())))
-        .collect::<Result<_>>()?;
+    let mut lines = text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty());
+    let Some((_, header)) = lines.next() else { bail!("empty file (no header)") };
+    let index: HashMap<&str, usize> = header.split(',').enumerate().map(|(i, h)| (h.trim(), i)).collect();
+    let col = |name: &str| index.get(name).copied().with_context(|| format!("column `{name}` missing"));
+    let cat_cols: Vec<usize> = Category::ALL.iter().map(|c| col(c.name())).collect::<Result<_>>()?;
+    let cat_peak_cols: Vec<usize> = Category::ALL.iter().map(|c| col(&format!("{}_peak", c.name()))).collect::<Result<_>>()?;
     let mut out = Vec::new();
     for (lineno, line) in lines {
         let fields: Vec<&str> = line.split(',').map(str::trim).collect();
         let get = |name: &str| -> Result<&str> {
             let i = col(name)?;
-            fields
-                .get(i)
-                .copied()
-                .with_context(|| format!("line {}: column `{name}` missing", lineno + 1))
+            fields.get(i).copied().with_context(|| format!("line {}: column `{name}` missing", lineno + 1))
         };
         let num = |name: &str| -> Result<u64> {
             let v = get(name)?;
-            v.parse().with_context(|| {
-                format!(
-                    "line {}: `{name}` = `{v}` is not a whole number",
-                    lineno + 1
-                )
-            })
+            v.parse().with_context(|| format!("line {}: `{name}` = `{v}` is not a whole number", lineno + 1))
         };
         let float = |name: &str| -> Result<f64> {
             let v = get(name)?;
-            v.parse()
-                .with_context(|| format!("line {}: `{name}` = `{v}` is not a number", lineno + 1))
+            v.parse().with_context(|| format!("line {}: `{name}` = `{v}` is not a number", lineno + 1))
         };
         let at = |i: usize| -> Result<u64> {
-            let v = fields
-                .get(i)
-                .copied()
-                .with_context(|| format!("line {}: too few columns", lineno + 1))?;
-            v.parse()
-                .with_context(|| format!("line {}: `{v}` is not a whole number", lineno + 1))
+            let v = fields.get(i).copied().with_context(|| format!("line {}: too few columns", lineno + 1))?;
+            v.parse().with_context(|| format!("line {}: `{v}` is not a whole number", lineno + 1))
         };
         let load_name = get("load")?;
         let residual = get("create_drop_residual")?;
         let empty = get("empty_table_bytes")?;
         out.push(Sample {
             round: u32::try_from(num("round")?).context("round out of range")?,
-            load: Load::parse(load_name)
-                .with_context(|| format!("line {}: unknown load `{load_name}`", lineno + 1))?,
+            load: Load::parse(load_name).with_context(|| format!("line {}: unknown load `{load_name}`", lineno + 1))?,
             elapsed_s: float("elapsed_s")?,
             load_ms: float("load_ms")?,
             rows: num("rows")?,
@@ -468,10 +393,7 @@ pub fn parse_csv(text: &str) -> Result<Vec<Sample>> {
             used: num("used")?,
             peak: num("peak")?,
             categories: cat_cols.iter().map(|&i| at(i)).collect::<Result<_>>()?,
-            category_peaks: cat_peak_cols
-                .iter()
-                .map(|&i| at(i))
-                .collect::<Result<_>>()?,
+            category_peaks: cat_peak_cols.iter().map(|&i| at(i)).collect::<Result<_>>()?,
             outside_engine: num("outside_engine")?,
             alloc_allocated: num("alloc_allocated")?,
             alloc_active: num("alloc_active")?,
@@ -489,20 +411,12 @@ pub fn parse_csv(text: &str) -> Result<Vec<Sample>> {
             create_drop_residual: if residual.is_empty() {
                 None
             } else {
-                Some(
-                    residual.parse().with_context(|| {
-                        format!("line {}: bad create_drop_residual", lineno + 1)
-                    })?,
-                )
+                Some(residual.parse().with_context(|| format!("line {}: bad create_drop_residual", lineno + 1))?)
             },
             empty_table_bytes: if empty.is_empty() {
                 None
             } else {
-                Some(
-                    empty
-                        .parse()
-                        .with_context(|| format!("line {}: bad empty_table_bytes", lineno + 1))?,
-                )
+                Some(empty.parse().with_context(|| format!("line {}: bad empty_table_bytes", lineno + 1))?)
             },
         });
     }
@@ -549,10 +463,7 @@ pub(crate) mod tests {
 
     #[test]
     fn csv_round_trip() {
-        let samples: Vec<Sample> = (1..=3)
-            .flat_map(|r| Load::ROUND.into_iter().map(move |l| sample(r, l)))
-            .chain([sample(0, Load::Base)])
-            .collect();
+        let samples: Vec<Sample> = (1..=3).flat_map(|r| Load::ROUND.into_iter().map(move |l| sample(r, l))).chain([sample(0, Load::Base)]).collect();
         let mut text = csv_header();
         text.push('\n');
         for s in &samples {
@@ -571,15 +482,8 @@ pub(crate) mod tests {
         assert!(format!("{err:#}").contains("missing"), "{err:#}");
         let mut text = csv_header();
         text.push('\n');
-        text.push_str(
-            &sample(1, Load::Write)
-                .csv_line()
-                .replacen("write", "nonsense", 1),
-        );
+        text.push_str(&sample(1, Load::Write).csv_line().replacen("write", "nonsense", 1));
         let err = parse_csv(&text).expect_err("bad load");
-        assert!(
-            format!("{err:#}").contains("unknown load `nonsense`"),
-            "{err:#}"
-        );
+        assert!(format!("{err:#}").contains("unknown load `nonsense`"), "{err:#}");
     }
 }

@@ -80,11 +80,7 @@ fn decimal_raw(b: &RecordBatch, name: &str, row: usize) -> Result<(i128, i8)> {
 fn rescale(v: i128, from: i8, to: i8) -> Option<i128> {
     let d = (i32::from(to) - i32::from(from)).unsigned_abs();
     let p = 10i128.checked_pow(d)?;
-    if to >= from {
-        v.checked_mul(p)
-    } else {
-        (v % p == 0).then_some(v / p)
-    }
+    if to >= from { v.checked_mul(p) } else { (v % p == 0).then_some(v / p) }
 }
 
 /// Reads Q1's answer ([`Q1`]'s columns).

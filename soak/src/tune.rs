@@ -39,19 +39,12 @@ impl TunePoint {
         let f = |k: &str| s.get(k).and_then(Value::as_f64).unwrap_or(0.0);
         let verdict = match s.get("error").and_then(Value::as_str) {
             Some(e) => format!("error: {}", e.lines().next().unwrap_or(e)),
-            None => s
-                .get("verdict")
-                .and_then(Value::as_str)
-                .unwrap_or("unknown")
-                .to_owned(),
+            None => s.get("verdict").and_then(Value::as_str).unwrap_or("unknown").to_owned(),
         };
         Self {
             limit,
             rounds: s.get("rounds").and_then(Value::as_u64).unwrap_or(0),
-            write_rows_per_s: s
-                .pointer("/loads/write/rows_per_s")
-                .and_then(Value::as_f64)
-                .unwrap_or(0.0),
+            write_rows_per_s: s.pointer("/loads/write/rows_per_s").and_then(Value::as_f64).unwrap_or(0.0),
             flushes_per_round: f("commits_per_round"),
             peak_rss: s.get("vmhwm_last").and_then(Value::as_u64).unwrap_or(0),
             used_over_limit: f("engine_used_max_over_limit"),
@@ -73,17 +66,11 @@ pub fn tune(args: &TuneArgs) -> Result<bool> {
         let name = format!("limit-{}", limit >> 20);
         let out = args.out.join(&name);
         let data = args.data_dir.join(format!("tune-{name}"));
-        eprintln!(
-            "gritdb-soak tune: {} rounds with limit {} -> {}",
-            args.rounds,
-            fmt_bytes(limit as f64),
-            out.display()
-        );
+        eprintln!("gritdb-soak tune: {} rounds with limit {} -> {}", args.rounds, fmt_bytes(limit as f64), out.display());
         // The run's own end-of-run table goes to `run.txt` in its directory; its progress
         // lines (stderr) stay on the terminal.
         fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-        let run_txt = fs::File::create(out.join("run.txt"))
-            .with_context(|| format!("creating {}", out.join("run.txt").display()))?;
+        let run_txt = fs::File::create(out.join("run.txt")).with_context(|| format!("creating {}", out.join("run.txt").display()))?;
         let status = Command::new(&me)
             .arg("run")
             .args(["--rounds", &args.rounds.to_string()])
@@ -99,9 +86,7 @@ pub fn tune(args: &TuneArgs) -> Result<bool> {
             .stdout(run_txt)
             .status()
             .with_context(|| format!("starting {}", me.display()))?;
-        let summary = fs::read_to_string(out.join("summary.json"))
-            .ok()
-            .and_then(|t| serde_json::from_str::<Value>(&t).ok());
+        let summary = fs::read_to_string(out.join("summary.json")).ok().and_then(|t| serde_json::from_str::<Value>(&t).ok());
         let point = match summary {
             Some(s) => TunePoint::from_summary(limit, &s),
             None => TunePoint {
@@ -130,9 +115,7 @@ pub fn tune(args: &TuneArgs) -> Result<bool> {
 
 /// `tune.csv`: one line per limit.
 pub fn tune_csv(points: &[TunePoint]) -> String {
-    let mut s = String::from(
-        "limit_bytes,rounds,write_rows_per_s,flushes_per_round,peak_rss_bytes,engine_used_max_over_limit,wall_s,verdict\n",
-    );
+    let mut s = String::from("limit_bytes,rounds,write_rows_per_s,flushes_per_round,peak_rss_bytes,engine_used_max_over_limit,wall_s,verdict\n");
     for p in points {
         let _ = writeln!(
             s,
@@ -180,8 +163,7 @@ fn render(points: &[TunePoint], path: &Path) -> Result<()> {
     {
         let root = SVGBackend::with_string(&mut svg, (1100, 900)).into_drawing_area();
         draw(&root, points).map_err(|e| anyhow!("drawing the tune plot: {e}"))?;
-        root.present()
-            .map_err(|e| anyhow!("rendering the tune plot: {e}"))?;
+        root.present().map_err(|e| anyhow!("rendering the tune plot: {e}"))?;
     }
     fs::write(path, svg).with_context(|| format!("writing {}", path.display()))
 }
@@ -189,49 +171,23 @@ fn render(points: &[TunePoint], path: &Path) -> Result<()> {
 /// A panel: y-axis name, how to read the value, colour.
 type Panel = (&'static str, fn(&TunePoint) -> f64, RGBColor);
 
-fn draw(
-    root: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>,
-    points: &[TunePoint],
-) -> std::result::Result<(), Box<dyn std::error::Error>> {
+fn draw(root: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>, points: &[TunePoint]) -> std::result::Result<(), Box<dyn std::error::Error>> {
     const MIB: f64 = 1024.0 * 1024.0;
     root.fill(&WHITE)?;
-    let root = root.titled(
-        "gritdb soak tune: figures against the memory limit",
-        ("sans-serif", 22),
-    )?;
+    let root = root.titled("gritdb soak tune: figures against the memory limit", ("sans-serif", 22))?;
     let panels = root.split_evenly((3, 1));
     let xs: Vec<f64> = points.iter().map(|p| p.limit as f64 / MIB).collect();
     let x_min = xs.iter().copied().fold(f64::INFINITY, f64::min).max(1.0) / 1.3;
     let x_max = xs.iter().copied().fold(1.0, f64::max) * 1.3;
     let panel: [Panel; 3] = [
-        (
-            "write rows/s",
-            |p| p.write_rows_per_s,
-            RGBColor(31, 119, 180),
-        ),
-        (
-            "flushes per round",
-            |p| p.flushes_per_round,
-            RGBColor(44, 160, 44),
-        ),
-        (
-            "peak RSS (MiB)",
-            |p| p.peak_rss as f64 / MIB,
-            RGBColor(214, 39, 40),
-        ),
+        ("write rows/s", |p| p.write_rows_per_s, RGBColor(31, 119, 180)),
+        ("flushes per round", |p| p.flushes_per_round, RGBColor(44, 160, 44)),
+        ("peak RSS (MiB)", |p| p.peak_rss as f64 / MIB, RGBColor(214, 39, 40)),
     ];
     for (area, (name, f, color)) in panels.iter().zip(panel) {
-        let y_max = points
-            .iter()
-            .map(f)
-            .fold(0.0, f64::max)
-            .max(if name.starts_with("peak") { x_max } else { 1.0 })
-            * 1.1;
-        let mut chart = ChartBuilder::on(area)
-            .margin(10)
-            .x_label_area_size(35)
-            .y_label_area_size(80)
-            .build_cartesian_2d((x_min..x_max).log_scale(), 0.0..y_max)?;
+        let y_max = points.iter().map(f).fold(0.0, f64::max).max(if name.starts_with("peak") { x_max } else { 1.0 }) * 1.1;
+        let mut chart =
+            ChartBuilder::on(area).margin(10).x_label_area_size(35).y_label_area_size(80).build_cartesian_2d((x_min..x_max).log_scale(), 0.0..y_max)?;
         chart
             .configure_mesh()
             .x_desc("memory limit (MiB, log scale)")
@@ -240,40 +196,17 @@ fn draw(
             .y_label_formatter(&|v| format!("{v:.0}"))
             .draw()?;
         chart
-            .draw_series(LineSeries::new(
-                points.iter().map(|p| (p.limit as f64 / MIB, f(p))),
-                color.stroke_width(2),
-            ))?
+            .draw_series(LineSeries::new(points.iter().map(|p| (p.limit as f64 / MIB, f(p))), color.stroke_width(2)))?
             .label(name)
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
-            });
-        chart.draw_series(
-            points
-                .iter()
-                .map(|p| Circle::new((p.limit as f64 / MIB, f(p)), 4, color.filled())),
-        )?;
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+        chart.draw_series(points.iter().map(|p| Circle::new((p.limit as f64 / MIB, f(p)), 4, color.filled())))?;
         if name.starts_with("peak") {
             chart
-                .draw_series(DashedLineSeries::new(
-                    points
-                        .iter()
-                        .map(|p| (p.limit as f64 / MIB, p.limit as f64 / MIB)),
-                    6,
-                    4,
-                    BLACK.stroke_width(1),
-                ))?
+                .draw_series(DashedLineSeries::new(points.iter().map(|p| (p.limit as f64 / MIB, p.limit as f64 / MIB)), 6, 4, BLACK.stroke_width(1)))?
                 .label("limit")
-                .legend(|(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 20, y)], BLACK.stroke_width(1))
-                });
+                .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK.stroke_width(1)));
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .draw()?;
+        chart.configure_series_labels().position(SeriesLabelPosition::UpperLeft).background_style(WHITE.mix(0.85)).border_style(BLACK).draw()?;
     }
     Ok(())
 }
@@ -301,11 +234,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("gritdb-soak-tune-{}", std::process::id()));
         fs::create_dir_all(&dir).expect("dir");
         render(&[q, p], &dir.join("tune.svg")).expect("render");
-        assert!(
-            fs::read_to_string(dir.join("tune.svg"))
-                .expect("svg")
-                .contains("peak RSS")
-        );
+        assert!(fs::read_to_string(dir.join("tune.svg")).expect("svg").contains("peak RSS"));
         fs::remove_dir_all(&dir).expect("cleanup");
     }
 }

@@ -30,7 +30,10 @@ fn soak_cli_bad_input_exits_2_with_a_reason_and_never_panics() {
         (vec!["--rounds".into(), "abc".into()], "invalid digit"),
         (vec!["--memory-limit".into(), "0".into()], "positive"),
         (vec!["--memory-limit".into(), "10XB".into()], "unknown unit"),
-        (vec!["--memory-limit".into(), "1".into(), "--rounds".into(), "1".into(), "--data-dir".into(), data.clone(), "--out".into(), out.clone()], "below the minimum"),
+        (
+            vec!["--memory-limit".into(), "1".into(), "--rounds".into(), "1".into(), "--data-dir".into(), data.clone(), "--out".into(), out.clone()],
+            "below the minimum",
+        ),
         (vec!["--scale".into(), "nan".into()], "positive"),
         (vec!["report".into(), s(&w.join("missing"))], "No such file"),
         (vec!["report".into(), s(&garbage)], "parsing"),
@@ -61,12 +64,7 @@ fn soak_cli_bad_input_exits_2_with_a_reason_and_never_panics() {
     assert_eq!(std::fs::read_to_string(kept.join("out/soak.log")).unwrap(), "earlier run");
     let mut wrong = Vec::new();
     for (args, needle) in &cases {
-        let o = std::process::Command::new(env!("CARGO_BIN_EXE_gritdb-soak"))
-            .args(args)
-            .current_dir(w)
-            .env("RUST_BACKTRACE", "1")
-            .output()
-            .unwrap();
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_gritdb-soak")).args(args).current_dir(w).env("RUST_BACKTRACE", "1").output().unwrap();
         let err = String::from_utf8_lossy(&o.stderr);
         let code = o.status.code();
         if code != Some(2) || !err.contains(needle) || err.contains("panicked") || err.contains("stack backtrace") {
@@ -111,7 +109,8 @@ fn soak_setup_failure_removes_the_out_dir_it_created() {
 /// Runs one soak round with `--data-dir data --out out`, expecting the refusal of its set-up
 /// (exit 2); returns its stderr.
 fn refused_setup(data: &std::path::Path, out: &std::path::Path) -> String {
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_gritdb-soak")).args(["--rounds", "1", "--data-dir"]).arg(data).arg("--out").arg(out).output().unwrap();
+    let o =
+        std::process::Command::new(env!("CARGO_BIN_EXE_gritdb-soak")).args(["--rounds", "1", "--data-dir"]).arg(data).arg("--out").arg(out).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr).into_owned();
     assert_eq!(o.status.code(), Some(2), "{err}");
     err

@@ -9,9 +9,5 @@ use arrow_array::{Array, RecordBatch};
 /// buffers whole (a view may point anywhere in them). A column whose slice size Arrow cannot
 /// compute counts its whole buffers.
 pub fn batch_bytes(batch: &RecordBatch) -> usize {
-    batch
-        .columns()
-        .iter()
-        .map(|c| c.to_data().get_slice_memory_size().unwrap_or_else(|_| c.get_array_memory_size()))
-        .sum()
+    batch.columns().iter().map(|c| c.to_data().get_slice_memory_size().unwrap_or_else(|_| c.get_array_memory_size())).sum()
 }

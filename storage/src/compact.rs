@@ -236,9 +236,7 @@ impl TableStore {
         let mut inputs: Vec<u32> = Vec::new();
         let worst = committed
             .iter()
-            .filter(|f| {
-                f.meta.rows > 0 && live(f) <= max_rows && f.dv_live.len() as f64 >= opts.deleted_fraction * f.meta.rows as f64
-            })
+            .filter(|f| f.meta.rows > 0 && live(f) <= max_rows && f.dv_live.len() as f64 >= opts.deleted_fraction * f.meta.rows as f64)
             .max_by(|a, b| {
                 let fa = a.dv_live.len() as f64 / a.meta.rows as f64;
                 let fb = b.dv_live.len() as f64 / b.meta.rows as f64;
@@ -249,8 +247,7 @@ impl TableStore {
             inputs.push(w.meta.id);
             total += live(w);
         }
-        let mut small: Vec<&DataFile> =
-            committed.iter().copied().filter(|f| f.meta.rows < opts.small_file_rows && !inputs.contains(&f.meta.id)).collect();
+        let mut small: Vec<&DataFile> = committed.iter().copied().filter(|f| f.meta.rows < opts.small_file_rows && !inputs.contains(&f.meta.id)).collect();
         if small.len() + usize::from(!inputs.is_empty()) >= opts.small_files_trigger {
             small.sort_by_key(|f| live(f));
             // A merge sorts its inputs in memory (about three copies of the decoded rows):
@@ -288,12 +285,7 @@ impl TableStore {
         }
         let new_id = self.next_file_id;
         self.next_file_id += 1;
-        let files = self
-            .files
-            .values()
-            .filter(|f| f.pending.is_none())
-            .map(|f| f.meta.clone())
-            .collect();
+        let files = self.files.values().filter(|f| f.pending.is_none()).map(|f| f.meta.clone()).collect();
         let manifest = Manifest {
             format: crate::manifest::FORMAT,
             table: self.name.clone(),
@@ -367,10 +359,7 @@ impl TableStore {
         let meta = output_meta(plan.new_id, rows, &bytes);
         // Written by this process: its bytes are the ones checksummed.
         let guard = FileGuard::new(plan.dir.join(&meta.name), &self.vfs, None);
-        self.files.insert(
-            plan.new_id,
-            DataFile { meta, pending: None, dv_live: RoaringBitmap::new(), dv_committed: RoaringBitmap::new(), guard },
-        );
+        self.files.insert(plan.new_id, DataFile { meta, pending: None, dv_live: RoaringBitmap::new(), dv_committed: RoaringBitmap::new(), guard });
         self.version = plan.manifest.version;
         self.account_metadata();
         rows

@@ -120,7 +120,9 @@ const RESTORE: &str = "restore the file from a backup (data and deletion-vector 
 /// A [`StorageError::CorruptFile`] `detail` for damage to a file of table `table` found while
 /// the engine opens it, with what that means and what to do.
 pub(crate) fn damaged_at_open(table: &str, detail: &str) -> String {
-    format!("{detail}. Table `{table}`'s files are read when the engine opens, so the engine does not open its data directory while this file is damaged: {RESTORE}")
+    format!(
+        "{detail}. Table `{table}`'s files are read when the engine opens, so the engine does not open its data directory while this file is damaged: {RESTORE}"
+    )
 }
 
 /// A [`StorageError::CorruptFile`] `detail` for damage to a committed data file found by a
@@ -137,9 +139,7 @@ pub(crate) fn damaged_at_read(detail: &str) -> String {
 fn data_dir_of(manifest: &Path) -> String {
     let table_dir = manifest.parent();
     match table_dir.and_then(Path::parent) {
-        Some(tables) if tables.file_name().is_some_and(|n| n == "tables") => {
-            tables.parent().map_or_else(String::new, |d| format!(" `{}`", d.display()))
-        }
+        Some(tables) if tables.file_name().is_some_and(|n| n == "tables") => tables.parent().map_or_else(String::new, |d| format!(" `{}`", d.display())),
         _ => String::new(),
     }
 }

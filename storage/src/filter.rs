@@ -425,7 +425,12 @@ fn type_depth(t: &DataType) -> usize {
     while let Some((t, d)) = todo.pop() {
         deepest = deepest.max(d);
         match t {
-            DataType::List(f) | DataType::LargeList(f) | DataType::ListView(f) | DataType::LargeListView(f) | DataType::FixedSizeList(f, _) | DataType::Map(f, _) => {
+            DataType::List(f)
+            | DataType::LargeList(f)
+            | DataType::ListView(f)
+            | DataType::LargeListView(f)
+            | DataType::FixedSizeList(f, _)
+            | DataType::Map(f, _) => {
                 todo.push((f.data_type(), d + 1));
             }
             DataType::Struct(fields) => todo.extend(fields.iter().map(|f| (f.data_type(), d + 1))),
@@ -447,9 +452,7 @@ fn bind(f: &ScanFilter, schema: &Schema) -> Result<Expr, FilterError> {
             let bad = |detail: String| FilterError::NotComparable { column: column.clone(), column_type: ty.clone(), detail };
             let depth = type_depth(value.data_type());
             if depth > MAX_LITERAL_TYPE_DEPTH {
-                return Err(bad(format!(
-                    "the literal's type is nested {depth} levels deep (more than {MAX_LITERAL_TYPE_DEPTH}); pass a literal of type {ty}"
-                )));
+                return Err(bad(format!("the literal's type is nested {depth} levels deep (more than {MAX_LITERAL_TYPE_DEPTH}); pass a literal of type {ty}")));
             }
             if value.len() != 1 {
                 return Err(bad(format!("the literal must be an array of one element, not {}", value.len())));
@@ -459,13 +462,14 @@ fn bind(f: &ScanFilter, schema: &Schema) -> Result<Expr, FilterError> {
             } else {
                 let (from, to) = (family(value.data_type()), family(ty));
                 if from != to || from == Family::Other {
-                    return Err(bad(format!(
-                        "a {} literal cannot be compared with it; pass a literal of type {ty}",
-                        value.data_type()
-                    )));
+                    return Err(bad(format!("a {} literal cannot be compared with it; pass a literal of type {ty}", value.data_type())));
                 }
                 lossless_cast(value, ty).ok_or_else(|| {
-                    bad(format!("the {} literal {} is not representable as {ty}", value.data_type(), ScanFilter::compare(column.as_str(), *op, Arc::clone(value))))
+                    bad(format!(
+                        "the {} literal {} is not representable as {ty}",
+                        value.data_type(),
+                        ScanFilter::compare(column.as_str(), *op, Arc::clone(value))
+                    ))
                 })?
             };
             // The kernels decide what is comparable (nested types are not).
@@ -1015,7 +1019,11 @@ mod depth_tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("f.parquet");
         {
-            let props = parquet::file::properties::WriterProperties::builder().set_max_row_group_row_count(Some(100)).set_data_page_row_count_limit(10).set_write_batch_size(10).build();
+            let props = parquet::file::properties::WriterProperties::builder()
+                .set_max_row_group_row_count(Some(100))
+                .set_data_page_row_count_limit(10)
+                .set_write_batch_size(10)
+                .build();
             let mut w = parquet::arrow::ArrowWriter::try_new(std::fs::File::create(&path).expect("create"), Arc::clone(&schema), Some(props)).expect("writer");
             w.write(&batch).expect("write");
             w.close().expect("close");

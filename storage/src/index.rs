@@ -329,7 +329,7 @@ impl FileKeys {
     /// [`Self::find`] for fixed-width keys of at most 16 bytes, compared as integers
     /// ([`key_u128`]); a branch-free lower-bound search.
     #[allow(clippy::inline_always)] // the lookup's inner loop; `ci` builds at opt-level 1, which inlines little on its own
-#[inline(always)]
+    #[inline(always)]
     fn find_fixed16(&self, k: u128, hash: u64) -> Option<u32> {
         // The range check inline in the caller's loop over files; the rest is not.
         if self.len == 0 || k < self.first || k > self.last {
@@ -477,23 +477,46 @@ pub(crate) fn canonical_key_columns(cols: Vec<ArrayRef>) -> Vec<ArrayRef> {
             DataType::Float64 => fix::<Float64Type>(
                 col,
                 |v| v.to_bits() == (-0.0f64).to_bits() || (v.is_nan() && v.to_bits() != f64::NAN.to_bits()),
-                |v| if v == 0.0 { 0.0 } else if v.is_nan() { f64::NAN } else { v },
+                |v| {
+                    if v == 0.0 {
+                        0.0
+                    } else if v.is_nan() {
+                        f64::NAN
+                    } else {
+                        v
+                    }
+                },
             ),
             DataType::Float32 => fix::<Float32Type>(
                 col,
                 |v| v.to_bits() == (-0.0f32).to_bits() || (v.is_nan() && v.to_bits() != f32::NAN.to_bits()),
-                |v| if v == 0.0 { 0.0 } else if v.is_nan() { f32::NAN } else { v },
+                |v| {
+                    if v == 0.0 {
+                        0.0
+                    } else if v.is_nan() {
+                        f32::NAN
+                    } else {
+                        v
+                    }
+                },
             ),
             DataType::Float16 => fix::<Float16Type>(
                 col,
                 |v| v.to_bits() == 0x8000 || (v.is_nan() && v.to_bits() != 0x7e00),
-                |v| if v.to_bits() == 0x8000 { F16::from_bits(0) } else if v.is_nan() { F16::from_bits(0x7e00) } else { v },
+                |v| {
+                    if v.to_bits() == 0x8000 {
+                        F16::from_bits(0)
+                    } else if v.is_nan() {
+                        F16::from_bits(0x7e00)
+                    } else {
+                        v
+                    }
+                },
             ),
             _ => col,
         })
         .collect()
 }
-
 
 /// Builds one data file's key set for a [`KeyIndex`] (its stored keys, the ascending check
 /// and the bloom filter) without access to the index, so the caller need not hold the table's
@@ -637,13 +660,7 @@ impl KeyIndex {
     /// An empty index for keys of `key_types`.
     pub fn new(ctl: &Arc<MemoryController>, table: Option<&TableAccount>, key_types: &[DataType]) -> Self {
         let layout = KeyLayout::for_types(key_types);
-        Self {
-            width: layout.width(),
-            layout,
-            files: Vec::new(),
-            res: Reservation::new(ctl, Category::KeyIndex, table),
-            table: table.cloned(),
-        }
+        Self { width: layout.width(), layout, files: Vec::new(), res: Reservation::new(ctl, Category::KeyIndex, table), table: table.cloned() }
     }
 
     /// Indexed rows over all files (deleted rows included until their file is rewritten).
@@ -671,12 +688,7 @@ impl KeyIndex {
     /// A builder of file key sets for this index that needs no access to it, so a flush or
     /// a compaction builds them without the table's lock ([`BuiltKeys`]).
     pub(crate) fn builder(&self) -> KeyBuilder {
-        KeyBuilder {
-            layout: self.layout.clone(),
-            width: self.width,
-            ctl: Arc::clone(self.res.controller()),
-            table: self.table.clone(),
-        }
+        KeyBuilder { layout: self.layout.clone(), width: self.width, ctl: Arc::clone(self.res.controller()), table: self.table.clone() }
     }
 
     /// Indexes file `id` with keys built by [`Self::builder`] (replacing the file's keys if it

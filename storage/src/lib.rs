@@ -51,7 +51,11 @@ pub use error::StorageError;
 pub use filter::{BoundFilter, CompareOp, FilePlan, FilterError, MAX_FILTER_DEPTH, ScanCounters, ScanFilter, ScanMetrics, filter_batch, keep_rows};
 pub use index::{FileKeys, KeyIndex, Loc, MAX_FILE_ROWS};
 pub use manifest::{FileMeta, LEGACY_DECODED_RATIO, MANIFEST_CHECKSUM_KEY, MANIFEST_FILE, Manifest, write_atomic};
-pub use table::{is_table_file_name, CommitPlan, FileGuard, FileScan, PutKeyEncoder, PutKeys, ScanSource, Staged, TableStore};
+pub use table::{CommitPlan, FileGuard, FileScan, PutKeyEncoder, PutKeys, ScanSource, Staged, TableStore, is_table_file_name};
 pub use vfs::{FaultFs, FsOp, StdFs, Vfs, VfsFile, rename_may_have_happened};
 pub use wal::{MAX_SEGMENT_ID, SEGMENT_BYTES, WAL_DIR, Wal, WalOp, WalPosition, WalRecord, WalSync, decode_segment, wal_segment_id};
-pub use write::{CancelToken, DATA_FILE_COMPRESSION, DICTIONARY_PAGE_BYTES, EXPORT_COMPRESSION, FOOTER_MEMORY_FACTOR, FileReader, OFFSET_INDEX_MEMORY_FACTOR, PAGE_INDEX_MEMORY_FACTOR, ReadSpec, WriteOptions, WrittenFile, data_file_properties, default_encode_threads, file_crc32, read_file, read_file_reserved, read_file_with, read_file_within, write_data_file, write_data_file_from};
+pub use write::{
+    CancelToken, DATA_FILE_COMPRESSION, DICTIONARY_PAGE_BYTES, EXPORT_COMPRESSION, FOOTER_MEMORY_FACTOR, FileReader, OFFSET_INDEX_MEMORY_FACTOR,
+    PAGE_INDEX_MEMORY_FACTOR, ReadSpec, WriteOptions, WrittenFile, data_file_properties, default_encode_threads, file_crc32, read_file, read_file_reserved,
+    read_file_with, read_file_within, write_data_file, write_data_file_from,
+};

@@ -188,9 +188,7 @@ impl Manifest {
     /// As [`Self::write`].
     pub fn write_tracked(&self, vfs: &dyn Vfs, dir: &Path, renamed: &mut bool) -> Result<(), StorageError> {
         // Not a corrupt manifest (nothing was read): the schema did not serialize.
-        let bytes = self
-            .to_bytes()
-            .map_err(|e| arrow_schema::ArrowError::JsonError(format!("manifest of table {} for {}: {e}", self.table, dir.display())))?;
+        let bytes = self.to_bytes().map_err(|e| arrow_schema::ArrowError::JsonError(format!("manifest of table {} for {}: {e}", self.table, dir.display())))?;
         write_atomic_tracked(vfs, dir, MANIFEST_FILE, &bytes, renamed)
     }
 
@@ -290,8 +288,28 @@ mod tests {
         m.next_file_id = 3;
         m.flushed_seq = 123_456;
         m.files = vec![
-            FileMeta { id: 1, name: "f000001.parquet".into(), rows: 8192, bytes: 70_001, dv: Some("f000001.dv7".into()), deleted: 10, crc32: Some(42), dv_crc32: Some(7), decoded_bytes: Some(900_000) },
-            FileMeta { id: 2, name: "f000002.parquet".into(), rows: 500, bytes: 4_000, dv: None, deleted: 0, crc32: Some(43), dv_crc32: None, decoded_bytes: None },
+            FileMeta {
+                id: 1,
+                name: "f000001.parquet".into(),
+                rows: 8192,
+                bytes: 70_001,
+                dv: Some("f000001.dv7".into()),
+                deleted: 10,
+                crc32: Some(42),
+                dv_crc32: Some(7),
+                decoded_bytes: Some(900_000),
+            },
+            FileMeta {
+                id: 2,
+                name: "f000002.parquet".into(),
+                rows: 500,
+                bytes: 4_000,
+                dv: None,
+                deleted: 0,
+                crc32: Some(43),
+                dv_crc32: None,
+                decoded_bytes: None,
+            },
         ];
         m
     }
@@ -380,7 +398,9 @@ mod tests {
             let e = Manifest::parse(&text, Path::new("m")).unwrap_err();
             assert!(matches!(e, StorageError::CorruptManifest { .. }), "{what}: {e:?}");
             let msg = e.to_string();
-            for part in ["manifest_crc32 key is present but not as", "so the file was re-formatted", "cannot be verified", "reseal this one (docs/architecture.md"] {
+            for part in
+                ["manifest_crc32 key is present but not as", "so the file was re-formatted", "cannot be verified", "reseal this one (docs/architecture.md"]
+            {
                 assert!(msg.contains(part), "{what}: {part:?} not in {msg}");
             }
             assert!(!msg.contains("missing") && !msg.contains("mismatch"), "{what}: {msg}");

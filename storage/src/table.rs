@@ -46,12 +46,7 @@ impl FileGuard {
     /// `crc32`: the checksum to verify the file against before its first read (a file loaded
     /// from a manifest); `None` for a file this process writes.
     pub(crate) fn new(path: PathBuf, vfs: &Arc<dyn Vfs>, crc32: Option<u32>) -> Arc<Self> {
-        Arc::new(Self {
-            path,
-            obsolete: std::sync::atomic::AtomicBool::new(false),
-            vfs: Arc::clone(vfs),
-            unverified_crc32: std::sync::Mutex::new(crc32),
-        })
+        Arc::new(Self { path, obsolete: std::sync::atomic::AtomicBool::new(false), vfs: Arc::clone(vfs), unverified_crc32: std::sync::Mutex::new(crc32) })
     }
 
     /// Checks the file against its manifest's CRC-32 the first time it is called for a file
@@ -291,8 +286,7 @@ pub fn is_table_file_name(name: &str) -> bool {
     if let Some(id) = rest.strip_suffix(".parquet") {
         return file_id(id);
     }
-    rest.split_once(".dv")
-        .is_some_and(|(id, version)| file_id(id) && crate::canonical_id(version, 1).is_some())
+    rest.split_once(".dv").is_some_and(|(id, version)| file_id(id) && crate::canonical_id(version, 1).is_some())
 }
 
 impl TableStore {
@@ -377,19 +371,9 @@ impl TableStore {
     /// entry), [`StorageError::MissingFile`] (a file the manifest lists is not there),
     /// [`StorageError::Io`], [`StorageError::Memory`].
     #[allow(clippy::needless_pass_by_value)] // the manifest read at open belongs to the table
-    pub fn open(
-        vfs: Arc<dyn Vfs>,
-        dir: &Path,
-        ctl: &Arc<MemoryController>,
-        account: Option<&TableAccount>,
-        manifest: Manifest,
-    ) -> Result<Self, StorageError> {
+    pub fn open(vfs: Arc<dyn Vfs>, dir: &Path, ctl: &Arc<MemoryController>, account: Option<&TableAccount>, manifest: Manifest) -> Result<Self, StorageError> {
         let schema: SchemaRef = Arc::new(manifest.schema.clone());
-        let key_cols = manifest
-            .primary_key
-            .iter()
-            .map(|k| schema.index_of(k))
-            .collect::<Result<Vec<_>, _>>()?;
+        let key_cols = manifest.primary_key.iter().map(|k| schema.index_of(k)).collect::<Result<Vec<_>, _>>()?;
         let conv = key_converter(&schema, &key_cols)?;
         let mut s = Self::empty(vfs, dir, &manifest.table, schema, manifest.primary_key.clone(), key_cols, conv, ctl, account);
         s.version = manifest.version;
@@ -465,7 +449,8 @@ impl TableStore {
         let mut res = Reservation::new(&self.ctl, Category::KeyIndex, self.account.as_ref());
         // The footer is counted before it is parsed (`read_file_within`'s estimate).
         res.try_grow(crate::write::footer_length(&file).saturating_mul(crate::write::FOOTER_MEMORY_FACTOR))?;
-        let loaded = parquet::arrow::arrow_reader::ArrowReaderMetadata::load(&file, parquet::arrow::arrow_reader::ArrowReaderOptions::new()).map_err(|e| corrupt(e.to_string()))?;
+        let loaded = parquet::arrow::arrow_reader::ArrowReaderMetadata::load(&file, parquet::arrow::arrow_reader::ArrowReaderOptions::new())
+            .map_err(|e| corrupt(e.to_string()))?;
         let metadata = std::sync::Arc::clone(loaded.metadata());
         let mut read = self.key_cols.clone();
         read.sort_unstable();
@@ -516,12 +501,8 @@ impl TableStore {
 
     pub(crate) fn account_metadata(&mut self) {
         let per_file = std::mem::size_of::<DataFile>() + 64;
-        let bytes: usize = self
-            .files
-            .values()
-            .map(|f| per_file + f.dv_live.serialized_size() + f.dv_committed.serialized_size())
-            .sum::<usize>()
-            + std::mem::size_of::<Self>();
+        let bytes: usize =
+            self.files.values().map(|f| per_file + f.dv_live.serialized_size() + f.dv_committed.serialized_size()).sum::<usize>() + std::mem::size_of::<Self>();
         if self.meta.try_resize(bytes).is_err() {
             tracing::warn!(table = %self.name, bytes, "metadata accounting above limit");
         }
@@ -609,11 +590,7 @@ impl TableStore {
     pub fn stage_keyed(&mut self, keyed: PutKeys, delete_keys: &RecordBatch, max_seq: u64) -> Result<Option<Staged>, StorageError> {
         let PutKeys { schema, puts, keys, keys_res, built } = keyed;
         if schema != self.schema {
-            return Err(arrow_schema::ArrowError::InvalidArgumentError(format!(
-                "put keys encoded for another schema than table {}'s",
-                self.name
-            ))
-            .into());
+            return Err(arrow_schema::ArrowError::InvalidArgumentError(format!("put keys encoded for another schema than table {}'s", self.name)).into());
         }
         let put_rows: usize = puts.iter().map(RecordBatch::num_rows).sum();
         // Nothing to write and nothing to record. A flush written in parts (the engine's
@@ -647,12 +624,10 @@ impl TableStore {
             drop(keys);
             drop(keys_res);
             self.next_file_id += 1;
-            let meta = FileMeta { id, name: file_name(id), rows: put_rows as u64, bytes: 0, dv: None, deleted: 0, crc32: None, dv_crc32: None, decoded_bytes: None };
+            let meta =
+                FileMeta { id, name: file_name(id), rows: put_rows as u64, bytes: 0, dv: None, deleted: 0, crc32: None, dv_crc32: None, decoded_bytes: None };
             let guard = FileGuard::new(self.dir.join(&meta.name), &self.vfs, None);
-            self.files.insert(
-                id,
-                DataFile { meta, pending: Some(puts), dv_live: RoaringBitmap::new(), dv_committed: RoaringBitmap::new(), guard },
-            );
+            self.files.insert(id, DataFile { meta, pending: Some(puts), dv_live: RoaringBitmap::new(), dv_committed: RoaringBitmap::new(), guard });
         }
         for loc in &additions {
             if let Some(f) = self.files.get_mut(&loc.file) {

@@ -218,9 +218,7 @@ impl WalRecord {
                 || matches!((from, to), (Decimal64(p, s), Decimal128(q, t)) if p == q && s == t)
         };
         let strict = arrow_cast::CastOptions { safe: false, ..arrow_cast::CastOptions::default() };
-        if got.fields().len() != schema.fields().len()
-            || !got.fields().iter().zip(schema.fields()).any(|(g, w)| relayout(g.data_type(), w.data_type()))
-        {
+        if got.fields().len() != schema.fields().len() || !got.fields().iter().zip(schema.fields()).any(|(g, w)| relayout(g.data_type(), w.data_type())) {
             return Ok(self.batch.clone());
         }
         let mut fields = Vec::with_capacity(got.fields().len());
@@ -724,12 +722,7 @@ fn views_to_binary<T: arrow_array::types::ByteViewType + ?Sized>(
     Ok(Some(arrow_array::BinaryArray::try_new(offsets, arrow_buffer::Buffer::from_vec(values), nulls.cloned())?))
 }
 
-fn read_segment<E: From<StorageError>>(
-    path: &Path,
-    id: u64,
-    last: bool,
-    replay: &mut impl FnMut(WalRecord) -> Result<(), E>,
-) -> Result<Segment, E> {
+fn read_segment<E: From<StorageError>>(path: &Path, id: u64, last: bool, replay: &mut impl FnMut(WalRecord) -> Result<(), E>) -> Result<Segment, E> {
     let data = fs::read(path).map_err(io(path)).map_err(E::from)?;
     let mut seg = Segment { id, bytes: 0, max_seq: HashMap::new() };
     let mut at = 0usize;
@@ -754,7 +747,12 @@ fn read_segment<E: From<StorageError>>(
             // written; never other bytes where the header says a record starts. Text or
             // another file's bytes here are not gritdb's: refused, the file left as it is
             // (before, such a last segment was cut to nothing as a "torn tail", then removed).
-            return Err(corrupt(path, at as u64, "bytes that are not a record's (the payload's op byte is not 1 or 2): not a torn write; move the file away if it is not this log's").into());
+            return Err(corrupt(
+                path,
+                at as u64,
+                "bytes that are not a record's (the payload's op byte is not 1 or 2): not a torn write; move the file away if it is not this log's",
+            )
+            .into());
         }
         if len == 0 {
             // No record is empty; zeros to the end are a preallocated or zero-filled tail.
@@ -1061,7 +1059,6 @@ impl Drop for Wal {
 /// The data directory's WAL folder name.
 pub const WAL_DIR: &str = "wal";
 
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1077,10 +1074,7 @@ mod tests {
     fn view_columns_are_logged_compact_and_restored() {
         let dir = tempfile::tempdir().unwrap();
         let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(64 << 20), ..ControllerConfig::default() }).unwrap();
-        let schema = Arc::new(Schema::new(vec![
-            Field::new("k", DataType::Int32, false),
-            Field::new("s", DataType::Utf8View, true),
-        ]));
+        let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int32, false), Field::new("s", DataType::Utf8View, true)]));
         let vals: Vec<Option<String>> = (0..2000).map(|i| (i % 9 != 0).then(|| "v".repeat(i % 30))).collect();
         let batch = RecordBatch::try_new(
             Arc::clone(&schema),
@@ -1117,9 +1111,7 @@ mod tests {
     #[test]
     fn views_to_binary_matches_the_arrow_cast() {
         use arrow_array::{BinaryArray, BinaryViewArray, StringViewArray};
-        let vals: Vec<Option<String>> = (0..3000)
-            .map(|i| (i % 7 != 3).then(|| format!("{i:x}").repeat(i % 11)))
-            .collect();
+        let vals: Vec<Option<String>> = (0..3000).map(|i| (i % 7 != 3).then(|| format!("{i:x}").repeat(i % 11))).collect();
         let full: StringViewArray = vals.iter().cloned().collect();
         for (start, len) in [(0, 3000), (1, 2998), (1013, 977), (2999, 1), (5, 0)] {
             let a = full.slice(start, len);
@@ -1160,7 +1152,8 @@ mod tests {
     fn keyed(first: i32, rows: i32, text: &str) -> RecordBatch {
         let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int32, false), Field::new("s", DataType::Utf8, false)]));
         let texts: Vec<&str> = (0..rows).map(|_| text).collect();
-        RecordBatch::try_new(schema, vec![Arc::new(Int32Array::from_iter_values(first..first + rows)), Arc::new(arrow_array::StringArray::from(texts))]).unwrap()
+        RecordBatch::try_new(schema, vec![Arc::new(Int32Array::from_iter_values(first..first + rows)), Arc::new(arrow_array::StringArray::from(texts))])
+            .unwrap()
     }
 
     /// Decimals of precision ≤ 18 are logged as `Decimal64` and come back from `batch_as`
@@ -1177,24 +1170,32 @@ mod tests {
         let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(64 << 20), ..ControllerConfig::default() }).unwrap();
         let max18 = 10i128.pow(18) - 1;
         let n = 3000usize;
-        let vals: Vec<i128> = (0..n as i128).map(|i| match i % 5 { 0 => max18, 1 => -max18, 2 => i * 7 - 9000, 3 => i128::MAX, _ => 0 }).collect();
+        let vals: Vec<i128> = (0..n as i128)
+            .map(|i| match i % 5 {
+                0 => max18,
+                1 => -max18,
+                2 => i * 7 - 9000,
+                3 => i128::MAX,
+                _ => 0,
+            })
+            .collect();
         // Row i % 5 == 3 is null and its slot holds i128::MAX: undefined, never read back.
         let nulls = NullBuffer::from((0..n).map(|i| i % 5 != 3).collect::<Vec<_>>());
         let d18 = Decimal128Array::new(ScalarBuffer::from(vals.clone()), Some(nulls)).with_precision_and_scale(18, 4).unwrap();
         let d19 = Decimal128Array::from_iter_values((0..n as i128).map(|i| i * 1_000_000_007)).with_precision_and_scale(19, 0).unwrap();
         // Precision 15 by type, but one valid value past i64: not narrowed (nothing validated it).
-        let wide = Decimal128Array::from_iter_values((0..n as i128).map(|i| if i == 17 { i128::from(i64::MAX) + 1 } else { i })).with_precision_and_scale(15, 2).unwrap();
+        let wide = Decimal128Array::from_iter_values((0..n as i128).map(|i| if i == 17 { i128::from(i64::MAX) + 1 } else { i }))
+            .with_precision_and_scale(15, 2)
+            .unwrap();
         let schema = Arc::new(Schema::new(vec![
             Field::new("k", DataType::Int32, false),
             Field::new("d18", DataType::Decimal128(18, 4), true),
             Field::new("d19", DataType::Decimal128(19, 0), false),
             Field::new("wide", DataType::Decimal128(15, 2), false),
         ]));
-        let batch = RecordBatch::try_new(
-            Arc::clone(&schema),
-            vec![Arc::new(Int32Array::from_iter_values(0..n as i32)), Arc::new(d18), Arc::new(d19), Arc::new(wide)],
-        )
-        .unwrap();
+        let batch =
+            RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int32Array::from_iter_values(0..n as i32)), Arc::new(d18), Arc::new(d19), Arc::new(wide)])
+                .unwrap();
         let slice = batch.slice(1001, 777);
         let wal = Wal::open(dir.path(), Arc::new(StdFs), WalSync::PerBatch, &ctl, |_| Ok::<(), StorageError>(())).unwrap();
         wal.append(WalOp::Put, 7, 1, n as u64, &batch).unwrap();
@@ -1633,7 +1634,13 @@ mod tests {
                 }
             }
         }
-        assert!(panics.is_empty(), "{} of {} damaged records panicked: {:?}", panics.len(), 3 * (b.len() - HEADER - PAYLOAD_HEADER), &panics[..panics.len().min(20)]);
+        assert!(
+            panics.is_empty(),
+            "{} of {} damaged records panicked: {:?}",
+            panics.len(),
+            3 * (b.len() - HEADER - PAYLOAD_HEADER),
+            &panics[..panics.len().min(20)]
+        );
         assert!(refused > 0 && decoded > 0, "{refused} refused, {decoded} decoded");
     }
 

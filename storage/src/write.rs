@@ -1,24 +1,24 @@
 use crate::error::{StorageError, io};
-use crate::vfs::Vfs;
 use crate::filter::{BoundFilter, FilePlan, ScanCounters, keep_rows};
+use crate::vfs::Vfs;
 use arrow_array::RecordBatch;
 use arrow_buffer::{BooleanBuffer, BooleanBufferBuilder};
 use gritdb_memctl::{Category, MemoryController, Reservation, TableAccount};
 use parquet::arrow::ArrowWriter;
-use parquet::arrow::arrow_writer::{ArrowColumnChunk, ArrowColumnWriter, ArrowRowGroupWriterFactory, compute_leaves};
-use parquet::file::writer::SerializedFileWriter;
-use parquet::errors::ParquetError;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, PoisonError};
 use parquet::arrow::ProjectionMask;
 use parquet::arrow::arrow_reader::{ArrowReaderMetadata, ArrowReaderOptions, ParquetRecordBatchReader, ParquetRecordBatchReaderBuilder, RowSelection};
+use parquet::arrow::arrow_writer::{ArrowColumnChunk, ArrowColumnWriter, ArrowRowGroupWriterFactory, compute_leaves};
 use parquet::basic::Compression;
+use parquet::errors::ParquetError;
 use parquet::file::metadata::{PageIndexPolicy, ParquetMetaDataReader};
 use parquet::file::properties::WriterProperties;
+use parquet::file::writer::SerializedFileWriter;
 use roaring::RoaringBitmap;
 use std::fs;
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
 
 /// How data files are written.
 #[derive(Debug, Clone)]
@@ -199,10 +199,8 @@ pub fn write_data_file(
     ctl: &Arc<MemoryController>,
     table: Option<&TableAccount>,
 ) -> Result<WrittenFile, StorageError> {
-    let schema = batches.first().map(RecordBatch::schema).ok_or_else(|| StorageError::CorruptFile {
-        path: dir.join(name),
-        detail: "no batch to write".into(),
-    })?;
+    let schema =
+        batches.first().map(RecordBatch::schema).ok_or_else(|| StorageError::CorruptFile { path: dir.join(name), detail: "no batch to write".into() })?;
     write_data_file_from(vfs, dir, name, &schema, batches.iter().cloned().map(Ok), opts, ctl, table)
 }
 
@@ -531,10 +529,7 @@ impl BatchSink for ParallelWriter {
         Ok(())
     }
     fn memory_size(&self) -> usize {
-        self.writers
-            .iter()
-            .map(|m| m.lock().unwrap_or_else(PoisonError::into_inner).iter().map(ArrowColumnWriter::memory_size).sum::<usize>())
-            .sum()
+        self.writers.iter().map(|m| m.lock().unwrap_or_else(PoisonError::into_inner).iter().map(ArrowColumnWriter::memory_size).sum::<usize>()).sum()
     }
     fn flush(&mut self) -> Result<(), ParquetError> {
         if self.buffered_rows == 0 {
@@ -550,13 +545,21 @@ impl BatchSink for ParallelWriter {
 /// # Errors
 /// [`StorageError::Io`] when the file cannot be opened, [`StorageError::Parquet`] when it is
 /// not valid Parquet; the iterator yields later decoding errors.
-pub fn read_file(
-    path: &Path,
-    projection: Option<&[usize]>,
-    deleted: Arc<RoaringBitmap>,
-    batch_rows: usize,
-) -> Result<FileReader, StorageError> {
-    read_file_with(path, ReadSpec { projection: projection.map(<[usize]>::to_vec), filter: None, deleted, batch_rows, batch_bytes: 0, pruning_budget: usize::MAX, counters: None, resume_at: None, partition: None })
+pub fn read_file(path: &Path, projection: Option<&[usize]>, deleted: Arc<RoaringBitmap>, batch_rows: usize) -> Result<FileReader, StorageError> {
+    read_file_with(
+        path,
+        ReadSpec {
+            projection: projection.map(<[usize]>::to_vec),
+            filter: None,
+            deleted,
+            batch_rows,
+            batch_bytes: 0,
+            pruning_budget: usize::MAX,
+            counters: None,
+            resume_at: None,
+            partition: None,
+        },
+    )
 }
 
 /// [`read_file`] with the reader's memory in `res` (which holds nothing else), grown before each step of the open
@@ -571,7 +574,17 @@ pub fn read_file_reserved(
     batch_rows: usize,
     res: &mut Reservation,
 ) -> Result<FileReader, StorageError> {
-    let spec = ReadSpec { projection: projection.map(<[usize]>::to_vec), filter: None, deleted, batch_rows, batch_bytes: 0, pruning_budget: usize::MAX, counters: None, resume_at: None, partition: None };
+    let spec = ReadSpec {
+        projection: projection.map(<[usize]>::to_vec),
+        filter: None,
+        deleted,
+        batch_rows,
+        batch_bytes: 0,
+        pruning_budget: usize::MAX,
+        counters: None,
+        resume_at: None,
+        partition: None,
+    };
     let reader = read_file_within(path, spec, &mut |total| Ok(res.try_resize(total.max(res.size()))?))?;
     res.try_resize(reader.buffer_bytes())?;
     Ok(reader)
@@ -719,7 +732,11 @@ fn open_reader(path: &Path, spec: ReadSpec, reserve: &mut dyn FnMut(usize) -> Re
     // sizes of [`densest_page`]). A 121-column Int64 file of 77 row groups holds 4.0 MB of
     // metadata, 7.1 MB with its page index (`breaker_trial3`).
     let byte_arrays = spec.batch_bytes > 0
-        && descr.columns().iter().enumerate().any(|(leaf, c)| c.physical_type() == parquet::basic::Type::BYTE_ARRAY && read.binary_search(&descr.get_column_root_idx(leaf)).is_ok());
+        && descr
+            .columns()
+            .iter()
+            .enumerate()
+            .any(|(leaf, c)| c.physical_type() == parquet::basic::Type::BYTE_ARRAY && read.binary_search(&descr.get_column_root_idx(leaf)).is_ok());
     // Encoded page-index bytes: (column index + offset index, offset index alone).
     let (both, offsets) = footer.row_groups().iter().flat_map(parquet::file::metadata::RowGroupMetaData::columns).fold((0usize, 0usize), |(b, o), c| {
         let ci = c.column_index_length().map_or(0, |n| usize::try_from(n).unwrap_or(0));
@@ -736,8 +753,16 @@ fn open_reader(path: &Path, spec: ReadSpec, reserve: &mut dyn FnMut(usize) -> Re
     let pruning = spec.filter.is_some()
         && spec.pruning_budget > 0
         && both > offsets
-        && with_column_index().saturating_add(reader_buffer_bytes(&footer, &all, &read, dictionaries.insert(DictionaryPages::read(&file, &footer, &all, &read)))) <= spec.pruning_budget;
-    let with_index = |md: parquet::file::metadata::ParquetMetaData, column_index: bool, reserve: &mut dyn FnMut(usize) -> Result<(), StorageError>| -> Result<_, StorageError> {
+        && with_column_index().saturating_add(reader_buffer_bytes(
+            &footer,
+            &all,
+            &read,
+            dictionaries.insert(DictionaryPages::read(&file, &footer, &all, &read)),
+        )) <= spec.pruning_budget;
+    let with_index = |md: parquet::file::metadata::ParquetMetaData,
+                      column_index: bool,
+                      reserve: &mut dyn FnMut(usize) -> Result<(), StorageError>|
+     -> Result<_, StorageError> {
         if !column_index && !byte_arrays {
             return Ok(md);
         }
@@ -752,7 +777,12 @@ fn open_reader(path: &Path, spec: ReadSpec, reserve: &mut dyn FnMut(usize) -> Re
         Ok(reader.finish()?)
     };
     let mut md = with_index(footer, pruning, reserve)?;
-    if pruning && md.column_index().is_some() && reader_buffer_bytes(&md, &all, &read, dictionaries.get_or_insert_with(|| DictionaryPages::read(&file, &md, &all, &read))).saturating_add(md.memory_size()) > spec.pruning_budget {
+    if pruning
+        && md.column_index().is_some()
+        && reader_buffer_bytes(&md, &all, &read, dictionaries.get_or_insert_with(|| DictionaryPages::read(&file, &md, &all, &read)))
+            .saturating_add(md.memory_size())
+            > spec.pruning_budget
+    {
         drop(md);
         md = with_index(ParquetMetaDataReader::new().parse_and_finish(&file)?, false, reserve)?;
     }
@@ -816,7 +846,13 @@ fn open_reader(path: &Path, spec: ReadSpec, reserve: &mut dyn FnMut(usize) -> Re
         inner: None,
         // The reader keeps the file's metadata (the page index too, when loaded) for as long
         // as it is open: parquet's own estimate of its heap bytes.
-        buffer_bytes: reader_buffer_bytes(&md, &plan.row_groups, &read, &dictionaries.unwrap_or_else(|| DictionaryPages::read(&file, &md, &plan.row_groups, &read))).saturating_add(md.memory_size()),
+        buffer_bytes: reader_buffer_bytes(
+            &md,
+            &plan.row_groups,
+            &read,
+            &dictionaries.unwrap_or_else(|| DictionaryPages::read(&file, &md, &plan.row_groups, &read)),
+        )
+        .saturating_add(md.memory_size()),
         column_index: md.column_index().is_some(),
         cursor: Cursor { ranges: plan.ranges.clone(), at: 0, offset: 0 },
         returned_from: spec.resume_at.unwrap_or(0),
@@ -841,7 +877,9 @@ fn open_reader(path: &Path, spec: ReadSpec, reserve: &mut dyn FnMut(usize) -> Re
     }
     let kept: u64 = plan.ranges.iter().map(|r| r.end - r.start).sum();
     let rows = batch_rows_for(&md, &plan.row_groups, &read, reader.spec.batch_rows, reader.spec.batch_bytes);
-    let mut builder = ParquetRecordBatchReaderBuilder::new_with_metadata(file, metadata).with_batch_size(rows).with_projection(ProjectionMask::roots(md.file_metadata().schema_descr(), read.iter().copied()));
+    let mut builder = ParquetRecordBatchReaderBuilder::new_with_metadata(file, metadata)
+        .with_batch_size(rows)
+        .with_projection(ProjectionMask::roots(md.file_metadata().schema_descr(), read.iter().copied()));
     if plan.row_groups.len() < md.num_row_groups() {
         builder = builder.with_row_groups(plan.row_groups.clone());
     }
@@ -872,7 +910,12 @@ const PAGE_HEADER_BUFFER: u64 = 8 << 10;
 /// page at a time, so this is what an open reader holds between batches. Measured on TPC-H
 /// lineitem (16 columns, 8,192-row batches, jemalloc `allocated` less accounted bytes): an open
 /// scan held 2.3–4.1 MB outside the engine's figures before it was counted.
-pub(crate) fn reader_buffer_bytes(md: &parquet::file::metadata::ParquetMetaData, row_groups: &[usize], read: &[usize], dictionaries: &DictionaryPages) -> usize {
+pub(crate) fn reader_buffer_bytes(
+    md: &parquet::file::metadata::ParquetMetaData,
+    row_groups: &[usize],
+    read: &[usize],
+    dictionaries: &DictionaryPages,
+) -> usize {
     let descr = md.file_metadata().schema_descr();
     row_groups
         .iter()

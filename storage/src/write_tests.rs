@@ -47,11 +47,7 @@ fn batch(from: i64, rows: i64) -> RecordBatch {
             list.append(true);
         }
     }
-    RecordBatch::try_new(
-        schema(),
-        vec![Arc::new(Int64Array::from(keys)), Arc::new(text), Arc::new(dec), Arc::new(nested), Arc::new(list.finish())],
-    )
-    .unwrap()
+    RecordBatch::try_new(schema(), vec![Arc::new(Int64Array::from(keys)), Arc::new(text), Arc::new(dec), Arc::new(nested), Arc::new(list.finish())]).unwrap()
 }
 
 fn batches() -> Vec<RecordBatch> {
@@ -185,10 +181,12 @@ fn cancel_and_stream_errors_stop_the_parallel_writer() {
     assert!(listing(dir.path()).is_empty());
     assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0);
     // A stream that fails part-way (a compaction input that cannot be read).
-    let stream = input.iter().cloned().map(Ok).take(2).chain(std::iter::once(Err(StorageError::CorruptFile {
-        path: dir.path().join("input"),
-        detail: "unreadable".into(),
-    })));
+    let stream = input
+        .iter()
+        .cloned()
+        .map(Ok)
+        .take(2)
+        .chain(std::iter::once(Err(StorageError::CorruptFile { path: dir.path().join("input"), detail: "unreadable".into() })));
     let err = write_data_file_from(&StdFs, dir.path(), "e.parquet", &schema, stream, &opts(2), &ctl, None).unwrap_err();
     assert!(matches!(err, StorageError::CorruptFile { .. }), "{err}");
     assert!(listing(dir.path()).is_empty());
@@ -253,7 +251,11 @@ fn read_batches_are_capped_by_bytes() {
     let per_row = md
         .row_groups()
         .iter()
-        .map(|g| usize::try_from(g.columns().iter().map(parquet::file::metadata::ColumnChunkMetaData::uncompressed_size).sum::<i64>()).unwrap().div_ceil(g.num_rows() as usize))
+        .map(|g| {
+            usize::try_from(g.columns().iter().map(parquet::file::metadata::ColumnChunkMetaData::uncompressed_size).sum::<i64>())
+                .unwrap()
+                .div_ceil(g.num_rows() as usize)
+        })
         .max()
         .unwrap();
     assert_eq!(batch_rows_for(&md, &groups, &all, 8192, 0), 8192, "no cap");
@@ -262,7 +264,17 @@ fn read_batches_are_capped_by_bytes() {
     let rows = batch_rows_for(&md, &groups, &all, 8192, 100 * per_row);
     assert!((40..=100).contains(&rows), "{rows}");
     assert_eq!(batch_rows_for(&md, &groups, &all, 8192, 1), 1);
-    let spec = ReadSpec { projection: None, filter: None, deleted: Arc::new(RoaringBitmap::new()), batch_rows: 8192, batch_bytes: 100 * per_row, pruning_budget: usize::MAX, counters: None, resume_at: None, partition: None };
+    let spec = ReadSpec {
+        projection: None,
+        filter: None,
+        deleted: Arc::new(RoaringBitmap::new()),
+        batch_rows: 8192,
+        batch_bytes: 100 * per_row,
+        pruning_budget: usize::MAX,
+        counters: None,
+        resume_at: None,
+        partition: None,
+    };
     let got: Vec<RecordBatch> = read_file_with(&path, spec).unwrap().collect::<Result<_, _>>().unwrap();
     assert!(got.iter().all(|b| b.num_rows() <= rows), "{:?}", got.iter().map(RecordBatch::num_rows).max());
     assert_eq!(got.iter().map(RecordBatch::num_rows).sum::<usize>(), 15_000);
@@ -570,7 +582,11 @@ fn partitioned_readers_return_each_row_once_between_them() {
             assert_eq!(got, all, "{count} shares, filter {}", filter.is_some());
             let m = counters.snapshot();
             assert_eq!(m.files_opened, count as u64);
-            assert_eq!((m.row_groups_total, m.row_groups_pruned, m.rows_pruned_by_page_index), (4, whole.row_groups_pruned, whole.rows_pruned_by_page_index), "{count} shares");
+            assert_eq!(
+                (m.row_groups_total, m.row_groups_pruned, m.rows_pruned_by_page_index),
+                (4, whole.row_groups_pruned, whole.rows_pruned_by_page_index),
+                "{count} shares"
+            );
         }
         // Share 1 of 2 (row groups 1 and 3), reopened after its third batch.
         let counters = Arc::new(crate::ScanCounters::default());
@@ -639,7 +655,13 @@ fn a_reader_asks_for_its_metadata_memory_before_parsing_it() {
     let refused = read_file_within(&path, ReadSpec { counters: Some(Arc::clone(&quiet)), ..spec }, &mut |total| {
         calls += 1;
         if calls == 2 {
-            return Err(StorageError::Memory(gritdb_memctl::MemoryError::Limit { category: Category::ScanBuffers, requested: total, used: 0, limit: 1, top: Vec::new() }));
+            return Err(StorageError::Memory(gritdb_memctl::MemoryError::Limit {
+                category: Category::ScanBuffers,
+                requested: total,
+                used: 0,
+                limit: 1,
+                top: Vec::new(),
+            }));
         }
         Ok(())
     });

@@ -68,11 +68,7 @@ fn paused_writer_gives_a_typed_limit_error_not_a_hang() {
     let fs = FaultFs::new();
     let limit = 32 << 20;
     let engine = Arc::new(
-        Engine::open(
-            dir.path(),
-            EngineConfig::default().memory_limit(limit).backpressure_timeout(Duration::from_secs(2)).vfs(Arc::new(fs.clone())),
-        )
-        .unwrap(),
+        Engine::open(dir.path(), EngineConfig::default().memory_limit(limit).backpressure_timeout(Duration::from_secs(2)).vfs(Arc::new(fs.clone()))).unwrap(),
     );
     let t = engine.create_table("w", composite_schema(), &["k1", "k2"]).unwrap();
     fs.stall_paths(".parquet");

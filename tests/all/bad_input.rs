@@ -57,30 +57,42 @@ fn schema_mismatches_are_rejected() {
     let v: ArrayRef = Arc::new(Int64Array::from(vec![9]));
     let s: ArrayRef = Arc::new(StringArray::from(vec!["z"]));
     let cases = vec![
-        ("missing column", batch_with(vec![
-            ("k1", DataType::Int64, false, k1.clone()),
-            ("k2", DataType::Int32, false, k2.clone()),
-            ("v", DataType::Int64, true, v.clone()),
-        ]), "missing column `s`"),
-        ("wrong type", batch_with(vec![
-            ("k1", DataType::Int64, false, k1.clone()),
-            ("k2", DataType::Int32, false, k2.clone()),
-            ("v", DataType::Float64, true, Arc::new(Float64Array::from(vec![9.0]))),
-            ("s", DataType::Utf8, true, s.clone()),
-        ]), "column `v` has type Float64, expected Int64"),
-        ("extra column", batch_with(vec![
-            ("k1", DataType::Int64, false, k1.clone()),
-            ("k2", DataType::Int32, false, k2.clone()),
-            ("v", DataType::Int64, true, v.clone()),
-            ("s", DataType::Utf8, true, s.clone()),
-            ("w", DataType::Int64, true, v.clone()),
-        ]), "extra column `w`"),
-        ("renamed column", batch_with(vec![
-            ("k1", DataType::Int64, false, k1.clone()),
-            ("k2", DataType::Int32, false, k2.clone()),
-            ("value", DataType::Int64, true, v.clone()),
-            ("s", DataType::Utf8, true, s.clone()),
-        ]), "column 2 is `value`, expected `v`"),
+        (
+            "missing column",
+            batch_with(vec![("k1", DataType::Int64, false, k1.clone()), ("k2", DataType::Int32, false, k2.clone()), ("v", DataType::Int64, true, v.clone())]),
+            "missing column `s`",
+        ),
+        (
+            "wrong type",
+            batch_with(vec![
+                ("k1", DataType::Int64, false, k1.clone()),
+                ("k2", DataType::Int32, false, k2.clone()),
+                ("v", DataType::Float64, true, Arc::new(Float64Array::from(vec![9.0]))),
+                ("s", DataType::Utf8, true, s.clone()),
+            ]),
+            "column `v` has type Float64, expected Int64",
+        ),
+        (
+            "extra column",
+            batch_with(vec![
+                ("k1", DataType::Int64, false, k1.clone()),
+                ("k2", DataType::Int32, false, k2.clone()),
+                ("v", DataType::Int64, true, v.clone()),
+                ("s", DataType::Utf8, true, s.clone()),
+                ("w", DataType::Int64, true, v.clone()),
+            ]),
+            "extra column `w`",
+        ),
+        (
+            "renamed column",
+            batch_with(vec![
+                ("k1", DataType::Int64, false, k1.clone()),
+                ("k2", DataType::Int32, false, k2.clone()),
+                ("value", DataType::Int64, true, v.clone()),
+                ("s", DataType::Utf8, true, s.clone()),
+            ]),
+            "column 2 is `value`, expected `v`",
+        ),
     ];
     for (what, b, text) in cases {
         for res in [t.insert(&b), t.upsert(&b), t.update(&b)] {
@@ -149,10 +161,7 @@ fn table_names_and_definitions() {
     // `gritdb_` (any case) is the system tables' prefix: `gritdb_memory` in SQL would
     // otherwise shadow a user table of that name (trial of 2026-12-03).
     for bad in ["", "a/b", "a\\b", "..", "a..b", "nul\0x", "tab\tx", long.as_str(), " lead", "gritdb_memory", "GRITDB_TABLES", "Gritdb_events", "gritdb_"] {
-        assert!(
-            matches!(engine.create_table(bad, composite_schema(), &["k1"]), Err(Error::InvalidTableName { .. })),
-            "{bad:?} must be refused"
-        );
+        assert!(matches!(engine.create_table(bad, composite_schema(), &["k1"]), Err(Error::InvalidTableName { .. })), "{bad:?} must be refused");
     }
     let err = engine.create_table("gritdb_memory", composite_schema(), &["k1"]).unwrap_err();
     assert_eq!(err.to_string(), "invalid table name \"gritdb_memory\": starts with `gritdb_`, reserved for system tables");
@@ -179,10 +188,7 @@ fn table_names_and_definitions() {
     assert!(matches!(engine.drop_table("nope"), Err(Error::TableNotFound { .. })));
     assert!(matches!(engine.table("x"), Err(Error::TableNotFound { .. })));
     assert_eq!(engine.table_names(), vec!["Orders".to_owned()]);
-    assert!(matches!(
-        engine.table("Orders").unwrap().scan(ScanOptions::default().projection(["nope"])),
-        Err(Error::ColumnNotFound { .. })
-    ));
+    assert!(matches!(engine.table("Orders").unwrap().scan(ScanOptions::default().projection(["nope"])), Err(Error::ColumnNotFound { .. })));
 }
 
 #[test]
@@ -190,10 +196,7 @@ fn data_dir_problems_and_exclusive_lock() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("a-file");
     std::fs::write(&file, b"x").unwrap();
-    assert!(matches!(
-        Engine::open(&file, EngineConfig::default()),
-        Err(Error::NotADataDir { found: gritdb::DataDirFound::NotADirectory, .. })
-    ));
+    assert!(matches!(Engine::open(&file, EngineConfig::default()), Err(Error::NotADataDir { found: gritdb::DataDirFound::NotADirectory, .. })));
     let data = dir.path().join("data");
     let first = Engine::open(&data, EngineConfig::default().memory_limit(64 << 20)).unwrap();
     match Engine::open(&data, EngineConfig::default().memory_limit(64 << 20)) {
@@ -277,12 +280,7 @@ fn truncated_data_file_is_a_typed_error() {
     t.flush().unwrap();
     drop(t);
     engine.close().unwrap();
-    let file = std::fs::read_dir(table_dir(dir.path()))
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .find(|p| p.extension().is_some_and(|e| e == "parquet"))
-        .unwrap();
+    let file = std::fs::read_dir(table_dir(dir.path())).unwrap().flatten().map(|e| e.path()).find(|p| p.extension().is_some_and(|e| e == "parquet")).unwrap();
     let len = std::fs::metadata(&file).unwrap().len();
     std::fs::OpenOptions::new().write(true).open(&file).unwrap().set_len(len / 2).unwrap();
     match Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)) {
@@ -314,7 +312,8 @@ fn decimal_values_beyond_their_precision_are_refused() {
     let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Decimal128(5, 2), false), Field::new("v", DataType::Decimal128(12, 2), true)]));
     let t = engine.create_table("d", Arc::clone(&schema), &["k"]).unwrap();
     let dec = |vals: Vec<Option<i128>>, p: u8| Arc::new(Decimal128Array::from(vals).with_precision_and_scale(p, 2).unwrap()) as ArrayRef;
-    let batch = |k: Vec<i128>, v: Vec<Option<i128>>| RecordBatch::try_new(Arc::clone(&schema), vec![dec(k.into_iter().map(Some).collect(), 5), dec(v, 12)]).unwrap();
+    let batch =
+        |k: Vec<i128>, v: Vec<Option<i128>>| RecordBatch::try_new(Arc::clone(&schema), vec![dec(k.into_iter().map(Some).collect(), 5), dec(v, 12)]).unwrap();
     let (kmax, vmax) = (99_999_i128, 999_999_999_999_i128);
     t.insert(&batch(vec![-kmax, 0, kmax], vec![Some(-vmax), None, Some(vmax)])).unwrap();
     let want = |t: &gritdb::Table| {
@@ -370,8 +369,7 @@ fn two_manifests_naming_one_table_are_refused() {
         t.insert(&composite_batch(&(0..n).map(|k| ((k, 0), (Some(k), None))).collect::<Vec<_>>())).unwrap();
     }
     engine.close().unwrap();
-    let manifests: Vec<std::path::PathBuf> =
-        std::fs::read_dir(dir.path().join("tables")).unwrap().flatten().map(|e| e.path().join("manifest.json")).collect();
+    let manifests: Vec<std::path::PathBuf> = std::fs::read_dir(dir.path().join("tables")).unwrap().flatten().map(|e| e.path().join("manifest.json")).collect();
     let beta = manifests.iter().find(|m| std::fs::read_to_string(m).unwrap().contains("\"beta\"")).unwrap().clone();
     let text = std::fs::read_to_string(&beta).unwrap();
     for renamed in ["\"alpha\"", "\"ALPHA\""] {
@@ -398,10 +396,18 @@ fn float_keys_zero_signs_and_nans_are_one_key_each() {
     let dir = tempfile::tempdir().unwrap();
     let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Float64, false), Field::new("v", DataType::Int64, false)]));
     let batch = |keys: &[f64], v: i64| {
-        RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Float64Array::from(keys.to_vec())) as ArrayRef, Arc::new(Int64Array::from(vec![v; keys.len()]))]).unwrap()
+        RecordBatch::try_new(
+            Arc::clone(&schema),
+            vec![Arc::new(Float64Array::from(keys.to_vec())) as ArrayRef, Arc::new(Int64Array::from(vec![v; keys.len()]))],
+        )
+        .unwrap()
     };
     let key_batch = |keys: &[f64]| {
-        RecordBatch::try_new(Arc::new(Schema::new(vec![Field::new("k", DataType::Float64, false)])), vec![Arc::new(Float64Array::from(keys.to_vec())) as ArrayRef]).unwrap()
+        RecordBatch::try_new(
+            Arc::new(Schema::new(vec![Field::new("k", DataType::Float64, false)])),
+            vec![Arc::new(Float64Array::from(keys.to_vec())) as ArrayRef],
+        )
+        .unwrap()
     };
     let other_nan = f64::from_bits(0xfff8_0000_0000_0001); // negative, with a payload
     let rows = |t: &gritdb::Table| -> Vec<(u64, i64)> {
@@ -698,7 +704,10 @@ fn a_flipped_bit_in_a_manifest_or_deletion_vector_is_an_error_not_a_changed_tabl
         match open() {
             Err(Error::Storage(e @ gritdb::StorageError::CorruptFile { .. })) => {
                 assert!(e.to_string().contains("deletion vector checksum mismatch"), "byte {at}: {e}");
-                assert!(e.to_string().contains("the engine does not open its data directory while this file is damaged: restore the file from a backup"), "byte {at}: {e}");
+                assert!(
+                    e.to_string().contains("the engine does not open its data directory while this file is damaged: restore the file from a backup"),
+                    "byte {at}: {e}"
+                );
                 refused += 1;
             }
             other => panic!("deletion vector byte {at}: expected a corrupt-file error, got {other:?}"),
@@ -752,7 +761,11 @@ fn a_reformatted_unsealed_or_unchecksummed_manifest_is_refused_saying_which() {
     let mut no_key = value.clone();
     no_key.as_object_mut().unwrap().remove("manifest_crc32").unwrap();
     let cases = [
-        ("compacted", serde_json::to_string(&value).unwrap(), "its manifest_crc32 key is present but not as `  \"manifest_crc32\": N,` on the file's second line"),
+        (
+            "compacted",
+            serde_json::to_string(&value).unwrap(),
+            "its manifest_crc32 key is present but not as `  \"manifest_crc32\": N,` on the file's second line",
+        ),
         ("key removed", serde_json::to_string_pretty(&no_key).unwrap(), "format 2 without its manifest_crc32 checksum: the key is missing"),
         ("edited, not resealed", text.replace("\"version\": 2", "\"version\": 3"), "checksum mismatch: manifest_crc32 is "),
     ];
@@ -791,12 +804,8 @@ fn dir_of_table(root: &std::path::Path, name: &str) -> std::path::PathBuf {
 
 /// The one file of `dir` with extension `ext` (`parquet`, `dv<version>` by prefix).
 fn file_with_ext(dir: &std::path::Path, ext: &str) -> std::path::PathBuf {
-    let found: Vec<_> = std::fs::read_dir(dir)
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|e| e.to_string_lossy().starts_with(ext)))
-        .collect();
+    let found: Vec<_> =
+        std::fs::read_dir(dir).unwrap().flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|e| e.to_string_lossy().starts_with(ext))).collect();
     assert_eq!(found.len(), 1, "{ext} in {}: {found:?}", dir.display());
     found.into_iter().next().unwrap()
 }
@@ -1019,7 +1028,9 @@ fn max_row_bytes_above_u32_max_is_refused_at_open() {
     let dir = root.path().join("db");
     let limit = u32::MAX as usize;
     match Engine::open(&dir, EngineConfig::default().memory_limit(64 << 20).max_row_bytes(limit + 1)) {
-        Err(Error::Config(m)) => assert_eq!(m, "max_row_bytes = 4294967296: at most 4294967295 (u32::MAX; a row's lengths and offsets are u32 in the row format)"),
+        Err(Error::Config(m)) => {
+            assert_eq!(m, "max_row_bytes = 4294967296: at most 4294967295 (u32::MAX; a row's lengths and offsets are u32 in the row format)")
+        }
         other => panic!("{other:?}"),
     }
     assert!(!dir.exists());
@@ -1054,9 +1065,8 @@ fn a_deeply_nested_column_type_is_refused_typed() {
         RecordBatch::try_new(schema, cols).unwrap()
     });
     let too_deep = |e: &Error| matches!(e, Error::Input(gritdb::UnifyError::TypeTooDeep { column, depth: 10_000, limit: 64 }) if column == "s");
-    let (created, inserted, upserted) = on_stack(2 << 20, || {
-        (engine.create_table("deep", deep.schema(), &["k1"]).map(|_| ()), t.insert(&deep), t.upsert(&deep))
-    });
+    let (created, inserted, upserted) =
+        on_stack(2 << 20, || (engine.create_table("deep", deep.schema(), &["k1"]).map(|_| ()), t.insert(&deep), t.upsert(&deep)));
     assert!(too_deep(&created.unwrap_err()));
     assert!(too_deep(&inserted.unwrap_err()));
     assert!(too_deep(&upserted.unwrap_err()));

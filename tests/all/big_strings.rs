@@ -38,8 +38,7 @@ fn check(t: &gritdb::Table, rows: i64, len: usize) {
 #[test]
 fn flush_batches_are_cut_by_bytes() {
     let dir = tempfile::tempdir().unwrap();
-    let engine =
-        Engine::open(dir.path(), EngineConfig::default().memory_limit(256 << 20).flush_batch_bytes(256 << 10)).unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(256 << 20).flush_batch_bytes(256 << 10)).unwrap();
     let t = engine.create_table("s", schema(), &["id"]).unwrap();
     t.insert(&batch(0, 4096, 1000)).unwrap();
     t.flush().unwrap();
@@ -50,11 +49,7 @@ fn flush_batches_are_cut_by_bytes() {
 #[test]
 fn more_than_two_gib_of_strings_in_one_flush() {
     let dir = tempfile::tempdir().unwrap();
-    let engine = Engine::open(
-        dir.path(),
-        EngineConfig::default().memory_limit(12 << 30).table_flush_bytes(8 << 30).max_row_bytes(2 << 20),
-    )
-    .unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(12 << 30).table_flush_bytes(8 << 30).max_row_bytes(2 << 20)).unwrap();
     let t = engine.create_table("s", schema(), &["id"]).unwrap();
     let len = 1 << 20; // 1 MiB per value
     let rows = 2304; // 2.25 GiB

@@ -45,7 +45,8 @@ fn kv_schema() -> SchemaRef {
 }
 
 fn kv(keys: impl Iterator<Item = i64> + Clone) -> RecordBatch {
-    RecordBatch::try_new(kv_schema(), vec![Arc::new(Int64Array::from_iter_values(keys.clone())), Arc::new(Int64Array::from_iter_values(keys.map(|k| k * 10)))]).unwrap()
+    RecordBatch::try_new(kv_schema(), vec![Arc::new(Int64Array::from_iter_values(keys.clone())), Arc::new(Int64Array::from_iter_values(keys.map(|k| k * 10)))])
+        .unwrap()
 }
 
 /// The keys and `v` values a full scan returns, sorted by key.
@@ -168,12 +169,15 @@ fn table_with_a_deletion_vector(dir: &Path) -> (PathBuf, Vec<u32>) {
     t.insert(&kv(0..1000)).unwrap();
     t.flush().unwrap();
     let gone: Vec<i64> = (0..1000).step_by(20).collect();
-    let keys = RecordBatch::try_new(Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false)])), vec![Arc::new(Int64Array::from(gone.clone())) as ArrayRef]).unwrap();
+    let keys =
+        RecordBatch::try_new(Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false)])), vec![Arc::new(Int64Array::from(gone.clone())) as ArrayRef])
+            .unwrap();
     assert_eq!(t.delete(&keys).unwrap(), 50);
     t.flush().unwrap();
     drop(t);
     engine.close().unwrap();
-    let dv = std::fs::read_dir(table_dir(dir)).unwrap().flatten().map(|e| e.path()).find(|p| p.to_string_lossy().contains(".dv")).expect("a deletion vector file");
+    let dv =
+        std::fs::read_dir(table_dir(dir)).unwrap().flatten().map(|e| e.path()).find(|p| p.to_string_lossy().contains(".dv")).expect("a deletion vector file");
     let positions: Vec<u32> = gone.iter().map(|&k| k as u32).collect();
     assert_eq!(std::fs::read(&dv).unwrap(), roaring(&positions), "the helper writes the format the engine does");
     (dv, positions)
@@ -318,11 +322,8 @@ fn a_damaged_ipc_stream_under_a_valid_wal_checksum_is_corrupt_wal_not_a_panic() 
 /// One data file of 3,000 rows (`k`, `v` with nulls, `s` dictionary-encoded strings with
 /// nulls), closed.
 fn table_with_one_data_file(dir: &Path) {
-    let schema = Arc::new(Schema::new(vec![
-        Field::new("k", DataType::Int64, false),
-        Field::new("v", DataType::Int64, true),
-        Field::new("s", DataType::Utf8, true),
-    ]));
+    let schema =
+        Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", DataType::Int64, true), Field::new("s", DataType::Utf8, true)]));
     let engine = Engine::open(dir, cfg()).unwrap();
     let t = engine.create_table("t", Arc::clone(&schema), &["k"]).unwrap();
     let n = 3000i64;

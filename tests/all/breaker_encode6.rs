@@ -6,9 +6,8 @@
 //! regressions). Every answer is compared exactly with a model built from the batches written.
 
 use arrow::array::{
-    Array, ArrayRef, AsArray, BinaryArray, BinaryViewArray, BinaryViewBuilder, BooleanArray, Decimal128Array, Float64Array,
-    Int16Array, Int32Array, Int64Array, LargeBinaryArray, LargeStringArray, RecordBatch, StringArray, StringViewArray,
-    StringViewBuilder, UInt8Array, UInt32Array,
+    Array, ArrayRef, AsArray, BinaryArray, BinaryViewArray, BinaryViewBuilder, BooleanArray, Decimal128Array, Float64Array, Int16Array, Int32Array, Int64Array,
+    LargeBinaryArray, LargeStringArray, RecordBatch, StringArray, StringViewArray, StringViewBuilder, UInt8Array, UInt32Array,
 };
 use arrow::buffer::{Buffer, NullBuffer, OffsetBuffer};
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
@@ -112,8 +111,8 @@ fn wide_schema() -> SchemaRef {
 
 /// Boundary lengths of the short copy (0..=40 and then some KBs).
 const LENS: [usize; 49] = [
-    0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32,
-    33, 34, 35, 36, 37, 38, 39, 40, 63, 64, 65, 1000, 4095, 4096, 5000, 12,
+    0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40,
+    63, 64, 65, 1000, 4095, 4096, 5000, 12,
 ];
 
 /// `len` ASCII bytes that depend on `seed` everywhere (a wrong byte anywhere shows).
@@ -311,7 +310,11 @@ fn wide_rows_round_trip_every_shape_flush_and_replay() {
         assert_model(&t, &kc, &m, "deletes");
         // >= 1,024 rows (the WAL record encoded beside the rows), shuffled keys, views in
         // many buffers; then the same keys upserted sliced with every var column null.
-        let ks: Vec<i64> = { let mut v: Vec<i64> = (5_000..8_000).collect(); v.sort_by_key(|&k| mix(k as u64 ^ 5)); v };
+        let ks: Vec<i64> = {
+            let mut v: Vec<i64> = (5_000..8_000).collect();
+            v.sort_by_key(|&k| mix(k as u64 ^ 5));
+            v
+        };
         let rows: Vec<WRow> = ks.iter().map(|&k| wrow(k, 5, rnd_nulls(k, 5), None)).collect();
         let b = wide_batch(&rows, Shape::Blocks);
         assert_eq!(t.insert(&b).unwrap(), 3_000);
@@ -453,8 +456,10 @@ fn var_keys_only_every_length() {
     let keys: Vec<String> = LENS.iter().enumerate().map(|(i, &l)| text(i as u64, l)).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
     let lone = Arc::new(Schema::new(vec![Field::new("k", DataType::Utf8, false)]));
     let viewk = Arc::new(Schema::new(vec![Field::new("k", DataType::Utf8View, false), Field::new("x", DataType::Int32, true)]));
-    let c1 = Arc::new(Schema::new(vec![Field::new("a", DataType::Int64, false), Field::new("b", DataType::Utf8, false), Field::new("x", DataType::Int32, true)]));
-    let c2 = Arc::new(Schema::new(vec![Field::new("a", DataType::Utf8, false), Field::new("b", DataType::Int32, false), Field::new("x", DataType::Utf8View, true)]));
+    let c1 =
+        Arc::new(Schema::new(vec![Field::new("a", DataType::Int64, false), Field::new("b", DataType::Utf8, false), Field::new("x", DataType::Int32, true)]));
+    let c2 =
+        Arc::new(Schema::new(vec![Field::new("a", DataType::Utf8, false), Field::new("b", DataType::Int32, false), Field::new("x", DataType::Utf8View, true)]));
     let mut models: Vec<Model> = vec![Model::new(); 4];
     let kcs: [&[usize]; 4] = [&[0], &[0], &[0, 1], &[0, 1]];
     {
@@ -551,7 +556,8 @@ fn duplicates_are_refused_exactly_and_apply_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let engine = Engine::open(dir.path(), config()).unwrap();
     // (Int64, Utf8) key.
-    let s1 = Arc::new(Schema::new(vec![Field::new("a", DataType::Int64, false), Field::new("b", DataType::Utf8, false), Field::new("x", DataType::Int32, true)]));
+    let s1 =
+        Arc::new(Schema::new(vec![Field::new("a", DataType::Int64, false), Field::new("b", DataType::Utf8, false), Field::new("x", DataType::Int32, true)]));
     let t1 = engine.create_table("d1", Arc::clone(&s1), &["a", "b"]).unwrap();
     let mk1 = |keys: &[(i64, &str)]| {
         RecordBatch::try_new(
@@ -645,12 +651,21 @@ fn duplicates_are_refused_exactly_and_apply_nothing() {
     let mk3 = |v: &[f64]| RecordBatch::try_new(Arc::clone(&s3), vec![Arc::new(Float64Array::from(v.to_vec()))]).unwrap();
     let nan2 = f64::from_bits(f64::NAN.to_bits() | 1);
     let canonical = |v: &[f64]| -> Vec<u64> {
-        v.iter().map(|&f| if f == 0.0 { 0 } else if f.is_nan() { f64::NAN.to_bits() } else { f.to_bits() }).collect()
+        v.iter()
+            .map(|&f| {
+                if f == 0.0 {
+                    0
+                } else if f.is_nan() {
+                    f64::NAN.to_bits()
+                } else {
+                    f.to_bits()
+                }
+            })
+            .collect()
     };
     let ok: Vec<f64> = vec![-f64::INFINITY, -1.0, -0.0, 1.0, f64::INFINITY, nan2];
     assert_eq!(dup_of(&canonical(&ok)), None);
-    let bad: Vec<Vec<f64>> =
-        vec![vec![-0.0, 0.0, 0.0], vec![f64::NAN, nan2, f64::NAN], vec![1.0, -0.0, 2.0, 0.0], vec![nan2, -f64::NAN], vec![0.0, -0.0]];
+    let bad: Vec<Vec<f64>> = vec![vec![-0.0, 0.0, 0.0], vec![f64::NAN, nan2, f64::NAN], vec![1.0, -0.0, 2.0, 0.0], vec![nan2, -f64::NAN], vec![0.0, -0.0]];
     for v in &bad {
         let want = dup_of(&canonical(v));
         assert!(want.is_some(), "{v:?}");
@@ -675,7 +690,10 @@ fn replayed_deletes_with_repeats() {
     let mk = |ks: &[i64]| {
         RecordBatch::try_new(
             Arc::clone(&s),
-            vec![Arc::new(Int64Array::from(ks.to_vec())), Arc::new(ks.iter().map(|k| (k % 3 != 0).then(|| text(*k as u64, (*k % 41) as usize))).collect::<StringViewArray>())],
+            vec![
+                Arc::new(Int64Array::from(ks.to_vec())),
+                Arc::new(ks.iter().map(|k| (k % 3 != 0).then(|| text(*k as u64, (*k % 41) as usize))).collect::<StringViewArray>()),
+            ],
         )
         .unwrap()
     };
@@ -723,7 +741,8 @@ fn kv_schema() -> SchemaRef {
 }
 
 fn kv(range: std::ops::Range<i64>) -> RecordBatch {
-    RecordBatch::try_new(kv_schema(), vec![Arc::new(Int64Array::from_iter_values(range.clone())), Arc::new(Int64Array::from_iter_values(range.map(|k| k * 3)))]).unwrap()
+    RecordBatch::try_new(kv_schema(), vec![Arc::new(Int64Array::from_iter_values(range.clone())), Arc::new(Int64Array::from_iter_values(range.map(|k| k * 3)))])
+        .unwrap()
 }
 
 fn sum_v(t: &gritdb::Table) -> (u64, i64) {
@@ -867,7 +886,11 @@ fn many_seals_under_small_limits_exact_and_back_to_baseline() {
                 }
                 // Upsert an overlap with the previous round, new values.
                 let ks: Vec<i64> = (lo - 500..lo + 500).filter(|k| *k >= 0).collect();
-                let b = RecordBatch::try_new(kv_schema(), vec![Arc::new(Int64Array::from(ks.clone())), Arc::new(Int64Array::from_iter_values(ks.iter().map(|k| k + round)))]).unwrap();
+                let b = RecordBatch::try_new(
+                    kv_schema(),
+                    vec![Arc::new(Int64Array::from(ks.clone())), Arc::new(Int64Array::from_iter_values(ks.iter().map(|k| k + round)))],
+                )
+                .unwrap();
                 t.upsert(&b).unwrap();
                 for &k in &ks {
                     want[i].insert(k, k + round);

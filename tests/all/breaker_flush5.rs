@@ -9,14 +9,14 @@
 //! of key, version and column).
 
 use arrow::array::{
-    Array, ArrayRef, ArrowPrimitiveType, AsArray, BinaryArray, BinaryViewArray, BooleanArray, LargeBinaryArray, LargeStringArray,
-    PrimitiveArray, RecordBatch, StringArray, StringViewArray,
+    Array, ArrayRef, ArrowPrimitiveType, AsArray, BinaryArray, BinaryViewArray, BooleanArray, LargeBinaryArray, LargeStringArray, PrimitiveArray, RecordBatch,
+    StringArray, StringViewArray,
 };
 use arrow::datatypes::{
-    DataType, Date32Type, Date64Type, Decimal128Type, DurationMicrosecondType, DurationMillisecondType, DurationNanosecondType,
-    DurationSecondType, Field, Float16Type, Float32Type, Float64Type, Int8Type, Int16Type, Int32Type, Int64Type, Schema, SchemaRef,
-    Time32MillisecondType, Time32SecondType, Time64MicrosecondType, Time64NanosecondType, TimeUnit, TimestampMicrosecondType,
-    TimestampMillisecondType, TimestampNanosecondType, TimestampSecondType, UInt8Type, UInt16Type, UInt32Type, UInt64Type,
+    DataType, Date32Type, Date64Type, Decimal128Type, DurationMicrosecondType, DurationMillisecondType, DurationNanosecondType, DurationSecondType, Field,
+    Float16Type, Float32Type, Float64Type, Int8Type, Int16Type, Int32Type, Int64Type, Schema, SchemaRef, Time32MillisecondType, Time32SecondType,
+    Time64MicrosecondType, Time64NanosecondType, TimeUnit, TimestampMicrosecondType, TimestampMillisecondType, TimestampNanosecondType, TimestampSecondType,
+    UInt8Type, UInt16Type, UInt32Type, UInt64Type,
 };
 use arrow::util::display::array_value_to_string;
 use gritdb::memory::Category;
@@ -56,16 +56,16 @@ struct Col {
 /// The primary key, an injective function of the model's `i64` key `k` (0 <= k < 2^20).
 #[derive(Clone, Copy, Debug)]
 enum KeyKind {
-    I64, // `Int64`.
-    Small, // `(Int16, UInt8)`: a 3-byte stored key.
-    Wide, // `(Int64, Int64, Int64)`: 24 bytes, past the 16-byte integer compare.
-    DecI32, // `(Decimal128(38, 0), Int32)`: 20 bytes, both signs.
-    Str, // `(Utf8, Int32)`: a 40-byte shared prefix, then `k` unpadded.
+    I64,     // `Int64`.
+    Small,   // `(Int16, UInt8)`: a 3-byte stored key.
+    Wide,    // `(Int64, Int64, Int64)`: 24 bytes, past the 16-byte integer compare.
+    DecI32,  // `(Decimal128(38, 0), Int32)`: 20 bytes, both signs.
+    Str,     // `(Utf8, Int32)`: a 40-byte shared prefix, then `k` unpadded.
     BinBool, // `(Binary, Boolean)`: 17..21 zero bytes then `k`; Boolean makes the layout variable.
-    View, // `Utf8View`: `k` zero-padded to 12 bytes (even `k`) or 13 (odd).
-    F64Ts, // `(Float64, Timestamp(us, +05:30))`: the float NaN of either sign and payload, ±0, ±inf.
-    Dec5, // Five `Decimal128(38, 5)`: an 80-byte stored key (past the 64-byte stack buffer).
-    U64I8, // `(UInt64, Int8)`: unsigned values past `i64::MAX`.
+    View,    // `Utf8View`: `k` zero-padded to 12 bytes (even `k`) or 13 (odd).
+    F64Ts,   // `(Float64, Timestamp(us, +05:30))`: the float NaN of either sign and payload, ±0, ±inf.
+    Dec5,    // Five `Decimal128(38, 5)`: an 80-byte stored key (past the 64-byte stack buffer).
+    U64I8,   // `(UInt64, Int8)`: unsigned values past `i64::MAX`.
     /// `LargeBinary` prefix chains: empty, or 1.. bytes of 0x00, 0x01, 0xff or 'a', maybe
     /// followed by 0x02, 0x7f or 0x80 (keys that are prefixes of each other).
     Chain,
@@ -129,7 +129,9 @@ impl KeyKind {
                 vec![p!(0, Float64Type, f), p!(1, TimestampMicrosecondType, |k| k * 1_000 - 77)]
             }
             KeyKind::Dec5 => (0..5)
-                .map(|i| p!(i, Decimal128Type, |k: i64| if i == 4 { i128::from(k) - 300 } else { (10i128.pow(37) - 1) * (1 - 2 * i128::from(k % 2)) - i as i128 }))
+                .map(|i| {
+                    p!(i, Decimal128Type, |k: i64| if i == 4 { i128::from(k) - 300 } else { (10i128.pow(37) - 1) * (1 - 2 * i128::from(k % 2)) - i as i128 })
+                })
                 .collect(),
             KeyKind::U64I8 => vec![p!(0, UInt64Type, |k: i64| u64::MAX - (k as u64 >> 7) * 0x0100_0000_0000_0001), p!(1, Int8Type, |k| (k & 127) as i8 - 64)],
             KeyKind::Chain => vec![Arc::new(LargeBinaryArray::from_iter_values(ks.iter().map(|&k| {
@@ -289,7 +291,12 @@ fn every_type() -> Vec<Col> {
 /// One column of each layout (offsets, bool, views, fixed) for key-heavy tests.
 fn few_types() -> Vec<Col> {
     let c = |dt, nulls| Col { dt, nulls };
-    vec![c(DataType::Utf8, Some(Nulls::Hash(7))), c(DataType::Boolean, Some(Nulls::Runs(3))), c(DataType::BinaryView, Some(Nulls::Runs(129))), c(DataType::Decimal128(38, 10), None)]
+    vec![
+        c(DataType::Utf8, Some(Nulls::Hash(7))),
+        c(DataType::Boolean, Some(Nulls::Runs(3))),
+        c(DataType::BinaryView, Some(Nulls::Runs(129))),
+        c(DataType::Decimal128(38, 10), None),
+    ]
 }
 
 // ---------------------------------------------------------------- the model

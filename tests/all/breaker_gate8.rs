@@ -4,9 +4,9 @@
 //! spanning drop + reopen, scans held across writes and drop, and refused big writes racing
 //! their record task. Every potential hang runs on a thread bounded by `recv_timeout`.
 
+use crate::breaker_walpool7::{BIG, Model, config, contents, rows, write_buffers};
 use gritdb::vfs::FaultFs;
 use gritdb::{Engine, EngineConfig, Error, ScanOptions, Table, WalSync};
-use crate::breaker_walpool7::{BIG, Model, config, contents, rows, write_buffers};
 use gritdb_tests::*;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
@@ -23,19 +23,13 @@ fn open_faulty(dir: &std::path::Path, fs: &FaultFs) -> (Engine, Table) {
 fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
     let start = Instant::now();
     while !f() {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "timed out waiting for {what}"
-        );
+        assert!(start.elapsed() < Duration::from_secs(20), "timed out waiting for {what}");
         std::thread::sleep(Duration::from_millis(2));
     }
 }
 
 /// Runs `f` on its own thread; `None` when it did not return within `ms`.
-fn within<T: Send + 'static>(
-    ms: u64,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> (Option<T>, mpsc::Receiver<T>) {
+fn within<T: Send + 'static>(ms: u64, f: impl FnOnce() -> T + Send + 'static) -> (Option<T>, mpsc::Receiver<T>) {
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         let _ = tx.send(f());
@@ -67,22 +61,15 @@ fn drop_waits_for_writes_in_a_stalled_wal_and_returns_after_heal() {
     wait_until("the WAL to stall", || fs.is_stalled());
     std::thread::sleep(Duration::from_millis(50));
     let (dropped, rx) = within(300, move || drop(engine));
-    assert!(
-        dropped.is_none(),
-        "drop returned while an admitted write was stuck in the WAL"
-    );
+    assert!(dropped.is_none(), "drop returned while an admitted write was stuck in the WAL");
     fs.heal();
-    rx.recv_timeout(Duration::from_secs(3))
-        .expect("drop still blocked 3 s after heal");
+    rx.recv_timeout(Duration::from_secs(3)).expect("drop still blocked 3 s after heal");
     assert_eq!(small.join().unwrap().unwrap(), 10);
     assert_eq!(big.join().unwrap().unwrap(), 3 * BIG as usize);
     assert!(is_closed(&t.insert(&composite_batch(&rows(50_000, 1, 3)))));
     drop(t);
     let engine = Engine::open(dir.path(), config(WalSync::PerBatch)).unwrap();
-    assert_eq!(
-        engine.table("t").unwrap().row_count().unwrap(),
-        20 + 3 * BIG as u64
-    );
+    assert_eq!(engine.table("t").unwrap().row_count().unwrap(), 20 + 3 * BIG as u64);
 }
 
 /// While a drop waits for a write stuck in a stalled WAL, a new write from a third thread (a
@@ -96,9 +83,7 @@ fn write_after_close_returns_closed_while_drop_waits_on_stalled_wal() {
     let dir = tempfile::tempdir().unwrap();
     let fs = FaultFs::new();
     let (engine, t) = open_faulty(dir.path(), &fs);
-    let other = engine
-        .create_table("o", composite_schema(), &["k1", "k2"])
-        .unwrap();
+    let other = engine.create_table("o", composite_schema(), &["k1", "k2"]).unwrap();
     t.insert(&composite_batch(&rows(0, 10, 0))).unwrap();
     fs.stall_paths("wal-");
     let t1 = t.clone();
@@ -113,22 +98,13 @@ fn write_after_close_returns_closed_while_drop_waits_on_stalled_wal() {
     let (refused, refused_rx) = within(200, move || t3.insert(&composite_batch(&rows(0, 1, 9))));
     let heal_needed = late.is_none();
     fs.heal();
-    drop_rx
-        .recv_timeout(Duration::from_secs(3))
-        .expect("drop blocked after heal");
-    let late = late
-        .or_else(|| late_rx.recv_timeout(Duration::from_secs(3)).ok())
-        .unwrap();
-    let refused = refused
-        .or_else(|| refused_rx.recv_timeout(Duration::from_secs(3)).ok())
-        .unwrap();
+    drop_rx.recv_timeout(Duration::from_secs(3)).expect("drop blocked after heal");
+    let late = late.or_else(|| late_rx.recv_timeout(Duration::from_secs(3)).ok()).unwrap();
+    let refused = refused.or_else(|| refused_rx.recv_timeout(Duration::from_secs(3)).ok()).unwrap();
     assert_eq!(stuck.join().unwrap().unwrap(), 10);
     assert!(is_closed(&late), "{late:?}");
     assert!(is_closed(&refused), "{refused:?}");
-    assert!(
-        !heal_needed,
-        "a write to a closed engine returned only after the stalled WAL healed"
-    );
+    assert!(!heal_needed, "a write to a closed engine returned only after the stalled WAL healed");
 }
 
 // ------------------------------------------------ drop while writes wait for memory
@@ -140,19 +116,9 @@ fn write_after_close_returns_closed_while_drop_waits_on_stalled_wal() {
 fn backpressured_writers_give_up_with_closed_when_the_engine_drops() {
     let dir = tempfile::tempdir().unwrap();
     let fs = FaultFs::new();
-    let cfg = EngineConfig::default()
-        .memory_limit(8 << 20)
-        .wal_sync(WalSync::PerBatch)
-        .backpressure_timeout(Duration::from_secs(30))
-        .vfs(Arc::new(fs.clone()));
+    let cfg = EngineConfig::default().memory_limit(8 << 20).wal_sync(WalSync::PerBatch).backpressure_timeout(Duration::from_secs(30)).vfs(Arc::new(fs.clone()));
     let engine = Engine::open(dir.path(), cfg).unwrap();
-    let tables: Vec<Table> = (0..4)
-        .map(|i| {
-            engine
-                .create_table(&format!("t{i}"), composite_schema(), &["k1", "k2"])
-                .unwrap()
-        })
-        .collect();
+    let tables: Vec<Table> = (0..4).map(|i| engine.create_table(&format!("t{i}"), composite_schema(), &["k1", "k2"]).unwrap()).collect();
     fs.stall_paths(".parquet");
     let go = Arc::new(AtomicBool::new(true));
     let writers: Vec<_> = tables
@@ -164,9 +130,7 @@ fn backpressured_writers_give_up_with_closed_when_the_engine_drops() {
                 let mut acked = Model::new();
                 let mut b = 0i64;
                 loop {
-                    let r: Vec<_> = (b * 2_048..(b + 1) * 2_048)
-                        .map(|k| ((k, 1), (Some(th as i64), Some(format!("{k:0>150}")))))
-                        .collect();
+                    let r: Vec<_> = (b * 2_048..(b + 1) * 2_048).map(|k| ((k, 1), (Some(th as i64), Some(format!("{k:0>150}"))))).collect();
                     match t.insert(&composite_batch(&r)) {
                         Ok(n) => {
                             assert_eq!(n, 2_048);
@@ -188,10 +152,7 @@ fn backpressured_writers_give_up_with_closed_when_the_engine_drops() {
     let dropped_at = Instant::now();
     let start = Instant::now();
     while writers.iter().any(|w| !w.is_finished()) {
-        assert!(
-            start.elapsed() < Duration::from_secs(2),
-            "backpressured writers did not give up after the drop"
-        );
+        assert!(start.elapsed() < Duration::from_secs(2), "backpressured writers did not give up after the drop");
         std::thread::sleep(Duration::from_millis(5));
     }
     let results: Vec<_> = writers.into_iter().map(|w| w.join().unwrap()).collect();
@@ -200,9 +161,7 @@ fn backpressured_writers_give_up_with_closed_when_the_engine_drops() {
         assert!(at.duration_since(dropped_at) < Duration::from_secs(1));
     }
     fs.heal();
-    drop_rx
-        .recv_timeout(Duration::from_secs(4))
-        .expect("drop blocked after heal");
+    drop_rx.recv_timeout(Duration::from_secs(4)).expect("drop blocked after heal");
     drop(tables);
     let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(256 << 20)).unwrap();
     for (i, (acked, _, _)) in results.iter().enumerate() {
@@ -220,13 +179,7 @@ fn backpressured_writers_give_up_with_closed_when_the_engine_drops() {
 fn many_writers_across_drop(sync: WalSync) {
     let dir = tempfile::tempdir().unwrap();
     let engine = Engine::open(dir.path(), config(sync)).unwrap();
-    let tables: Vec<Table> = (0..16)
-        .map(|i| {
-            engine
-                .create_table(&format!("t{i}"), composite_schema(), &["k1", "k2"])
-                .unwrap()
-        })
-        .collect();
+    let tables: Vec<Table> = (0..16).map(|i| engine.create_table(&format!("t{i}"), composite_schema(), &["k1", "k2"]).unwrap()).collect();
     let dropped = Arc::new(AtomicBool::new(false));
     let barrier = Arc::new(Barrier::new(17));
     let hs: Vec<_> = tables
@@ -240,11 +193,7 @@ fn many_writers_across_drop(sync: WalSync) {
                 barrier.wait();
                 let mut i = 0i64;
                 loop {
-                    let n = if i % 3 == 0 {
-                        BIG + (mix((th * 97 + i) as u64) % 500) as i64
-                    } else {
-                        1 + i % 50
-                    };
+                    let n = if i % 3 == 0 { BIG + (mix((th * 97 + i) as u64) % 500) as i64 } else { 1 + i % 50 };
                     let from = (mix((th * 1_000 + i) as u64) % 20_000) as i64;
                     let r = rows(from, n, th * 10_000 + i);
                     let res = if i % 5 == 4 {
@@ -280,27 +229,16 @@ fn many_writers_across_drop(sync: WalSync) {
     barrier.wait();
     std::thread::sleep(Duration::from_millis(150));
     let (res, _rx) = within(3_000, move || drop(engine));
-    assert!(
-        res.is_some(),
-        "{sync:?}: drop under many writers did not return in 3 s"
-    );
+    assert!(res.is_some(), "{sync:?}: drop under many writers did not return in 3 s");
     dropped.store(true, Ordering::Release);
-    let (joined, _rx) = within(3_000, move || {
-        hs.into_iter()
-            .map(|h| h.join().unwrap())
-            .collect::<Vec<_>>()
-    });
+    let (joined, _rx) = within(3_000, move || hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>());
     let models = joined.expect("writers did not all see Closed within 3 s of the drop");
     drop(tables);
     let engine = Engine::open(dir.path(), config(sync)).unwrap();
     for (i, (m, writes)) in models.iter().enumerate() {
         assert!(*writes > 0, "{sync:?}: thread {i} wrote nothing");
         let got = contents(&engine.table(&format!("t{i}")).unwrap());
-        assert_eq!(
-            got.len(),
-            m.len(),
-            "{sync:?}: t{i} rows after {writes} writes"
-        );
+        assert_eq!(got.len(), m.len(), "{sync:?}: t{i} rows after {writes} writes");
         assert!(got == *m, "{sync:?}: t{i}");
     }
 }
@@ -324,17 +262,14 @@ fn many_writers_across_drop_keep_exactly_the_acknowledged_relaxed() {
 fn scan_held_across_writes_and_engine_drop() {
     let dir = tempfile::tempdir().unwrap();
     let engine = Engine::open(dir.path(), config(WalSync::PerBatch)).unwrap();
-    let t = engine
-        .create_table("t", composite_schema(), &["k1", "k2"])
-        .unwrap();
+    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
     t.insert(&composite_batch(&rows(0, 200_000, 0))).unwrap();
     let t2 = t.clone();
     let (res, _rx) = within(4_000, move || {
         let mut scan = t2.scan(ScanOptions::default()).unwrap();
         let first = scan.next().unwrap().unwrap().num_rows();
         t2.insert(&composite_batch(&rows(500_000, 10, 1))).unwrap();
-        t2.upsert(&composite_batch(&rows(600_000, 2 * BIG, 1)))
-            .unwrap();
+        t2.upsert(&composite_batch(&rows(600_000, 2 * BIG, 1))).unwrap();
         t2.delete(&composite_keys(&[(0, 0)])).unwrap();
         (scan, first)
     });
@@ -359,10 +294,7 @@ fn scan_held_across_writes_and_engine_drop() {
     assert!(is_closed(&t.insert(&composite_batch(&rows(700_000, 1, 1)))));
     drop(t);
     let engine = Engine::open(dir.path(), config(WalSync::PerBatch)).unwrap();
-    assert_eq!(
-        engine.table("t").unwrap().row_count().unwrap(),
-        200_000 + 10 + 2 * BIG as u64 - 1
-    );
+    assert_eq!(engine.table("t").unwrap().row_count().unwrap(), 200_000 + 10 + 2 * BIG as u64 - 1);
 }
 
 // ------------------------------------------------ user flush across drop and reopen
@@ -385,10 +317,7 @@ fn user_flush_stalled_across_drop_and_reopen_loses_nothing() {
     let flusher = std::thread::spawn(move || t1.flush());
     wait_until("the flush to stall", || fs.is_stalled());
     let (dropped, _rx) = within(3_000, move || drop(engine));
-    assert!(
-        dropped.is_some(),
-        "drop waited for a user flush stuck in the file layer"
-    );
+    assert!(dropped.is_some(), "drop waited for a user flush stuck in the file layer");
     // A new engine (its own, healthy file layer) owns the directory now.
     let engine = Engine::open(dir.path(), config(WalSync::PerBatch)).unwrap();
     let t2 = engine.table("t").unwrap();
@@ -408,11 +337,7 @@ fn user_flush_stalled_across_drop_and_reopen_loses_nothing() {
     engine.close().unwrap();
     let engine = Engine::open(dir.path(), config(WalSync::PerBatch)).unwrap();
     let got = contents(&engine.table("t").unwrap());
-    assert_eq!(
-        got.len(),
-        m.len(),
-        "rows after the final reopen (old flush returned {res:?})"
-    );
+    assert_eq!(got.len(), m.len(), "rows after the final reopen (old flush returned {res:?})");
     assert!(got == m, "contents differ (old flush returned {res:?})");
 }
 
@@ -427,9 +352,7 @@ fn user_flush_stalled_across_drop_and_reopen_loses_nothing() {
 fn refused_big_writes_racing_pool_pickup_leave_nothing_behind() {
     let dir = tempfile::tempdir().unwrap();
     let engine = Engine::open(dir.path(), config(WalSync::PerBatch)).unwrap();
-    let x = engine
-        .create_table("x", composite_schema(), &["k1", "k2"])
-        .unwrap();
+    let x = engine.create_table("x", composite_schema(), &["k1", "k2"]).unwrap();
     x.insert(&composite_batch(&rows(0, 2 * BIG, 0))).unwrap();
     let live_x = contents(&x);
     let base = write_buffers(&engine);
@@ -440,9 +363,7 @@ fn refused_big_writes_racing_pool_pickup_leave_nothing_behind() {
             let x = &x;
             s.spawn(move || {
                 for j in 0..6 {
-                    let e = x
-                        .insert(&composite_batch(&rows((th + j) % 3, BIG + th, th)))
-                        .unwrap_err();
+                    let e = x.insert(&composite_batch(&rows((th + j) % 3, BIG + th, th))).unwrap_err();
                     assert!(matches!(e, Error::KeyExists { row: 0, .. }), "{e:?}");
                 }
             });
@@ -450,21 +371,13 @@ fn refused_big_writes_racing_pool_pickup_leave_nothing_behind() {
     });
     assert_eq!(write_buffers(&engine), base);
     assert_eq!(engine.wal_usage(), wal0, "refused writes reached the WAL");
-    let others: Vec<Table> = (0..8)
-        .map(|i| {
-            engine
-                .create_table(&format!("o{i}"), composite_schema(), &["k1", "k2"])
-                .unwrap()
-        })
-        .collect();
+    let others: Vec<Table> = (0..8).map(|i| engine.create_table(&format!("o{i}"), composite_schema(), &["k1", "k2"]).unwrap()).collect();
     let models: Vec<Model> = std::thread::scope(|s| {
         for th in 0..8i64 {
             let x = &x;
             s.spawn(move || {
                 for j in 0..6 {
-                    let e = x
-                        .update(&composite_batch(&rows(2 * BIG - 5 + j, BIG, th)))
-                        .unwrap_err();
+                    let e = x.update(&composite_batch(&rows(2 * BIG - 5 + j, BIG, th))).unwrap_err();
                     assert!(matches!(e, Error::KeyNotFound { .. }), "{e:?}");
                 }
             });
@@ -486,24 +399,14 @@ fn refused_big_writes_racing_pool_pickup_leave_nothing_behind() {
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    assert_eq!(
-        write_buffers(&engine),
-        base,
-        "record bytes left after the race"
-    );
+    assert_eq!(write_buffers(&engine), base, "record bytes left after the race");
     assert!(contents(&x) == live_x);
     drop(others);
     drop(x);
     drop(engine);
     let engine = Engine::open(dir.path(), config(WalSync::PerBatch)).unwrap();
-    assert!(
-        contents(&engine.table("x").unwrap()) == live_x,
-        "x after replay"
-    );
+    assert!(contents(&engine.table("x").unwrap()) == live_x, "x after replay");
     for (i, m) in models.iter().enumerate() {
-        assert!(
-            contents(&engine.table(&format!("o{i}")).unwrap()) == *m,
-            "o{i} after replay"
-        );
+        assert!(contents(&engine.table(&format!("o{i}")).unwrap()) == *m, "o{i} after replay");
     }
 }

@@ -213,11 +213,7 @@ fn category_bytes(engine: &Engine) -> Vec<(Category, usize)> {
 }
 
 fn relaxed(fault: &WalFault, interval: Duration) -> EngineConfig {
-    EngineConfig::default()
-        .memory_limit(128 << 20)
-        .wal_sync(WalSync::Relaxed)
-        .wal_sync_interval(interval)
-        .vfs(Arc::new(fault.clone()))
+    EngineConfig::default().memory_limit(128 << 20).wal_sync(WalSync::Relaxed).wal_sync_interval(interval).vfs(Arc::new(fault.clone()))
 }
 
 /// Fails the next group-commit fsync: arms the fault, acknowledges one more batch (so the tick
@@ -436,11 +432,8 @@ fn relaxed_failed_write_fails_that_write_only() {
 fn wide(keys: std::ops::Range<i64>) -> RecordBatch {
     let big = "w".repeat(16 << 10);
     let n = usize::try_from(keys.end - keys.start).unwrap();
-    RecordBatch::try_new(
-        kv_schema(),
-        vec![Arc::new(Int64Array::from_iter_values(keys)) as ArrayRef, Arc::new(StringArray::from(vec![big.as_str(); n]))],
-    )
-    .unwrap()
+    RecordBatch::try_new(kv_schema(), vec![Arc::new(Int64Array::from_iter_values(keys)) as ArrayRef, Arc::new(StringArray::from(vec![big.as_str(); n]))])
+        .unwrap()
 }
 
 /// The rotation at 16 MiB fsyncs the full segment (no tick in between: a one-hour interval),
@@ -680,11 +673,7 @@ const POOL: [u64; 13] = [
 const TEXTS: [&str; 3] = ["", "a", "zz"];
 
 fn fk_schema() -> SchemaRef {
-    Arc::new(Schema::new(vec![
-        Field::new("k", DataType::Float64, false),
-        Field::new("s", DataType::Utf8, false),
-        Field::new("v", DataType::Int64, true),
-    ]))
+    Arc::new(Schema::new(vec![Field::new("k", DataType::Float64, false), Field::new("s", DataType::Utf8, false), Field::new("v", DataType::Int64, true)]))
 }
 
 fn fk_key_schema() -> SchemaRef {
@@ -872,9 +861,8 @@ fn composite_float_keys_random_ops_match_the_model_across_flush_compaction_and_r
     for step in 0..600 {
         let op = [Op::Insert, Op::Insert, Op::Upsert, Op::Update, Op::Delete][rng.below(5)];
         let n = 1 + rng.below(4);
-        let rows: Vec<FRow> = (0..n)
-            .map(|_| (POOL[rng.below(POOL.len())], TEXTS[rng.below(TEXTS.len())].to_owned(), (rng.below(4) != 0).then(|| step as i64)))
-            .collect();
+        let rows: Vec<FRow> =
+            (0..n).map(|_| (POOL[rng.below(POOL.len())], TEXTS[rng.below(TEXTS.len())].to_owned(), (rng.below(4) != 0).then(|| step as i64))).collect();
         let pad = rng.below(2) == 0;
         fk_apply(&t, &mut model, op, &rows, pad, &format!("step {step}"));
         fk_check(&t, &model, &format!("step {step} after {op:?}"));
@@ -999,11 +987,8 @@ fn compaction_of_files_holding_both_zero_signs_and_many_nans() {
 fn null_float_keys_are_a_typed_error() {
     let dir = tempfile::tempdir().unwrap();
     let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
-    let schema = Arc::new(Schema::new(vec![
-        Field::new("k", DataType::Float32, true),
-        Field::new("s", DataType::Utf8, true),
-        Field::new("v", DataType::Int64, true),
-    ]));
+    let schema =
+        Arc::new(Schema::new(vec![Field::new("k", DataType::Float32, true), Field::new("s", DataType::Utf8, true), Field::new("v", DataType::Int64, true)]));
     let t = match engine.create_table("n", Arc::clone(&schema), &["k", "s"]) {
         Ok(t) => t,
         Err(e) => panic!("nullable key columns: {e}"),
@@ -1136,7 +1121,11 @@ fn scan_filters_on_float_keys_agree_between_delta_and_files() {
             for op in ops {
                 let f = ScanFilter::compare("k", op, Arc::new(Float64Array::from(vec![f64::from_bits(lit)])));
                 let got = fk_rows(&t, ScanOptions::default().filter(f));
-                let want: FModel = model.iter().filter(|(_, (bits, _))| total_cmp_holds(op, f64::from_bits(*bits), f64::from_bits(lit))).map(|(k, v)| (k.clone(), *v)).collect();
+                let want: FModel = model
+                    .iter()
+                    .filter(|(_, (bits, _))| total_cmp_holds(op, f64::from_bits(*bits), f64::from_bits(lit)))
+                    .map(|(k, v)| (k.clone(), *v))
+                    .collect();
                 assert_eq!(got, want, "{layer}: k {op} {lit:#x}");
             }
         }
@@ -1205,7 +1194,14 @@ fn sql_over_float_keys() {
     let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
     let t = engine.create_table("f", fk_schema(), &["k", "s"]).unwrap();
     let mut model = FModel::new();
-    fk_apply(&t, &mut model, Op::Insert, &[(0x8000_0000_0000_0000, "a".into(), Some(1)), (0x7ff8_0000_0000_0001, "a".into(), Some(2)), (0x3ff8_0000_0000_0000, "a".into(), Some(3))], false, "insert");
+    fk_apply(
+        &t,
+        &mut model,
+        Op::Insert,
+        &[(0x8000_0000_0000_0000, "a".into(), Some(1)), (0x7ff8_0000_0000_0001, "a".into(), Some(2)), (0x3ff8_0000_0000_0000, "a".into(), Some(3))],
+        false,
+        "insert",
+    );
     t.flush().unwrap();
     fk_apply(&t, &mut model, Op::Upsert, &[(0x0000_0000_0000_0000, "a".into(), Some(10))], false, "upsert 0.0");
     let scalar = |q: &str| -> i64 {

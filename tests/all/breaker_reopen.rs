@@ -65,10 +65,8 @@ impl Spec {
     }
 
     fn batch(&self, rows: &[(i64, u64)]) -> RecordBatch {
-        let mut cols: Vec<ArrayRef> = vec![
-            Arc::new(Int64Array::from_iter_values(rows.iter().map(|r| r.0))),
-            Arc::new(Int64Array::from_iter_values(rows.iter().map(|r| r.1 as i64))),
-        ];
+        let mut cols: Vec<ArrayRef> =
+            vec![Arc::new(Int64Array::from_iter_values(rows.iter().map(|r| r.0))), Arc::new(Int64Array::from_iter_values(rows.iter().map(|r| r.1 as i64)))];
         for c in 0..self.cols {
             let vals: Vec<Option<String>> = rows.iter().map(|&(k, v)| self.cell(k, v, c)).collect();
             cols.push(match c % 4 {

@@ -372,7 +372,8 @@ fn single_decimal_keys_of_each_precision_replay() {
         }
         keys.sort_unstable();
         keys.dedup();
-        let val = |k: i128, ver: i128| -> Option<i128> { if (k + ver) % 5 == 0 { None } else { Some(((k + ver * 3) % m + m) % m * if k < 0 { -1 } else { 1 }) } };
+        let val =
+            |k: i128, ver: i128| -> Option<i128> { if (k + ver) % 5 == 0 { None } else { Some(((k + ver * 3) % m + m) % m * if k < 0 { -1 } else { 1 }) } };
         let batch = |ks: &[i128], ver: i128| {
             RecordBatch::try_new(
                 Arc::clone(&schema),
@@ -384,7 +385,11 @@ fn single_decimal_keys_of_each_precision_replay() {
             .unwrap()
         };
         let kbatch = |ks: &[i128]| {
-            RecordBatch::try_new(Arc::clone(&kschema), vec![Arc::new(Decimal128Array::from_iter_values(ks.iter().copied()).with_precision_and_scale(p, s).unwrap()) as ArrayRef]).unwrap()
+            RecordBatch::try_new(
+                Arc::clone(&kschema),
+                vec![Arc::new(Decimal128Array::from_iter_values(ks.iter().copied()).with_precision_and_scale(p, s).unwrap()) as ArrayRef],
+            )
+            .unwrap()
         };
         let read = |t: &Table| {
             let mut out = BTreeMap::new();
@@ -475,11 +480,7 @@ pub(crate) fn kv_read(t: &Table) -> BTreeMap<i64, i64> {
 }
 
 fn churn_config(limit: usize) -> EngineConfig {
-    EngineConfig::default()
-        .memory_limit(limit)
-        .table_flush_bytes(64 << 10)
-        .flush_age(Duration::from_millis(5))
-        .backpressure_timeout(Duration::from_secs(20))
+    EngineConfig::default().memory_limit(limit).table_flush_bytes(64 << 10).flush_age(Duration::from_millis(5)).backpressure_timeout(Duration::from_secs(20))
 }
 
 /// Eight threads insert batches drawn from one shared key space (every batch overlaps
@@ -760,7 +761,8 @@ fn key_index_after_churn_equals_rebuilt_index() {
     let dir = tempfile::tempdir().unwrap();
     let engine = Engine::open(dir.path(), churn_config(24 * MIB)).unwrap();
     let t = engine.create_table("t", kv_schema(), &["k"]).unwrap();
-    let s = engine.create_table("s", Arc::new(Schema::new(vec![Field::new("a", DataType::Utf8, false), Field::new("v", DataType::Int64, false)])), &["a"]).unwrap();
+    let s =
+        engine.create_table("s", Arc::new(Schema::new(vec![Field::new("a", DataType::Utf8, false), Field::new("v", DataType::Int64, false)])), &["a"]).unwrap();
     let mut model = BTreeMap::new();
     let mut smodel = BTreeMap::new();
     for i in 0..300i64 {
@@ -774,12 +776,13 @@ fn key_index_after_churn_equals_rebuilt_index() {
                 model.remove(k);
             }
         }
-        let sk: Vec<String> = (0..50).map(|j| format!("key-{:07}-{}", (mix((i * 50 + j) as u64) % 20_000), "p".repeat((j % 13) as usize))).collect::<BTreeSet<_>>().into_iter().collect();
-        let b = RecordBatch::try_new(
-            s.schema(),
-            vec![Arc::new(StringArray::from(sk.clone())) as ArrayRef, Arc::new(Int64Array::from(vec![i; sk.len()]))],
-        )
-        .unwrap();
+        let sk: Vec<String> = (0..50)
+            .map(|j| format!("key-{:07}-{}", (mix((i * 50 + j) as u64) % 20_000), "p".repeat((j % 13) as usize)))
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let b =
+            RecordBatch::try_new(s.schema(), vec![Arc::new(StringArray::from(sk.clone())) as ArrayRef, Arc::new(Int64Array::from(vec![i; sk.len()]))]).unwrap();
         s.upsert(&b).unwrap();
         smodel.extend(sk.into_iter().map(|k| (k, i)));
     }
@@ -828,8 +831,7 @@ fn close_during_flushes_and_compactions_keeps_acknowledged_writes() {
                     let mut max_call = Duration::ZERO;
                     while !stop.load(Ordering::Acquire) {
                         i += 1;
-                        let keys: Vec<i64> =
-                            (0..300).map(|j| w * 10_000_000 + ((i * 300 + j) % 40_000)).collect::<BTreeSet<_>>().into_iter().collect();
+                        let keys: Vec<i64> = (0..300).map(|j| w * 10_000_000 + ((i * 300 + j) % 40_000)).collect::<BTreeSet<_>>().into_iter().collect();
                         let start = Instant::now();
                         let r = if i % 4 == 3 { t.delete(&kv_keys(&keys[..100])).map(|_| ()) } else { t.upsert(&kv_batch(&keys, i, 30)).map(|_| ()) };
                         max_call = max_call.max(start.elapsed());
@@ -1057,7 +1059,14 @@ fn many_writers_at_tiny_limits_with_big_batches_never_hang() {
                 let st = t.stats().unwrap();
                 eprintln!(
                     "limit {} MiB: scan of {n} after the writers: {e}; stats: active {} sealed {} ({} B) files {} last_flush_error {:?}; in flight {}; degraded {:?}",
-                    limit / MIB, st.active_delta_bytes, st.sealed_deltas, st.sealed_delta_bytes, st.files, st.last_flush_error, engine.flushes_in_flight(), engine.degraded_tables()
+                    limit / MIB,
+                    st.active_delta_bytes,
+                    st.sealed_deltas,
+                    st.sealed_delta_bytes,
+                    st.files,
+                    st.last_flush_error,
+                    engine.flushes_in_flight(),
+                    engine.degraded_tables()
                 );
                 let f = t.flush();
                 eprintln!("  explicit flush: {f:?}");

@@ -170,7 +170,11 @@ fn refused_by_close(strict: bool) {
 fn close_racing_scans_flushes_after_drop_table_and_limit_changes() {
     let dir = tempfile::tempdir().unwrap();
     let config = || {
-        EngineConfig::default().memory_limit(24 * MIB).table_flush_bytes(512 << 10).flush_age(Duration::from_millis(20)).backpressure_timeout(Duration::from_secs(10))
+        EngineConfig::default()
+            .memory_limit(24 * MIB)
+            .table_flush_bytes(512 << 10)
+            .flush_age(Duration::from_millis(20))
+            .backpressure_timeout(Duration::from_secs(10))
     };
     let engine = Engine::open(dir.path(), config()).unwrap();
     for n in ["a", "b", "c", "d"] {
@@ -576,22 +580,34 @@ fn corrupt_middle_record_is_corruption_torn_last_before_zeros_is_cut() {
         expect_corrupt(open_rows(d.path(), mode), &format!("{mode:?}: middle payload flipped, zeros after"));
         // Last record torn before zeros: cut.
         for (what, f) in [
-            ("last payload flipped + zeros", Box::new(move |b: &mut Vec<u8>| {
-                b[c_at + 8 + c_len / 2] ^= 0x10;
-                b.extend_from_slice(zeros);
-            }) as Box<dyn Fn(&mut Vec<u8>)>),
-            ("last header zeroed + zeros", Box::new(move |b: &mut Vec<u8>| {
-                b[c_at..c_at + 8].fill(0);
-                b.extend_from_slice(zeros);
-            })),
-            ("last header zeroed, cut short", Box::new(move |b: &mut Vec<u8>| {
-                b[c_at..c_at + 8].fill(0);
-                b.truncate(c_at + c_len / 2);
-            })),
-            ("last payload's first page zeroed + zeros", Box::new(move |b: &mut Vec<u8>| {
-                b[c_at + 8..(c_at + 4096).min(c_at + c_len)].fill(0);
-                b.extend_from_slice(zeros);
-            })),
+            (
+                "last payload flipped + zeros",
+                Box::new(move |b: &mut Vec<u8>| {
+                    b[c_at + 8 + c_len / 2] ^= 0x10;
+                    b.extend_from_slice(zeros);
+                }) as Box<dyn Fn(&mut Vec<u8>)>,
+            ),
+            (
+                "last header zeroed + zeros",
+                Box::new(move |b: &mut Vec<u8>| {
+                    b[c_at..c_at + 8].fill(0);
+                    b.extend_from_slice(zeros);
+                }),
+            ),
+            (
+                "last header zeroed, cut short",
+                Box::new(move |b: &mut Vec<u8>| {
+                    b[c_at..c_at + 8].fill(0);
+                    b.truncate(c_at + c_len / 2);
+                }),
+            ),
+            (
+                "last payload's first page zeroed + zeros",
+                Box::new(move |b: &mut Vec<u8>| {
+                    b[c_at + 8..(c_at + 4096).min(c_at + c_len)].fill(0);
+                    b.extend_from_slice(zeros);
+                }),
+            ),
         ] {
             let d = with(&*f);
             let got = open_rows(d.path(), mode).unwrap_or_else(|e| panic!("{mode:?}: {what}: {e}"));
@@ -682,7 +698,8 @@ fn torn_tail_of_a_big_record_opens_promptly() {
     let mut slow = Vec::new();
     for zero_header in [false, true] {
         let dir = tempfile::tempdir().unwrap();
-        let config = || EngineConfig::default().memory_limit(512 * MIB).wal_sync(WalSync::PerBatch).flush_age(Duration::from_secs(3600)).table_flush_bytes(256 * MIB);
+        let config =
+            || EngineConfig::default().memory_limit(512 * MIB).wal_sync(WalSync::PerBatch).flush_age(Duration::from_secs(3600)).table_flush_bytes(256 * MIB);
         let engine = Engine::open(dir.path(), config()).unwrap();
         let t = engine.create_table("t", Arc::clone(&schema), &["k"]).unwrap();
         t.upsert(&RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int64Array::from(vec![-1i64])) as ArrayRef]).unwrap()).unwrap();

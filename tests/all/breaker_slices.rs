@@ -322,10 +322,8 @@ pub(crate) fn copy_dir(from: &Path, to: &Path) {
 }
 
 fn wal_files(dir: &Path) -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir(dir.join("wal")).map_or_else(
-        |_| Vec::new(),
-        |rd| rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect(),
-    );
+    let mut v: Vec<String> =
+        std::fs::read_dir(dir.join("wal")).map_or_else(|_| Vec::new(), |rd| rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect());
     v.sort();
     v
 }
@@ -625,11 +623,7 @@ fn crash_images_of_a_sliced_replay_resume_exactly() {
     let images = replay_images(src.path(), out.path(), &|| sliced(4 * MIB, 256 << 10), &models, 30);
     let (images, put, _) = pick(&images, &models, 3);
     assert!(put > 0, "no image with flushed_seq inside a put record");
-    resume_images(&images, &models, &[
-        ("4 MiB", &|| sliced(4 * MIB, 128 << 10)),
-        ("256 MiB", &big),
-        ("6 MiB", &|| small(6 * MIB)),
-    ]);
+    resume_images(&images, &models, &[("4 MiB", &|| sliced(4 * MIB, 128 << 10)), ("256 MiB", &big), ("6 MiB", &|| small(6 * MIB))]);
 }
 
 /// The same with a string key (`k`, `tag`: about 60 bytes a key), so a delete record is
@@ -642,10 +636,7 @@ fn crash_images_inside_delete_records_resume_exactly() {
     let images = replay_images(src.path(), out.path(), &|| sliced(8 * MIB, 128 << 10), &models, 40);
     let (images, put, del) = pick(&images, &models, 3);
     assert!(put > 0 && del > 0, "images inside puts {put}, inside deletes {del}");
-    resume_images(&images, &models, &[
-        ("8 MiB / 64 KiB", &|| sliced(8 * MIB, 64 << 10)),
-        ("8 MiB / 256 KiB", &|| sliced(8 * MIB, 256 << 10)),
-    ]);
+    resume_images(&images, &models, &[("8 MiB / 64 KiB", &|| sliced(8 * MIB, 64 << 10)), ("8 MiB / 256 KiB", &|| sliced(8 * MIB, 256 << 10))]);
 }
 
 /// Three tables whose big records interleave in the log (a string-keyed one among them):
@@ -1398,5 +1389,8 @@ fn relaxed_sync_close_leaves_no_wal() {
         engine.close().unwrap();
     }
     let after_reopens = wal_files(dir.path());
-    assert!(after_first.is_empty() && after_reopens.is_empty(), "WAL files left by the first close: {after_first:?}; after two reopens and closes: {after_reopens:?}");
+    assert!(
+        after_first.is_empty() && after_reopens.is_empty(),
+        "WAL files left by the first close: {after_first:?}; after two reopens and closes: {after_reopens:?}"
+    );
 }

@@ -62,8 +62,7 @@ fn table_dir(dir: &Path) -> PathBuf {
 }
 
 fn data_files(tdir: &Path) -> Vec<PathBuf> {
-    let mut fs: Vec<PathBuf> =
-        std::fs::read_dir(tdir).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|e| e == "parquet")).collect();
+    let mut fs: Vec<PathBuf> = std::fs::read_dir(tdir).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|e| e == "parquet")).collect();
     fs.sort();
     fs
 }
@@ -414,7 +413,7 @@ fn tight_limits_at_open_are_exact_or_a_memory_error() {
                     problems.push(format!("{limit}: reopened at 64 MiB with {n} rows"));
                 }
             }
-            other => problems.push(format!("{limit}: reopen at 64 MiB: {:?}", other.map(|r| r.map(|_| ()))))
+            other => problems.push(format!("{limit}: reopen at 64 MiB: {:?}", other.map(|r| r.map(|_| ())))),
         }
     }
     eprintln!("{outcomes:#?}");
@@ -561,7 +560,7 @@ fn relaxed_a_damaged_record_before_a_partial_one_is_a_torn_tail() {
         b[c_at + 8 + c_len / 2] ^= 0x10;
         match open_with_segment(src.path(), &name, &b, WalSync::Relaxed) {
             Ok(Ok(m)) if m == rows_of(2) => {}
-            other => problems.push(format!("{what}: {:?}", other.map(|x| x.map(|m| m.len()))))
+            other => problems.push(format!("{what}: {:?}", other.map(|x| x.map(|m| m.len())))),
         }
     }
     assert!(problems.is_empty(), "{problems:#?}");
@@ -615,7 +614,11 @@ fn damage_in_an_older_segment_is_corrupt_wal() {
     zeroed[l_at + l_len - 4096..].fill(0);
     let mut flipped = old.clone();
     flipped[l_at + l_len / 2] ^= 1;
-    for (what, bytes) in [("older segment cut", old[..l_at + l_len / 2].to_vec()), ("older segment's last page zeroed", zeroed), ("older segment's last record flipped", flipped)] {
+    for (what, bytes) in [
+        ("older segment cut", old[..l_at + l_len / 2].to_vec()),
+        ("older segment's last page zeroed", zeroed),
+        ("older segment's last record flipped", flipped),
+    ] {
         match open(&old_name, &bytes) {
             Ok(Err(Error::Storage(StorageError::CorruptWal { .. }))) => {}
             other => problems.push(format!("{what}: {other:?}")),
@@ -906,7 +909,8 @@ fn big_deletes_racing_close_are_all_or_nothing() {
 fn big_deletes_racing_drop_table() {
     let dir = tempfile::tempdir().unwrap();
     let engine = Engine::open(dir.path(), cfg(64 * MIB)).unwrap();
-    let baseline: Vec<(Category, usize)> = Category::ALL.iter().filter(|c| **c != Category::FreeChunks).map(|c| (*c, engine.memory().category_bytes(*c))).collect();
+    let baseline: Vec<(Category, usize)> =
+        Category::ALL.iter().filter(|c| **c != Category::FreeChunks).map(|c| (*c, engine.memory().category_bytes(*c))).collect();
     let t = engine.create_table("t", kv_schema(), &["k"]).unwrap();
     t.insert(&kv_batch(&(0..40_000).collect::<Vec<_>>(), 1, 10)).unwrap();
     t.flush().unwrap();
@@ -936,7 +940,8 @@ fn big_deletes_racing_drop_table() {
         }
     });
     drop(t);
-    let after: Vec<(Category, usize)> = Category::ALL.iter().filter(|c| **c != Category::FreeChunks).map(|c| (*c, engine.memory().category_bytes(*c))).collect();
+    let after: Vec<(Category, usize)> =
+        Category::ALL.iter().filter(|c| **c != Category::FreeChunks).map(|c| (*c, engine.memory().category_bytes(*c))).collect();
     if after != baseline {
         problems.push(format!("categories after the drop {after:?}, baseline {baseline:?}"));
     }

@@ -10,9 +10,8 @@ use crate::breaker_session13::records;
 use crate::breaker_slices::copy_dir;
 use crate::breaker_trial::{cfg, last_segment, panic_text, segments, try_open, try_read, wal_cfg};
 use arrow::array::{
-    Array, ArrayRef, AsArray, BinaryArray, BinaryViewArray, BooleanArray, Date32Array, Decimal128Array, Float64Array, Int16Array, Int32Array,
-    Int64Array, LargeBinaryArray, LargeStringArray, RecordBatch, StringArray, StringViewArray, Time64MicrosecondArray,
-    TimestampMillisecondArray, UInt64Array,
+    Array, ArrayRef, AsArray, BinaryArray, BinaryViewArray, BooleanArray, Date32Array, Decimal128Array, Float64Array, Int16Array, Int32Array, Int64Array,
+    LargeBinaryArray, LargeStringArray, RecordBatch, StringArray, StringViewArray, Time64MicrosecondArray, TimestampMillisecondArray, UInt64Array,
 };
 use arrow::datatypes::{DataType, Field, Int32Type, Int64Type, Schema, SchemaRef, TimeUnit};
 use gritdb::{CompareOp, Engine, Error, ScanFilter, ScanOptions, StorageError, Table, WalSync};
@@ -22,9 +21,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 const MIB: usize = 1 << 20;
-
-
-
 
 // =====================================================================================
 // 1. Key index rebuild at open: many key types, odd orders
@@ -135,7 +131,12 @@ impl KeyTable {
     }
 
     fn batch(&self, ks: &[i64], ver: i64, alt: bool) -> RecordBatch {
-        let cols = self.schema.fields().iter().map(|f| make_col(f.name(), f.data_type(), f.is_nullable() && !self.key.contains(&f.name().as_str()), ks, ver, alt)).collect();
+        let cols = self
+            .schema
+            .fields()
+            .iter()
+            .map(|f| make_col(f.name(), f.data_type(), f.is_nullable() && !self.key.contains(&f.name().as_str()), ks, ver, alt))
+            .collect();
         RecordBatch::try_new(self.schema.clone(), cols).unwrap()
     }
 
@@ -326,7 +327,10 @@ fn key_table_survives(kt: &KeyTable, seed: u64) {
         }
     }
     assert!(model.len() > 500, "model too small: {}", model.len());
-    assert!(max_files >= 2 && compactions >= 1, "the rounds should build several files and compact: max {max_files} files, {compactions} flushes that compacted");
+    assert!(
+        max_files >= 2 && compactions >= 1,
+        "the rounds should build several files and compact: max {max_files} files, {compactions} flushes that compacted"
+    );
     drop(t);
     engine.close().unwrap();
     // And once more from a clean close.
@@ -401,8 +405,6 @@ fn a_big_file_with_a_three_column_key_rebuilds_and_takes_big_writes_after_reopen
 // 2. WAL: a damaged record before part of the next one
 // =====================================================================================
 
-
-
 /// The five records of [`mixed_records`]: upsert 0..10 (v1), upsert 10..20 (v2), delete
 /// 0..5, upsert 20..30 (v4), upsert 5..15 (v5).
 const RECORDS: usize = 5;
@@ -442,7 +444,6 @@ fn mixed_records(dir: &Path, mode: WalSync) -> (std::ffi::OsString, Vec<u8>, Vec
     (seg.file_name().unwrap().to_owned(), data, recs)
 }
 
-
 #[derive(Debug)]
 pub(crate) enum Outcome {
     Rows(BTreeMap<i64, i64>),
@@ -475,7 +476,7 @@ pub(crate) fn open_with(src: &Path, name: &std::ffi::OsStr, bytes: &[u8], mode: 
             drop(engine);
             let engine = match try_open(d.path(), wal_cfg(mode)) {
                 Ok(Ok(e)) => e,
-                other => return Outcome::Other(format!("second open: {:?}", other.map(|x| x.map(|_| ()))))
+                other => return Outcome::Other(format!("second open: {:?}", other.map(|x| x.map(|_| ())))),
             };
             let t = engine.table("t").unwrap();
             let mut want = r.clone();
@@ -564,7 +565,11 @@ fn a_damaged_record_before_part_of_the_next_is_a_torn_tail_at_every_record() {
                     b[off] ^= 0x10;
                     match open_with(src.path(), &name, &b, mode, true) {
                         Outcome::Rows(m) if m == model_after(j) => {}
-                        o => problems.push(format!("{mode:?} record {j} {damage} damaged, then {what} of the next: {} (expected {} rows)", short(&o), model_after(j).len())),
+                        o => problems.push(format!(
+                            "{mode:?} record {j} {damage} damaged, then {what} of the next: {} (expected {} rows)",
+                            short(&o),
+                            model_after(j).len()
+                        )),
                     }
                 }
             }
@@ -714,7 +719,12 @@ fn a_record_with_its_length_and_ipc_metadata_length_damaged_before_whole_records
                     b[at + 8 + 29..at + 8 + 33].copy_from_slice(&meta.to_le_bytes());
                     match open_with(src.path(), &name, &b, mode, false) {
                         Outcome::Corrupt => {}
-                        o => problems.push(format!("{mode:?} record {j}: length {what}, IPC metadata length {mwhat}: {} (records {}..{} are whole after it)", short(&o), j + 1, RECORDS)),
+                        o => problems.push(format!(
+                            "{mode:?} record {j}: length {what}, IPC metadata length {mwhat}: {} (records {}..{} are whole after it)",
+                            short(&o),
+                            j + 1,
+                            RECORDS
+                        )),
                     }
                 }
             }
@@ -768,7 +778,9 @@ fn the_torn_tail_shape_in_an_older_segment_is_corrupt_wal() {
             std::fs::write(d.path().join("wal").join(&name), &b).unwrap();
             match try_open(d.path(), config()) {
                 Ok(Err(Error::Storage(StorageError::CorruptWal { .. }))) => {}
-                Ok(Ok(e)) => problems.push(format!("{mode:?} {what}: opened with {} rows of {}", e.table("t").unwrap().row_count().unwrap(), batches * per + per)),
+                Ok(Ok(e)) => {
+                    problems.push(format!("{mode:?} {what}: opened with {} rows of {}", e.table("t").unwrap().row_count().unwrap(), batches * per + per))
+                }
                 Ok(Err(e)) => problems.push(format!("{mode:?} {what}: {e}")),
                 Err(p) => problems.push(format!("{mode:?} {what}: panic {p}")),
             }
@@ -990,30 +1002,23 @@ fn wide_scans_touching(dir: &Path, w: &Widths, n: i64, limit: usize, touch: &[i6
                 (r, k, 0)
             },
         ),
-        (
-            "s is not null: k, s",
-            ScanOptions::default().projection(["k", "s"]).filter(ScanFilter::is_not_null("s")),
-            vec!["k", "s"],
-            {
-                let (r, k, _) = sum(&|k| (w.s)(k).is_some());
-                (r, k, 0)
-            },
-        ),
+        ("s is not null: k, s", ScanOptions::default().projection(["k", "s"]).filter(ScanFilter::is_not_null("s")), vec!["k", "s"], {
+            let (r, k, _) = sum(&|k| (w.s)(k).is_some());
+            (r, k, 0)
+        }),
         (
             "b is null and k < cut: v, k",
-            ScanOptions::default().projection(["v", "k"]).filter(ScanFilter::and([
-                ScanFilter::is_null("b"),
-                ScanFilter::compare("k", CompareOp::Lt, Arc::new(Int64Array::from(vec![cut]))),
-            ])),
+            ScanOptions::default()
+                .projection(["v", "k"])
+                .filter(ScanFilter::and([ScanFilter::is_null("b"), ScanFilter::compare("k", CompareOp::Lt, Arc::new(Int64Array::from(vec![cut])))])),
             vec!["v", "k"],
             sum(&|k| (w.b)(k).is_none() && k < cut),
         ),
         (
             "sv is not null or v = 7: b, k, v (filter column not projected)",
-            ScanOptions::default().projection(["b", "k", "v"]).filter(ScanFilter::or([
-                ScanFilter::is_not_null("sv"),
-                ScanFilter::compare("v", CompareOp::Eq, Arc::new(Int64Array::from(vec![7i64]))),
-            ])),
+            ScanOptions::default()
+                .projection(["b", "k", "v"])
+                .filter(ScanFilter::or([ScanFilter::is_not_null("sv"), ScanFilter::compare("v", CompareOp::Eq, Arc::new(Int64Array::from(vec![7i64])))])),
             vec!["b", "k", "v"],
             sum(&|k| (w.sv)(k).is_some() || version_of(k) == 7),
         ),
@@ -1083,7 +1088,11 @@ fn clusters_of_wide_values_among_narrow_ones_scan_at_16_mib() {
 /// values first).
 #[test]
 fn wide_values_first_then_narrow_ones_scan_exactly() {
-    let w = Widths { s: |k| Some(if k < 12 { 1 << 20 } else { 16 }), b: |k| Some(if k < 12 { 900_000 } else { 4 }), sv: |k| Some(if k < 12 { 700_000 } else { 20 }) };
+    let w = Widths {
+        s: |k| Some(if k < 12 { 1 << 20 } else { 16 }),
+        b: |k| Some(if k < 12 { 900_000 } else { 4 }),
+        sv: |k| Some(if k < 12 { 700_000 } else { 20 }),
+    };
     wide_case(&w, 100_000, true);
 }
 
@@ -1091,11 +1100,7 @@ fn wide_values_first_then_narrow_ones_scan_exactly() {
 /// 7,919, `sv` 600 KB every 5,003; the rest null.
 #[test]
 fn mostly_null_columns_with_a_few_wide_values_scan_exactly() {
-    let w = Widths {
-        s: |k| (k % 9_973 == 17).then_some(1 << 20),
-        b: |k| (k % 7_919 == 5).then_some(800_000),
-        sv: |k| (k % 5_003 == 1).then_some(600_000),
-    };
+    let w = Widths { s: |k| (k % 9_973 == 17).then_some(1 << 20), b: |k| (k % 7_919 == 5).then_some(800_000), sv: |k| (k % 5_003 == 1).then_some(600_000) };
     wide_case(&w, 150_000, true);
 }
 
@@ -1116,7 +1121,15 @@ fn a_wide_tail_in_binary_and_view_columns_scans_exactly() {
 #[test]
 fn alternating_blocks_of_narrow_and_wide_rows_scan_exactly() {
     let w = Widths {
-        s: |k| if k % 5 == 0 { None } else if (k / 1024) % 2 == 1 { Some(16 << 10) } else { Some(10) },
+        s: |k| {
+            if k % 5 == 0 {
+                None
+            } else if (k / 1024) % 2 == 1 {
+                Some(16 << 10)
+            } else {
+                Some(10)
+            }
+        },
         b: |_| None,
         sv: |k| if (k / 1024) % 2 == 0 && k % 7 == 0 { Some(2_000) } else { None },
     };
@@ -1202,7 +1215,8 @@ fn a_three_column_key_rebuild_at_small_limits_is_exact_or_a_memory_error() {
 #[test]
 fn a_key_naming_a_column_twice_is_refused_or_round_trips() {
     let dir = tempfile::tempdir().unwrap();
-    let schema = Arc::new(Schema::new(vec![Field::new("a", DataType::Int64, false), Field::new("s", DataType::Utf8, false), Field::new("v", DataType::Int64, false)]));
+    let schema =
+        Arc::new(Schema::new(vec![Field::new("a", DataType::Int64, false), Field::new("s", DataType::Utf8, false), Field::new("v", DataType::Int64, false)]));
     let engine = Engine::open(dir.path(), cfg(64 * MIB)).unwrap();
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.create_table("t", schema.clone(), &["s", "a", "s"])));
     let t = match r {
@@ -1233,7 +1247,6 @@ fn a_key_naming_a_column_twice_is_refused_or_round_trips() {
     assert_eq!(t.row_count().unwrap(), 50);
     assert!(matches!(t.insert(&batch(&[7], 2)), Err(Error::KeyExists { .. })), "stored key after reopen");
 }
-
 
 /// The clusters table written with 4 MiB deltas (many files, merged by compaction), then at
 /// each of 8, 16 and 32 MiB: 30 rows upserted again (wide and narrow ones, now in the

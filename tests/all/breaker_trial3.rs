@@ -8,8 +8,7 @@ use crate::breaker_trial::{cfg, last_segment, try_open, wal_cfg};
 use crate::breaker_trial2::{Outcome, open_with};
 use crate::scan_memory::wide_and_fillers;
 use arrow::array::{
-    ArrayRef, AsArray, BinaryArray, BooleanArray, Decimal128Array, Float64Array, Int32Array, Int64Array, LargeStringArray, RecordBatch,
-    UInt8Array,
+    ArrayRef, AsArray, BinaryArray, BooleanArray, Decimal128Array, Float64Array, Int32Array, Int64Array, LargeStringArray, RecordBatch, UInt8Array,
 };
 use arrow::datatypes::{DataType, Field, Int64Type, Schema, SchemaRef};
 use gritdb::memory::Category;
@@ -223,7 +222,9 @@ fn a_stretched_ipc_length_in_a_record_before_the_last_is_corrupt_wal() {
                 cases += 1;
                 match open_kv(src.path(), &name, &d, mode) {
                     Outcome::Corrupt => {}
-                    Outcome::Rows(m) => problems.push(format!("{mode:?} length {lwhat} + {what}: {} rows replayed (record 2 lost: {})", m.len(), m == rows_of(1))),
+                    Outcome::Rows(m) => {
+                        problems.push(format!("{mode:?} length {lwhat} + {what}: {} rows replayed (record 2 lost: {})", m.len(), m == rows_of(1)))
+                    }
                     Outcome::Other(s) => problems.push(format!("{mode:?} length {lwhat} + {what}: {s}")),
                 }
             }
@@ -325,7 +326,11 @@ fn a_wide_record_torn_anywhere_replays_the_records_before_it() {
             Arc::new(Int32Array::from((0..n).map(|i| (i % 4 != 1).then_some(i as i32 * 7)).collect::<Vec<_>>())),
             Arc::new(Float64Array::from((0..n).map(|i| Some(i as f64 / 3.0)).collect::<Vec<_>>())),
             Arc::new(Decimal128Array::from((0..n).map(|i| Some(i as i128 * 1001)).collect::<Vec<_>>()).with_precision_and_scale(18, 3).unwrap()),
-            Arc::new(Decimal128Array::from((0..n).map(|i| (i % 5 != 0).then_some(i as i128 * 10i128.pow(30))).collect::<Vec<_>>()).with_precision_and_scale(38, 5).unwrap()),
+            Arc::new(
+                Decimal128Array::from((0..n).map(|i| (i % 5 != 0).then_some(i as i128 * 10i128.pow(30))).collect::<Vec<_>>())
+                    .with_precision_and_scale(38, 5)
+                    .unwrap(),
+            ),
             Arc::new(LargeStringArray::from((0..n).map(|i| Some(format!("large {i} {ver}"))).collect::<Vec<_>>())),
             Arc::new(BinaryArray::from((0..n).map(|i| Some(if i % 2 == 0 { blob } else { &b"x"[..] })).collect::<Vec<_>>())),
         ];
@@ -459,7 +464,10 @@ fn wide_many_row_group_files_scan_at_small_limits_and_release_everything() {
         for (what, opts) in [
             ("full", ScanOptions::default()),
             ("projected", ScanOptions::default().projection(["k", "c7"])),
-            ("filtered", ScanOptions::default().filter(gritdb::ScanFilter::compare("k", gritdb::CompareOp::GtEq, Arc::new(Int64Array::from(vec![ROWS - 5_000]))))),
+            (
+                "filtered",
+                ScanOptions::default().filter(gritdb::ScanFilter::compare("k", gritdb::CompareOp::GtEq, Arc::new(Int64Array::from(vec![ROWS - 5_000])))),
+            ),
         ] {
             let want = if what == "filtered" { 5_000 } else { ROWS as usize };
             let mut rows = 0usize;

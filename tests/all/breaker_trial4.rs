@@ -7,9 +7,8 @@
 //! extreme configuration values and stray files in the table directory.
 
 use arrow::array::{
-    Array, ArrayRef, AsArray, BinaryArray, BinaryViewArray, BooleanArray, Decimal128Array, DictionaryArray, Int64Array,
-    LargeBinaryArray, LargeStringArray, RecordBatch, StringArray, StringViewArray, TimestampMicrosecondArray, UInt8Array,
-    UInt16Array, UInt32Array, UInt64Array,
+    Array, ArrayRef, AsArray, BinaryArray, BinaryViewArray, BooleanArray, Decimal128Array, DictionaryArray, Int64Array, LargeBinaryArray, LargeStringArray,
+    RecordBatch, StringArray, StringViewArray, TimestampMicrosecondArray, UInt8Array, UInt16Array, UInt32Array, UInt64Array,
 };
 use arrow::datatypes::{DataType, Field, Fields, Int32Type, IntervalUnit, Schema, SchemaRef, TimeUnit};
 use arrow::util::display::{ArrayFormatter, FormatOptions};
@@ -330,10 +329,13 @@ fn unsigned_filters_and_keys_across_the_sign_bit_are_exact() {
     let engine = open(dir.path());
     let t = engine.create_table("t", Arc::clone(&s), &["u"]).unwrap();
     for (i, r) in ranges.iter().enumerate() {
-        let part: Vec<(u64, u32, u16, u8)> = r.iter().map(|&u| {
-            let w = map_w(u, i);
-            (u, w, (w >> 16) as u16 ^ (w as u16), (w as u8) ^ ((w >> 24) as u8))
-        }).collect();
+        let part: Vec<(u64, u32, u16, u8)> = r
+            .iter()
+            .map(|&u| {
+                let w = map_w(u, i);
+                (u, w, (w >> 16) as u16 ^ (w as u16), (w as u8) ^ ((w >> 24) as u8))
+            })
+            .collect();
         t.insert(&batch(
             &s,
             vec![
@@ -374,7 +376,15 @@ fn unsigned_filters_and_keys_across_the_sign_bit_are_exact() {
         assert_eq!(n, rows.len(), "{when}");
         // Every key exists for insert and update.
         for &(u, ..) in &rows {
-            let b = batch(&s, vec![Arc::new(UInt64Array::from(vec![u])), Arc::new(UInt32Array::from(vec![0])), Arc::new(UInt16Array::from(vec![0])), Arc::new(UInt8Array::from(vec![0]))]);
+            let b = batch(
+                &s,
+                vec![
+                    Arc::new(UInt64Array::from(vec![u])),
+                    Arc::new(UInt32Array::from(vec![0])),
+                    Arc::new(UInt16Array::from(vec![0])),
+                    Arc::new(UInt8Array::from(vec![0])),
+                ],
+            );
             assert!(matches!(t.insert(&b), Err(Error::KeyExists { .. })), "{when}: key {u} not found by insert");
         }
     };
@@ -419,12 +429,7 @@ fn decimal_filters_with_negatives_and_extremes_are_exact() {
         };
         t.insert(&batch(
             &s,
-            vec![
-                Arc::new(Int64Array::from((k..k + part.len() as i64).collect::<Vec<_>>())),
-                col(&|r| r.0, 38, 4),
-                col(&|r| r.1, 18, 0),
-                col(&|r| r.2, 9, 2),
-            ],
+            vec![Arc::new(Int64Array::from((k..k + part.len() as i64).collect::<Vec<_>>())), col(&|r| r.0, 38, 4), col(&|r| r.1, 18, 0), col(&|r| r.2, 9, 2)],
         ))
         .unwrap();
         k += part.len() as i64;
@@ -437,11 +442,7 @@ fn decimal_filters_with_negatives_and_extremes_are_exact() {
         probes.extend([0, -2, 2, -(1 << 64), 1 << 70]);
         for &p in &probes {
             for op in OPS {
-                for (col, m, pr, sc, sel) in [
-                    ("d38", m38, 38u8, 4i8, 0usize),
-                    ("d18", m18, 18, 0, 1),
-                    ("d9", m9, 9, 2, 2),
-                ] {
+                for (col, m, pr, sc, sel) in [("d38", m38, 38u8, 4i8, 0usize), ("d18", m18, 18, 0, 1), ("d9", m9, 9, 2, 2)] {
                     let pv = p.clamp(-m, m);
                     let want = rows.iter().filter(|r| holds(op, &[r.0, r.1, r.2][sel], &pv)).count();
                     let got = count(t, ScanFilter::compare(col, op, Arc::new(d(pv, m, pr, sc))));
@@ -497,10 +498,7 @@ fn empty_strings_and_empty_binaries_are_values_not_nulls() {
     let mkk = |keys: &[(&str, &[u8])]| {
         RecordBatch::try_new(
             schema(vec![Field::new("ks", DataType::Utf8, false), Field::new("kb", DataType::Binary, false)]),
-            vec![
-                Arc::new(StringArray::from_iter_values(keys.iter().map(|k| k.0))),
-                Arc::new(BinaryArray::from_iter_values(keys.iter().map(|k| k.1))),
-            ],
+            vec![Arc::new(StringArray::from_iter_values(keys.iter().map(|k| k.0))), Arc::new(BinaryArray::from_iter_values(keys.iter().map(|k| k.1)))],
         )
         .unwrap()
     };
@@ -585,7 +583,12 @@ fn sliced_boolean_and_view_key_batches_at_odd_offsets() {
     let name = |i: usize| if i % 3 == 0 { format!("n{i}") } else { format!("a-rather-long-name-beyond-twelve-bytes-{i}") };
     let row = |i: usize, generation: usize| -> Row {
         let bv = (i + generation) % 4 != 0;
-        (i % 2 == 0, name(i / 2), bv.then(|| vec![(i + generation) as u8; (i * 7 + generation) % 40]), ((i + generation) % 5 != 0).then_some((i + generation) % 3 == 0))
+        (
+            i % 2 == 0,
+            name(i / 2),
+            bv.then(|| vec![(i + generation) as u8; (i * 7 + generation) % 40]),
+            ((i + generation) % 5 != 0).then_some((i + generation) % 3 == 0),
+        )
     };
     let mk = |rows: &[Row]| {
         batch(
@@ -1061,7 +1064,8 @@ fn zero_column_projection_with_filters_counts_exactly() {
     ];
     for (f, pred) in &filters {
         let want = model.iter().filter(|(k, v)| pred(**k, **v)).count();
-        let batches: Vec<RecordBatch> = t.scan(ScanOptions::default().projection(Vec::<String>::new()).filter(f.clone())).unwrap().map(Result::unwrap).collect();
+        let batches: Vec<RecordBatch> =
+            t.scan(ScanOptions::default().projection(Vec::<String>::new()).filter(f.clone())).unwrap().map(Result::unwrap).collect();
         assert!(batches.iter().all(|b| b.num_columns() == 0), "{f}");
         assert_eq!(batches.iter().map(RecordBatch::num_rows).sum::<usize>(), want, "{f}: empty projection");
         assert_eq!(count(&t, f.clone()), want, "{f}: key projection");
@@ -1168,15 +1172,13 @@ fn extreme_configuration_values_are_config_errors_or_work() {
     let mut bad = Vec::new();
     for (what, tweak) in cases {
         let dir = tempfile::tempdir().unwrap();
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            match Engine::open(dir.path(), tweak(cfg(64 * MIB))) {
-                Err(Error::Config(_)) => "config error".to_owned(),
-                Err(e) => format!("unexpected error {e:?}"),
-                Ok(engine) => {
-                    workload(&engine, "t");
-                    engine.close().unwrap();
-                    "ok".to_owned()
-                }
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match Engine::open(dir.path(), tweak(cfg(64 * MIB))) {
+            Err(Error::Config(_)) => "config error".to_owned(),
+            Err(e) => format!("unexpected error {e:?}"),
+            Ok(engine) => {
+                workload(&engine, "t");
+                engine.close().unwrap();
+                "ok".to_owned()
             }
         }));
         match r {
@@ -1328,7 +1330,8 @@ fn huge_batch_rows_for_scans_and_exports_are_exact() {
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| t.export_parquet_with(&path, o)));
         let stats = r.unwrap_or_else(|p| panic!("export {i}: {}", crate::breaker_trial::panic_text(&*p))).unwrap();
         let _ = stats;
-        let reader = gritdb::parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(std::fs::File::open(&path).unwrap()).unwrap().build().unwrap();
+        let reader =
+            gritdb::parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(std::fs::File::open(&path).unwrap()).unwrap().build().unwrap();
         let mut got = BTreeMap::new();
         for b in reader {
             let b = b.unwrap();
@@ -1458,7 +1461,11 @@ fn sliced_and_null_filter_literals_compare_by_their_own_value() {
                 Arc::new(StringArray::from_iter_values(strs[range.clone()].iter())),
                 Arc::new(StringViewArray::from_iter_values(strs[range.clone()].iter())),
                 Arc::new(BooleanArray::from(keys[range.clone()].iter().map(|k| k % 3 == 0).collect::<Vec<_>>())),
-                Arc::new(Decimal128Array::from(keys[range].iter().map(|k| i128::from(*k) * 1000 - 150_000).collect::<Vec<_>>()).with_precision_and_scale(20, 3).unwrap()),
+                Arc::new(
+                    Decimal128Array::from(keys[range].iter().map(|k| i128::from(*k) * 1000 - 150_000).collect::<Vec<_>>())
+                        .with_precision_and_scale(20, 3)
+                        .unwrap(),
+                ),
             ],
         )
     };
@@ -1470,10 +1477,16 @@ fn sliced_and_null_filter_literals_compare_by_their_own_value() {
         let lits: Vec<(&str, ArrayRef, ArrayRef, Box<dyn Fn(usize) -> std::cmp::Ordering>)> = vec![
             ("k", ar(Int64Array::from(keys.clone())).slice(p, 1), ar(Int64Array::from(vec![None::<i64>, Some(5)])).slice(0, 1), Box::new(move |i| i.cmp(&p))),
             ("s", ar(StringArray::from_iter_values(strs.iter())).slice(p, 1), ar(StringArray::from(vec![None::<&str>])), Box::new(move |i| i.cmp(&p))),
-            ("sv", ar(StringViewArray::from_iter_values(strs.iter())).slice(p, 1), ar(StringViewArray::from(vec![Some("x"), None])).slice(1, 1), Box::new(move |i| i.cmp(&p))),
+            (
+                "sv",
+                ar(StringViewArray::from_iter_values(strs.iter())).slice(p, 1),
+                ar(StringViewArray::from(vec![Some("x"), None])).slice(1, 1),
+                Box::new(move |i| i.cmp(&p)),
+            ),
             (
                 "d",
-                ar(Decimal128Array::from(keys.iter().map(|k| i128::from(*k) * 1000 - 150_000).collect::<Vec<_>>()).with_precision_and_scale(20, 3).unwrap()).slice(p, 1),
+                ar(Decimal128Array::from(keys.iter().map(|k| i128::from(*k) * 1000 - 150_000).collect::<Vec<_>>()).with_precision_and_scale(20, 3).unwrap())
+                    .slice(p, 1),
                 ar(Decimal128Array::from(vec![Some(1), None]).with_precision_and_scale(20, 3).unwrap()).slice(1, 1),
                 Box::new(move |i| i.cmp(&p)),
             ),

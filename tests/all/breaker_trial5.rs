@@ -13,9 +13,7 @@
 //!   tables dropped mid-stream.
 //! - (`gritdb-soak` bad command lines: moved to `soak/tests/cli.rs`.)
 
-use arrow::array::{
-    Array, ArrayRef, AsArray, BooleanArray, Date32Array, Decimal128Array, Int32Array, Int64Array, RecordBatch, StringArray, UInt64Array,
-};
+use arrow::array::{Array, ArrayRef, AsArray, BooleanArray, Date32Array, Decimal128Array, Int32Array, Int64Array, RecordBatch, StringArray, UInt64Array};
 use arrow::datatypes::{DataType, Field, Int64Type, Schema, SchemaRef, UInt64Type};
 use gritdb::memory::Category;
 use gritdb::vfs::{FaultFs, Vfs, VfsFile};
@@ -66,7 +64,14 @@ impl LossyFs {
         self.with(|s| s.failures)
     }
     fn armed(&self) -> bool {
-        self.with(|s| s.sync_fail.is_some() || s.short_write.is_some() || s.dir_sync_fail_after.is_some() || s.rename_lie.is_some() || s.wal_dir_sync_fail || s.armed_dir_fail)
+        self.with(|s| {
+            s.sync_fail.is_some()
+                || s.short_write.is_some()
+                || s.dir_sync_fail_after.is_some()
+                || s.rename_lie.is_some()
+                || s.wal_dir_sync_fail
+                || s.armed_dir_fail
+        })
     }
 }
 
@@ -220,11 +225,7 @@ impl Vfs for LossyFs {
 type Model = BTreeMap<i64, (i64, String)>;
 
 fn kv_schema() -> SchemaRef {
-    Arc::new(Schema::new(vec![
-        Field::new("k", DataType::Int64, false),
-        Field::new("v", DataType::Int64, true),
-        Field::new("s", DataType::Utf8, true),
-    ]))
+    Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", DataType::Int64, true), Field::new("s", DataType::Utf8, true)]))
 }
 
 fn val(k: i64, ver: i64) -> (i64, String) {
@@ -458,7 +459,8 @@ fn a_short_write_of_the_manifest_then_crash_or_retry_reopens_exactly() {
         assert_io(&e, &format!("cut {cut}"));
         assert_eq!(fs.failures(), 1);
         let tdir = std::fs::read_dir(dir.path().join("tables")).unwrap().flatten().next().unwrap().path();
-        let tmps: Vec<String> = std::fs::read_dir(&tdir).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.ends_with(".tmp")).collect();
+        let tmps: Vec<String> =
+            std::fs::read_dir(&tdir).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.ends_with(".tmp")).collect();
         assert!(tmps.is_empty(), "cut {cut}: temp files left: {tmps:?}");
         assert_eq!(read(&t), m);
         if !crash_first {
@@ -981,7 +983,10 @@ fn sql_typed_predicates_over_files_dvs_and_deltas_match_the_model() {
         ("SELECT max(s) FROM t", smax.clone()),
         ("SELECT count(*) FROM (SELECT id FROM t LIMIT 50 OFFSET 2600)", (n - 2600).clamp(0, 50).to_string()),
         ("SELECT count(*) FROM (SELECT id FROM t WHERE i32 > 0 LIMIT 7)", 7.to_string()),
-        ("SELECT count(*) FROM t WHERE id IN (0, 1, 2, 3, 7, 3000, 3003)", [0i64, 1, 2, 3, 7, 3000, 3003].iter().filter(|i| m.contains_key(i)).count().to_string()),
+        (
+            "SELECT count(*) FROM t WHERE id IN (0, 1, 2, 3, 7, 3000, 3003)",
+            [0i64, 1, 2, 3, 7, 3000, 3003].iter().filter(|i| m.contains_key(i)).count().to_string(),
+        ),
         ("SELECT CAST(rows AS BIGINT) FROM gritdb_tables WHERE name = 't'", n.to_string()),
         ("SELECT count(DISTINCT s) FROM t", m.values().filter_map(|r| r.s.clone()).collect::<std::collections::BTreeSet<_>>().len().to_string()),
     ];
@@ -1146,7 +1151,10 @@ fn sql_joins_of_two_layered_tables_match_the_model() {
         let ob = |keys: &[i64], ver: i64| {
             RecordBatch::try_new(
                 Arc::clone(&o_schema),
-                vec![Arc::new(Int64Array::from(keys.to_vec())) as ArrayRef, Arc::new(Int64Array::from(keys.iter().map(|k| (k * 7 + ver) % 101).collect::<Vec<_>>()))],
+                vec![
+                    Arc::new(Int64Array::from(keys.to_vec())) as ArrayRef,
+                    Arc::new(Int64Array::from(keys.iter().map(|k| (k * 7 + ver) % 101).collect::<Vec<_>>())),
+                ],
             )
             .unwrap()
         };
@@ -1171,7 +1179,11 @@ fn sql_joins_of_two_layered_tables_match_the_model() {
         l.flush().unwrap();
         // Deletion vectors on both, then updates into the deltas.
         let od: Vec<i64> = (0..20_000).step_by(17).collect();
-        let odk = RecordBatch::try_new(Arc::new(Schema::new(vec![Field::new("okey", DataType::Int64, false)])), vec![Arc::new(Int64Array::from(od.clone())) as ArrayRef]).unwrap();
+        let odk = RecordBatch::try_new(
+            Arc::new(Schema::new(vec![Field::new("okey", DataType::Int64, false)])),
+            vec![Arc::new(Int64Array::from(od.clone())) as ArrayRef],
+        )
+        .unwrap();
         o.delete(&odk).unwrap();
         for k in &od {
             om.remove(k);
@@ -1179,7 +1191,10 @@ fn sql_joins_of_two_layered_tables_match_the_model() {
         let ld: Vec<(i64, i64)> = lkeys.iter().copied().filter(|k| (k.0 + k.1) % 11 == 0).collect();
         let ldk = RecordBatch::try_new(
             Arc::new(Schema::new(vec![Field::new("okey", DataType::Int64, false), Field::new("line", DataType::Int64, false)])),
-            vec![Arc::new(Int64Array::from(ld.iter().map(|k| k.0).collect::<Vec<_>>())) as ArrayRef, Arc::new(Int64Array::from(ld.iter().map(|k| k.1).collect::<Vec<_>>()))],
+            vec![
+                Arc::new(Int64Array::from(ld.iter().map(|k| k.0).collect::<Vec<_>>())) as ArrayRef,
+                Arc::new(Int64Array::from(ld.iter().map(|k| k.1).collect::<Vec<_>>())),
+            ],
         )
         .unwrap();
         l.delete(&ldk).unwrap();
@@ -1395,7 +1410,8 @@ fn sql_limit_lowered_under_a_running_sort_is_exact_or_typed_and_releases_everyth
         push(&first, &mut keys);
         drop(first);
         let mut err = None;
-        while let Some(b) = tokio::time::timeout(Duration::from_secs(120), next_batch(&mut s)).await.expect("the sort stream hangs after the limit was lowered") {
+        while let Some(b) = tokio::time::timeout(Duration::from_secs(120), next_batch(&mut s)).await.expect("the sort stream hangs after the limit was lowered")
+        {
             match b {
                 Ok(b) => push(&b, &mut keys),
                 Err(e) => {
@@ -1422,4 +1438,3 @@ fn sql_limit_lowered_under_a_running_sort_is_exact_or_typed_and_releases_everyth
     t.insert(&kv(n..n + 10, 1)).unwrap();
     assert_eq!(t.row_count().unwrap(), (n + 10) as u64);
 }
-

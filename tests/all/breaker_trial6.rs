@@ -256,7 +256,11 @@ fn predicates() -> Vec<(&'static str, ScanFilter, Pred)> {
             ]),
             Box::new(|k, _, _| bin_of(k).is_some_and(|b| b.as_slice() >= &b"8"[..]) && dec_of(k).is_some_and(|d| d < 50_000_000)),
         ),
-        ("dec IS NULL OR bin IS NULL", ScanFilter::or([ScanFilter::is_null("dec"), ScanFilter::is_null("bin")]), Box::new(|k, _, _| dec_of(k).is_none() || bin_of(k).is_none())),
+        (
+            "dec IS NULL OR bin IS NULL",
+            ScanFilter::or([ScanFilter::is_null("dec"), ScanFilter::is_null("bin")]),
+            Box::new(|k, _, _| dec_of(k).is_none() || bin_of(k).is_none()),
+        ),
         ("AND() (true)", ScanFilter::and([]), Box::new(|_, _, _| true)),
         ("OR() (false)", ScanFilter::or([]), Box::new(|_, _, _| false)),
     ]
@@ -548,7 +552,11 @@ fn small_schema() -> SchemaRef {
 }
 
 fn small(keys: std::ops::Range<i64>) -> RecordBatch {
-    RecordBatch::try_new(small_schema(), vec![Arc::new(Int64Array::from_iter_values(keys.clone())), Arc::new(Int64Array::from_iter_values(keys.map(|k| k * 2)))]).unwrap()
+    RecordBatch::try_new(
+        small_schema(),
+        vec![Arc::new(Int64Array::from_iter_values(keys.clone())), Arc::new(Int64Array::from_iter_values(keys.map(|k| k * 2)))],
+    )
+    .unwrap()
 }
 
 fn small_sum(t: &Table) -> (usize, i64) {
@@ -830,7 +838,11 @@ fn kv_read(t: &Table) -> KvModel {
 }
 
 fn kv_put(t: &Table, m: &mut KvModel, keys: std::ops::Range<i64>, ver: i64) {
-    let b = RecordBatch::try_new(small_schema(), vec![Arc::new(Int64Array::from_iter_values(keys.clone())), Arc::new(Int64Array::from_iter_values(keys.clone().map(|k| k * 10 + ver)))]).unwrap();
+    let b = RecordBatch::try_new(
+        small_schema(),
+        vec![Arc::new(Int64Array::from_iter_values(keys.clone())), Arc::new(Int64Array::from_iter_values(keys.clone().map(|k| k * 10 + ver)))],
+    )
+    .unwrap();
     t.upsert(&b).unwrap();
     for k in keys {
         m.insert(k, k * 10 + ver);

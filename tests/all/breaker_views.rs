@@ -134,10 +134,12 @@ fn view_columns_survive_crash_and_replay_with_types() {
         t.insert(&whole.slice(700, 1_100)).unwrap();
         model.extend(wide[700..1_800].iter().cloned());
         // Upserts over flushed rows, in a sliced big batch, and all-null value columns.
-        let up: Vec<_> = (2_000..3_500).map(|k| {
-            let (key, _) = vrow(k, "x");
-            (key, (None, None, None, None))
-        }).collect();
+        let up: Vec<_> = (2_000..3_500)
+            .map(|k| {
+                let (key, _) = vrow(k, "x");
+                (key, (None, None, None, None))
+            })
+            .collect();
         t.upsert(&vbatch(&up)).unwrap();
         model.extend(up.iter().cloned());
         let up2: Vec<_> = (100..1_300).map(|k| vrow(k, "up2")).collect();
@@ -208,12 +210,8 @@ fn binary_view_key_only_views_crash() {
     {
         let engine = Engine::open(dir.path(), vconfig()).unwrap();
         let t = engine.create_table("b", Arc::clone(&schema), &["k"]).unwrap();
-        let rows: Vec<(Vec<u8>, Option<String>)> = vec![
-            (vec![], Some(String::new())),
-            (vec![0; 12], Some("x".repeat(12))),
-            (vec![0; 13], Some("y".repeat(13))),
-            (vec![0xff; 11], None),
-        ];
+        let rows: Vec<(Vec<u8>, Option<String>)> =
+            vec![(vec![], Some(String::new())), (vec![0; 12], Some("x".repeat(12))), (vec![0; 13], Some("y".repeat(13))), (vec![0xff; 11], None)];
         for r in &rows {
             t.insert(&mk(std::slice::from_ref(r))).unwrap();
             model.insert(r.0.clone(), r.1.clone());
@@ -259,11 +257,8 @@ fn binary_view_key_only_views_crash() {
 /// tombstones over flushed rows, and 300,000 rows (map growth).
 #[test]
 fn fixed_width_table_matches_model() {
-    let schema = Arc::new(Schema::new(vec![
-        Field::new("k", DataType::Int64, false),
-        Field::new("a", DataType::Int32, true),
-        Field::new("f", DataType::Float64, false),
-    ]));
+    let schema =
+        Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("a", DataType::Int32, true), Field::new("f", DataType::Float64, false)]));
     let mk = |rows: &[(i64, Option<i32>, f64)]| {
         RecordBatch::try_new(
             Arc::clone(&schema),
@@ -276,7 +271,8 @@ fn fixed_width_table_matches_model() {
         .unwrap()
     };
     let keys = |ks: &[i64]| {
-        RecordBatch::try_new(Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false)])), vec![Arc::new(Int64Array::from(ks.to_vec())) as ArrayRef]).unwrap()
+        RecordBatch::try_new(Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false)])), vec![Arc::new(Int64Array::from(ks.to_vec())) as ArrayRef])
+            .unwrap()
     };
     let dir = tempfile::tempdir().unwrap();
     let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(256 << 20).flush_age(Duration::from_hours(1))).unwrap();
@@ -286,7 +282,11 @@ fn fixed_width_table_matches_model() {
         let mut out = BTreeMap::new();
         for b in t.scan(ScanOptions::default()).unwrap() {
             let b = b.unwrap();
-            let (k, a, f) = (b.column(0).as_primitive::<arrow::datatypes::Int64Type>(), b.column(1).as_primitive::<arrow::datatypes::Int32Type>(), b.column(2).as_primitive::<arrow::datatypes::Float64Type>());
+            let (k, a, f) = (
+                b.column(0).as_primitive::<arrow::datatypes::Int64Type>(),
+                b.column(1).as_primitive::<arrow::datatypes::Int32Type>(),
+                b.column(2).as_primitive::<arrow::datatypes::Float64Type>(),
+            );
             for i in 0..b.num_rows() {
                 assert!(out.insert(k.value(i), (a.is_valid(i).then(|| a.value(i)), f.value(i).to_bits())).is_none());
             }
@@ -355,7 +355,11 @@ fn variable_length_only_table_matches_model() {
         .unwrap()
     };
     let keys = |ks: &[String]| {
-        RecordBatch::try_new(Arc::new(Schema::new(vec![Field::new("k", DataType::Utf8, false)])), vec![Arc::new(StringArray::from_iter_values(ks.iter().map(String::as_str))) as ArrayRef]).unwrap()
+        RecordBatch::try_new(
+            Arc::new(Schema::new(vec![Field::new("k", DataType::Utf8, false)])),
+            vec![Arc::new(StringArray::from_iter_values(ks.iter().map(String::as_str))) as ArrayRef],
+        )
+        .unwrap()
     };
     let collect = |t: &gritdb::Table| {
         let mut out = BTreeMap::new();
@@ -381,12 +385,19 @@ fn variable_length_only_table_matches_model() {
     t.flush().unwrap();
     for round in 0..40usize {
         // Each round changes every value's length (longer, shorter, null, empty).
-        let rows: Vec<_> = (0..2_000).map(|k| (key(k * 3), match round % 4 {
-            0 => None,
-            1 => Some(String::new()),
-            2 => Some("L".repeat(300 + round)),
-            _ => Some("s".repeat(round)),
-        })).collect();
+        let rows: Vec<_> = (0..2_000)
+            .map(|k| {
+                (
+                    key(k * 3),
+                    match round % 4 {
+                        0 => None,
+                        1 => Some(String::new()),
+                        2 => Some("L".repeat(300 + round)),
+                        _ => Some("s".repeat(round)),
+                    },
+                )
+            })
+            .collect();
         t.upsert(&mk(&rows)).unwrap();
         model.extend(rows);
         if round % 10 == 9 {
@@ -423,11 +434,8 @@ fn frows(from: i64, n: i64, tag: &str) -> Vec<(String, VRow)> {
 fn flush_threads_settings_under_tiny_limit() {
     for (fg, bg) in [(0, 0), (1, 1), (2, 2), (3, 3), (64, 64), (1, 64), (64, 1)] {
         let dir = tempfile::tempdir().unwrap();
-        let config = EngineConfig::default()
-            .memory_limit(12 << 20)
-            .flush_threads(fg)
-            .background_flush_threads(bg)
-            .backpressure_timeout(Duration::from_secs(60));
+        let config =
+            EngineConfig::default().memory_limit(12 << 20).flush_threads(fg).background_flush_threads(bg).backpressure_timeout(Duration::from_secs(60));
         let engine = Engine::open(dir.path(), config).unwrap();
         let base: Vec<usize> = Category::ALL.iter().map(|c| engine.memory().category_bytes(*c)).collect();
         let t = engine.create_table("t", view_schema(), &["k"]).unwrap();

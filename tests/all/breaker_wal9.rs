@@ -16,8 +16,7 @@
 //! table churn still flushes everything and loses nothing.
 
 use arrow::array::{
-    Array, ArrayRef, AsArray, BinaryArray, BinaryViewArray, BinaryViewBuilder, BooleanArray, Int64Array, RecordBatch,
-    StringViewArray, UInt32Array,
+    Array, ArrayRef, AsArray, BinaryArray, BinaryViewArray, BinaryViewBuilder, BooleanArray, Int64Array, RecordBatch, StringViewArray, UInt32Array,
 };
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use gritdb::{BackgroundPriority, Engine, EngineConfig, Error, ScanOptions, Table, WalSync};
@@ -329,7 +328,9 @@ fn binary_view_key_non_utf8_replays() {
     // 1-byte keys only for k < 256 distinct: keep k % 4 == 2 keys below 256.
     let keys_of = |from: usize, n: usize| -> Vec<usize> { (from..from + n).filter(|k| k % 4 != 2 || *k < 256).collect() };
     type BModel = BTreeMap<Vec<u8>, (String, Option<Vec<u8>>)>;
-    let row = |k: usize, tag: usize| (bkey(k), (utf(k + tag, LENS[(k + tag) % LENS.len()]), (k % 3 != 0).then(|| raw(k * 7 + tag, LENS[(k + 2 * tag) % LENS.len()]))));
+    let row = |k: usize, tag: usize| {
+        (bkey(k), (utf(k + tag, LENS[(k + tag) % LENS.len()]), (k % 3 != 0).then(|| raw(k * 7 + tag, LENS[(k + 2 * tag) % LENS.len()]))))
+    };
     let batch = |rows: &[(Vec<u8>, (String, Option<Vec<u8>>))], mode: usize| {
         let k: Vec<Option<Vec<u8>>> = rows.iter().map(|r| Some(r.0.clone())).collect();
         let s: Vec<Option<String>> = rows.iter().map(|r| Some(r.1.0.clone())).collect();
@@ -500,21 +501,13 @@ const SCHED_BATCH: u32 = 3;
 const SCHED_IDLE: u32 = 5;
 
 fn prio_config(p: BackgroundPriority, limit: usize) -> EngineConfig {
-    EngineConfig::default()
-        .memory_limit(limit)
-        .background_priority(p)
-        .backpressure_timeout(Duration::from_secs(15))
-        .flush_age(Duration::from_secs(3600))
+    EngineConfig::default().memory_limit(limit).background_priority(p).backpressure_timeout(Duration::from_secs(15)).flush_age(Duration::from_secs(3600))
 }
 
 type IModel = BTreeMap<i64, (i64, String)>;
 
 fn ischema() -> SchemaRef {
-    Arc::new(Schema::new(vec![
-        Field::new("id", DataType::Int64, false),
-        Field::new("v", DataType::Int64, false),
-        Field::new("s", DataType::Utf8View, false),
-    ]))
+    Arc::new(Schema::new(vec![Field::new("id", DataType::Int64, false), Field::new("v", DataType::Int64, false), Field::new("s", DataType::Utf8View, false)]))
 }
 
 fn irows(from: i64, n: i64, tag: i64) -> Vec<(i64, (i64, String))> {
@@ -537,7 +530,11 @@ fn icontents(t: &Table) -> IModel {
     let mut out = IModel::new();
     for b in t.scan(ScanOptions::default()).unwrap() {
         let b = b.unwrap();
-        let (id, v, s) = (b.column(0).as_primitive::<arrow::datatypes::Int64Type>(), b.column(1).as_primitive::<arrow::datatypes::Int64Type>(), b.column(2).as_string_view());
+        let (id, v, s) = (
+            b.column(0).as_primitive::<arrow::datatypes::Int64Type>(),
+            b.column(1).as_primitive::<arrow::datatypes::Int64Type>(),
+            b.column(2).as_string_view(),
+        );
         for i in 0..b.num_rows() {
             assert!(out.insert(id.value(i), (v.value(i), s.value(i).to_owned())).is_none());
         }
@@ -658,8 +655,7 @@ fn flush_threads_follow_the_opener_and_callers_never_change() {
             }
             // Our engine's threads: the only gritdb-writer threads at this nice value (other
             // tests open from nice-0 threads).
-            let ours: Vec<(u32, i32)> =
-                threads().into_iter().filter(|(n, (_, ni))| n.starts_with("gritdb-writer") && *ni == nice).map(|(_, s)| s).collect();
+            let ours: Vec<(u32, i32)> = threads().into_iter().filter(|(n, (_, ni))| n.starts_with("gritdb-writer") && *ni == nice).map(|(_, s)| s).collect();
             assert_eq!(my_sched(), me, "opener unchanged by its own writes");
             assert!(icontents(&t) == m);
             t.flush().unwrap();

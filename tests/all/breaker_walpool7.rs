@@ -54,14 +54,7 @@ fn shared_and_own(engine: &Engine) -> (Table, Vec<Table>) {
 pub(crate) const BIG: i64 = 1024;
 
 pub(crate) fn rows(from: i64, n: i64, tag: i64) -> Vec<((i64, i32), Row)> {
-    (from..from + n)
-        .map(|k| {
-            (
-                (k, (k % 7) as i32),
-                (Some(k * 1_000 + tag), Some(format!("k{k}-t{tag}"))),
-            )
-        })
-        .collect()
+    (from..from + n).map(|k| ((k, (k % 7) as i32), (Some(k * 1_000 + tag), Some(format!("k{k}-t{tag}"))))).collect()
 }
 
 fn keys(from: i64, n: i64) -> Vec<(i64, i32)> {
@@ -79,10 +72,7 @@ pub(crate) fn contents(t: &Table) -> Model {
 }
 
 pub(crate) fn config(sync: WalSync) -> EngineConfig {
-    EngineConfig::default()
-        .memory_limit(256 << 20)
-        .wal_sync(sync)
-        .flush_age(Duration::from_secs(3600))
+    EngineConfig::default().memory_limit(256 << 20).wal_sync(sync).flush_age(Duration::from_secs(3600))
 }
 
 pub(crate) fn write_buffers(e: &Engine) -> usize {
@@ -92,10 +82,7 @@ pub(crate) fn write_buffers(e: &Engine) -> usize {
 fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
     let start = Instant::now();
     while !f() {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "timed out waiting for {what}"
-        );
+        assert!(start.elapsed() < Duration::from_secs(20), "timed out waiting for {what}");
         std::thread::sleep(Duration::from_millis(2));
     }
 }
@@ -113,13 +100,7 @@ fn more_writers_than_pool_threads(sync: WalSync) {
     const TABLES: usize = 72;
     let dir = tempfile::tempdir().unwrap();
     let engine = Engine::open(dir.path(), config(sync)).unwrap();
-    let tables: Vec<Table> = (0..TABLES)
-        .map(|i| {
-            engine
-                .create_table(&format!("t{i}"), composite_schema(), &["k1", "k2"])
-                .unwrap()
-        })
-        .collect();
+    let tables: Vec<Table> = (0..TABLES).map(|i| engine.create_table(&format!("t{i}"), composite_schema(), &["k1", "k2"]).unwrap()).collect();
     let base = write_buffers(&engine);
     let barrier = Barrier::new(TABLES);
     let models: Vec<Option<Model>> = std::thread::scope(|s| {
@@ -149,9 +130,7 @@ fn more_writers_than_pool_threads(sync: WalSync) {
                     for k in keys(600, 10) {
                         m.remove(&k);
                     }
-                    let e = t
-                        .update(&composite_batch(&rows(0, 1_500, i + 200)))
-                        .unwrap_err();
+                    let e = t.update(&composite_batch(&rows(0, 1_500, i + 200))).unwrap_err();
                     assert!(matches!(e, Error::KeyNotFound { row: 600, .. }), "{e:?}");
                     let c = rows(1_000, 1_500, i + 300);
                     assert_eq!(t.update(&composite_batch(&c)).unwrap(), 1_500);
@@ -166,31 +145,15 @@ fn more_writers_than_pool_threads(sync: WalSync) {
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    assert_eq!(
-        write_buffers(&engine),
-        base,
-        "{sync:?}: record buffers back after the burst"
-    );
-    let expected: BTreeSet<String> = models
-        .iter()
-        .enumerate()
-        .filter(|(_, m)| m.is_some())
-        .map(|(i, _)| format!("t{i}"))
-        .collect();
+    assert_eq!(write_buffers(&engine), base, "{sync:?}: record buffers back after the burst");
+    let expected: BTreeSet<String> = models.iter().enumerate().filter(|(_, m)| m.is_some()).map(|(i, _)| format!("t{i}")).collect();
     let check = |engine: &Engine, what: &str| {
-        assert_eq!(
-            engine.table_names().into_iter().collect::<BTreeSet<_>>(),
-            expected,
-            "{sync:?} {what}: tables"
-        );
+        assert_eq!(engine.table_names().into_iter().collect::<BTreeSet<_>>(), expected, "{sync:?} {what}: tables");
         for (i, m) in models.iter().enumerate() {
             if let Some(m) = m {
                 let got = contents(&engine.table(&format!("t{i}")).unwrap());
                 assert_eq!(got.len(), m.len(), "{sync:?} {what}: t{i} rows");
-                assert!(
-                    got == *m,
-                    "{sync:?} {what}: t{i} contents differ from the model"
-                );
+                assert!(got == *m, "{sync:?} {what}: t{i} contents differ from the model");
             }
         }
     };
@@ -200,13 +163,8 @@ fn more_writers_than_pool_threads(sync: WalSync) {
     let engine = Engine::open(dir.path(), config(sync)).unwrap();
     check(&engine, "after replay");
     let t0 = engine.table("t0").unwrap();
-    assert_eq!(
-        t0.insert(&composite_batch(&rows(10_000, BIG, 7))).unwrap(),
-        1024
-    );
-    let e = t0
-        .insert(&composite_batch(&rows(9_000, BIG + 1, 7)))
-        .unwrap_err();
+    assert_eq!(t0.insert(&composite_batch(&rows(10_000, BIG, 7))).unwrap(), 1024);
+    let e = t0.insert(&composite_batch(&rows(9_000, BIG + 1, 7))).unwrap_err();
     assert!(matches!(e, Error::KeyExists { row: 1_000, .. }), "{e:?}");
     t0.delete(&composite_keys(&keys(10_000, BIG))).unwrap();
     drop(t0);
@@ -235,15 +193,9 @@ fn one_table_contended(sync: WalSync) {
                     for r in 0..8i64 {
                         let from = (mix((th * 100 + r) as u64) % 3_000) as i64;
                         let n = BIG + (mix((th * 1_000 + r) as u64) % 2_048) as i64;
-                        t.upsert(&composite_batch(&rows(from, n, th * 1_000 + r)))
-                            .unwrap();
+                        t.upsert(&composite_batch(&rows(from, n, th * 1_000 + r))).unwrap();
                         if r % 3 == 0 {
-                            t.insert(&composite_batch(&rows(
-                                100_000 + th * 10_000 + r * 1_100,
-                                1_100,
-                                th,
-                            )))
-                            .unwrap();
+                            t.insert(&composite_batch(&rows(100_000 + th * 10_000 + r * 1_100, 1_100, th))).unwrap();
                         }
                     }
                 })
@@ -260,10 +212,7 @@ fn one_table_contended(sync: WalSync) {
         let deleter = s.spawn(move || {
             let mut i = 0u64;
             while !stop.load(Ordering::Acquire) {
-                let ks: Vec<_> = (0..40)
-                    .map(|j| (mix(i * 64 + j) % 5_000) as i64)
-                    .map(|k| (k, (k % 7) as i32))
-                    .collect();
+                let ks: Vec<_> = (0..40).map(|j| (mix(i * 64 + j) % 5_000) as i64).map(|k| (k, (k % 7) as i32)).collect();
                 t2.delete(&composite_keys(&ks)).unwrap();
                 i += 1;
             }
@@ -282,10 +231,7 @@ fn one_table_contended(sync: WalSync) {
     let engine = Engine::open(dir.path(), config(sync)).unwrap();
     let got = contents(&engine.table("t").unwrap());
     assert_eq!(got.len(), live.len(), "{sync:?}: rows after replay");
-    assert!(
-        got == live,
-        "{sync:?}: the replayed table differs from the live one"
-    );
+    assert!(got == live, "{sync:?}: the replayed table differs from the live one");
 }
 
 per_sync_mode!(one_table_contended: one_table_many_big_writers_replay_equals_live_per_batch, one_table_many_big_writers_replay_equals_live_relaxed);
@@ -305,20 +251,14 @@ fn refused_big_writes(sync: WalSync) {
     let wal = engine.wal_usage();
     let refuse = |i: i64| -> Error {
         match i % 6 {
-            0 => t
-                .insert(&composite_batch(&rows(4_095, 2_000, i)))
-                .unwrap_err(),
-            1 => t
-                .insert(&composite_batch(&rows(3_000, 1_100, i)))
-                .unwrap_err(),
+            0 => t.insert(&composite_batch(&rows(4_095, 2_000, i))).unwrap_err(),
+            1 => t.insert(&composite_batch(&rows(3_000, 1_100, i))).unwrap_err(),
             2 => {
                 let mut r = rows(10_000, BIG - 1, i);
                 r.extend(rows(17, 1, i));
                 t.insert(&composite_batch(&r)).unwrap_err()
             }
-            3 => t
-                .update(&composite_batch(&rows(3_500, BIG + i % 100, i)))
-                .unwrap_err(),
+            3 => t.update(&composite_batch(&rows(3_500, BIG + i % 100, i))).unwrap_err(),
             4 => {
                 let mut r = rows(0, 2_047, i);
                 r.extend(rows(4_096, 1, i));
@@ -333,43 +273,16 @@ fn refused_big_writes(sync: WalSync) {
     };
     let expect = |i: i64, e: &Error| match i % 6 {
         0 | 1 => assert!(matches!(e, Error::KeyExists { row: 0, .. }), "{i}: {e:?}"),
-        2 => assert!(
-            matches!(e, Error::KeyExists { row: 1_023, .. }),
-            "{i}: {e:?}"
-        ),
-        3 => assert!(
-            matches!(e, Error::KeyNotFound { row: 596, .. }),
-            "{i}: {e:?}"
-        ),
-        4 => assert!(
-            matches!(e, Error::KeyNotFound { row: 2_047, .. }),
-            "{i}: {e:?}"
-        ),
-        _ => assert!(
-            matches!(
-                e,
-                Error::DuplicateKey {
-                    first: 3,
-                    row: 1_500,
-                    ..
-                }
-            ),
-            "{i}: {e:?}"
-        ),
+        2 => assert!(matches!(e, Error::KeyExists { row: 1_023, .. }), "{i}: {e:?}"),
+        3 => assert!(matches!(e, Error::KeyNotFound { row: 596, .. }), "{i}: {e:?}"),
+        4 => assert!(matches!(e, Error::KeyNotFound { row: 2_047, .. }), "{i}: {e:?}"),
+        _ => assert!(matches!(e, Error::DuplicateKey { first: 3, row: 1_500, .. }), "{i}: {e:?}"),
     };
     for i in 0..12 {
         let e = refuse(i);
         expect(i, &e);
-        assert_eq!(
-            write_buffers(&engine),
-            base,
-            "{sync:?}: case {i} left record bytes"
-        );
-        assert_eq!(
-            engine.wal_usage(),
-            wal,
-            "{sync:?}: case {i} wrote to the WAL"
-        );
+        assert_eq!(write_buffers(&engine), base, "{sync:?}: case {i} left record bytes");
+        assert_eq!(engine.wal_usage(), wal, "{sync:?}: case {i} wrote to the WAL");
     }
     std::thread::scope(|s| {
         for th in 0..8i64 {
@@ -382,24 +295,13 @@ fn refused_big_writes(sync: WalSync) {
             });
         }
     });
-    assert_eq!(
-        write_buffers(&engine),
-        base,
-        "{sync:?}: concurrent refusals left record bytes"
-    );
-    assert_eq!(
-        engine.wal_usage(),
-        wal,
-        "{sync:?}: concurrent refusals wrote to the WAL"
-    );
+    assert_eq!(write_buffers(&engine), base, "{sync:?}: concurrent refusals left record bytes");
+    assert_eq!(engine.wal_usage(), wal, "{sync:?}: concurrent refusals wrote to the WAL");
     assert!(contents(&t) == live);
     drop(t);
     drop(engine);
     let engine = Engine::open(dir.path(), config(sync)).unwrap();
-    assert!(
-        contents(&engine.table("t").unwrap()) == live,
-        "{sync:?}: replay"
-    );
+    assert!(contents(&engine.table("t").unwrap()) == live, "{sync:?}: replay");
 }
 
 per_sync_mode!(refused_big_writes: refused_big_writes_leave_no_record_bytes_per_batch, refused_big_writes_leave_no_record_bytes_relaxed);
@@ -412,20 +314,13 @@ fn memory_refusals(sync: WalSync) {
     let mut outcomes = Vec::new();
     for mib in [1usize, 2, 3, 4, 5, 6, 8, 12] {
         let dir = tempfile::tempdir().unwrap();
-        let cfg = EngineConfig::default()
-            .memory_limit(8 << 20)
-            .wal_sync(sync)
-            .backpressure_timeout(Duration::from_millis(300))
-            .flush_age(Duration::from_secs(3600));
+        let cfg =
+            EngineConfig::default().memory_limit(8 << 20).wal_sync(sync).backpressure_timeout(Duration::from_millis(300)).flush_age(Duration::from_secs(3600));
         let engine = Engine::open(dir.path(), cfg.clone()).unwrap();
-        let t = engine
-            .create_table("t", composite_schema(), &["k1", "k2"])
-            .unwrap();
+        let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
         let n = 2_048i64;
         let len = (mib << 20) / n as usize;
-        let batch: Vec<_> = (0..n)
-            .map(|k| ((k, 0), (Some(k), Some(format!("{k:0len$}")))))
-            .collect();
+        let batch: Vec<_> = (0..n).map(|k| ((k, 0), (Some(k), Some(format!("{k:0len$}"))))).collect();
         let wal_before = engine.wal_usage();
         let res = t.insert(&composite_batch(&batch));
         let wal = engine.wal_usage();
@@ -436,15 +331,8 @@ fn memory_refusals(sync: WalSync) {
             }
             Err(e) => {
                 assert!(e.is_memory_limit(), "{sync:?} {mib} MiB: {e:?}");
-                assert_eq!(
-                    write_buffers(&engine),
-                    0,
-                    "{sync:?} {mib} MiB: the refused record's buffer"
-                );
-                assert_eq!(
-                    wal, wal_before,
-                    "{sync:?} {mib} MiB: the refused record was written"
-                );
+                assert_eq!(write_buffers(&engine), 0, "{sync:?} {mib} MiB: the refused record's buffer");
+                assert_eq!(wal, wal_before, "{sync:?} {mib} MiB: the refused record was written");
             }
         }
         drop(t);
@@ -453,15 +341,9 @@ fn memory_refusals(sync: WalSync) {
         let got = contents(&engine.table("t").unwrap());
         if res.is_ok() {
             assert_eq!(got.len(), 2_048, "{sync:?} {mib} MiB");
-            assert_eq!(
-                got[&(2_047, 0)].1.as_deref(),
-                Some(format!("{:0len$}", 2_047).as_str())
-            );
+            assert_eq!(got[&(2_047, 0)].1.as_deref(), Some(format!("{:0len$}", 2_047).as_str()));
         } else {
-            assert!(
-                got.is_empty(),
-                "{sync:?} {mib} MiB: a refused write came back"
-            );
+            assert!(got.is_empty(), "{sync:?} {mib} MiB: a refused write came back");
         }
         outcomes.push((mib, res.is_ok()));
     }
@@ -479,13 +361,7 @@ fn wal_failures_under_concurrency(sync: WalSync) {
     let dir = tempfile::tempdir().unwrap();
     let fs = FaultFs::new();
     let engine = Engine::open(dir.path(), config(sync).vfs(Arc::new(fs.clone()))).unwrap();
-    let tables: Vec<Table> = (0..8)
-        .map(|i| {
-            engine
-                .create_table(&format!("t{i}"), composite_schema(), &["k1", "k2"])
-                .unwrap()
-        })
-        .collect();
+    let tables: Vec<Table> = (0..8).map(|i| engine.create_table(&format!("t{i}"), composite_schema(), &["k1", "k2"]).unwrap()).collect();
     let failing = AtomicBool::new(false);
     let models: Vec<(Model, usize)> = std::thread::scope(|s| {
         let hs: Vec<_> = tables
@@ -497,21 +373,14 @@ fn wal_failures_under_concurrency(sync: WalSync) {
                     let (mut m, mut refused) = (Model::new(), 0);
                     for b in 0..30i64 {
                         let r = rows(b * 1_500, 1_500, th as i64);
-                        let res = if b % 2 == 0 {
-                            t.insert(&composite_batch(&r))
-                        } else {
-                            t.upsert(&composite_batch(&r))
-                        };
+                        let res = if b % 2 == 0 { t.insert(&composite_batch(&r)) } else { t.upsert(&composite_batch(&r)) };
                         match res {
                             Ok(n) => {
                                 assert_eq!(n, 1_500);
                                 apply(&mut m, &r);
                             }
                             Err(Error::Storage(_)) => {
-                                assert!(
-                                    failing.load(Ordering::Acquire),
-                                    "{sync:?}: a write failed before the fault"
-                                );
+                                assert!(failing.load(Ordering::Acquire), "{sync:?}: a write failed before the fault");
                                 refused += 1;
                             }
                             Err(e) => panic!("{sync:?}: untyped failure {e:?}"),
@@ -552,17 +421,11 @@ per_sync_mode!(wal_failures_under_concurrency: wal_failures_amid_concurrent_big_
 /// after close.
 fn backpressure(sync: WalSync) {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = EngineConfig::default()
-        .memory_limit(16 << 20)
-        .wal_sync(sync)
-        .backpressure_timeout(Duration::from_secs(20));
+    let cfg = EngineConfig::default().memory_limit(16 << 20).wal_sync(sync).backpressure_timeout(Duration::from_secs(20));
     let engine = Engine::open(dir.path(), cfg.clone()).unwrap();
     let (shared, own) = shared_and_own(&engine);
-    let wide = |from: i64, n: i64, tag: i64| -> Vec<((i64, i32), Row)> {
-        (from..from + n)
-            .map(|k| ((k, 1), (Some(tag), Some(format!("{tag}:{k:0>150}")))))
-            .collect()
-    };
+    let wide =
+        |from: i64, n: i64, tag: i64| -> Vec<((i64, i32), Row)> { (from..from + n).map(|k| ((k, 1), (Some(tag), Some(format!("{tag}:{k:0>150}"))))).collect() };
     let models: Vec<(Model, Model)> = std::thread::scope(|s| {
         let hs: Vec<_> = own
             .iter()
@@ -628,28 +491,17 @@ per_sync_mode!(backpressure: backpressured_big_writes_are_exact_per_batch, backp
 fn big_writes_from_inside_tokio_runtimes() {
     let dir = tempfile::tempdir().unwrap();
     let engine = Engine::open(dir.path(), config(WalSync::PerBatch)).unwrap();
-    let t = engine
-        .create_table("t", composite_schema(), &["k1", "k2"])
-        .unwrap();
+    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
     let mut m = Model::new();
-    let ct = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let ct = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let a = rows(0, 4_096, 1);
     ct.block_on(async {
         assert_eq!(t.insert(&composite_batch(&a)).unwrap(), 4_096);
-        let e = t
-            .insert(&composite_batch(&rows(4_000, 2_000, 2)))
-            .unwrap_err();
+        let e = t.insert(&composite_batch(&rows(4_000, 2_000, 2))).unwrap_err();
         assert!(matches!(e, Error::KeyExists { row: 0, .. }), "{e:?}");
     });
     apply(&mut m, &a);
-    let mt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let mt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let added: Vec<Vec<((i64, i32), Row)>> = mt.block_on(async {
         let mut hs = Vec::new();
         for th in 0..6i64 {
@@ -693,10 +545,7 @@ fn big_writes_from_inside_tokio_runtimes() {
     mt.block_on(async move { drop(engine) });
     drop(mt);
     let engine = Engine::open(dir.path(), config(WalSync::PerBatch)).unwrap();
-    assert!(
-        contents(&engine.table("t").unwrap()) == live,
-        "replay after an async drop"
-    );
+    assert!(contents(&engine.table("t").unwrap()) == live, "replay after an async drop");
 }
 
 // ------------------------------------------------ engine drop with big writes in flight
@@ -712,11 +561,7 @@ fn drop_under_big_writes(sync: WalSync) {
     let mut hs = Vec::new();
     let started = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     for th in 0..8i64 {
-        let t = if th < 4 {
-            shared.clone()
-        } else {
-            own[(th - 4) as usize].clone()
-        };
+        let t = if th < 4 { shared.clone() } else { own[(th - 4) as usize].clone() };
         let started = Arc::clone(&started);
         hs.push(std::thread::spawn(move || {
             let mut acked = Model::new();
@@ -738,9 +583,7 @@ fn drop_under_big_writes(sync: WalSync) {
             }
         }));
     }
-    wait_until("every writer's first batch", || {
-        started.load(Ordering::Acquire) == 8
-    });
+    wait_until("every writer's first batch", || started.load(Ordering::Acquire) == 8);
     std::thread::sleep(Duration::from_millis(10));
     drop((shared, own));
     drop(engine);
@@ -748,29 +591,17 @@ fn drop_under_big_writes(sync: WalSync) {
     let engine = Engine::open(dir.path(), config(sync)).unwrap();
     let mut shared_model = Model::new();
     for (th, acked, batches) in &results {
-        assert!(
-            *batches > 0,
-            "{sync:?}: thread {th} wrote nothing before the drop"
-        );
+        assert!(*batches > 0, "{sync:?}: thread {th} wrote nothing before the drop");
         if *th < 4 {
             shared_model.extend(acked.iter().map(|(k, v)| (*k, v.clone())));
         } else {
             let got = contents(&engine.table(&format!("t{}", th - 4)).unwrap());
-            assert_eq!(
-                got.len(),
-                acked.len(),
-                "{sync:?}: t{} rows (acknowledged batches only)",
-                th - 4
-            );
+            assert_eq!(got.len(), acked.len(), "{sync:?}: t{} rows (acknowledged batches only)", th - 4);
             assert!(got == *acked, "{sync:?}: t{}", th - 4);
         }
     }
     let got = contents(&engine.table("shared").unwrap());
-    assert_eq!(
-        got.len(),
-        shared_model.len(),
-        "{sync:?}: shared rows (acknowledged batches only)"
-    );
+    assert_eq!(got.len(), shared_model.len(), "{sync:?}: shared rows (acknowledged batches only)");
     assert!(got == shared_model, "{sync:?}: shared");
 }
 
@@ -782,10 +613,7 @@ fn writer_thread_count() -> usize {
     std::fs::read_dir("/proc/self/task")
         .unwrap()
         .flatten()
-        .filter(|e| {
-            std::fs::read_to_string(e.path().join("comm"))
-                .is_ok_and(|c| matches!(c.trim_end(), "gritdb-writer" | "gritdb-wal"))
-        })
+        .filter(|e| std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| matches!(c.trim_end(), "gritdb-writer" | "gritdb-wal")))
         .count()
 }
 
@@ -814,10 +642,7 @@ fn writer_threads_child() {
         let tables: Vec<Table> = (0..70)
             .map(|i| {
                 let name = format!("t{i}");
-                engine
-                    .table(&name)
-                    .or_else(|_| engine.create_table(&name, composite_schema(), &["k1", "k2"]))
-                    .unwrap()
+                engine.table(&name).or_else(|_| engine.create_table(&name, composite_schema(), &["k1", "k2"])).unwrap()
             })
             .collect();
         let barrier = Barrier::new(70);
@@ -826,8 +651,7 @@ fn writer_threads_child() {
                 let barrier = &barrier;
                 s.spawn(move || {
                     barrier.wait();
-                    t.insert(&composite_batch(&rows(cycle * 10_000, 4_096, cycle)))
-                        .unwrap();
+                    t.insert(&composite_batch(&rows(cycle * 10_000, 4_096, cycle))).unwrap();
                 });
             }
         });
@@ -845,16 +669,8 @@ fn writer_threads_child() {
         while writer_thread_count() > 0 && start.elapsed() < Duration::from_secs(2) {
             std::thread::sleep(Duration::from_millis(5));
         }
-        assert_eq!(
-            writer_thread_count(),
-            0,
-            "cycle {cycle}: writer threads outlived the engine"
-        );
-        assert_eq!(
-            all_thread_count(),
-            base,
-            "cycle {cycle}: threads left in the process"
-        );
+        assert_eq!(writer_thread_count(), 0, "cycle {cycle}: writer threads outlived the engine");
+        assert_eq!(all_thread_count(), base, "cycle {cycle}: threads left in the process");
     }
     assert!(peak > 3, "the pool never grew: peak {peak}");
     println!("WRITER_THREADS_PEAK {peak}");
@@ -863,21 +679,12 @@ fn writer_threads_child() {
 #[test]
 fn writer_threads_end_with_the_engine() {
     let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "breaker_walpool7::writer_threads_child",
-            "--exact",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+        .args(["breaker_walpool7::writer_threads_child", "--exact", "--nocapture", "--test-threads=1"])
         .env(THREADS_CHILD, "1")
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "child failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "child failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("1 passed"), "{stdout}");
     assert!(stdout.contains("WRITER_THREADS_PEAK"), "{stdout}");
 }
@@ -893,9 +700,7 @@ fn acked_after_drop(sync: WalSync) -> Result<(), String> {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(sync).memory_limit(1 << 30);
     let engine = Engine::open(dir.path(), cfg.clone()).unwrap();
-    let t = engine
-        .create_table("t", composite_schema(), &["k1", "k2"])
-        .unwrap();
+    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
     t.insert(&composite_batch(&rows(0, 10, 0))).unwrap();
     assert_eq!(write_buffers(&engine), 0);
     let batch = composite_batch(&rows(1_000, 400_000, 1));
@@ -904,18 +709,12 @@ fn acked_after_drop(sync: WalSync) -> Result<(), String> {
         let (t, dropped) = (t.clone(), Arc::clone(&dropped));
         std::thread::spawn(move || {
             let res = t.insert(&batch);
-            (
-                res.map_err(|e| format!("{e:?}")),
-                dropped.load(Ordering::Acquire),
-            )
+            (res.map_err(|e| format!("{e:?}")), dropped.load(Ordering::Acquire))
         })
     };
     let start = Instant::now();
     while write_buffers(&engine) == 0 {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "the record never started encoding"
-        );
+        assert!(start.elapsed() < Duration::from_secs(20), "the record never started encoding");
         std::hint::spin_loop();
     }
     drop(t);
@@ -957,33 +756,16 @@ fn big_insert_acknowledged_after_engine_drop_is_in_the_reopened_engine_relaxed()
 fn refused_big_insert_does_not_wait_for_a_pool_saturated_by_a_stalled_wal() {
     let dir = tempfile::tempdir().unwrap();
     let fs = FaultFs::new();
-    let engine = Engine::open(
-        dir.path(),
-        config(WalSync::PerBatch)
-            .writer_threads(1)
-            .vfs(Arc::new(fs.clone())),
-    )
-    .unwrap();
-    let x = engine
-        .create_table("x", composite_schema(), &["k1", "k2"])
-        .unwrap();
+    let engine = Engine::open(dir.path(), config(WalSync::PerBatch).writer_threads(1).vfs(Arc::new(fs.clone()))).unwrap();
+    let x = engine.create_table("x", composite_schema(), &["k1", "k2"]).unwrap();
     x.insert(&composite_batch(&rows(0, BIG, 0))).unwrap();
-    let stuck: Vec<Table> = (0..70)
-        .map(|i| {
-            engine
-                .create_table(&format!("s{i}"), composite_schema(), &["k1", "k2"])
-                .unwrap()
-        })
-        .collect();
+    let stuck: Vec<Table> = (0..70).map(|i| engine.create_table(&format!("s{i}"), composite_schema(), &["k1", "k2"]).unwrap()).collect();
     fs.stall_paths("wal-");
     let writers: Vec<_> = stuck
         .iter()
         .map(|t| {
             let t = t.clone();
-            std::thread::spawn(move || {
-                t.insert(&composite_batch(&rows(0, BIG, 1)))
-                    .map_err(|e| format!("{e:?}"))
-            })
+            std::thread::spawn(move || t.insert(&composite_batch(&rows(0, BIG, 1))).map_err(|e| format!("{e:?}")))
         })
         .collect();
     wait_until("the WAL to stall", || fs.is_stalled());
@@ -1008,10 +790,7 @@ fn refused_big_insert_does_not_wait_for_a_pool_saturated_by_a_stalled_wal() {
         assert_eq!(w.join().unwrap(), Ok(1_024));
     }
     assert!(matches!(e, Error::KeyExists { row: 0, .. }), "{e:?}");
-    assert!(
-        returned,
-        "the refused big insert waited {took:?}, until the stalled WAL healed"
-    );
+    assert!(returned, "the refused big insert waited {took:?}, until the stalled WAL healed");
 }
 
 // ------------------------------------------------ tiny limit, relaxed, CPU contention
@@ -1041,18 +820,9 @@ fn tiny_limit_wedge(sync: WalSync) -> Result<(), String> {
     let res = (|| {
         for round in 0..10 {
             let dir = tempfile::tempdir().unwrap();
-            let cfg = EngineConfig::default()
-                .memory_limit(8 << 20)
-                .wal_sync(sync)
-                .backpressure_timeout(Duration::from_secs(3));
+            let cfg = EngineConfig::default().memory_limit(8 << 20).wal_sync(sync).backpressure_timeout(Duration::from_secs(3));
             let engine = Engine::open(dir.path(), cfg).unwrap();
-            let tables: Vec<Table> = (0..12)
-                .map(|i| {
-                    engine
-                        .create_table(&format!("t{i}"), composite_schema(), &["k1", "k2"])
-                        .unwrap()
-                })
-                .collect();
+            let tables: Vec<Table> = (0..12).map(|i| engine.create_table(&format!("t{i}"), composite_schema(), &["k1", "k2"]).unwrap()).collect();
             let failed: Vec<String> = std::thread::scope(|s| {
                 let hs: Vec<_> = tables
                     .iter()
@@ -1060,11 +830,7 @@ fn tiny_limit_wedge(sync: WalSync) -> Result<(), String> {
                     .map(|(th, t)| {
                         s.spawn(move || {
                             for b in 0..10i64 {
-                                let r: Vec<_> = (b * 2_048..(b + 1) * 2_048)
-                                    .map(|k| {
-                                        ((k, 1), (Some(th as i64), Some(format!("{k:0>150}"))))
-                                    })
-                                    .collect();
+                                let r: Vec<_> = (b * 2_048..(b + 1) * 2_048).map(|k| ((k, 1), (Some(th as i64), Some(format!("{k:0>150}"))))).collect();
                                 if let Err(e) = t.insert(&composite_batch(&r)) {
                                     return Some(e.to_string());
                                 }
@@ -1077,9 +843,7 @@ fn tiny_limit_wedge(sync: WalSync) -> Result<(), String> {
             });
             if let Some(first) = failed.first() {
                 let flush = engine.flush_all().map_err(|e| e.to_string());
-                let small = tables[0]
-                    .insert(&composite_batch(&rows(900_000, 10, 0)))
-                    .map_err(|e| e.to_string());
+                let small = tables[0].insert(&composite_batch(&rows(900_000, 10, 0))).map_err(|e| e.to_string());
                 let files: u64 = tables.iter().map(|t| t.stats().unwrap().files as u64).sum();
                 return Err(format!(
                     "{sync:?} round {round}: {} writes failed, first: {first}; then flush_all: {flush:?}; a 10-row insert: {small:?}; \

@@ -72,13 +72,7 @@ fn write_buffers(engine: &Engine) -> usize {
 /// One table's bytes in `cat` from the memory report (0 when the table has none).
 fn table_cat(engine: &Engine, table: &str, cat: Category) -> usize {
     let r = engine.memory_report();
-    r.tables
-        .iter()
-        .filter(|t| t.table == table && !t.dropped)
-        .flat_map(|t| t.categories.iter())
-        .filter(|c| c.category == cat)
-        .map(|c| c.bytes)
-        .sum()
+    r.tables.iter().filter(|t| t.table == table && !t.dropped).flat_map(|t| t.categories.iter()).filter(|c| c.category == cat).map(|c| c.bytes).sum()
 }
 
 /// `capacity_for` and `table_bytes` of unify/src/delta.rs (hashbrown's capacity for `n` keys
@@ -151,18 +145,26 @@ fn duplicate_key_in_a_big_batch_logs_nothing_and_holds_nothing() {
     let wal = engine.wal_usage();
     let cases: Vec<(Vec<i64>, usize, usize)> = vec![
         // sorted but for one repeat: adjacent
-        ({
-            let mut v: Vec<i64> = (10_000..10_000 + 2 * BIG).collect();
-            v[1] = v[0];
-            v
-        }, 0, 1),
+        (
+            {
+                let mut v: Vec<i64> = (10_000..10_000 + 2 * BIG).collect();
+                v[1] = v[0];
+                v
+            },
+            0,
+            1,
+        ),
         // first and last
-        ({
-            let mut v: Vec<i64> = (20_000..20_000 + 4 * BIG).collect();
-            let last = v.len() - 1;
-            v[last] = v[0];
-            v
-        }, 0, 4 * BIG as usize - 1),
+        (
+            {
+                let mut v: Vec<i64> = (20_000..20_000 + 4 * BIG).collect();
+                let last = v.len() - 1;
+                v[last] = v[0];
+                v
+            },
+            0,
+            4 * BIG as usize - 1,
+        ),
         (scrambled(30_000, 3 * BIG, Some(1500)), 0, 1500),
         (scrambled(40_000, BIG, Some(BIG as usize - 1)), 0, BIG as usize - 1),
     ];
@@ -407,7 +409,8 @@ fn a_big_write_retried_after_a_memory_error_is_applied_and_logged_once() {
     for round in 0..4 {
         let keys: Vec<i64> = (next..next + 10_000).collect();
         let vals: Vec<String> = keys.iter().map(|k| format!("{:0>240}", k)).collect();
-        let b = RecordBatch::try_new(kv_schema(), vec![Arc::new(Int64Array::from(keys.clone())) as ArrayRef, Arc::new(StringArray::from(vals.clone()))]).unwrap();
+        let b =
+            RecordBatch::try_new(kv_schema(), vec![Arc::new(Int64Array::from(keys.clone())) as ArrayRef, Arc::new(StringArray::from(vals.clone()))]).unwrap();
         assert_eq!(t.insert(&b).unwrap(), 10_000, "round {round}");
         for (k, v) in keys.iter().zip(vals) {
             model.insert(*k, v);
@@ -874,7 +877,11 @@ fn a_refused_write_on_a_fresh_delta_returns_its_block_table() {
 #[test]
 fn a_hint_never_turns_a_fitting_write_into_a_memory_error() {
     let dir = tempfile::tempdir().unwrap();
-    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(16 << 20).backpressure_timeout(Duration::from_secs(2)).flush_age(Duration::from_secs(3600))).unwrap();
+    let engine = Engine::open(
+        dir.path(),
+        EngineConfig::default().memory_limit(16 << 20).backpressure_timeout(Duration::from_secs(2)).flush_age(Duration::from_secs(3600)),
+    )
+    .unwrap();
     let t = engine.create_table("t", kv_schema(), &["k"]).unwrap();
     t.insert(&kv(0..20_000, "a")).unwrap();
     t.flush().unwrap();
@@ -888,7 +895,8 @@ fn a_hint_never_turns_a_fitting_write_into_a_memory_error() {
     let slack = 160 << 10;
     assert!(hint_map > slack + (32 << 10), "hint map {hint_map}");
     let s = (free - slack) / 2;
-    let b = RecordBatch::try_new(kv_schema(), vec![Arc::new(Int64Array::from(vec![1_000_000])) as ArrayRef, Arc::new(StringArray::from(vec!["y".repeat(s)]))]).unwrap();
+    let b = RecordBatch::try_new(kv_schema(), vec![Arc::new(Int64Array::from(vec![1_000_000])) as ArrayRef, Arc::new(StringArray::from(vec!["y".repeat(s)]))])
+        .unwrap();
     let first = t.insert(&b);
     let second = if first.is_err() { Some(t.insert(&b)) } else { None };
     assert!(first.is_ok(), "first attempt (hinted map {hint_map} B, free {free} B, value {s} B): {first:?}; identical retry: {second:?}");

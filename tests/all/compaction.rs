@@ -45,11 +45,7 @@ fn delete_reinsert_churn_stays_bounded() {
             first_index = s.key_index_bytes;
         }
         assert!(s.files <= MAX_FILES, "round {round}: {} files", s.files);
-        assert!(
-            s.key_index_bytes as f64 <= 1.1 * first_index as f64,
-            "round {round}: key index {} bytes > 1.1 x {first_index}",
-            s.key_index_bytes
-        );
+        assert!(s.key_index_bytes as f64 <= 1.1 * first_index as f64, "round {round}: key index {} bytes > 1.1 x {first_index}", s.key_index_bytes);
         assert!(s.key_index_bytes <= 24 * ROWS as usize * 11 / 10, "round {round}: {} bytes", s.key_index_bytes);
     }
     let s = t.stats().unwrap();
@@ -59,7 +55,12 @@ fn delete_reinsert_churn_stays_bounded() {
         s.key_index_bytes,
         s.key_index_bytes as f64 / ROWS as f64
     );
-    eprintln!("after {rounds} rounds: {} files, key index {} bytes ({:.1} B/row), first round {first_index}", s.files, s.key_index_bytes, s.key_index_bytes as f64 / ROWS as f64);
+    eprintln!(
+        "after {rounds} rounds: {} files, key index {} bytes ({:.1} B/row), first round {first_index}",
+        s.files,
+        s.key_index_bytes,
+        s.key_index_bytes as f64 / ROWS as f64
+    );
     let got = collect_composite(t.scan(ScanOptions::default()).unwrap());
     assert_eq!(got.len(), ROWS as usize);
     let sum: i64 = got.values().map(|r| r.0.unwrap()).sum();

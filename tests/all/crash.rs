@@ -10,9 +10,7 @@ use std::process::Command;
 #[test]
 #[ignore = "child process of the crash test"]
 fn crash_child() {
-    let (Ok(dir), Ok(seed), Ok(start)) =
-        (std::env::var("GRITDB_CRASH_DIR"), std::env::var("GRITDB_CRASH_SEED"), std::env::var("GRITDB_CRASH_START"))
-    else {
+    let (Ok(dir), Ok(seed), Ok(start)) = (std::env::var("GRITDB_CRASH_DIR"), std::env::var("GRITDB_CRASH_SEED"), std::env::var("GRITDB_CRASH_START")) else {
         return;
     };
     child_main(dir.as_ref(), seed.parse().unwrap(), start.parse().unwrap());

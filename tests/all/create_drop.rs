@@ -34,12 +34,7 @@ fn rows(n: i64) -> RecordBatch {
 /// open files concurrently, so the process-wide count would not measure this engine).
 fn open_fds(dir: &std::path::Path) -> usize {
     let dir = dir.canonicalize().unwrap();
-    std::fs::read_dir("/proc/self/fd")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| std::fs::read_link(e.path()).ok())
-        .filter(|target| target.starts_with(&dir))
-        .count()
+    std::fs::read_dir("/proc/self/fd").unwrap().flatten().filter_map(|e| std::fs::read_link(e.path()).ok()).filter(|target| target.starts_with(&dir)).count()
 }
 
 #[test]

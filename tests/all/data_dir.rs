@@ -12,9 +12,7 @@ fn config() -> EngineConfig {
 }
 
 fn rows(from: i64, n: i64) -> Vec<((i64, i32), Row)> {
-    (from..from + n)
-        .map(|k| ((k, 0), (Some(k), Some(format!("row-{k}")))))
-        .collect()
+    (from..from + n).map(|k| ((k, 0), (Some(k), Some(format!("row-{k}"))))).collect()
 }
 
 /// Every entry under `dir` (itself included): kind, bytes of files, permissions and
@@ -31,15 +29,7 @@ fn tree(dir: &Path) -> BTreeMap<PathBuf, (String, Vec<u8>, u32, std::time::Syste
         } else {
             ("file", std::fs::read(&p).unwrap())
         };
-        out.insert(
-            p.strip_prefix(dir).unwrap().to_path_buf(),
-            (
-                kind.to_owned(),
-                bytes,
-                meta.permissions().mode(),
-                meta.modified().unwrap(),
-            ),
-        );
+        out.insert(p.strip_prefix(dir).unwrap().to_path_buf(), (kind.to_owned(), bytes, meta.permissions().mode(), meta.modified().unwrap()));
     }
     out
 }
@@ -74,17 +64,11 @@ fn open_takes_an_empty_dir_a_new_path_and_a_gritdb_data_dir() {
     let empty = root.path().join("empty");
     std::fs::create_dir(&empty).unwrap();
     drop(Engine::open(&empty, config()).unwrap());
-    assert!(
-        empty.join("LOCK").is_file()
-            && empty.join("tables").is_dir()
-            && empty.join(gritdb::DATA_DIR_MARKER).is_file()
-    );
+    assert!(empty.join("LOCK").is_file() && empty.join("tables").is_dir() && empty.join(gritdb::DATA_DIR_MARKER).is_file());
 
     let new = root.path().join("a/b/new");
     let engine = Engine::open(&new, config()).unwrap();
-    let t = engine
-        .create_table("t", composite_schema(), &["k1", "k2"])
-        .unwrap();
+    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
     t.insert(&composite_batch(&rows(0, 1_000))).unwrap();
     t.flush().unwrap();
     t.insert(&composite_batch(&rows(1_000, 10))).unwrap(); // only in the write-ahead log
@@ -93,11 +77,7 @@ fn open_takes_an_empty_dir_a_new_path_and_a_gritdb_data_dir() {
     let want: BTreeMap<_, _> = rows(0, 1_010).into_iter().collect();
     let read = read_table_with;
     assert_eq!(read(&new, config()), want);
-    assert_eq!(
-        read(&new, config().create_if_missing(false)),
-        want,
-        "an existing data dir needs no creating"
-    );
+    assert_eq!(read(&new, config().create_if_missing(false)), want, "an existing data dir needs no creating");
 
     // Copied without its LOCK file.
     let copy = root.path().join("copy");
@@ -139,21 +119,11 @@ fn create_if_missing_off_refuses_a_missing_dir_and_creates_nothing() {
     let root = tempfile::tempdir().unwrap();
     let before = tree(root.path());
     let missing = root.path().join("parent/data");
-    let found = expect_refused(
-        Engine::open(&missing, config().create_if_missing(false)),
-        &missing,
-    );
+    let found = expect_refused(Engine::open(&missing, config().create_if_missing(false)), &missing);
     assert_eq!(found, DataDirFound::Missing);
     assert_eq!(tree(root.path()), before, "nothing created");
-    let text = Engine::open(&missing, config().create_if_missing(false))
-        .unwrap_err()
-        .to_string();
-    assert!(
-        text.contains(&missing.display().to_string())
-            && text.contains("does not exist")
-            && text.contains("create_if_missing"),
-        "{text}"
-    );
+    let text = Engine::open(&missing, config().create_if_missing(false)).unwrap_err().to_string();
+    assert!(text.contains(&missing.display().to_string()) && text.contains("does not exist") && text.contains("create_if_missing"), "{text}");
     assert!(EngineConfig::default().create_if_missing, "on by default");
     // On (the default), the same path is created.
     drop(Engine::open(&missing, config()).unwrap());
@@ -182,25 +152,10 @@ fn a_non_empty_foreign_dir_is_refused_and_left_as_it_was() {
     );
     let before = tree(&home);
     for create in [true, false] {
-        let found = expect_refused(
-            Engine::open(&home, config().create_if_missing(create)),
-            &home,
-        );
+        let found = expect_refused(Engine::open(&home, config().create_if_missing(create)), &home);
         // Sorted names, the first five of six.
-        assert_eq!(
-            found,
-            DataDirFound::Foreign {
-                entries: [".bashrc", "Cargo.toml", "notes.txt", "src", "trash"]
-                    .map(String::from)
-                    .to_vec(),
-                total: 6
-            }
-        );
-        assert_eq!(
-            tree(&home),
-            before,
-            "create_if_missing {create}: the directory changed"
-        );
+        assert_eq!(found, DataDirFound::Foreign { entries: [".bashrc", "Cargo.toml", "notes.txt", "src", "trash"].map(String::from).to_vec(), total: 6 });
+        assert_eq!(tree(&home), before, "create_if_missing {create}: the directory changed");
     }
     let text = Engine::open(&home, config()).unwrap_err().to_string();
     let shown = home.display().to_string();
@@ -219,10 +174,7 @@ fn a_non_empty_foreign_dir_is_refused_and_left_as_it_was() {
     std::fs::create_dir_all(odd.join("LOCK")).unwrap();
     std::fs::write(odd.join("tables"), b"").unwrap();
     let before = tree(&odd);
-    assert!(matches!(
-        expect_refused(Engine::open(&odd, config()), &odd),
-        DataDirFound::Foreign { total: 2, .. }
-    ));
+    assert!(matches!(expect_refused(Engine::open(&odd, config()), &odd), DataDirFound::Foreign { total: 2, .. }));
     assert_eq!(tree(&odd), before);
 }
 
@@ -234,20 +186,11 @@ fn a_file_as_the_data_dir_is_refused() {
     std::fs::write(&file, b"somebody's database").unwrap();
     let before = tree(root.path());
     for create in [true, false] {
-        assert_eq!(
-            expect_refused(
-                Engine::open(&file, config().create_if_missing(create)),
-                &file
-            ),
-            DataDirFound::NotADirectory
-        );
+        assert_eq!(expect_refused(Engine::open(&file, config().create_if_missing(create)), &file), DataDirFound::NotADirectory);
     }
     assert_eq!(tree(root.path()), before);
     let text = Engine::open(&file, config()).unwrap_err().to_string();
-    assert!(
-        text.contains("data.db") && text.contains("is a file"),
-        "{text}"
-    );
+    assert!(text.contains("data.db") && text.contains("is a file"), "{text}");
 }
 
 /// A LevelDB or RocksDB directory (an empty `LOCK`, `CURRENT`, a manifest and a log, plus the
@@ -271,18 +214,12 @@ fn another_engines_directory_with_an_empty_lock_is_refused_and_left_as_it_was() 
     );
     let before = tree(&db);
     let found = expect_refused(Engine::open(&db, config()), &db);
-    assert!(
-        matches!(&found, DataDirFound::Foreign { total: 6, .. }),
-        "{found:?}"
-    );
+    assert!(matches!(&found, DataDirFound::Foreign { total: 6, .. }), "{found:?}");
     assert_eq!(tree(&db), before, "the directory changed");
     // A LOCK with other text than a pid does not count either.
     std::fs::write(db.join("LOCK"), "leveldb lock").unwrap();
     let before = tree(&db);
-    assert!(matches!(
-        expect_refused(Engine::open(&db, config()), &db),
-        DataDirFound::Foreign { .. }
-    ));
+    assert!(matches!(expect_refused(Engine::open(&db, config()), &db), DataDirFound::Foreign { .. }));
     assert_eq!(tree(&db), before, "the directory changed");
 }
 
@@ -295,35 +232,19 @@ fn a_foreign_dir_with_a_tables_dir_is_refused_and_left_as_it_was() {
     let root = tempfile::tempdir().unwrap();
     let cases: [&[(&str, &[u8])]; 4] = [
         &[("tables/t7/draft.tmp", b"half a draft")],
-        &[
-            ("tables/t7/draft.tmp", b"half a draft"),
-            ("trash/old.txt", b"keep"),
-            ("wal/notes.log", b"mine"),
-        ],
+        &[("tables/t7/draft.tmp", b"half a draft"), ("trash/old.txt", b"keep"), ("wal/notes.log", b"mine")],
         // A pid in `LOCK` does not make the rest gritdb's.
         &[("LOCK", b"4242"), ("tables/t7/draft.tmp", b"half a draft")],
-        &[
-            ("LOCK", b"4242"),
-            ("tables/t7/manifest.json.tmp", b"x"),
-            ("trash/t1/mine.txt", b"keep"),
-        ],
+        &[("LOCK", b"4242"), ("tables/t7/manifest.json.tmp", b"x"), ("trash/t1/mine.txt", b"keep")],
     ];
     for (i, files) in cases.iter().enumerate() {
         let dir = root.path().join(format!("tool{i}"));
         write_files(&dir, files);
         let before = tree(&dir);
         for create in [true, false] {
-            let found =
-                expect_refused(Engine::open(&dir, config().create_if_missing(create)), &dir);
-            assert!(
-                matches!(found, DataDirFound::Foreign { .. }),
-                "case {i}: {found:?}"
-            );
-            assert_eq!(
-                tree(&dir),
-                before,
-                "case {i}, create_if_missing {create}: the directory changed"
-            );
+            let found = expect_refused(Engine::open(&dir, config().create_if_missing(create)), &dir);
+            assert!(matches!(found, DataDirFound::Foreign { .. }), "case {i}: {found:?}");
+            assert_eq!(tree(&dir), before, "case {i}, create_if_missing {create}: the directory changed");
         }
     }
 }
@@ -335,26 +256,14 @@ fn a_foreign_dir_with_a_tables_dir_is_refused_and_left_as_it_was() {
 fn a_foreign_dir_with_user_files_in_tables_is_refused_before_anything_is_created() {
     let root = tempfile::tempdir().unwrap();
     for (name, files) in [
-        (
-            "plain",
-            &[("tables/t8/users.csv", &b"id,name\n1,ada\n"[..])][..],
-        ),
-        (
-            "with-lock",
-            &[
-                ("LOCK", &b"4242"[..]),
-                ("tables/t8/users.csv", b"id,name\n1,ada\n"),
-            ][..],
-        ),
+        ("plain", &[("tables/t8/users.csv", &b"id,name\n1,ada\n"[..])][..]),
+        ("with-lock", &[("LOCK", &b"4242"[..]), ("tables/t8/users.csv", b"id,name\n1,ada\n")][..]),
     ] {
         let dir = root.path().join(name);
         write_files(&dir, files);
         let before = tree(&dir);
         let found = expect_refused(Engine::open(&dir, config()), &dir);
-        assert!(
-            matches!(found, DataDirFound::Foreign { .. }),
-            "{name}: {found:?}"
-        );
+        assert!(matches!(found, DataDirFound::Foreign { .. }), "{name}: {found:?}");
         assert_eq!(tree(&dir), before, "{name}: the directory changed");
         assert!(!dir.join("trash").exists() && !dir.join(gritdb::DATA_DIR_MARKER).exists());
     }
@@ -364,9 +273,7 @@ fn a_foreign_dir_with_user_files_in_tables_is_refused_before_anything_is_created
 /// write-ahead log) and closes it.
 fn write_table(dir: &Path) -> BTreeMap<(i64, i32), Row> {
     let engine = Engine::open(dir, config()).unwrap();
-    let t = engine
-        .create_table("t", composite_schema(), &["k1", "k2"])
-        .unwrap();
+    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
     t.insert(&composite_batch(&rows(0, 1_000))).unwrap();
     t.flush().unwrap();
     t.insert(&composite_batch(&rows(1_000, 10))).unwrap();
@@ -382,13 +289,7 @@ fn read_table(dir: &Path) -> BTreeMap<(i64, i32), Row> {
 /// Every row of table `t` of the data dir `dir`, opened with `config` and closed.
 fn read_table_with(dir: &Path, config: EngineConfig) -> BTreeMap<(i64, i32), Row> {
     let engine = Engine::open(dir, config).unwrap();
-    let got = collect_composite(
-        engine
-            .table("t")
-            .unwrap()
-            .scan(ScanOptions::default())
-            .unwrap(),
-    );
+    let got = collect_composite(engine.table("t").unwrap().scan(ScanOptions::default()).unwrap());
     engine.close().unwrap();
     got
 }
@@ -402,17 +303,10 @@ fn a_data_dir_without_the_marker_is_adopted_with_its_rows() {
     let dir = root.path().join("data");
     let want = write_table(&dir);
     let marker = dir.join(gritdb::DATA_DIR_MARKER);
-    assert_eq!(
-        std::fs::read_to_string(&marker).unwrap(),
-        "gritdb data directory\nformat 1\n"
-    );
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "gritdb data directory\nformat 1\n");
     std::fs::remove_file(&marker).unwrap();
     assert_eq!(read_table(&dir), want);
-    assert_eq!(
-        std::fs::read_to_string(&marker).unwrap(),
-        "gritdb data directory\nformat 1\n",
-        "the marker is back"
-    );
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "gritdb data directory\nformat 1\n", "the marker is back");
 
     let backup = root.path().join("backup");
     copy_tree(&dir, &backup);
@@ -426,12 +320,7 @@ fn a_data_dir_without_the_marker_is_adopted_with_its_rows() {
     let damaged = root.path().join("damaged");
     copy_tree(&dir, &damaged);
     std::fs::remove_file(damaged.join(gritdb::DATA_DIR_MARKER)).unwrap();
-    let table = std::fs::read_dir(damaged.join("tables"))
-        .unwrap()
-        .next()
-        .unwrap()
-        .unwrap()
-        .path();
+    let table = std::fs::read_dir(damaged.join("tables")).unwrap().next().unwrap().unwrap().path();
     std::fs::write(table.join("manifest.json"), b"{ not json").unwrap();
     let before = tree(&damaged);
     match Engine::open(&damaged, config()) {
@@ -447,13 +336,7 @@ fn a_data_dir_without_the_marker_is_adopted_with_its_rows() {
 fn a_marker_only_dir_opens() {
     let root = tempfile::tempdir().unwrap();
     let dir = root.path().join("data");
-    write_files(
-        &dir,
-        &[(
-            gritdb::DATA_DIR_MARKER,
-            &b"gritdb data directory\nformat 1\n"[..],
-        )],
-    );
+    write_files(&dir, &[(gritdb::DATA_DIR_MARKER, &b"gritdb data directory\nformat 1\n"[..])]);
     let engine = Engine::open(&dir, config().create_if_missing(false)).unwrap();
     assert!(engine.table_names().is_empty());
     engine.close().unwrap();
@@ -488,10 +371,7 @@ fn a_damaged_or_unknown_marker_is_refused_and_nothing_is_lost() {
                 match problem {
                     gritdb::MarkerProblem::Damaged { .. } => assert_eq!(needle, "damaged"),
                     gritdb::MarkerProblem::UnknownFormat { found, supported } => {
-                        assert_eq!(
-                            (format!("format {found}"), *supported),
-                            (needle.to_owned(), 1)
-                        );
+                        assert_eq!((format!("format {found}"), *supported), (needle.to_owned(), 1));
                     }
                     p => panic!("{p:?}"),
                 }
@@ -499,11 +379,7 @@ fn a_damaged_or_unknown_marker_is_refused_and_nothing_is_lost() {
             e => panic!("expected BadDataDirMarker, got {e:?}"),
         }
         let text = e.to_string();
-        for part in [
-            marker.display().to_string().as_str(),
-            needle,
-            "nothing in the directory was created, changed or removed",
-        ] {
+        for part in [marker.display().to_string().as_str(), needle, "nothing in the directory was created, changed or removed"] {
             assert!(text.contains(part), "{part:?} not in {text}");
         }
         assert_eq!(tree(&dir), before, "{text}: the directory changed");
@@ -527,12 +403,7 @@ fn a_wal_file_gritdb_did_not_write_is_refused_and_kept() {
     let want = write_table(&dir);
     let wal = dir.join("wal");
     let text = b"not a log: someone's notes\n".repeat(100);
-    for name in [
-        "wal-1.log",
-        "wal-000000000099.log",
-        "wal-99999999999999999999.log",
-        "wal-00000099.log",
-    ] {
+    for name in ["wal-1.log", "wal-000000000099.log", "wal-99999999999999999999.log", "wal-00000099.log"] {
         std::fs::write(wal.join(name), &text).unwrap();
         let (wal_before, tables_before) = (tree(&wal), tree(&dir.join("tables")));
         match Engine::open(&dir, config()) {
@@ -559,10 +430,7 @@ fn a_wal_file_gritdb_did_not_write_is_refused_and_kept() {
     std::fs::write(wal.join("wal-1.log"), &text).unwrap();
     let before = tree(&dir);
     let found = expect_refused(Engine::open(&dir, config()), &dir);
-    assert!(
-        matches!(&found, DataDirFound::Foreign { total: 4, .. }),
-        "{found:?}"
-    );
+    assert!(matches!(&found, DataDirFound::Foreign { total: 4, .. }), "{found:?}");
     assert_eq!(tree(&dir), before);
 }
 
@@ -600,12 +468,7 @@ fn the_open_removes_only_files_gritdb_names() {
     let root = tempfile::tempdir().unwrap();
     let dir = root.path().join("data");
     let want = write_table(&dir);
-    let table = std::fs::read_dir(dir.join("tables"))
-        .unwrap()
-        .next()
-        .unwrap()
-        .unwrap()
-        .path();
+    let table = std::fs::read_dir(dir.join("tables")).unwrap().next().unwrap().unwrap().path();
     let table_rel = table.strip_prefix(&dir).unwrap().to_str().unwrap().to_owned();
     let kept = [
         format!("{table_rel}/notes.txt"),
@@ -623,11 +486,7 @@ fn the_open_removes_only_files_gritdb_names() {
         "trash/t42/f000001.parquet".to_owned(),
         "trash/t42/manifest.json".to_owned(),
     ];
-    let files: Vec<(&str, &[u8])> = kept
-        .iter()
-        .chain(&removed)
-        .map(|p| (p.as_str(), &b"someone's bytes"[..]))
-        .collect();
+    let files: Vec<(&str, &[u8])> = kept.iter().chain(&removed).map(|p| (p.as_str(), &b"someone's bytes"[..])).collect();
     write_files(&dir, &files);
     std::fs::create_dir_all(dir.join("tables/t08")).unwrap();
     // A file named as a table directory (before: the open failed with `NotADirectory`).
@@ -644,9 +503,7 @@ fn the_open_removes_only_files_gritdb_names() {
     assert!(!dir.join("trash/t42").exists());
 
     let engine = Engine::open(&dir, config()).unwrap();
-    let u = engine
-        .create_table("u", composite_schema(), &["k1", "k2"])
-        .unwrap();
+    let u = engine.create_table("u", composite_schema(), &["k1", "k2"]).unwrap();
     u.insert(&composite_batch(&rows(0, 10))).unwrap();
     drop(u);
     engine.drop_table("u").unwrap();

@@ -27,8 +27,7 @@ fn expected(ranges: &[(i64, i64)]) -> TableModel {
 
 /// Entries of `dir/sub`, sorted.
 fn entries(dir: &Path, sub: &str) -> Vec<String> {
-    let mut v: Vec<String> =
-        std::fs::read_dir(dir.join(sub)).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    let mut v: Vec<String> = std::fs::read_dir(dir.join(sub)).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     v.sort();
     v
 }

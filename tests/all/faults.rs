@@ -34,9 +34,7 @@ fn must_finish<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'st
 fn stalled_writer_blocks_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let fs = FaultFs::new();
-    let engine = Arc::new(
-        Engine::open(dir.path(), EngineConfig::default().memory_limit(128 << 20).vfs(Arc::new(fs.clone()))).unwrap(),
-    );
+    let engine = Arc::new(Engine::open(dir.path(), EngineConfig::default().memory_limit(128 << 20).vfs(Arc::new(fs.clone()))).unwrap());
     let a = engine.create_table("a", composite_schema(), &["k1", "k2"]).unwrap();
     let c = engine.create_table("c", composite_schema(), &["k1", "k2"]).unwrap();
     let d = engine.create_table("d", composite_schema(), &["k1", "k2"]).unwrap();
@@ -69,11 +67,7 @@ fn stalled_writer_blocks_nothing() {
     let a4 = a.clone();
     let n = must_finish("scan", move || collect_composite(a4.scan(ScanOptions::default()).unwrap()).len());
     assert_eq!(n, 19_900);
-    assert!(
-        engine.memory().used() < used_stalled,
-        "accounted bytes must fall while the writer is stalled ({} >= {used_stalled})",
-        engine.memory().used()
-    );
+    assert!(engine.memory().used() < used_stalled, "accounted bytes must fall while the writer is stalled ({} >= {used_stalled})", engine.memory().used());
     assert!(fs.is_stalled(), "the writer is still stalled");
 
     fs.heal();

@@ -237,8 +237,7 @@ fn filter_with_projection_in_any_order() {
     t.flush().unwrap();
     t.insert(&batch(&rows[500..])).unwrap();
     let f = cmp("amount", CompareOp::Eq, lit(Int32Array::from(vec![3])));
-    let want: Vec<(Option<String>, i64)> =
-        rows.iter().filter(|(_, r)| r.amount == Some(3)).map(|(id, r)| (r.name.clone(), *id)).collect();
+    let want: Vec<(Option<String>, i64)> = rows.iter().filter(|(_, r)| r.amount == Some(3)).map(|(id, r)| (r.name.clone(), *id)).collect();
     let mut got = Vec::new();
     for b in t.scan(ScanOptions::default().projection(["name", "id"]).filter(f)).unwrap() {
         let b = b.unwrap();
@@ -270,9 +269,7 @@ fn bad_filters_are_typed_errors() {
     let e = scan(ScanFilter::and([ScanFilter::is_null("id"), cmp("missing", CompareOp::Eq, lit(Int64Array::from(vec![1])))]));
     assert!(matches!(&e, Error::ColumnNotFound { column, .. } if column == "missing"), "{e:?}");
 
-    let not_comparable = |e: &Error, col: &str| {
-        matches!(e, Error::InvalidFilter { source: FilterError::NotComparable { column, .. }, .. } if column == col)
-    };
+    let not_comparable = |e: &Error, col: &str| matches!(e, Error::InvalidFilter { source: FilterError::NotComparable { column, .. }, .. } if column == col);
     let e = scan(cmp("id", CompareOp::Eq, lit(StringArray::from(vec!["1"]))));
     assert!(not_comparable(&e, "id"), "{e:?}");
     assert_eq!(
@@ -329,9 +326,7 @@ fn filters_nested_past_the_limit_are_refused_typed() {
     let at_limit = collect(t.scan(ScanOptions::default().filter(nested(MAX_FILTER_DEPTH))).unwrap());
     let want: Vec<i64> = model.keys().copied().filter(|&k| (500..900).contains(&k) || (k % 2 == 1 && k < MAX_FILTER_DEPTH as i64)).collect();
     assert_eq!(at_limit.keys().copied().collect::<Vec<_>>(), want);
-    let too_deep = |e: &Error, want: usize| {
-        matches!(e, Error::InvalidFilter { table, source: FilterError::TooDeep { depth, limit } } if table == "d" && *depth == want && *limit == MAX_FILTER_DEPTH)
-    };
+    let too_deep = |e: &Error, want: usize| matches!(e, Error::InvalidFilter { table, source: FilterError::TooDeep { depth, limit } } if table == "d" && *depth == want && *limit == MAX_FILTER_DEPTH);
     let e = t.scan(ScanOptions::default().filter(nested(MAX_FILTER_DEPTH + 1))).unwrap_err();
     assert!(too_deep(&e, MAX_FILTER_DEPTH + 1), "{e:?}");
     let e = on_stack(2 << 20, || {
@@ -348,7 +343,9 @@ fn filters_nested_past_the_limit_are_refused_typed() {
     assert!(too_deep(&e, 1_999_999), "{e:?}");
     assert_eq!(
         e.to_string(),
-        format!("invalid scan filter for table `d`: the filter is nested 1999999 levels deep, more than the {MAX_FILTER_DEPTH} a scan accepts; put a chain of ANDs (or ORs) into one And (Or) of many parts")
+        format!(
+            "invalid scan filter for table `d`: the filter is nested 1999999 levels deep, more than the {MAX_FILTER_DEPTH} a scan accepts; put a chain of ANDs (or ORs) into one And (Or) of many parts"
+        )
     );
     // A literal of a deeply nested type: built and dropped on a large stack (Arrow's own
     // constructors and drops of it recurse), refused on a normal one.

@@ -59,8 +59,7 @@ fn file_totals(path: &Path) -> (Totals, usize) {
 
 /// TPC-H lineitem at SF 0.01 (60,175 rows) in batches of 1,000 rows.
 fn lineitem() -> Vec<RecordBatch> {
-    let batches: Vec<RecordBatch> =
-        LineItemArrow::new(LineItemGenerator::new(0.01, 1, 1)).with_batch_size(1000).collect::<Result<_, _>>().unwrap();
+    let batches: Vec<RecordBatch> = LineItemArrow::new(LineItemGenerator::new(0.01, 1, 1)).with_batch_size(1000).collect::<Result<_, _>>().unwrap();
     assert_eq!(batches.iter().map(RecordBatch::num_rows).sum::<usize>(), 60_175);
     batches
 }
@@ -69,9 +68,7 @@ fn lineitem() -> Vec<RecordBatch> {
 fn bump_quantity(batch: &RecordBatch, delta: i128) -> RecordBatch {
     let i = batch.schema().index_of("l_quantity").unwrap();
     let q = batch.column(i).as_any().downcast_ref::<Decimal128Array>().unwrap();
-    let bumped = Decimal128Array::from_iter_values(q.values().iter().map(|v| v + delta))
-        .with_precision_and_scale(15, 2)
-        .unwrap();
+    let bumped = Decimal128Array::from_iter_values(q.values().iter().map(|v| v + delta)).with_precision_and_scale(15, 2).unwrap();
     let mut cols = batch.columns().to_vec();
     cols[i] = Arc::new(bumped);
     RecordBatch::try_new(batch.schema(), cols).unwrap()
@@ -113,11 +110,7 @@ fn json_str(line: &str, key: &str) -> String {
 }
 
 fn reader_totals(r: &Reader) -> Totals {
-    Totals {
-        count: json_int(&r.line, "count") as u64,
-        quantity: json_int(&r.line, "l_quantity"),
-        price: json_int(&r.line, "l_extendedprice"),
-    }
+    Totals { count: json_int(&r.line, "count") as u64, quantity: json_int(&r.line, "l_quantity"), price: json_int(&r.line, "l_extendedprice") }
 }
 
 fn check_script() -> PathBuf {
@@ -150,8 +143,7 @@ fn run_check(test: &str, args: &[&std::ffi::OsStr]) -> Option<Vec<Reader>> {
         return unavailable(test, stderr.trim());
     }
     assert!(out.status.success(), "check.py failed ({}):\nstdout:\n{stdout}\nstderr:\n{stderr}", out.status);
-    let readers: Vec<Reader> =
-        stdout.lines().filter(|l| l.starts_with('{')).map(|l| Reader { name: json_str(l, "reader"), line: l.to_owned() }).collect();
+    let readers: Vec<Reader> = stdout.lines().filter(|l| l.starts_with('{')).map(|l| Reader { name: json_str(l, "reader"), line: l.to_owned() }).collect();
     for name in ["pyarrow", "duckdb"] {
         assert!(readers.iter().any(|r| r.name == name), "no {name} result from check.py:\n{stdout}\n{stderr}");
     }
@@ -196,10 +188,8 @@ fn compacted_data_files_read_by_pyarrow_and_duckdb() {
     assert_eq!(expected.count, 60_175 - deleted as u64);
     assert_eq!(s.file_rows, expected.count);
 
-    let Some(readers) = run_check(
-        "compacted_data_files_read_by_pyarrow_and_duckdb",
-        &["--gritdb-table".as_ref(), dir.path().as_os_str(), "lineitem".as_ref()],
-    ) else {
+    let Some(readers) = run_check("compacted_data_files_read_by_pyarrow_and_duckdb", &["--gritdb-table".as_ref(), dir.path().as_os_str(), "lineitem".as_ref()])
+    else {
         return;
     };
     let manifest = readers.iter().find(|r| r.name == "manifest").expect("manifest line");
@@ -253,11 +243,7 @@ fn export_after_updates_and_deletes_read_by_pyarrow_and_duckdb() {
     assert_readers_agree(&readers, expected);
     // The raw data files (deletion vectors not applied, deltas not merged) read differently:
     // the export is what other engines must be given.
-    let raw = run_check(
-        test,
-        &["--allow-deletion-vectors".as_ref(), "--gritdb-table".as_ref(), dir.path().as_os_str(), "lineitem".as_ref()],
-    )
-    .unwrap();
+    let raw = run_check(test, &["--allow-deletion-vectors".as_ref(), "--gritdb-table".as_ref(), dir.path().as_os_str(), "lineitem".as_ref()]).unwrap();
     let manifest = raw.iter().find(|r| r.name == "manifest").unwrap();
     assert!(json_int(&manifest.line, "deleted_rows") > 0, "{}", manifest.line);
     let raw_pyarrow = raw.iter().find(|r| r.name == "pyarrow").unwrap();

@@ -48,7 +48,10 @@ fn run_program(seed: u64, chunk: usize, flush_bytes: usize, steps: usize) {
         let ctx = format!("seed {seed} chunk {chunk} step {step} op {op}");
         match op {
             0..=29 => {
-                let keys = { let n = rng.random_range(1..20); distinct_keys(&mut rng, n) };
+                let keys = {
+                    let n = rng.random_range(1..20);
+                    distinct_keys(&mut rng, n)
+                };
                 let rows: Vec<_> = keys.iter().map(|k| (*k, random_row(&mut rng))).collect();
                 let clash = keys.iter().position(|k| model.contains_key(k));
                 match (table.insert(&composite_batch(&rows)), clash) {
@@ -61,13 +64,19 @@ fn run_program(seed: u64, chunk: usize, flush_bytes: usize, steps: usize) {
                 }
             }
             30..=49 => {
-                let keys = { let n = rng.random_range(1..20); distinct_keys(&mut rng, n) };
+                let keys = {
+                    let n = rng.random_range(1..20);
+                    distinct_keys(&mut rng, n)
+                };
                 let rows: Vec<_> = keys.iter().map(|k| (*k, random_row(&mut rng))).collect();
                 assert_eq!(table.upsert(&composite_batch(&rows)).unwrap(), rows.len(), "{ctx}");
                 model.extend(rows);
             }
             50..=59 => {
-                let keys = { let n = rng.random_range(1..10); distinct_keys(&mut rng, n) };
+                let keys = {
+                    let n = rng.random_range(1..10);
+                    distinct_keys(&mut rng, n)
+                };
                 let rows: Vec<_> = keys.iter().map(|k| (*k, random_row(&mut rng))).collect();
                 let missing = keys.iter().position(|k| !model.contains_key(k));
                 match (table.update(&composite_batch(&rows)), missing) {

@@ -108,8 +108,11 @@ fn two_tables_interleaved_replayed_under_a_small_limit() {
     for name in ["a", "b"] {
         let t = engine.table(name).unwrap();
         assert_eq!(totals(&t), expected(n), "{name}");
-        t.delete(&RecordBatch::try_new(Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false)])), vec![Arc::new(Int64Array::from(vec![0, 1, 2]))]).unwrap())
-            .unwrap();
+        t.delete(
+            &RecordBatch::try_new(Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false)])), vec![Arc::new(Int64Array::from(vec![0, 1, 2]))])
+                .unwrap(),
+        )
+        .unwrap();
         t.flush().unwrap();
         let (rows, keys, _) = totals(&t);
         assert_eq!((rows, keys), (n as usize - 3, (3..n).sum::<i64>()), "{name} after deletes and a flush");

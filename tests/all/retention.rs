@@ -2,8 +2,8 @@
 //! (capacity / used >= 2), so keeping a few small results never pins big blocks.
 
 use arrow::array::{Array, Int64Array, RecordBatch};
-use gritdb::vfs::FaultFs;
 use gritdb::memory::Category;
+use gritdb::vfs::FaultFs;
 use gritdb::{Engine, EngineConfig, ScanOptions, compact_if_sparse, retained_bytes};
 use gritdb_tests::*;
 use std::sync::Arc;
@@ -72,7 +72,6 @@ fn ten_small_results_from_delta_file_and_staged_data_retain_little() {
     let kept = keep_ten(&t);
     assert!(retained(&kept) <= 64 << 10, "file: {} bytes retained", retained(&kept));
     // Projections copy only the projected columns.
-    let p: Vec<RecordBatch> =
-        t.scan(ScanOptions::default().batch_rows(10).projection(["v"])).unwrap().take(10).map(Result::unwrap).collect();
+    let p: Vec<RecordBatch> = t.scan(ScanOptions::default().batch_rows(10).projection(["v"])).unwrap().take(10).map(Result::unwrap).collect();
     assert!(retained(&p) <= 16 << 10, "projection: {} bytes retained", retained(&p));
 }

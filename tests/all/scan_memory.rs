@@ -34,7 +34,8 @@ fn decoded_batches_count_while_held() {
     let in_use: usize = held.iter().map(used).sum();
     let counted = scan_bytes();
     assert!(counted >= in_use && counted < 2 * in_use, "counted {counted} B for {in_use} B in use");
-    let table_scan = engine.memory_report().tables.iter().find(|r| r.table == "d").unwrap().categories.iter().find(|c| c.category == Category::ScanBuffers).unwrap().bytes;
+    let table_scan =
+        engine.memory_report().tables.iter().find(|r| r.table == "d").unwrap().categories.iter().find(|c| c.category == Category::ScanBuffers).unwrap().bytes;
     assert_eq!(table_scan, counted);
     // Data is intact through the re-pointed buffers.
     assert_eq!(collect_composite(held.clone().into_iter().map(Ok)), rows(0, 100_000).into_iter().collect());
@@ -243,9 +244,7 @@ pub(crate) fn incompressible(from: i64, to: i64, width: usize) -> RecordBatch {
         arrow::datatypes::Field::new("k", arrow::datatypes::DataType::Int64, false),
         arrow::datatypes::Field::new("s", arrow::datatypes::DataType::Utf8, false),
     ]));
-    let text: Vec<String> = (from..to)
-        .map(|k| (0..width).map(|i| char::from(b'a' + (mix(k as u64 * 7919 + i as u64) % 26) as u8)).collect())
-        .collect();
+    let text: Vec<String> = (from..to).map(|k| (0..width).map(|i| char::from(b'a' + (mix(k as u64 * 7919 + i as u64) % 26) as u8)).collect()).collect();
     RecordBatch::try_new(schema, vec![Arc::new(Int64Array::from_iter_values(from..to)), Arc::new(arrow::array::StringArray::from(text))]).unwrap()
 }
 
@@ -279,10 +278,8 @@ pub(crate) fn wide_and_fillers(engine: &Engine, wide_rows: i64) -> (gritdb::Tabl
 fn a_scan_short_of_memory_flushes_other_tables_deltas() {
     let dir = tempfile::tempdir().unwrap();
     let limit = 8usize << 20;
-    let config = EngineConfig::default()
-        .memory_limit(limit)
-        .flush_age(std::time::Duration::from_secs(3600))
-        .backpressure_timeout(std::time::Duration::from_secs(2));
+    let config =
+        EngineConfig::default().memory_limit(limit).flush_age(std::time::Duration::from_secs(3600)).backpressure_timeout(std::time::Duration::from_secs(2));
     let engine = Engine::open(dir.path(), config).unwrap();
     let (wide, fillers) = wide_and_fillers(&engine, 300);
     for (t, _) in &fillers {
@@ -542,10 +539,9 @@ fn a_file_that_failed_to_open_ends_the_scan_with_its_error() {
         std::fs::rename(p, a).unwrap();
     }
     match s.next() {
-        Some(Err(e)) => assert!(
-            matches!(&e, gritdb::Error::Storage(gritdb::StorageError::MissingFile { path, table }) if files.contains(path) && table == "f"),
-            "{e:?}"
-        ),
+        Some(Err(e)) => {
+            assert!(matches!(&e, gritdb::Error::Storage(gritdb::StorageError::MissingFile { path, table }) if files.contains(path) && table == "f"), "{e:?}")
+        }
         other => panic!("{:?}", other.map(|b| b.map(|b| b.num_rows()))),
     }
     assert!(s.next().is_none(), "the scan ended with its error");

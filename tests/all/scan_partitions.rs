@@ -53,7 +53,11 @@ fn partitions_on_threads_return_the_single_scans_rows_once() {
         ScanFilter::compare("k1", CompareOp::GtEq, Arc::new(Int64Array::from(vec![20_000]))),
         ScanFilter::compare("k1", CompareOp::Lt, Arc::new(Int64Array::from(vec![400_300]))),
     ]);
-    let options = [ScanOptions::default(), ScanOptions::default().filter(band.clone()).batch_rows(1_000), ScanOptions::default().projection(["k1", "k2", "v", "s"]).filter(band)];
+    let options = [
+        ScanOptions::default(),
+        ScanOptions::default().filter(band.clone()).batch_rows(1_000),
+        ScanOptions::default().projection(["k1", "k2", "v", "s"]).filter(band),
+    ];
     for (o, opts) in options.into_iter().enumerate() {
         let mut scan = t.scan(opts.clone()).unwrap();
         let single: Vec<RecordBatch> = scan.by_ref().map(Result::unwrap).collect();

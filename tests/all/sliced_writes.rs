@@ -25,8 +25,7 @@ fn parent(n: i64) -> RecordBatch {
 }
 
 fn keys(n: i64) -> RecordBatch {
-    RecordBatch::try_new(Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false)])), vec![Arc::new(Int64Array::from_iter_values(0..n))])
-        .unwrap()
+    RecordBatch::try_new(Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false)])), vec![Arc::new(Int64Array::from_iter_values(0..n))]).unwrap()
 }
 
 /// Row count, sum of keys, and total string bytes of the table.
@@ -64,11 +63,7 @@ fn slices_of_big_batches_write_at_a_small_limit() {
         // Keys 1,000..2,500 and 150,000..151,000 are in; delete 1,000..1,010 through a slice
         // of a 1 M-key batch.
         assert_eq!(t.delete(&big_keys.slice(1_000, 10)).unwrap(), 10);
-        let want = (
-            2_490,
-            (1_010..2_500).sum::<i64>() + (150_000..151_000).sum::<i64>(),
-            value_bytes(1_010..2_500) + value_bytes(150_000..151_000),
-        );
+        let want = (2_490, (1_010..2_500).sum::<i64>() + (150_000..151_000).sum::<i64>(), value_bytes(1_010..2_500) + value_bytes(150_000..151_000));
         assert_eq!(contents(&t), want);
         drop(t);
         drop(engine); // no close: the reopen replays the WAL

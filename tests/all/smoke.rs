@@ -29,4 +29,3 @@ fn insert_flush_scan_reopen() {
     assert_eq!(got[&(1, 1)], (None, Some("u".into())));
     assert_eq!(got[&(900, 4)], (Some(9000), Some("s900".into())));
 }
-

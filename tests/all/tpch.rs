@@ -22,8 +22,7 @@ fn count_and_sum(t: &gritdb::Table) -> (u64, i128) {
 fn keyed_dml_workload_sf01() {
     let dir = tempfile::tempdir().unwrap();
     let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(512 << 20)).unwrap();
-    let batches: Vec<RecordBatch> =
-        LineItemArrow::new(LineItemGenerator::new(0.1, 1, 1)).with_batch_size(8192).collect::<Result<_, _>>().unwrap();
+    let batches: Vec<RecordBatch> = LineItemArrow::new(LineItemGenerator::new(0.1, 1, 1)).with_batch_size(8192).collect::<Result<_, _>>().unwrap();
     assert_eq!(batches.iter().map(RecordBatch::num_rows).sum::<usize>(), 600_572);
     let t = engine.create_table("lineitem", batches[0].schema(), &["l_orderkey", "l_linenumber"]).unwrap();
     for b in &batches {

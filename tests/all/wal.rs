@@ -230,7 +230,10 @@ fn view_columns_survive_replay_as_views() {
     let mut got = BTreeMap::new();
     for b in table.scan(ScanOptions::default()).unwrap() {
         let b = b.unwrap();
-        assert_eq!(b.schema().fields().iter().map(|f| f.data_type().clone()).collect::<Vec<_>>(), vec![DataType::Utf8View, DataType::Int64, DataType::Utf8View, DataType::BinaryView]);
+        assert_eq!(
+            b.schema().fields().iter().map(|f| f.data_type().clone()).collect::<Vec<_>>(),
+            vec![DataType::Utf8View, DataType::Int64, DataType::Utf8View, DataType::BinaryView]
+        );
         let ids = b.column(0).as_any().downcast_ref::<StringViewArray>().unwrap();
         let nums = b.column(1).as_any().downcast_ref::<Int64Array>().unwrap();
         let strs = b.column(2).as_any().downcast_ref::<StringViewArray>().unwrap();
@@ -348,7 +351,11 @@ fn a_record_whose_column_name_is_damaged_under_a_valid_checksum_is_corrupt_wal_n
     let dir = tempfile::tempdir().unwrap();
     let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("amount_column", DataType::Int64, true)]));
     let batch = |from: i64| {
-        RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int64Array::from_iter_values(from..from + 10)), Arc::new(Int64Array::from_iter_values(from..from + 10))]).unwrap()
+        RecordBatch::try_new(
+            Arc::clone(&schema),
+            vec![Arc::new(Int64Array::from_iter_values(from..from + 10)), Arc::new(Int64Array::from_iter_values(from..from + 10))],
+        )
+        .unwrap()
     };
     {
         let engine = Engine::open(dir.path(), config()).unwrap();
@@ -402,7 +409,10 @@ fn a_record_above_max_row_bytes_names_its_segment_and_the_setting() {
     match Engine::open(dir.path(), config().max_row_bytes(10_000)) {
         Err(Error::Storage(gritdb::StorageError::CorruptWal { path, offset, detail })) => {
             assert_eq!((path, offset), (seg_path, 0));
-            assert!(detail.starts_with("put record of table `t` (id 1, sequence numbers 1..=1) cannot be replayed into the table: row 0 encodes to "), "{detail}");
+            assert!(
+                detail.starts_with("put record of table `t` (id 1, sequence numbers 1..=1) cannot be replayed into the table: row 0 encodes to "),
+                "{detail}"
+            );
             assert!(detail.ends_with("reopen with one at least this large to replay it)"), "{detail}");
         }
         other => panic!("expected CorruptWal: {other:?}"),

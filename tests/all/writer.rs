@@ -80,10 +80,8 @@ fn memory_report_as_an_arrow_batch() {
     let cat = b.column(2).as_any().downcast_ref::<StringArray>().unwrap();
     let bytes = b.column(3).as_any().downcast_ref::<UInt64Array>().unwrap();
     assert_eq!((0..b.num_rows()).filter(|&i| scope.value(i) == "engine").count(), Category::ALL.len());
-    let row_blocks = (0..b.num_rows())
-        .find(|&i| scope.value(i) == "table" && name.value(i) == "m" && cat.value(i) == "row_blocks")
-        .map(|i| bytes.value(i))
-        .unwrap();
+    let row_blocks =
+        (0..b.num_rows()).find(|&i| scope.value(i) == "table" && name.value(i) == "m" && cat.value(i) == "row_blocks").map(|i| bytes.value(i)).unwrap();
     assert_eq!(row_blocks as usize, engine.memory().category_bytes(Category::RowBlocks));
     assert!(row_blocks >= 64 << 10);
     let engine_total: u64 = (0..b.num_rows()).filter(|&i| scope.value(i) == "engine").map(|i| bytes.value(i)).sum();

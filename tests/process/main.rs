@@ -25,11 +25,9 @@ fn allocated() -> usize {
 fn outside_engine_is_at_most_five_percent_of_ingest_growth() {
     let _g = SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let dir = tempfile::tempdir().unwrap();
-    let engine = Engine::open(
-        dir.path(),
-        EngineConfig::default().memory_limit(4 << 30).table_flush_bytes(2 << 30).flush_age(std::time::Duration::from_hours(1)),
-    )
-    .unwrap();
+    let engine =
+        Engine::open(dir.path(), EngineConfig::default().memory_limit(4 << 30).table_flush_bytes(2 << 30).flush_age(std::time::Duration::from_hours(1)))
+            .unwrap();
     let mut generator = LineItemArrow::new(LineItemGenerator::new(0.2, 1, 1)).with_batch_size(8192);
     let first = generator.next().unwrap().unwrap();
     let t = engine.create_table("lineitem", first.schema(), &["l_orderkey", "l_linenumber"]).unwrap();
@@ -71,8 +69,7 @@ fn wide_table_writer_buffers_are_bounded_and_counted() {
     let t = engine.create_table("wide", Arc::clone(&schema), &["c0"]).unwrap();
     let n = 100_000i64;
     for start in (0..400_000i64).step_by(n as usize) {
-        let cols: Vec<ArrayRef> =
-            (0..64).map(|c| Arc::new(Int64Array::from_iter_values((start..start + n).map(|i| i * 64 + c))) as ArrayRef).collect();
+        let cols: Vec<ArrayRef> = (0..64).map(|c| Arc::new(Int64Array::from_iter_values((start..start + n).map(|i| i * 64 + c))) as ArrayRef).collect();
         t.insert(&RecordBatch::try_new(Arc::clone(&schema), cols).unwrap()).unwrap();
     }
     engine.memory().reset_peaks();
@@ -99,11 +96,9 @@ fn ten_single_row_group_files_scan_within_scan_buffers_share() {
     let _g = SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let dir = tempfile::tempdir().unwrap();
     // A flush threshold above 1 M rows, so each table's rows go to one file in one flush.
-    let engine = Engine::open(
-        dir.path(),
-        EngineConfig::default().memory_limit(1 << 30).table_flush_bytes(120 << 20).flush_age(std::time::Duration::from_hours(1)),
-    )
-    .unwrap();
+    let engine =
+        Engine::open(dir.path(), EngineConfig::default().memory_limit(1 << 30).table_flush_bytes(120 << 20).flush_age(std::time::Duration::from_hours(1)))
+            .unwrap();
     let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", DataType::Int64, true)]));
     let mut tables = Vec::new();
     for t in 0..10i64 {
@@ -192,11 +187,8 @@ fn background_flushes_run_under_sched_batch_unless_inherit() {
     for (priority, want) in [(BackgroundPriority::Batch(0), 3), (BackgroundPriority::Inherit, caller)] {
         let before: std::collections::HashSet<u32> = gritdb_tests::process_threads().into_iter().map(|t| t.tid).collect();
         let dir = tempfile::tempdir().unwrap();
-        let engine = Engine::open(
-            dir.path(),
-            EngineConfig::default().memory_limit(256 << 20).table_flush_bytes(1 << 20).background_priority(priority),
-        )
-        .unwrap();
+        let engine =
+            Engine::open(dir.path(), EngineConfig::default().memory_limit(256 << 20).table_flush_bytes(1 << 20).background_priority(priority)).unwrap();
         let t = engine.create_table("lineitem", batches[0].schema(), &["l_orderkey", "l_linenumber"]).unwrap();
         for b in &batches {
             t.insert(b).unwrap();
@@ -278,7 +270,9 @@ fn an_open_file_scan_counts_the_readers_page_buffers() {
         max_counted = max_counted.max(engine.memory().category_bytes(Category::ScanBuffers));
     }
     assert_eq!(rows, 600_572);
-    eprintln!("open lineitem scan, no batch held: allocator growth max {max_growth} B, scan_buffers max {max_counted} B, growth outside the engine max {worst_outside} B");
+    eprintln!(
+        "open lineitem scan, no batch held: allocator growth max {max_growth} B, scan_buffers max {max_counted} B, growth outside the engine max {worst_outside} B"
+    );
     assert!(worst_outside <= 256 << 10, "the reader held {worst_outside} B the engine did not count");
     assert!(max_counted as i64 <= 3 * max_growth.max(1), "counted {max_counted} B for at most {max_growth} B allocated");
     drop(s);

@@ -66,9 +66,8 @@ fn batch(b: usize) -> RecordBatch {
     let date = |k: i32| -> ArrayRef { Arc::new(Date32Array::from_iter_values((0..n).map(|i| 8000 + k + (i % 2500) as i32))) };
     let words = ["DELIVER IN PERSON", "COLLECT COD", "NONE", "TAKE BACK RETURN"];
     let modes = ["AIR", "REG AIR", "TRUCK", "MAIL", "SHIP", "RAIL", "FOB"];
-    let comment = |i: usize| -> Option<String> {
-        (!i.is_multiple_of(97)).then(|| "carefully final deposits sleep quickly among the"[..10 + (i * 7) % 34].to_owned())
-    };
+    let comment =
+        |i: usize| -> Option<String> { (!i.is_multiple_of(97)).then(|| "carefully final deposits sleep quickly among the"[..10 + (i * 7) % 34].to_owned()) };
     let cols: Vec<ArrayRef> = vec![
         Arc::new(Int64Array::from_iter_values((0..n).map(order))),
         Arc::new(Int64Array::from_iter_values((0..n).map(|i| (i * 7919 % 20_000) as i64))),
@@ -199,9 +198,7 @@ fn to_batches(c: &mut Criterion) {
     for threads in [1usize, 2] {
         g.bench_with_input(BenchmarkId::new("sorted_16k", threads), &threads, |bench, &threads| {
             bench.iter(|| {
-                let out = d
-                    .to_batches_parallel(Category::BatchBlocks, true, 16 << 10, 256 << 20, threads, |_| true)
-                    .expect("within the limit");
+                let out = d.to_batches_parallel(Category::BatchBlocks, true, 16 << 10, 256 << 20, threads, |_| true).expect("within the limit");
                 let n: usize = out.puts.iter().map(RecordBatch::num_rows).sum();
                 assert_eq!(n, rows);
                 out

@@ -41,9 +41,7 @@ impl ColKind {
             DataType::Boolean => ColKind::Bool,
             DataType::Int8 | DataType::UInt8 => ColKind::Fixed(1),
             DataType::Int16 | DataType::UInt16 | DataType::Float16 => ColKind::Fixed(2),
-            DataType::Int32 | DataType::UInt32 | DataType::Float32 | DataType::Date32 | DataType::Time32(_) => {
-                ColKind::Fixed(4)
-            }
+            DataType::Int32 | DataType::UInt32 | DataType::Float32 | DataType::Date32 | DataType::Time32(_) => ColKind::Fixed(4),
             DataType::Int64
             | DataType::UInt64
             | DataType::Float64
@@ -118,7 +116,12 @@ pub fn type_depth(t: &DataType) -> usize {
     while let Some((t, d)) = todo.pop() {
         deepest = deepest.max(d);
         match t {
-            DataType::List(f) | DataType::LargeList(f) | DataType::ListView(f) | DataType::LargeListView(f) | DataType::FixedSizeList(f, _) | DataType::Map(f, _) => {
+            DataType::List(f)
+            | DataType::LargeList(f)
+            | DataType::ListView(f)
+            | DataType::LargeListView(f)
+            | DataType::FixedSizeList(f, _)
+            | DataType::Map(f, _) => {
                 todo.push((f.data_type(), d + 1));
             }
             DataType::Struct(fields) => todo.extend(fields.iter().map(|f| (f.data_type(), d + 1))),
@@ -175,17 +178,41 @@ pub fn canonical_key_columns(cols: Vec<ArrayRef>) -> Vec<ArrayRef> {
             DataType::Float64 => fix::<Float64Type>(
                 col,
                 |v| v.to_bits() == (-0.0f64).to_bits() || (v.is_nan() && v.to_bits() != f64::NAN.to_bits()),
-                |v| if v == 0.0 { 0.0 } else if v.is_nan() { f64::NAN } else { v },
+                |v| {
+                    if v == 0.0 {
+                        0.0
+                    } else if v.is_nan() {
+                        f64::NAN
+                    } else {
+                        v
+                    }
+                },
             ),
             DataType::Float32 => fix::<Float32Type>(
                 col,
                 |v| v.to_bits() == (-0.0f32).to_bits() || (v.is_nan() && v.to_bits() != f32::NAN.to_bits()),
-                |v| if v == 0.0 { 0.0 } else if v.is_nan() { f32::NAN } else { v },
+                |v| {
+                    if v == 0.0 {
+                        0.0
+                    } else if v.is_nan() {
+                        f32::NAN
+                    } else {
+                        v
+                    }
+                },
             ),
             DataType::Float16 => fix::<Float16Type>(
                 col,
                 |v| v.to_bits() == 0x8000 || (v.is_nan() && v.to_bits() != 0x7e00),
-                |v| if v.to_bits() == 0x8000 { F16::from_bits(0) } else if v.is_nan() { F16::from_bits(0x7e00) } else { v },
+                |v| {
+                    if v.to_bits() == 0x8000 {
+                        F16::from_bits(0)
+                    } else if v.is_nan() {
+                        F16::from_bits(0x7e00)
+                    } else {
+                        v
+                    }
+                },
             ),
             _ => col,
         })
@@ -277,17 +304,13 @@ impl RowCodec {
         let bitmap_len = schema.fields().len().div_ceil(8);
         let mut off = 0;
         for f in schema.fields() {
-            let kind = ColKind::of(f.data_type()).ok_or_else(|| UnifyError::UnsupportedType {
-                column: f.name().clone(),
-                data_type: f.data_type().clone(),
-            })?;
+            let kind = ColKind::of(f.data_type()).ok_or_else(|| UnifyError::UnsupportedType { column: f.name().clone(), data_type: f.data_type().clone() })?;
             kinds.push(kind);
             slot_offsets.push(off);
             off += kind.slot_width();
         }
         let keys = KeyEncoder::new(&schema, key_columns)?;
-        let last_var_slot =
-            kinds.iter().zip(&slot_offsets).rev().find(|(k, _)| matches!(k, ColKind::Off32 | ColKind::Off64 | ColKind::View)).map(|(_, &o)| o);
+        let last_var_slot = kinds.iter().zip(&slot_offsets).rev().find(|(k, _)| matches!(k, ColKind::Off32 | ColKind::Off64 | ColKind::View)).map(|(_, &o)| o);
         Ok(Self { schema, kinds, slot_offsets, bitmap_len, fixed_len: off, last_var_slot, keys, max_row_bytes })
     }
 
@@ -423,8 +446,7 @@ impl RowCodec {
 
     /// Groups a batch's columns by how [`Self::encode_row`] writes them (see [`EncodePlan`]).
     pub(crate) fn plan<'r, 'a>(&self, readers: &'r [ColReader<'a>]) -> EncodePlan<'r, 'a> {
-        let mut plan =
-            EncodePlan { readers, f4: Vec::new(), f8: Vec::new(), f16: Vec::new(), d64: Vec::new(), other: Vec::new(), vars: Vec::new() };
+        let mut plan = EncodePlan { readers, f4: Vec::new(), f8: Vec::new(), f16: Vec::new(), d64: Vec::new(), other: Vec::new(), vars: Vec::new() };
         for (j, (r, &slot)) in readers.iter().zip(&self.slot_offsets).enumerate() {
             match &r.values {
                 Values::Fixed { values, start, width, stored } if r.nulls.is_none() => {
@@ -447,15 +469,7 @@ impl RowCodec {
     /// Writes row `i` of the batch read by `plan`'s readers (from [`Self::plan`]) into `buf` (exactly its encoded size, as [`Self::row_sizes`]
     /// computed it): header, key, null bitmap, fixed slots, var-len bytes.
     #[inline]
-    pub(crate) fn encode_row(
-        &self,
-        buf: &mut [u8],
-        op: u8,
-        seq: u64,
-        key: &[u8],
-        plan: &EncodePlan<'_, '_>,
-        i: usize,
-    ) {
+    pub(crate) fn encode_row(&self, buf: &mut [u8], op: u8, seq: u64, key: &[u8], plan: &EncodePlan<'_, '_>, i: usize) {
         let readers = plan.readers;
         let (head, body) = buf.split_at_mut(HEADER + key.len());
         head[0] = op;
@@ -516,7 +530,10 @@ impl RowCodec {
 /// implementations copy short lengths. Most keys and string values of a row are this short,
 /// and the call was a fifth of [`RowCodec::encode_row`] (callgrind, lineitem).
 #[inline(always)]
-#[expect(clippy::inline_always, reason = "measured: with #[inline] the call stays and all inserts cost 630 M instead of 603 M instructions (callgrind, SF 0.02)")]
+#[expect(
+    clippy::inline_always,
+    reason = "measured: with #[inline] the call stays and all inserts cost 630 M instead of 603 M instructions (callgrind, SF 0.02)"
+)]
 fn copy_short(dst: &mut [u8], src: &[u8]) {
     let n = src.len();
     debug_assert_eq!(dst.len(), n);
@@ -544,7 +561,10 @@ fn copy_short(dst: &mut [u8], src: &[u8]) {
 }
 
 #[inline(always)]
-#[expect(clippy::inline_always, reason = "measured: with #[inline] the call stays and all inserts cost 630 M instead of 603 M instructions (callgrind, SF 0.02)")]
+#[expect(
+    clippy::inline_always,
+    reason = "measured: with #[inline] the call stays and all inserts cost 630 M instead of 603 M instructions (callgrind, SF 0.02)"
+)]
 fn u128_at(s: &[u8], at: usize) -> [u8; 16] {
     let mut b = [0u8; 16];
     b.copy_from_slice(&s[at..at + 16]);
@@ -552,7 +572,10 @@ fn u128_at(s: &[u8], at: usize) -> [u8; 16] {
 }
 
 #[inline(always)]
-#[expect(clippy::inline_always, reason = "measured: with #[inline] the call stays and all inserts cost 630 M instead of 603 M instructions (callgrind, SF 0.02)")]
+#[expect(
+    clippy::inline_always,
+    reason = "measured: with #[inline] the call stays and all inserts cost 630 M instead of 603 M instructions (callgrind, SF 0.02)"
+)]
 fn u64_at(s: &[u8], at: usize) -> [u8; 8] {
     let mut b = [0u8; 8];
     b.copy_from_slice(&s[at..at + 8]);
@@ -560,7 +583,10 @@ fn u64_at(s: &[u8], at: usize) -> [u8; 8] {
 }
 
 #[inline(always)]
-#[expect(clippy::inline_always, reason = "measured: with #[inline] the call stays and all inserts cost 630 M instead of 603 M instructions (callgrind, SF 0.02)")]
+#[expect(
+    clippy::inline_always,
+    reason = "measured: with #[inline] the call stays and all inserts cost 630 M instead of 603 M instructions (callgrind, SF 0.02)"
+)]
 fn u32_at(s: &[u8], at: usize) -> [u8; 4] {
     let mut b = [0u8; 4];
     b.copy_from_slice(&s[at..at + 4]);
@@ -589,9 +615,7 @@ fn check_columns<'a>(
                 return Err(UnifyError::SchemaMismatch { detail: format!("missing column `{name}` ({dt}) at position {i}") });
             }
             Some((gname, gdt)) if gname != name => {
-                return Err(UnifyError::SchemaMismatch {
-                    detail: format!("column {i} is `{gname}`, expected `{name}` ({dt})"),
-                });
+                return Err(UnifyError::SchemaMismatch { detail: format!("column {i} is `{gname}`, expected `{name}` ({dt})") });
             }
             Some((_, gdt)) if gdt != dt => {
                 return Err(UnifyError::SchemaMismatch { detail: format!("column `{name}` has type {gdt}, expected {dt}") });
@@ -657,7 +681,10 @@ impl<'a> VarSrc<'a> {
     /// Bytes of value `i` (not null), read from the buffers directly rather than through the
     /// array's `value` (callgrind: `GenericByteViewArray::value` was 7% of `encode_row`).
     #[inline(always)]
-    #[expect(clippy::inline_always, reason = "measured: with #[inline] the call stays and all inserts cost 630 M instead of 603 M instructions (callgrind, SF 0.02)")]
+    #[expect(
+        clippy::inline_always,
+        reason = "measured: with #[inline] the call stays and all inserts cost 630 M instead of 603 M instructions (callgrind, SF 0.02)"
+    )]
     fn value(&self, i: usize) -> &'a [u8] {
         match *self {
             VarSrc::Off32 { offsets, values } => &values[offsets[i] as usize..offsets[i + 1] as usize],
@@ -677,7 +704,10 @@ impl<'a> VarSrc<'a> {
 
     /// Writes value `i` (not null) at the start of `dst` and returns its length in bytes.
     #[inline(always)]
-    #[expect(clippy::inline_always, reason = "measured: with #[inline] the call stays and all inserts cost 630 M instead of 603 M instructions (callgrind, SF 0.02)")]
+    #[expect(
+        clippy::inline_always,
+        reason = "measured: with #[inline] the call stays and all inserts cost 630 M instead of 603 M instructions (callgrind, SF 0.02)"
+    )]
     fn write(&self, i: usize, dst: &mut [u8]) -> usize {
         if let VarSrc::View { views, .. } = *self {
             // An inline value is copied out of the view already loaded (reading it back
@@ -710,7 +740,12 @@ pub(crate) enum Values<'a> {
     /// The array's whole values buffer; its first value is at byte `start`, values are `width`
     /// bytes apart, and the row keeps the low `stored` bytes of each (`width` but for
     /// [`ColKind::Decimal64`]).
-    Fixed { values: arrow_buffer::Buffer, start: usize, width: usize, stored: usize },
+    Fixed {
+        values: arrow_buffer::Buffer,
+        start: usize,
+        width: usize,
+        stored: usize,
+    },
     /// Every variable-length kind.
     Var(VarSrc<'a>),
 }
@@ -928,7 +963,8 @@ mod tests {
     /// Arrow's own constructors and drops of it recurse.)
     #[test]
     fn a_deeply_nested_column_type_is_refused_typed_not_formatted() {
-        let schema = |t: DataType| -> SchemaRef { Arc::new(arrow_schema::Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", t, true)])) };
+        let schema =
+            |t: DataType| -> SchemaRef { Arc::new(arrow_schema::Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", t, true)])) };
         assert!(matches!(
             RowCodec::new(schema(deep_list(MAX_TYPE_DEPTH)), &[0], 1 << 20),
             Err(UnifyError::UnsupportedType { column, .. }) if column == "v"
@@ -939,7 +975,9 @@ mod tests {
         ));
         let deep = on_stack(256 << 20, move || {
             let t = deep_list(10_000);
-            let batch = RecordBatch::try_new(schema(t.clone()), vec![Arc::new(arrow_array::Int64Array::from(Vec::<i64>::new())), arrow_array::new_empty_array(&t)]).expect("batch");
+            let batch =
+                RecordBatch::try_new(schema(t.clone()), vec![Arc::new(arrow_array::Int64Array::from(Vec::<i64>::new())), arrow_array::new_empty_array(&t)])
+                    .expect("batch");
             (schema(t), batch)
         });
         let deep = Arc::new(deep);

@@ -358,9 +358,9 @@ impl DeltaStore {
     pub fn get_hashed(&self, key: &[u8], hash: u64) -> Option<Lookup> {
         let arena = &self.arena;
         let tag = hash as u32;
-        self.map.find(hash, |e| e.tag == tag && key_of(arena.get_from(e.at)) == key).map(|e| {
-            if op_of(arena.get_from(e.at)) == OP_PUT { Lookup::Put } else { Lookup::Deleted }
-        })
+        self.map
+            .find(hash, |e| e.tag == tag && key_of(arena.get_from(e.at)) == key)
+            .map(|e| if op_of(arena.get_from(e.at)) == OP_PUT { Lookup::Put } else { Lookup::Deleted })
     }
 
     /// Every key with its entry kind.
@@ -424,13 +424,7 @@ impl DeltaStore {
     ///
     /// # Errors
     /// [`UnifyError::RowTooLarge`], [`UnifyError::Memory`], or `commit`'s error.
-    pub fn apply_puts<E: From<UnifyError>>(
-        &mut self,
-        batch: &RecordBatch,
-        keys: &Rows,
-        seq: u64,
-        commit: impl FnOnce() -> Result<(), E>,
-    ) -> Result<(), E> {
+    pub fn apply_puts<E: From<UnifyError>>(&mut self, batch: &RecordBatch, keys: &Rows, seq: u64, commit: impl FnOnce() -> Result<(), E>) -> Result<(), E> {
         let hashes = hash_keys(keys);
         self.apply_puts_with(batch, keys, &hashes, seq, |encode| {
             commit()?;
@@ -473,8 +467,7 @@ impl DeltaStore {
             return Ok(());
         }
         let codec = Arc::clone(&self.codec);
-        let readers: Vec<ColReader<'_>> =
-            batch.columns().iter().zip(codec.kinds()).map(|(a, k)| ColReader::new(a, *k)).collect();
+        let readers: Vec<ColReader<'_>> = batch.columns().iter().zip(codec.kinds()).map(|(a, k)| ColReader::new(a, *k)).collect();
         let sizes = codec.row_sizes(keys, &readers)?;
         let plan = codec.plan(&readers);
         let before = self.map_mark();
@@ -840,8 +833,7 @@ impl DeltaStore {
         let run = |i: usize| part(&mut slots[i].lock().unwrap_or_else(std::sync::PoisonError::into_inner));
         let run = &run;
         let sorted: Vec<(Keyed, Keyed)> = std::thread::scope(|s| {
-            let helpers: Vec<_> =
-                (1..slots.len()).map(|i| std::thread::Builder::new().spawn_scoped(s, move || run(i)).map_err(|_| i)).collect();
+            let helpers: Vec<_> = (1..slots.len()).map(|i| std::thread::Builder::new().spawn_scoped(s, move || run(i)).map_err(|_| i)).collect();
             let mut out = vec![run(0)];
             for h in helpers {
                 out.push(match h {
@@ -885,8 +877,7 @@ impl DeltaStore {
         };
         std::thread::scope(|s| {
             // Threads the OS cannot start are simply fewer helpers.
-            let helpers: Vec<_> =
-                (1..threads.min(cuts.len())).filter_map(|_| std::thread::Builder::new().spawn_scoped(s, work).ok()).collect();
+            let helpers: Vec<_> = (1..threads.min(cuts.len())).filter_map(|_| std::thread::Builder::new().spawn_scoped(s, work).ok()).collect();
             let mut res = work();
             for h in helpers {
                 let r = h.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
@@ -903,9 +894,7 @@ impl DeltaStore {
     /// Schema of the key columns.
     pub fn key_schema(&self) -> SchemaRef {
         let s = self.codec.schema();
-        Arc::new(Schema::new(
-            self.codec.keys().columns().iter().map(|&i| s.field(i).clone()).collect::<Vec<_>>(),
-        ))
+        Arc::new(Schema::new(self.codec.keys().columns().iter().map(|&i| s.field(i).clone()).collect::<Vec<_>>()))
     }
 
     fn decode(&self, rows: &[RowRef], category: Category) -> Result<RecordBatch, UnifyError> {
@@ -1145,8 +1134,7 @@ impl DeltaStore {
 /// Test setup shared by the delta's test modules: a controller with `limit` bytes, a table of
 /// one `Int64` key column `k`, its codec, and an empty delta of it.
 fn int64_delta(limit: usize) -> (Arc<MemoryController>, SchemaRef, Arc<RowCodec>, DeltaStore) {
-    let ctl = MemoryController::new(gritdb_memctl::ControllerConfig { memory_limit: Some(limit), ..Default::default() })
-        .expect("valid controller config");
+    let ctl = MemoryController::new(gritdb_memctl::ControllerConfig { memory_limit: Some(limit), ..Default::default() }).expect("valid controller config");
     let schema = Arc::new(arrow_schema::Schema::new(vec![arrow_schema::Field::new("k", DataType::Int64, false)]));
     let codec = Arc::new(RowCodec::new(Arc::clone(&schema), &[0], 1 << 20).expect("supported schema"));
     let d = DeltaStore::new(Arc::clone(&codec), &ctl, None);
@@ -1234,7 +1222,9 @@ mod tests {
                 Arc::new(StringArray::from((0..n).map(|i| (i % 4 != 1).then(|| if i % 9 == 0 { String::new() } else { long(i) })).collect::<Vec<_>>())),
                 Arc::new(LargeStringArray::from((0..n).map(|i| (i % 6 != 2).then(|| format!("{i}"))).collect::<Vec<_>>())),
                 Arc::new(StringViewArray::from((0..n).map(|i| (i % 11 != 4).then(|| if i % 2 == 0 { long(i) } else { format!("s{i}") })).collect::<Vec<_>>())),
-                Arc::new(BinaryArray::from((0..n).map(|i| (i % 13 != 0).then(|| vec![i as u8; i % 20])).collect::<Vec<_>>().iter().map(Option::as_deref).collect::<Vec<_>>())),
+                Arc::new(BinaryArray::from(
+                    (0..n).map(|i| (i % 13 != 0).then(|| vec![i as u8; i % 20])).collect::<Vec<_>>().iter().map(Option::as_deref).collect::<Vec<_>>(),
+                )),
             ],
         )
         .unwrap();
@@ -1442,11 +1432,8 @@ mod parallel_tests {
     /// bytes in runs, so the sort's 16-byte prefixes tie and the rows are compared — then every
     /// 10th key deleted with a tombstone.
     fn delta(ctl: &Arc<MemoryController>) -> DeltaStore {
-        let schema = Arc::new(Schema::new(vec![
-            Field::new("k", DataType::Utf8, false),
-            Field::new("v", DataType::Int64, true),
-            Field::new("p", DataType::Utf8, true),
-        ]));
+        let schema =
+            Arc::new(Schema::new(vec![Field::new("k", DataType::Utf8, false), Field::new("v", DataType::Int64, true), Field::new("p", DataType::Utf8, true)]));
         let codec = Arc::new(RowCodec::new(Arc::clone(&schema), &[0], 1 << 20).unwrap());
         let mut d = DeltaStore::new(Arc::clone(&codec), ctl, None);
         let key = |i: usize| format!("shared-prefix-{:05}-{:07}", i / 1000, i);
@@ -1656,11 +1643,7 @@ mod view_tests {
         let strs: Vec<String> = (0..40).map(|i| "x".repeat(i)).collect();
         let s = StringViewArray::from_iter_values(strs.iter());
         let b = BinaryViewArray::from_iter_values(strs.iter().rev().map(String::as_bytes));
-        let full = RecordBatch::try_new(
-            Arc::clone(&schema),
-            vec![Arc::new(Int64Array::from_iter_values(0..40)), Arc::new(s), Arc::new(b)],
-        )
-        .unwrap();
+        let full = RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int64Array::from_iter_values(0..40)), Arc::new(s), Arc::new(b)]).unwrap();
         let batch = full.slice(5, 30);
         let codec = Arc::new(RowCodec::new(Arc::clone(&schema), &[0], 1 << 20).unwrap());
         let mut d = DeltaStore::new(Arc::clone(&codec), &ctl, None);
@@ -1912,11 +1895,7 @@ mod decimal64_tests {
             Arc::clone(&schema),
             vec![
                 Arc::new(Int64Array::from_iter_values((0..10).rev())),
-                Arc::new(
-                    Decimal128Array::from([None, None].into_iter().chain(d18).collect::<Vec<_>>())
-                        .with_precision_and_scale(18, 4)
-                        .unwrap(),
-                ),
+                Arc::new(Decimal128Array::from([None, None].into_iter().chain(d18).collect::<Vec<_>>()).with_precision_and_scale(18, 4).unwrap()),
                 Arc::new(Decimal128Array::from([0, 0].into_iter().chain(d15).collect::<Vec<_>>()).with_precision_and_scale(15, 2).unwrap()),
                 Arc::new(Decimal128Array::from([None, None].into_iter().chain(d1).collect::<Vec<_>>()).with_precision_and_scale(1, 0).unwrap()),
             ],
@@ -1944,10 +1923,14 @@ mod decimal64_tests {
 
         // The same columns at precision 19 take 16 bytes each.
         let wide = Arc::new(arrow_schema::Schema::new(
-            schema.fields().iter().map(|f| match f.data_type() {
-                DataType::Decimal128(_, s) => Field::new(f.name(), DataType::Decimal128(19, *s), f.is_nullable()),
-                _ => f.as_ref().clone(),
-            }).collect::<Vec<_>>(),
+            schema
+                .fields()
+                .iter()
+                .map(|f| match f.data_type() {
+                    DataType::Decimal128(_, s) => Field::new(f.name(), DataType::Decimal128(19, *s), f.is_nullable()),
+                    _ => f.as_ref().clone(),
+                })
+                .collect::<Vec<_>>(),
         ));
         let wide_codec = RowCodec::new(wide, &[0], 1 << 20).unwrap();
         assert_eq!(wide_codec.kinds()[1..], [ColKind::Fixed(16); 3]);

@@ -7,7 +7,9 @@ use gritdb_memctl::MemoryError;
 #[non_exhaustive]
 pub enum UnifyError {
     /// A column type the row codec does not support.
-    #[error("column `{column}` has unsupported type {data_type}; supported: Boolean, Int8-64, UInt8-64, Float16/32/64, Decimal128 (precision 1-38, scale 0 to precision), Date32/64, Time32/64, Timestamp, Duration, Utf8, LargeUtf8, Utf8View, Binary, LargeBinary, BinaryView")]
+    #[error(
+        "column `{column}` has unsupported type {data_type}; supported: Boolean, Int8-64, UInt8-64, Float16/32/64, Decimal128 (precision 1-38, scale 0 to precision), Date32/64, Time32/64, Timestamp, Duration, Utf8, LargeUtf8, Utf8View, Binary, LargeBinary, BinaryView"
+    )]
     UnsupportedType {
         /// Column name.
         column: String,

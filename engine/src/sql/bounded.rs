@@ -36,8 +36,11 @@
 
 use datafusion::arrow::array::{Array, ArrayRef, AsArray};
 use datafusion::arrow::compute::kernels::length::length;
-use datafusion::arrow::compute::{cast, cast_with_options, CastOptions};
+use datafusion::arrow::compute::{CastOptions, cast, cast_with_options};
+use datafusion::arrow::datatypes::FieldRef;
 use datafusion::arrow::datatypes::{DataType, Float64Type, Int32Type, Int64Type, IntervalMonthDayNano, TimeUnit};
+use datafusion::common::ExprSchema;
+use datafusion::common::config::ConfigOptions;
 use datafusion::common::{Result, ScalarValue};
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryPool};
 use datafusion::logical_expr::interval_arithmetic::Interval;
@@ -45,12 +48,8 @@ use datafusion::logical_expr::preimage::PreimageResult;
 use datafusion::logical_expr::simplify::{ExprSimplifyResult, SimplifyContext};
 use datafusion::logical_expr::sort_properties::{ExprProperties, SortProperties};
 use datafusion::logical_expr::{
-    ColumnarValue, Documentation, Expr, ExpressionPlacement, ReturnFieldArgs, ScalarFunctionArgs, ScalarUDF, ScalarUDFImpl, Signature,
-    StructFieldMapping,
+    ColumnarValue, Documentation, Expr, ExpressionPlacement, ReturnFieldArgs, ScalarFunctionArgs, ScalarUDF, ScalarUDFImpl, Signature, StructFieldMapping,
 };
-use datafusion::common::config::ConfigOptions;
-use datafusion::common::ExprSchema;
-use datafusion::arrow::datatypes::FieldRef;
 use datafusion::prelude::SessionContext;
 use std::sync::Arc;
 
@@ -334,11 +333,8 @@ impl OutputBound {
                 let temporal = matches!(stop.data_type(), DataType::Date32 | DataType::Date64 | DataType::Timestamp(..));
                 let stop = PerRow::numbers(stop)?;
                 let start = start.map(PerRow::numbers).transpose()?;
-                let (numeric_step, fixed_step) = if temporal {
-                    (None, temporal_step(step).unwrap_or(0.0))
-                } else {
-                    (step.map(PerRow::numbers).transpose()?, 1.0)
-                };
+                let (numeric_step, fixed_step) =
+                    if temporal { (None, temporal_step(step).unwrap_or(0.0)) } else { (step.map(PerRow::numbers).transpose()?, 1.0) };
                 sum(&|i| {
                     let span = (stop.at(i) - start.as_ref().map_or(0.0, |s| s.at(i))).abs();
                     let step = numeric_step.as_ref().map_or(fixed_step, |s| s.at(i).abs().max(1.0));

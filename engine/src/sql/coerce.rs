@@ -9,6 +9,7 @@
 //! comparison runs in floating point, where NaN, the infinities and large values compare as
 //! they do everywhere else (NaN above every number, as in `PostgreSQL` and `DataFusion`).
 
+use datafusion::arrow::datatypes::DataType;
 use datafusion::common::tree_node::{Transformed, TreeNode};
 use datafusion::common::{DFSchema, Result};
 use datafusion::config::ConfigOptions;
@@ -16,7 +17,6 @@ use datafusion::logical_expr::expr::{Between, BinaryExpr, Cast, InList};
 use datafusion::logical_expr::utils::merge_schema;
 use datafusion::logical_expr::{Expr, ExprSchemable, LogicalPlan, Operator};
 use datafusion::optimizer::AnalyzerRule;
-use datafusion::arrow::datatypes::DataType;
 
 /// The analyzer rule (see the module docs): in comparisons (`=`, `<>`, `<`, `<=`, `>`, `>=`,
 /// `IS [NOT] DISTINCT FROM`), `BETWEEN` and `IN` lists whose value side is a float column or
@@ -68,8 +68,7 @@ fn rewrite(e: Expr, schema: &DFSchema) -> Transformed<Expr> {
                     | Operator::GtEq
                     | Operator::IsDistinctFrom
                     | Operator::IsNotDistinctFrom
-            ) && ((is_float(&left, schema) && is_decimal_constant(&right, schema))
-                || (is_float(&right, schema) && is_decimal_constant(&left, schema))) =>
+            ) && ((is_float(&left, schema) && is_decimal_constant(&right, schema)) || (is_float(&right, schema) && is_decimal_constant(&left, schema))) =>
         {
             let (left, right) = if is_float(&left, schema) { (*left, as_double(*right)) } else { (as_double(*left), *right) };
             Transformed::yes(Expr::BinaryExpr(BinaryExpr::new(Box::new(left), op, Box::new(right))))

@@ -30,9 +30,7 @@
 //!    one walk of the text.
 
 use datafusion::sql::parser::Statement as DfStatement;
-use datafusion::sql::sqlparser::ast::{
-    Expr, ObjectName, Query, Select, SetExpr, Statement, TableFactor, Visit, Visitor,
-};
+use datafusion::sql::sqlparser::ast::{Expr, ObjectName, Query, Select, SetExpr, Statement, TableFactor, Visit, Visitor};
 use datafusion::sql::sqlparser::keywords::Keyword;
 use datafusion::sql::sqlparser::tokenizer::Token;
 use std::ops::ControlFlow;
@@ -180,44 +178,18 @@ pub(crate) fn token_depth(tokens: &[Token]) -> TokenDepth {
         let run_before = std::mem::take(&mut run);
         let angle_open = levels.len() > 1 && levels.last().is_some_and(|l| l.open == Open::Angle);
         match token {
-            Token::LParen
-                if matches!(
-                    word_before,
-                    Keyword::NULLABLE
-                        | Keyword::LOWCARDINALITY
-                        | Keyword::MAP
-                        | Keyword::TUPLE
-                        | Keyword::NESTED
-                ) =>
-            {
+            Token::LParen if matches!(word_before, Keyword::NULLABLE | Keyword::LOWCARDINALITY | Keyword::MAP | Keyword::TUPLE | Keyword::NESTED) => {
                 types_open += 1;
                 type_depth = type_depth.max(types_open);
-                levels.push(Level {
-                    open: Open::TypeParen,
-                    start: seen,
-                    ..Level::default()
-                });
+                levels.push(Level { open: Open::TypeParen, start: seen, ..Level::default() });
             }
             Token::Lt if matches!(word_before, Keyword::ARRAY | Keyword::STRUCT | Keyword::MAP) => {
                 types_open += 1;
                 type_depth = type_depth.max(types_open);
-                levels.push(Level {
-                    open: Open::Angle,
-                    start: seen,
-                    ..Level::default()
-                });
+                levels.push(Level { open: Open::Angle, start: seen, ..Level::default() });
             }
-            Token::LParen | Token::LBrace => levels.push(Level {
-                start: seen,
-                ..Level::default()
-            }),
-            Token::LBracket => levels.push(Level {
-                open: Open::Bracket,
-                start: seen,
-                run_before,
-                sized: true,
-                ..Level::default()
-            }),
+            Token::LParen | Token::LBrace => levels.push(Level { start: seen, ..Level::default() }),
+            Token::LBracket => levels.push(Level { open: Open::Bracket, start: seen, run_before, sized: true, ..Level::default() }),
             Token::Gt if angle_open => {
                 close(&mut levels, &mut types_open);
             }
@@ -228,13 +200,7 @@ pub(crate) fn token_depth(tokens: &[Token]) -> TokenDepth {
                 }
             }
             Token::RParen | Token::RBracket | Token::RBrace if levels.len() > 1 => {
-                if let Some(Level {
-                    open: Open::Bracket,
-                    start,
-                    run_before,
-                    sized: true,
-                    ..
-                }) = close(&mut levels, &mut types_open)
+                if let Some(Level { open: Open::Bracket, start, run_before, sized: true, .. }) = close(&mut levels, &mut types_open)
                     && seen - start <= 2
                 {
                     // `[]` or `[3]` (the closing bracket is the last token seen): an array
@@ -247,23 +213,12 @@ pub(crate) fn token_depth(tokens: &[Token]) -> TokenDepth {
             Token::Comma => top(&mut levels).end_part(),
             Token::Word(w) if w.quote_style.is_none() && w.keyword == Keyword::CASE => {
                 top(&mut levels).part += 1;
-                levels.push(Level {
-                    open: Open::Case,
-                    start: seen,
-                    ..Level::default()
-                });
+                levels.push(Level { open: Open::Case, start: seen, ..Level::default() });
             }
-            Token::Word(w)
-                if matches!(w.keyword, Keyword::WHEN | Keyword::THEN | Keyword::ELSE)
-                    && levels.last().is_some_and(|l| l.open == Open::Case) =>
-            {
+            Token::Word(w) if matches!(w.keyword, Keyword::WHEN | Keyword::THEN | Keyword::ELSE) && levels.last().is_some_and(|l| l.open == Open::Case) => {
                 top(&mut levels).end_part();
             }
-            Token::Word(w)
-                if w.keyword == Keyword::END
-                    && levels.len() > 1
-                    && levels.last().is_some_and(|l| l.open == Open::Case) =>
-            {
+            Token::Word(w) if w.keyword == Keyword::END && levels.len() > 1 && levels.last().is_some_and(|l| l.open == Open::Case) => {
                 close(&mut levels, &mut types_open);
             }
             token => {
@@ -272,10 +227,7 @@ pub(crate) fn token_depth(tokens: &[Token]) -> TokenDepth {
                 level.sized &= matches!(token, Token::Number(..));
                 if let Token::Word(w) = token {
                     previous_word = w.keyword;
-                    if matches!(
-                        w.keyword,
-                        Keyword::UNION | Keyword::INTERSECT | Keyword::EXCEPT | Keyword::MINUS
-                    ) {
+                    if matches!(w.keyword, Keyword::UNION | Keyword::INTERSECT | Keyword::EXCEPT | Keyword::MINUS) {
                         level.set_ops += 1;
                     }
                 }
@@ -284,16 +236,11 @@ pub(crate) fn token_depth(tokens: &[Token]) -> TokenDepth {
     }
     // Groups left open (the parser refuses the text) count as closed at the end.
     while close(&mut levels, &mut types_open).is_some() {}
-    TokenDepth {
-        depth: levels.pop().map_or(0, Level::depth),
-        type_depth,
-    }
+    TokenDepth { depth: levels.pop().map_or(0, Level::depth), type_depth }
 }
 
 fn top(levels: &mut [Level]) -> &mut Level {
-    levels
-        .last_mut()
-        .expect("the outermost level is never closed")
+    levels.last_mut().expect("the outermost level is never closed")
 }
 
 /// Closes the innermost group and returns it: its depth goes to the enclosing part, the
@@ -326,11 +273,7 @@ impl Depth {
         self.current += levels;
         self.added.push(levels);
         self.deepest = self.deepest.max(self.current);
-        if self.current > self.limit {
-            ControlFlow::Break(())
-        } else {
-            ControlFlow::Continue(())
-        }
+        if self.current > self.limit { ControlFlow::Break(()) } else { ControlFlow::Continue(()) }
     }
 
     fn leave(&mut self) -> ControlFlow<()> {
@@ -379,9 +322,7 @@ impl Visitor for Depth {
 
     fn pre_visit_table_factor(&mut self, factor: &TableFactor) -> ControlFlow<()> {
         self.enter(match factor {
-            TableFactor::NestedJoin {
-                table_with_joins, ..
-            } => table_with_joins.joins.len() * JOIN_LEVELS,
+            TableFactor::NestedJoin { table_with_joins, .. } => table_with_joins.joins.len() * JOIN_LEVELS,
             _ => 0,
         })
     }
@@ -423,12 +364,7 @@ pub(crate) fn planned_statement(mut statement: &DfStatement) -> Option<&Statemen
 /// `limit + 1` (the walk stops there, so its recursion is bounded by the limit).
 pub(crate) fn statement_depth(statement: &DfStatement, limit: usize) -> Result<usize, usize> {
     let Some(sql) = planned_statement(statement) else { return Ok(0) };
-    let mut depth = Depth {
-        current: 0,
-        deepest: 0,
-        limit,
-        added: Vec::new(),
-    };
+    let mut depth = Depth { current: 0, deepest: 0, limit, added: Vec::new() };
     match sql.visit(&mut depth) {
         ControlFlow::Continue(()) => Ok(depth.deepest),
         ControlFlow::Break(()) => Err(depth.deepest),
@@ -455,11 +391,7 @@ pub(crate) struct Expansion {
 
 impl Expansion {
     fn max(self, other: Self) -> Self {
-        Self {
-            subqueries: self.subqueries.max(other.subqueries),
-            depth: self.depth.max(other.depth),
-            relations: self.relations.max(other.relations),
-        }
+        Self { subqueries: self.subqueries.max(other.subqueries), depth: self.depth.max(other.depth), relations: self.relations.max(other.relations) }
     }
 }
 
@@ -505,11 +437,7 @@ struct Expand {
 impl Expand {
     /// Records `levels` and `subqueries` reached (relations are summed apart).
     fn reach(&mut self, levels: usize, subqueries: usize) {
-        let at = Expansion {
-            subqueries,
-            depth: levels,
-            relations: 0,
-        };
+        let at = Expansion { subqueries, depth: levels, relations: 0 };
         self.reached = self.reached.max(at);
         if let Some(frame) = self.frames.last_mut() {
             frame.reached = frame.reached.max(at);
@@ -534,10 +462,7 @@ impl Expand {
                 }
                 if frame.recursive && frame.defining == Some(i) {
                     // A recursive CTE reading itself: its work table.
-                    return Some(Expansion {
-                        relations: 1,
-                        ..Expansion::default()
-                    });
+                    return Some(Expansion { relations: 1, ..Expansion::default() });
                 }
             }
         }
@@ -547,11 +472,7 @@ impl Expand {
 
 /// A name as `DataFusion` normalizes it (`enable_ident_normalization`, on by default).
 fn normalized(ident: &datafusion::sql::sqlparser::ast::Ident) -> String {
-    if ident.quote_style.is_some() {
-        ident.value.clone()
-    } else {
-        ident.value.to_lowercase()
-    }
+    if ident.quote_style.is_some() { ident.value.clone() } else { ident.value.to_lowercase() }
 }
 
 impl Visitor for Expand {
@@ -569,14 +490,7 @@ impl Visitor for Expand {
         self.frames.push(Frame {
             query: std::ptr::from_ref(query),
             ctes: with.map_or_else(Vec::new, |w| {
-                w.cte_tables
-                    .iter()
-                    .map(|c| Cte {
-                        name: normalized(&c.alias.name),
-                        body: std::ptr::from_ref(&*c.query),
-                        cost: None,
-                    })
-                    .collect()
+                w.cte_tables.iter().map(|c| Cte { name: normalized(&c.alias.name), body: std::ptr::from_ref(&*c.query), cost: None }).collect()
             }),
             recursive: with.is_some_and(|w| w.recursive),
             defining: None,
@@ -604,22 +518,13 @@ impl Visitor for Expand {
         match parent.defining.take() {
             Some(i) if std::ptr::eq(parent.ctes[i].body, done.query) => {
                 let (levels, subqueries) = done.entry;
-                parent.ctes[i].cost = Some(Expansion {
-                    subqueries: done.reached.subqueries - subqueries,
-                    depth: done.reached.depth - levels,
-                    relations: done.reached.relations,
-                });
+                parent.ctes[i].cost =
+                    Some(Expansion { subqueries: done.reached.subqueries - subqueries, depth: done.reached.depth - levels, relations: done.reached.relations });
             }
             defining => {
                 parent.defining = defining;
-                parent.reached = parent.reached.max(Expansion {
-                    relations: 0,
-                    ..done.reached
-                });
-                parent.reached.relations = parent
-                    .reached
-                    .relations
-                    .saturating_add(done.reached.relations);
+                parent.reached = parent.reached.max(Expansion { relations: 0, ..done.reached });
+                parent.reached.relations = parent.reached.relations.saturating_add(done.reached.relations);
             }
         }
         ControlFlow::Continue(())
@@ -655,10 +560,7 @@ impl Visitor for Expand {
         match cte {
             Some(cost) => {
                 self.relations(cost.relations);
-                self.reach(
-                    self.levels.current.saturating_add(cost.depth),
-                    self.subqueries.saturating_add(cost.subqueries),
-                );
+                self.reach(self.levels.current.saturating_add(cost.depth), self.subqueries.saturating_add(cost.subqueries));
             }
             None => self.relations(1),
         }
@@ -667,10 +569,7 @@ impl Visitor for Expand {
 
     fn pre_visit_expr(&mut self, expr: &Expr) -> ControlFlow<()> {
         let _ = self.levels.pre_visit_expr(expr);
-        let sub = matches!(
-            expr,
-            Expr::Subquery(_) | Expr::InSubquery { .. } | Expr::Exists { .. }
-        );
+        let sub = matches!(expr, Expr::Subquery(_) | Expr::InSubquery { .. } | Expr::Exists { .. });
         self.opened.push(sub);
         self.subqueries += usize::from(sub);
         self.reach(self.levels.current, self.subqueries);
@@ -690,12 +589,7 @@ impl Visitor for Expand {
 pub(crate) fn expansion(statement: &DfStatement) -> Expansion {
     let Some(sql) = planned_statement(statement) else { return Expansion::default() };
     let mut v = Expand {
-        levels: Depth {
-            current: 0,
-            deepest: 0,
-            limit: usize::MAX,
-            added: Vec::new(),
-        },
+        levels: Depth { current: 0, deepest: 0, limit: usize::MAX, added: Vec::new() },
         subqueries: 0,
         opened: Vec::new(),
         frames: Vec::new(),
@@ -721,11 +615,7 @@ mod tests {
     }
 
     fn depth(sql: &str) -> Result<usize, usize> {
-        let statement = DFParserBuilder::new(sql)
-            .build()
-            .unwrap()
-            .parse_statement()
-            .unwrap();
+        let statement = DFParserBuilder::new(sql).build().unwrap().parse_statement().unwrap();
         statement_depth(&statement, 10_000)
     }
 
@@ -733,15 +623,7 @@ mod tests {
     /// the tree's depth.
     #[test]
     fn depth_counts_each_level_and_the_token_bound_is_above_it() {
-        let or = |n: usize| {
-            format!(
-                "SELECT * FROM t WHERE {}",
-                (0..n)
-                    .map(|i| format!("id = {i}"))
-                    .collect::<Vec<_>>()
-                    .join(" OR ")
-            )
-        };
+        let or = |n: usize| format!("SELECT * FROM t WHERE {}", (0..n).map(|i| format!("id = {i}")).collect::<Vec<_>>().join(" OR "));
         let cases = [
             // query 1 + `=` 1 + its operand 1
             ("SELECT * FROM t WHERE id = 1".to_owned(), 3),
@@ -750,123 +632,49 @@ mod tests {
             (or(100), 102),
             ("SELECT a + b + c + d FROM t".to_owned(), 5),
             ("SELECT ((((a)))) FROM t".to_owned(), 6),
-            (
-                "SELECT CASE WHEN a = 1 THEN CASE WHEN b = 2 THEN 1 END END FROM t".to_owned(),
-                5,
-            ),
+            ("SELECT CASE WHEN a = 1 THEN CASE WHEN b = 2 THEN 1 END END FROM t".to_owned(), 5),
             ("SELECT abs(abs(abs(a))) FROM t".to_owned(), 5),
             // three set operations on the left spine of four selects
-            (
-                "SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 UNION ALL SELECT 4".to_owned(),
-                5,
-            ),
+            ("SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 UNION ALL SELECT 4".to_owned(), 5),
             // each table joined beyond the first: `JOIN_LEVELS`
-            (
-                "SELECT 1 FROM a JOIN b ON a.x = b.x JOIN c ON a.x = c.x".to_owned(),
-                1 + 2 * JOIN_LEVELS + 3,
-            ),
-            (
-                "SELECT 1 FROM a, b, c, d".to_owned(),
-                1 + 3 * JOIN_LEVELS + 1,
-            ),
-            (
-                "SELECT 1 FROM (a JOIN b ON true) JOIN c ON true".to_owned(),
-                1 + 2 * JOIN_LEVELS + 1,
-            ),
-            (
-                "WITH a AS (SELECT 1), b AS (SELECT * FROM a) SELECT * FROM b".to_owned(),
-                5,
-            ),
+            ("SELECT 1 FROM a JOIN b ON a.x = b.x JOIN c ON a.x = c.x".to_owned(), 1 + 2 * JOIN_LEVELS + 3),
+            ("SELECT 1 FROM a, b, c, d".to_owned(), 1 + 3 * JOIN_LEVELS + 1),
+            ("SELECT 1 FROM (a JOIN b ON true) JOIN c ON true".to_owned(), 1 + 2 * JOIN_LEVELS + 1),
+            ("WITH a AS (SELECT 1), b AS (SELECT * FROM a) SELECT * FROM b".to_owned(), 5),
             // query, IN, subquery, `>`, operand
-            (
-                "SELECT * FROM t WHERE id IN (SELECT id FROM u WHERE id > 1)".to_owned(),
-                5,
-            ),
+            ("SELECT * FROM t WHERE id IN (SELECT id FROM u WHERE id > 1)".to_owned(), 5),
             ("EXPLAIN SELECT a::bigint::bigint FROM t".to_owned(), 4),
             // a flat list: the query, the list, its elements
-            (
-                format!(
-                    "SELECT * FROM t WHERE id IN ({})",
-                    (0..10_000)
-                        .map(|i| i.to_string())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ),
-                3,
-            ),
+            (format!("SELECT * FROM t WHERE id IN ({})", (0..10_000).map(|i| i.to_string()).collect::<Vec<_>>().join(", ")), 3),
         ];
         for (sql, want) in cases {
             let got = depth(&sql).unwrap();
             assert_eq!(got, want, "{}", &sql[..sql.len().min(80)]);
             // The token bound is of the syntax tree, where a join is one level, not `JOIN_LEVELS`.
-            let joins = sql.matches(" JOIN ").count()
-                + sql.matches(", ").count() * usize::from(sql.contains("FROM a,"));
+            let joins = sql.matches(" JOIN ").count() + sql.matches(", ").count() * usize::from(sql.contains("FROM a,"));
             let tree = got - joins * (JOIN_LEVELS - 1);
-            assert!(
-                tokens(&sql) >= tree,
-                "token bound {} < tree depth {tree}: {}",
-                tokens(&sql),
-                &sql[..sql.len().min(80)]
-            );
+            assert!(tokens(&sql) >= tree, "token bound {} < tree depth {tree}: {}", tokens(&sql), &sql[..sql.len().min(80)]);
         }
         // A CASE of 10,000 branches is flat: its branches are siblings.
-        let branches = format!(
-            "SELECT CASE {} ELSE 0 END FROM t",
-            (0..10_000)
-                .map(|i| format!("WHEN a + 1 = {i} THEN {i}"))
-                .collect::<Vec<_>>()
-                .join(" ")
-        );
+        let branches = format!("SELECT CASE {} ELSE 0 END FROM t", (0..10_000).map(|i| format!("WHEN a + 1 = {i} THEN {i}")).collect::<Vec<_>>().join(" "));
         assert!(tokens(&branches) < 20, "{}", tokens(&branches));
         // ... and a deep path through one stays counted: the chain before the CASE, the CASE,
         // the chain inside its condition.
-        let through = format!(
-            "SELECT {} + CASE WHEN {} = 1 THEN 1 END FROM t",
-            vec!["a"; 500].join(" + "),
-            vec!["b"; 500].join(" + ")
-        );
-        assert!(
-            tokens(&through) >= depth(&through).unwrap(),
-            "{} < {:?}",
-            tokens(&through),
-            depth(&through)
-        );
+        let through = format!("SELECT {} + CASE WHEN {} = 1 THEN 1 END FROM t", vec!["a"; 500].join(" + "), vec!["b"; 500].join(" + "));
+        assert!(tokens(&through) >= depth(&through).unwrap(), "{} < {:?}", tokens(&through), depth(&through));
         // A flat list stays shallow for the token bound too.
-        assert!(
-            tokens(&format!(
-                "SELECT {} FROM t",
-                (0..10_000)
-                    .map(|i| format!("a + {i}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )) < 10
-        );
+        assert!(tokens(&format!("SELECT {} FROM t", (0..10_000).map(|i| format!("a + {i}")).collect::<Vec<_>>().join(", "))) < 10);
     }
 
     /// Past the limit the walk stops one level past it, so a chain of 100,000 ORs is measured
     /// (and refused) within a bounded recursion; nested array types count on tokens.
     #[test]
     fn the_walk_stops_past_the_limit() {
-        let sql = format!(
-            "SELECT * FROM t WHERE {}",
-            (0..100_000)
-                .map(|i| format!("id = {i}"))
-                .collect::<Vec<_>>()
-                .join(" OR ")
-        );
-        let statement = DFParserBuilder::new(sql.as_str())
-            .build()
-            .unwrap()
-            .parse_statement()
-            .unwrap();
+        let sql = format!("SELECT * FROM t WHERE {}", (0..100_000).map(|i| format!("id = {i}")).collect::<Vec<_>>().join(" OR "));
+        let statement = DFParserBuilder::new(sql.as_str()).build().unwrap().parse_statement().unwrap();
         assert_eq!(statement_depth(&statement, 1_000), Err(1_001));
         // Dropped on a large stack: the parser's tree of 100,000 levels drops recursively.
-        std::thread::Builder::new()
-            .stack_size(256 << 20)
-            .spawn(move || drop(statement))
-            .unwrap()
-            .join()
-            .unwrap();
+        std::thread::Builder::new().stack_size(256 << 20).spawn(move || drop(statement)).unwrap().join().unwrap();
         assert!(tokens(&sql) > 100_000);
         // Type brackets `ARRAY<...>` nest (`>>` closes two), as `(` does: 3 a level (the word,
         // the brackets and the level), not 1 per `<` or `>` of the text.
@@ -874,32 +682,20 @@ mod tests {
             let nested = format!("SELECT CAST(NULL AS {}INT{closing})", "ARRAY<".repeat(100));
             assert_eq!(tokens(&nested), 308, "{closing}");
         }
-        let comparisons = format!(
-            "SELECT {} FROM t",
-            (0..1_000)
-                .map(|i| format!("a < {i}, b > {i}"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
+        let comparisons = format!("SELECT {} FROM t", (0..1_000).map(|i| format!("a < {i}, b > {i}")).collect::<Vec<_>>().join(", "));
         assert!(tokens(&comparisons) < 10, "comparisons are not brackets");
         assert_eq!(scan(&comparisons).type_depth, 0);
     }
 
     fn expanded(sql: &str) -> Expansion {
-        let statement = DFParserBuilder::new(sql)
-            .build()
-            .unwrap()
-            .parse_statement()
-            .unwrap();
+        let statement = DFParserBuilder::new(sql).build().unwrap().parse_statement().unwrap();
         expansion(&statement)
     }
 
     /// `c0 AS (SELECT 1 AS x)` and `n` CTEs after it, each built by `body(i)` from the one
     /// before, and `tail` reading them.
     fn chain(n: usize, body: impl Fn(usize) -> String, tail: &str) -> String {
-        let ctes: Vec<String> = (1..=n)
-            .map(|i| format!("c{i} AS ({})", body(i - 1)))
-            .collect();
+        let ctes: Vec<String> = (1..=n).map(|i| format!("c{i} AS ({})", body(i - 1))).collect();
         format!("WITH c0 AS (SELECT 1 AS x), {} {tail}", ctes.join(", "))
     }
 
@@ -907,57 +703,29 @@ mod tests {
     /// computed through the CTEs it reads; counts saturate.
     #[test]
     fn a_cte_reference_counts_its_cte_where_it_stands() {
-        let sub = |n: usize| {
-            chain(
-                n,
-                |p| format!("SELECT (SELECT x FROM c{p}) AS x"),
-                &format!("SELECT x FROM c{n}"),
-            )
-        };
+        let sub = |n: usize| chain(n, |p| format!("SELECT (SELECT x FROM c{p}) AS x"), &format!("SELECT x FROM c{n}"));
         for n in [1, 5, 18, 30] {
             assert_eq!(expanded(&sub(n)).subqueries, n, "{n}");
         }
         // Read from inside two subqueries: two more.
-        let inside = chain(
-            5,
-            |p| format!("SELECT (SELECT x FROM c{p}) AS x"),
-            "SELECT (SELECT (SELECT x FROM c5))",
-        );
+        let inside = chain(5, |p| format!("SELECT (SELECT x FROM c{p}) AS x"), "SELECT (SELECT (SELECT x FROM c5))");
         assert_eq!(expanded(&inside).subqueries, 7);
         // Each SELECT and table one relation; reading the one before twice doubles.
         assert_eq!(expanded("SELECT 1").relations, 1);
         assert_eq!(expanded("SELECT 1 FROM a, b JOIN c ON true").relations, 4);
-        let twice = |n: usize| {
-            chain(
-                n,
-                |p| format!("SELECT a.x FROM c{p} a, c{p} b"),
-                &format!("SELECT x FROM c{n}"),
-            )
-        };
+        let twice = |n: usize| chain(n, |p| format!("SELECT a.x FROM c{p} a, c{p} b"), &format!("SELECT x FROM c{n}"));
         assert_eq!(expanded(&twice(1)).relations, 4);
         assert_eq!(expanded(&twice(10)).relations, 2_048);
         assert_eq!(expanded(&twice(11)).relations, 4_096);
         assert_eq!(expanded(&twice(100)).relations, usize::MAX);
         // Once each: linear, and one level a CTE where `statement_depth` counts one too.
-        let once = |n: usize| {
-            chain(
-                n,
-                |p| format!("SELECT x + 1 AS x FROM c{p}"),
-                &format!("SELECT x FROM c{n}"),
-            )
-        };
+        let once = |n: usize| chain(n, |p| format!("SELECT x + 1 AS x FROM c{p}"), &format!("SELECT x FROM c{n}"));
         let e = expanded(&once(200));
         assert_eq!((e.relations, e.subqueries), (202, 0));
         assert_eq!(e.depth, 1 + 200 + 2);
         assert_eq!(depth(&once(200)), Ok(1 + 201 + 3));
         // A CTE body's own depth counts at each level: three nested queries a CTE.
-        let from = |n: usize| {
-            chain(
-                n,
-                |p| format!("SELECT x FROM (SELECT x FROM (SELECT x FROM c{p}) a) b"),
-                &format!("SELECT x FROM c{n}"),
-            )
-        };
+        let from = |n: usize| chain(n, |p| format!("SELECT x FROM (SELECT x FROM (SELECT x FROM c{p}) a) b"), &format!("SELECT x FROM c{n}"));
         assert_eq!(expanded(&from(100)).depth, 1 + 3 * 100 + 2);
         assert!(depth(&from(100)).unwrap() < 110);
         // A CTE never read is planned once, where it is defined.
@@ -973,43 +741,24 @@ mod tests {
     fn cte_names_resolve_by_scope() {
         // `deep` nests two subqueries; read inside one more, three.
         let deep = "WITH deep AS (SELECT (SELECT (SELECT 1 AS x) AS x) AS x)";
-        assert_eq!(
-            expanded(&format!("{deep} SELECT (SELECT x FROM deep)")).subqueries,
-            3
-        );
+        assert_eq!(expanded(&format!("{deep} SELECT (SELECT x FROM deep)")).subqueries, 3);
         // An inner WITH's `deep` shadows it: one subquery around a flat CTE.
         let shadowed = format!("{deep} SELECT (WITH deep AS (SELECT 1 AS x) SELECT x FROM deep)");
-        assert_eq!(
-            expanded(&shadowed).subqueries,
-            2,
-            "only the outer definition's own two"
-        );
-        let e = expanded(&format!(
-            "{deep} SELECT (SELECT (SELECT (WITH deep AS (SELECT 1 AS x) SELECT x FROM deep)))"
-        ));
+        assert_eq!(expanded(&shadowed).subqueries, 2, "only the outer definition's own two");
+        let e = expanded(&format!("{deep} SELECT (SELECT (SELECT (WITH deep AS (SELECT 1 AS x) SELECT x FROM deep)))"));
         assert_eq!(e.subqueries, 3);
         // ... and is not visible outside its subquery: `inner` there is a table.
         let outside = "SELECT (WITH inner1 AS (SELECT (SELECT (SELECT 1))) SELECT 1) FROM inner1";
         let e = expanded(outside);
         assert_eq!((e.subqueries, e.relations), (3, 1 + 1 + 1));
         // A later CTE is not visible to an earlier one: there `b` is a table (1 relation).
-        let later =
-            "WITH a AS (SELECT x FROM b), b AS (SELECT (SELECT (SELECT 1 AS x))) SELECT x FROM a";
+        let later = "WITH a AS (SELECT x FROM b), b AS (SELECT (SELECT (SELECT 1 AS x))) SELECT x FROM a";
         let e = expanded(later);
         assert_eq!((e.subqueries, e.relations), (2, 3));
         // Unquoted names are lowercased, quoted ones kept; a qualified name is a table.
-        assert_eq!(
-            expanded(&format!("{deep} SELECT (SELECT x FROM DEEP)")).subqueries,
-            3
-        );
-        assert_eq!(
-            expanded(&format!("{deep} SELECT (SELECT x FROM \"DEEP\")")).subqueries,
-            2
-        );
-        assert_eq!(
-            expanded(&format!("{deep} SELECT (SELECT x FROM public.deep)")).subqueries,
-            2
-        );
+        assert_eq!(expanded(&format!("{deep} SELECT (SELECT x FROM DEEP)")).subqueries, 3);
+        assert_eq!(expanded(&format!("{deep} SELECT (SELECT x FROM \"DEEP\")")).subqueries, 2);
+        assert_eq!(expanded(&format!("{deep} SELECT (SELECT x FROM public.deep)")).subqueries, 2);
         // Recursive: the CTE reads its work table (one relation), and the walk ends.
         let recursive = "WITH RECURSIVE r AS (SELECT 1 AS x UNION ALL SELECT x + 1 FROM r WHERE x < 10) \
                          SELECT a.x FROM r a, r b";
@@ -1018,10 +767,7 @@ mod tests {
         let own = "WITH r AS (SELECT x FROM r) SELECT x FROM r a, r b";
         assert_eq!(expanded(own).relations, 1 + 2 * 2);
         // EXPLAIN counts its statement.
-        assert_eq!(
-            expanded(&format!("EXPLAIN {deep} SELECT (SELECT x FROM deep)")).subqueries,
-            3
-        );
+        assert_eq!(expanded(&format!("EXPLAIN {deep} SELECT (SELECT x FROM deep)")).subqueries, 3);
     }
 
     /// Data types nest by `ARRAY<`, `STRUCT<`, `MAP<`, `NULLABLE(`-like groups and runs of
@@ -1033,30 +779,14 @@ mod tests {
         assert_eq!(types("SELECT CAST(x AS INT)"), 0);
         assert_eq!(types("SELECT CAST(x AS ARRAY<INT>)"), 1);
         assert_eq!(types("SELECT CAST(x AS ARRAY<ARRAY<INT>>)"), 2);
-        assert_eq!(
-            types("SELECT CAST(x AS STRUCT<a ARRAY<INT[][]>, b INT>)"),
-            4
-        );
+        assert_eq!(types("SELECT CAST(x AS STRUCT<a ARRAY<INT[][]>, b INT>)"), 4);
         assert_eq!(types("SELECT CAST(x AS INT[3][3][])"), 3);
         assert_eq!(types("SELECT CAST(x AS NULLABLE(NULLABLE(INT)))"), 2);
-        assert_eq!(
-            types(&format!(
-                "SELECT CAST(x AS {}INT{})",
-                "ARRAY<".repeat(65),
-                ">".repeat(65)
-            )),
-            65
-        );
-        assert_eq!(
-            types(&format!("SELECT CAST(x AS INT{})", "[]".repeat(100))),
-            100
-        );
+        assert_eq!(types(&format!("SELECT CAST(x AS {}INT{})", "ARRAY<".repeat(65), ">".repeat(65))), 65);
+        assert_eq!(types(&format!("SELECT CAST(x AS INT{})", "[]".repeat(100))), 100);
         // A subscript chain by numbers `a[1][2]` looks like sized array brackets (and counts);
         // lists and other subscripts do not.
-        assert_eq!(
-            types("SELECT a[1][2], [1, 2, 3], b[i + 1], c['x']['y'] FROM t"),
-            2
-        );
+        assert_eq!(types("SELECT a[1][2], [1, 2, 3], b[i + 1], c['x']['y'] FROM t"), 2);
         assert_eq!(types("SELECT ARRAY[1, 2], ARRAY[[1, 2], [3, 4]] FROM t"), 0);
     }
 }

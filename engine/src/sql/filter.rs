@@ -69,9 +69,7 @@ fn to_scan_filter(expr: &Expr, schema: &Schema, depth: usize) -> Option<ScanFilt
         Expr::BinaryExpr(BinaryExpr { left, op, right }) => {
             let op = compare_op(*op)?;
             match (left.as_ref(), right.as_ref()) {
-                (Expr::Column(c), Expr::Literal(v, _)) if !float_column(&c.name, schema) => {
-                    Some(ScanFilter::compare(c.name.clone(), op, v.to_array().ok()?))
-                }
+                (Expr::Column(c), Expr::Literal(v, _)) if !float_column(&c.name, schema) => Some(ScanFilter::compare(c.name.clone(), op, v.to_array().ok()?)),
                 (Expr::Literal(v, _), Expr::Column(c)) if !float_column(&c.name, schema) => {
                     Some(ScanFilter::compare(c.name.clone(), flip(op), v.to_array().ok()?))
                 }

@@ -20,9 +20,9 @@
 //! Statements are read-only: queries, `EXPLAIN`, `DESCRIBE`, `SHOW TABLES`/`SHOW COLUMNS`.
 //! Writes go through [`crate::Table`]. See `docs/sql.md`.
 
-mod coerce;
 mod bounded;
 mod catalog;
+mod coerce;
 mod depth;
 mod filter;
 mod grouping;
@@ -196,9 +196,7 @@ impl SqlState {
             tokio::time::timeout(limit, state.run(&query)).await.unwrap_or_else(|_| {
                 Err(Error::Sql {
                     kind: SqlErrorKind::Timeout,
-                    source: Box::new(DataFusionError::Execution(format!(
-                        "statement cancelled after {limit:?} (EngineConfig::sql_statement_timeout)"
-                    ))),
+                    source: Box::new(DataFusionError::Execution(format!("statement cancelled after {limit:?} (EngineConfig::sql_statement_timeout)"))),
                 })
             })
         });
@@ -225,11 +223,7 @@ impl SqlState {
                 // Several statements or none: not the parser's refusal.
                 _ => false,
             };
-            if deep {
-                parser_too_deep()
-            } else {
-                Error::Sql { kind: SqlErrorKind::Syntax, source: Box::new(e) }
-            }
+            if deep { parser_too_deep() } else { Error::Sql { kind: SqlErrorKind::Syntax, source: Box::new(e) } }
         })?;
         check_read_only(&statement)?;
         if let Err(at_least) = depth::statement_depth(&statement, MAX_DEPTH) {
@@ -238,21 +232,27 @@ impl SqlState {
         // What DataFusion plans once each CTE reference is replaced by its CTE's plan.
         let expanded = depth::expansion(&statement);
         if expanded.subqueries > MAX_SUBQUERY_DEPTH {
-            return Err(refused(SqlErrorKind::TooDeep, format!(
-                "the statement nests {} subqueries inside expressions (`(SELECT ..)`, `IN (SELECT ..)`, \
+            return Err(refused(
+                SqlErrorKind::TooDeep,
+                format!(
+                    "the statement nests {} subqueries inside expressions (`(SELECT ..)`, `IN (SELECT ..)`, \
                  `EXISTS`; a CTE read inside one counts its own too), more than the {MAX_SUBQUERY_DEPTH} gritdb plans \
                  (DataFusion's planning time doubles with each); write the inner ones as joins",
-                expanded.subqueries
-            )));
+                    expanded.subqueries
+                ),
+            ));
         }
         if expanded.relations > MAX_EXPANDED_RELATIONS {
-            return Err(refused(SqlErrorKind::TooDeep, format!(
-                "the statement plans {} relations (each SELECT and table read, a CTE as many times as it is \
+            return Err(refused(
+                SqlErrorKind::TooDeep,
+                format!(
+                    "the statement plans {} relations (each SELECT and table read, a CTE as many times as it is \
                  referenced, with what it references), more than the {MAX_EXPANDED_RELATIONS} gritdb plans \
                  (DataFusion copies a CTE's plan into each reference: a chain of CTEs each reading the one before \
                  twice doubles per CTE); read each CTE once, or split the statement",
-                if expanded.relations == usize::MAX { format!("at least {}", usize::MAX) } else { expanded.relations.to_string() }
-            )));
+                    if expanded.relations == usize::MAX { format!("at least {}", usize::MAX) } else { expanded.relations.to_string() }
+                ),
+            ));
         }
         if expanded.depth > MAX_DEPTH {
             return Err(too_deep(&format!(
@@ -261,11 +261,14 @@ impl SqlState {
             )));
         }
         if let Err(n) = grouping::check_cube_size(&statement) {
-            return Err(refused(SqlErrorKind::Plan, format!(
-                "`CUBE` of {n} expressions stands for 2^{n} grouping sets, which DataFusion builds in memory while planning; \
+            return Err(refused(
+                SqlErrorKind::Plan,
+                format!(
+                    "`CUBE` of {n} expressions stands for 2^{n} grouping sets, which DataFusion builds in memory while planning; \
                  gritdb plans at most {MAX_CUBE_EXPRESSIONS} ({MAX_GROUPING_SETS} sets, DataFusion's limit for grouping sets); \
                  list the grouping sets wanted with `GROUPING SETS (..)`"
-            )));
+                ),
+            ));
         }
         let plan = state.statement_to_plan(statement).await.map_err(err)?;
         datafusion::execution::context::SQLOptions::new()
@@ -311,11 +314,14 @@ impl Drop for QueryTask {
 /// `Error::Sql { kind: TooDeep }` saying what was found against which limit, and how to
 /// rewrite.
 fn too_deep(found: &str) -> Error {
-    refused(SqlErrorKind::TooDeep, format!(
-        "the statement {found} (planning recurses once per level: each operator of a chain like `a OR b OR c`, \
+    refused(
+        SqlErrorKind::TooDeep,
+        format!(
+            "the statement {found} (planning recurses once per level: each operator of a chain like `a OR b OR c`, \
          function call, CASE, subquery, UNION, joined table and CTE is one); write long OR chains of one column as \
          `col IN (v1, v2, ...)`, many UNION ALL branches of constants as one VALUES list, or split the statement"
-    ))
+        ),
+    )
 }
 
 /// `Error::Sql { kind, .. }` for a statement gritdb refuses before planning, saying why
@@ -326,12 +332,15 @@ fn refused(kind: SqlErrorKind, why: String) -> Error {
 
 /// `Error::Sql { kind: TooDeep }` for a text nested past [`PARSER_RECURSION_LIMIT`].
 fn parser_too_deep() -> Error {
-    refused(SqlErrorKind::TooDeep, format!(
-        "the statement nests parentheses, function calls, CASE expressions and subqueries more than the \
+    refused(
+        SqlErrorKind::TooDeep,
+        format!(
+            "the statement nests parentheses, function calls, CASE expressions and subqueries more than the \
          {PARSER_RECURSION_LIMIT} levels the SQL parser takes (each counts one, a subquery two); flatten \
          the nesting (a CASE with more WHEN branches, a join or CTE instead of a subquery in a subquery) \
          or split the statement"
-    ))
+        ),
+    )
 }
 
 /// Whether a text the parser refused at [`PARSER_RECURSION_LIMIT`] parses as one statement
@@ -383,10 +392,8 @@ fn new_context(
     env: Arc<RuntimeEnv>,
     parser_recursion_limit: Option<usize>,
 ) -> datafusion::error::Result<SessionContext> {
-    let mut config = SessionConfig::new()
-        .with_information_schema(true)
-        .with_create_default_catalog_and_schema(false)
-        .with_default_catalog_and_schema(CATALOG, SCHEMA);
+    let mut config =
+        SessionConfig::new().with_information_schema(true).with_create_default_catalog_and_schema(false).with_default_catalog_and_schema(CATALOG, SCHEMA);
     if let Some(n) = parser_recursion_limit {
         config.options_mut().sql_parser.recursion_limit = datafusion::common::config::ConfigNonZeroUsize::try_new(n)?;
     }
@@ -400,12 +407,7 @@ fn new_context(
     // by casting the column to DECIMAL (which fails on NaN, infinities and values ≥ 1e15).
     let mut rules: Vec<Arc<dyn datafusion::optimizer::AnalyzerRule + Send + Sync>> = vec![Arc::new(coerce::FloatComparedWithDecimal)];
     rules.extend(datafusion::optimizer::Analyzer::new().rules);
-    let state = SessionStateBuilder::new()
-        .with_config(config)
-        .with_runtime_env(env)
-        .with_default_features()
-        .with_analyzer_rules(rules)
-        .build();
+    let state = SessionStateBuilder::new().with_config(config).with_runtime_env(env).with_default_features().with_analyzer_rules(rules).build();
     let ctx = SessionContext::new_with_state(state);
     // Functions whose result size an argument sets reserve it in the query pool first.
     bounded::register(&ctx, &ctx.runtime_env().memory_pool);
@@ -420,10 +422,7 @@ fn new_context(
 fn check_read_only(statement: &DfStatement) -> Result<()> {
     fn sql_ok(s: &SqlStatement) -> bool {
         match s {
-            SqlStatement::Query(_)
-            | SqlStatement::ShowTables { .. }
-            | SqlStatement::ShowColumns { .. }
-            | SqlStatement::ExplainTable { .. } => true,
+            SqlStatement::Query(_) | SqlStatement::ShowTables { .. } | SqlStatement::ShowColumns { .. } | SqlStatement::ExplainTable { .. } => true,
             SqlStatement::Explain { statement, .. } => sql_ok(statement),
             _ => false,
         }
@@ -637,7 +636,9 @@ mod tests {
             Ok(Vec::new())
         }));
         match futures::executor::block_on(task) {
-            Err(Error::Sql { kind: SqlErrorKind::Internal, source }) => assert!(source.to_string().contains("the query panicked: boom in the planner"), "{source}"),
+            Err(Error::Sql { kind: SqlErrorKind::Internal, source }) => {
+                assert!(source.to_string().contains("the query panicked: boom in the planner"), "{source}")
+            }
             other => panic!("expected Internal, got {other:?}"),
         }
         let task = QueryTask(rt.spawn(std::future::pending::<Result<Vec<RecordBatch>>>()));

@@ -109,9 +109,7 @@ impl MemoryPool for GritMemoryPool {
             // soft limit, which is what a query may use.
             ctl.count_failure(Category::Query);
             match ctl.limit_error(Category::Query, additional) {
-                MemoryError::Limit { requested, used, category, top, .. } => {
-                    Some(MemoryError::Limit { requested, used, limit: soft, category, top })
-                }
+                MemoryError::Limit { requested, used, category, top, .. } => Some(MemoryError::Limit { requested, used, limit: soft, category, top }),
                 other => Some(other),
             }
         } else {

@@ -221,8 +221,7 @@ struct CreateTable {
 async fn create_table(State(s): State<AppState>, Json(req): Json<CreateTable>) -> ApiResult<(StatusCode, Json<TableInfo>)> {
     let mut fields = Vec::with_capacity(req.columns.len());
     for c in &req.columns {
-        let t = DataType::from_str(&c.data_type)
-            .map_err(|e| ApiError::bad_request(format!("column `{}`: unknown type {:?}: {e}", c.name, c.data_type)))?;
+        let t = DataType::from_str(&c.data_type).map_err(|e| ApiError::bad_request(format!("column `{}`: unknown type {:?}: {e}", c.name, c.data_type)))?;
         fields.push(Field::new(&c.name, t, c.nullable));
     }
     let schema = Arc::new(Schema::new(fields));
@@ -267,12 +266,7 @@ fn rows_to_batch(schema: gritdb::arrow_schema::SchemaRef, rows: &[Value]) -> Api
     decoder.flush().map_err(bad)
 }
 
-async fn write_rows(
-    State(s): State<AppState>,
-    Path(name): Path<String>,
-    Query(q): Query<WriteQuery>,
-    Json(rows): Json<Vec<Value>>,
-) -> ApiResult<Json<Value>> {
+async fn write_rows(State(s): State<AppState>, Path(name): Path<String>, Query(q): Query<WriteQuery>, Json(rows): Json<Vec<Value>>) -> ApiResult<Json<Value>> {
     blocking(move || {
         let t = s.engine.table(&name)?;
         let Some(batch) = rows_to_batch(t.schema(), &rows)? else { return Ok(Json(json!({ "rows": 0 }))) };
@@ -334,11 +328,7 @@ async fn sql(State(s): State<AppState>, query: String) -> ApiResult<Json<Value>>
 #[cfg(not(feature = "sql"))]
 #[allow(clippy::unused_async)] // an axum handler is an async fn
 async fn sql(State(_): State<AppState>, _query: String) -> ApiResult<Json<Value>> {
-    Err(ApiError::new(
-        StatusCode::NOT_IMPLEMENTED,
-        "sql_not_built",
-        "this service was built without the `sql` feature: rebuild with `--features sql`",
-    ))
+    Err(ApiError::new(StatusCode::NOT_IMPLEMENTED, "sql_not_built", "this service was built without the `sql` feature: rebuild with `--features sql`"))
 }
 
 /// Serves `engine` on `listener` until `shutdown` completes, lets running requests finish,

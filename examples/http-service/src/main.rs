@@ -54,7 +54,9 @@ async fn shutdown_signal() {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"))).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")))
+        .init();
     let mut dir = gritdb::DEFAULT_DATA_DIR.to_owned();
     let mut addr = "127.0.0.1:8080".to_owned();
     let mut config = EngineConfig::default().sql_statement_timeout(std::time::Duration::from_secs(DEFAULT_SQL_TIMEOUT_S));

@@ -10,8 +10,7 @@ use serde_json::{Value, json};
 use std::sync::Arc;
 use tower::ServiceExt as _;
 
-const CATEGORIES: [&str; 8] =
-    ["row_blocks", "batch_blocks", "key_index", "write_buffers", "scan_buffers", "metadata", "query", "free_chunks"];
+const CATEGORIES: [&str; 8] = ["row_blocks", "batch_blocks", "key_index", "write_buffers", "scan_buffers", "metadata", "query", "free_chunks"];
 
 async fn call(app: &Router, method: &str, uri: &str, body: Option<String>, content_type: &str) -> (StatusCode, Value) {
     let req = Request::builder().method(method).uri(uri).header("content-type", content_type);

@@ -27,9 +27,7 @@ fn reservations_count_per_category_and_table_and_release_on_drop() {
 #[test]
 fn pool_category_peaks_follow_the_high_water_mark() {
     let ctl = ctl(64 << 20);
-    let held: Vec<_> = (0..20)
-        .map(|_| ctl.acquire_chunk(None).expect("fits"))
-        .collect();
+    let held: Vec<_> = (0..20).map(|_| ctl.acquire_chunk(None).expect("fits")).collect();
     assert_eq!(ctl.category_peak(Category::RowBlocks), 20 * CHUNK);
     drop(held);
     assert_eq!(ctl.category_bytes(Category::RowBlocks), 0);
@@ -50,25 +48,15 @@ fn pool_category_peaks_follow_the_high_water_mark() {
 fn report_matches_the_exact_figures() {
     let ctl = ctl(64 << 20);
     let t = ctl.register_table("orders");
-    let held: Vec<_> = (0..5)
-        .map(|_| ctl.acquire_chunk(Some(&t)).expect("fits"))
-        .collect();
+    let held: Vec<_> = (0..5).map(|_| ctl.acquire_chunk(Some(&t)).expect("fits")).collect();
     drop(ctl.acquire_chunk(None).expect("fits")); // one into this thread's cache
     let r = ctl.report();
     assert_eq!(r.used, ctl.used());
     assert_eq!(r.category(Category::RowBlocks), 5 * CHUNK);
     assert_eq!(r.category(Category::FreeChunks), CHUNK);
-    let row = r
-        .categories
-        .iter()
-        .find(|c| c.category == Category::RowBlocks)
-        .expect("row_blocks");
+    let row = r.categories.iter().find(|c| c.category == Category::RowBlocks).expect("row_blocks");
     assert_eq!((row.allocs, row.frees), (6, 1));
-    let free = r
-        .categories
-        .iter()
-        .find(|c| c.category == Category::FreeChunks)
-        .expect("free_chunks");
+    let free = r.categories.iter().find(|c| c.category == Category::FreeChunks).expect("free_chunks");
     assert_eq!(free.allocs - free.frees, 1);
     assert_eq!(r.tables.len(), 1);
     assert_eq!(r.tables[0].bytes, 5 * CHUNK);

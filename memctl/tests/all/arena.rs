@@ -61,15 +61,8 @@ fn prepared_rows_cannot_fail_and_failed_prepare_holds_nothing() {
     assert_eq!(ctl.used(), held, "no new budget after prepare");
     let rows_before = ctl.category_bytes(Category::RowBlocks);
     let too_many = vec![CHUNK; 20];
-    assert!(matches!(
-        a.prepare(too_many),
-        Err(MemoryError::Limit { .. })
-    ));
-    assert_eq!(
-        ctl.category_bytes(Category::RowBlocks),
-        rows_before,
-        "no chunk stays acquired"
-    );
+    assert!(matches!(a.prepare(too_many), Err(MemoryError::Limit { .. })));
+    assert_eq!(ctl.category_bytes(Category::RowBlocks), rows_before, "no chunk stays acquired");
     assert!(ctl.used() <= ctl.limit());
     a.release_spare();
     drop(a);

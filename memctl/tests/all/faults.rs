@@ -3,17 +3,11 @@
 //! arena block tables, batch blocks), as a typed error, and nothing leaks.
 
 use crate::{CHUNK, assert_all_zero, assert_categories_sum_to_used, ctl};
-use gritdb_memctl::{
-    BatchBlock, Category, MemoryController, MemoryError, Reservation, RowArena, TableAccount,
-};
+use gritdb_memctl::{BatchBlock, Category, MemoryController, MemoryError, Reservation, RowArena, TableAccount};
 use std::sync::Arc;
 
 fn failures(ctl: &MemoryController, c: Category) -> u64 {
-    ctl.report()
-        .categories
-        .iter()
-        .find(|x| x.category == c)
-        .map_or(0, |x| x.failures)
+    ctl.report().categories.iter().find(|x| x.category == c).map_or(0, |x| x.failures)
 }
 
 #[test]
@@ -22,18 +16,9 @@ fn hook_fires_on_a_thread_cache_hit() {
     drop(ctl.acquire_chunk(None).expect("fits")); // now in this thread's cache
     assert_eq!(ctl.pool_stats().thread_cached_chunks, 1);
     ctl.inject_failure_after(Some(0));
-    assert_eq!(
-        ctl.acquire_chunk(None).expect_err("injected"),
-        MemoryError::Injected {
-            category: Category::RowBlocks
-        }
-    );
+    assert_eq!(ctl.acquire_chunk(None).expect_err("injected"), MemoryError::Injected { category: Category::RowBlocks });
     assert_eq!(failures(&ctl, Category::RowBlocks), 1);
-    assert_eq!(
-        ctl.pool_stats().thread_cached_chunks,
-        1,
-        "the cached chunk was not taken"
-    );
+    assert_eq!(ctl.pool_stats().thread_cached_chunks, 1, "the cached chunk was not taken");
     let c = ctl.acquire_chunk(None).expect("the hook fires once");
     drop(c);
     assert_categories_sum_to_used(&ctl);
@@ -45,28 +30,18 @@ fn hook_fires_on_refill_and_new_chunk_paths() {
     // Central list holds chunks, this thread's cache is empty: the next take is a refill.
     std::thread::scope(|s| {
         s.spawn(|| {
-            drop(
-                (0..40)
-                    .map(|_| ctl.acquire_chunk(None).expect("fits"))
-                    .collect::<Vec<_>>(),
-            );
+            drop((0..40).map(|_| ctl.acquire_chunk(None).expect("fits")).collect::<Vec<_>>());
         })
         .join()
         .expect("filler");
     });
     assert!(ctl.pool_stats().central_chunks > 0);
     ctl.inject_failure_after(Some(0));
-    assert!(matches!(
-        ctl.acquire_chunk(None),
-        Err(MemoryError::Injected { .. })
-    ));
+    assert!(matches!(ctl.acquire_chunk(None), Err(MemoryError::Injected { .. })));
     ctl.trim_free_chunks(0);
     // Nothing cached at all: the next take is a new chunk.
     ctl.inject_failure_after(Some(0));
-    assert!(matches!(
-        ctl.acquire_chunk(None),
-        Err(MemoryError::Injected { .. })
-    ));
+    assert!(matches!(ctl.acquire_chunk(None), Err(MemoryError::Injected { .. })));
     assert_eq!(failures(&ctl, Category::RowBlocks), 2);
     assert_all_zero(&ctl);
 }
@@ -78,12 +53,7 @@ fn hook_counts_reservations_and_chunks_in_order() {
     let mut r = Reservation::new(&ctl, Category::KeyIndex, None);
     r.try_grow(10).expect("1st: passes");
     let c = ctl.acquire_chunk(None).expect("2nd: passes");
-    assert_eq!(
-        r.try_grow(10),
-        Err(MemoryError::Injected {
-            category: Category::KeyIndex
-        })
-    );
+    assert_eq!(r.try_grow(10), Err(MemoryError::Injected { category: Category::KeyIndex }));
     r.try_grow(10).expect("4th: disarmed again");
     assert_eq!(failures(&ctl, Category::KeyIndex), 1);
     drop((r, c));
@@ -96,11 +66,7 @@ fn workload(ctl: &Arc<MemoryController>, table: &TableAccount) -> Result<(), Mem
     let mut arena = RowArena::new(ctl, Some(table));
     let mut rows = Vec::new();
     for i in 0..3_000usize {
-        let len = if i % 1_000 == 999 {
-            CHUNK + 10
-        } else {
-            16 + i % 200
-        };
+        let len = if i % 1_000 == 999 { CHUNK + 10 } else { 16 + i % 200 };
         let (r, b) = arena.alloc(len)?;
         b[0] = 1;
         rows.push(r);

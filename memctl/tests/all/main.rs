@@ -23,23 +23,13 @@ pub const CHUNK: usize = 64 << 10;
 
 /// A controller with `limit` bytes and 64 KiB chunks.
 pub fn ctl(limit: usize) -> Arc<MemoryController> {
-    MemoryController::new(ControllerConfig {
-        memory_limit: Some(limit),
-        chunk_size: CHUNK,
-        ..ControllerConfig::default()
-    })
-    .expect("valid config")
+    MemoryController::new(ControllerConfig { memory_limit: Some(limit), chunk_size: CHUNK, ..ControllerConfig::default() }).expect("valid config")
 }
 
 /// The sum of every category equals `used`, exactly (call with no concurrent activity).
 pub fn assert_categories_sum_to_used(ctl: &MemoryController) {
     let sum: usize = Category::ALL.iter().map(|c| ctl.category_bytes(*c)).sum();
-    assert_eq!(
-        sum,
-        ctl.used(),
-        "categories {:?}",
-        Category::ALL.map(|c| ctl.category_bytes(c))
-    );
+    assert_eq!(sum, ctl.used(), "categories {:?}", Category::ALL.map(|c| ctl.category_bytes(c)));
 }
 
 /// Every category is zero and so is `used` (after everything was dropped and trimmed).

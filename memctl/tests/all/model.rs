@@ -2,9 +2,7 @@
 //! (bumpalo's quickcheck style, without a dependency): chunk counts per holder, the limit,
 //! the share of cached chunks, and exact category sums. Swept over chunk sizes and limits.
 
-use gritdb_memctl::{
-    Category, ControllerConfig, MemoryController, MemoryError, PoolChunk, RowArena,
-};
+use gritdb_memctl::{Category, ControllerConfig, MemoryController, MemoryError, PoolChunk, RowArena};
 use std::time::Duration;
 
 struct Rng(u64);
@@ -34,9 +32,7 @@ fn run(seed: u64, chunk_size: usize, limit_chunks: usize, thread_cache: bool) {
     .expect("valid");
     let mut rng = Rng(seed | 1);
     let mut held: Vec<PoolChunk<'_>> = Vec::new();
-    let mut arenas: Vec<(RowArena, Vec<gritdb_memctl::RowRef>)> = (0..3)
-        .map(|_| (RowArena::new(&ctl, None), Vec::new()))
-        .collect();
+    let mut arenas: Vec<(RowArena, Vec<gritdb_memctl::RowRef>)> = (0..3).map(|_| (RowArena::new(&ctl, None), Vec::new())).collect();
     for step in 0..2_000 {
         match rng.below(10) {
             0..=2 => match ctl.acquire_chunk(None) {
@@ -67,10 +63,7 @@ fn run(seed: u64, chunk_size: usize, limit_chunks: usize, thread_cache: bool) {
             8 => {
                 let keep = rng.below(4) as usize * chunk_size;
                 ctl.trim_free_chunks(keep);
-                assert!(
-                    ctl.category_bytes(Category::FreeChunks) <= keep,
-                    "step {step}"
-                );
+                assert!(ctl.category_bytes(Category::FreeChunks) <= keep, "step {step}");
             }
             _ => {
                 let l = (2 + rng.below(2 * limit_chunks as u64) as usize) * chunk_size;
@@ -82,22 +75,12 @@ fn run(seed: u64, chunk_size: usize, limit_chunks: usize, thread_cache: bool) {
         }
         // The model: every holder's chunks, exactly.
         let arena_bytes: usize = arenas.iter().map(|(a, _)| a.bytes()).sum();
-        assert_eq!(
-            ctl.category_bytes(Category::RowBlocks),
-            held.len() * chunk_size + arena_bytes,
-            "step {step}"
-        );
+        assert_eq!(ctl.category_bytes(Category::RowBlocks), held.len() * chunk_size + arena_bytes, "step {step}");
         let sum: usize = Category::ALL.iter().map(|c| ctl.category_bytes(*c)).sum();
         assert_eq!(sum, ctl.used(), "step {step}");
         let st = ctl.pool_stats();
-        assert_eq!(
-            ctl.category_bytes(Category::FreeChunks),
-            (st.thread_cached_chunks + st.central_chunks) * chunk_size
-        );
-        assert!(
-            ctl.category_bytes(Category::FreeChunks) <= ctl.limit() / 8,
-            "step {step}: cached chunks above the share"
-        );
+        assert_eq!(ctl.category_bytes(Category::FreeChunks), (st.thread_cached_chunks + st.central_chunks) * chunk_size);
+        assert!(ctl.category_bytes(Category::FreeChunks) <= ctl.limit() / 8, "step {step}: cached chunks above the share");
         if ctl.used() > ctl.limit() {
             // Only right after the limit was lowered below what the holders own.
             assert_eq!(ctl.category_bytes(Category::FreeChunks), 0, "step {step}");

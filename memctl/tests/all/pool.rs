@@ -15,9 +15,7 @@ fn chunk_taken_on_one_thread_and_freed_on_another_is_counted_once() {
         let (tx, rx) = mpsc::channel::<Vec<PoolChunk<'_>>>();
         let a = s.spawn(move || {
             // More than a thread cache holds, so refills, flushes and new chunks all happen.
-            let held: Vec<PoolChunk<'_>> = (0..100)
-                .map(|_| ctl.acquire_chunk(Some(table)).expect("under the limit"))
-                .collect();
+            let held: Vec<PoolChunk<'_>> = (0..100).map(|_| ctl.acquire_chunk(Some(table)).expect("under the limit")).collect();
             assert_eq!(ctl.category_bytes(Category::RowBlocks), 100 * CHUNK);
             assert_eq!(table.bytes(Category::RowBlocks), 100 * CHUNK);
             tx.send(held).expect("receiver alive");
@@ -48,9 +46,7 @@ fn row_arena_filled_on_one_thread_and_dropped_on_another_returns_everything() {
     }
     let held = arena.bytes();
     assert!(held >= 50_000 * 24);
-    std::thread::spawn(move || drop(arena))
-        .join()
-        .expect("dropping thread");
+    std::thread::spawn(move || drop(arena)).join().expect("dropping thread");
     assert_eq!(table.total_bytes(), 0);
     assert_eq!(ctl.category_bytes(Category::RowBlocks), 0);
     assert_eq!(ctl.category_bytes(Category::Metadata), 0);
@@ -62,9 +58,7 @@ fn row_arena_filled_on_one_thread_and_dropped_on_another_returns_everything() {
 fn many_threads_passing_chunks_around_keep_exact_accounting() {
     let ctl = ctl(512 << 20);
     let threads = 4;
-    let (txs, rxs): (Vec<_>, Vec<_>) = (0..threads)
-        .map(|_| mpsc::channel::<PoolChunk<'_>>())
-        .unzip();
+    let (txs, rxs): (Vec<_>, Vec<_>) = (0..threads).map(|_| mpsc::channel::<PoolChunk<'_>>()).unzip();
     std::thread::scope(|s| {
         let mut handles = Vec::new();
         for (i, rx) in rxs.into_iter().enumerate() {
@@ -73,9 +67,7 @@ fn many_threads_passing_chunks_around_keep_exact_accounting() {
             handles.push(s.spawn(move || {
                 for round in 0..2_000usize {
                     // Take a few, pass one to the next thread, drop what arrived from the previous.
-                    let mut mine: Vec<_> = (0..=round % 5)
-                        .map(|_| ctl.acquire_chunk(None).expect("limit"))
-                        .collect();
+                    let mut mine: Vec<_> = (0..=round % 5).map(|_| ctl.acquire_chunk(None).expect("limit")).collect();
                     if let Some(c) = mine.pop() {
                         let _ = next.send(c);
                     }
@@ -109,9 +101,7 @@ fn thread_exit_drains_its_cache() {
     let (ready_tx, ready_rx) = mpsc::channel();
     let (go_tx, go_rx) = mpsc::channel::<()>();
     let t = std::thread::spawn(move || {
-        let held: Vec<_> = (0..10)
-            .map(|_| c2.acquire_chunk(None).expect("limit"))
-            .collect();
+        let held: Vec<_> = (0..10).map(|_| c2.acquire_chunk(None).expect("limit")).collect();
         drop(held);
         ready_tx.send(()).expect("main waits");
         go_rx.recv().expect("main says go");
@@ -124,15 +114,9 @@ fn thread_exit_drains_its_cache() {
     go_tx.send(()).expect("worker waits");
     t.join().expect("worker");
     let after = ctl.pool_stats();
-    assert_eq!(
-        after.thread_caches, 0,
-        "the exited thread's cache is unregistered"
-    );
+    assert_eq!(after.thread_caches, 0, "the exited thread's cache is unregistered");
     assert_eq!(after.thread_cached_chunks, 0);
-    assert_eq!(
-        after.central_chunks, 10,
-        "its chunks went to the central list"
-    );
+    assert_eq!(after.central_chunks, 10, "its chunks went to the central list");
     assert_eq!(ctl.category_bytes(Category::FreeChunks), 10 * CHUNK);
     assert_eq!(ctl.used(), 10 * CHUNK);
     assert_categories_sum_to_used(&ctl);
@@ -145,16 +129,12 @@ fn trim_zero_empties_other_live_threads_caches() {
     let done = AtomicBool::new(false);
     std::thread::scope(|s| {
         let worker = s.spawn(|| {
-            let held: Vec<_> = (0..20)
-                .map(|_| ctl.acquire_chunk(None).expect("limit"))
-                .collect();
+            let held: Vec<_> = (0..20).map(|_| ctl.acquire_chunk(None).expect("limit")).collect();
             drop(held);
             barrier.wait(); // cache filled
             barrier.wait(); // main trimmed
             // Use the pool again after its cache was emptied under it.
-            let again: Vec<_> = (0..5)
-                .map(|_| ctl.acquire_chunk(None).expect("limit"))
-                .collect();
+            let again: Vec<_> = (0..5).map(|_| ctl.acquire_chunk(None).expect("limit")).collect();
             drop(again);
             done.store(true, Ordering::Release);
         });
@@ -174,11 +154,7 @@ fn trim_zero_empties_other_live_threads_caches() {
 #[test]
 fn trim_keeps_the_requested_bytes() {
     let ctl = ctl(256 << 20);
-    drop(
-        (0..40)
-            .map(|_| ctl.acquire_chunk(None).expect("limit"))
-            .collect::<Vec<_>>(),
-    );
+    drop((0..40).map(|_| ctl.acquire_chunk(None).expect("limit")).collect::<Vec<_>>());
     assert_eq!(ctl.category_bytes(Category::FreeChunks), 40 * CHUNK);
     assert_eq!(ctl.trim_free_chunks(25 * CHUNK + 100), 15 * CHUNK);
     assert_eq!(ctl.category_bytes(Category::FreeChunks), 25 * CHUNK);
@@ -255,14 +231,7 @@ fn limit_is_never_exceeded_by_four_threads_hammering() {
     assert!(ctl.peak() <= limit);
     let errors = limit_errors.load(Ordering::Relaxed);
     assert!(errors > 0, "the workload must reach the limit");
-    assert_eq!(
-        ctl.report()
-            .categories
-            .iter()
-            .find(|c| c.category == Category::RowBlocks)
-            .map(|c| c.failures),
-        Some(errors)
-    );
+    assert_eq!(ctl.report().categories.iter().find(|c| c.category == Category::RowBlocks).map(|c| c.failures), Some(errors));
     assert_eq!(ctl.category_bytes(Category::RowBlocks), 0);
     assert_categories_sum_to_used(&ctl);
     ctl.trim_free_chunks(0);
@@ -276,35 +245,21 @@ fn lowering_the_limit_trims_every_cache_to_its_new_share() {
     let (go_tx, go_rx) = mpsc::channel::<()>();
     let c2 = Arc::clone(&ctl);
     let other = std::thread::spawn(move || {
-        drop(
-            (0..30)
-                .map(|_| c2.acquire_chunk(None).expect("limit"))
-                .collect::<Vec<_>>(),
-        );
+        drop((0..30).map(|_| c2.acquire_chunk(None).expect("limit")).collect::<Vec<_>>());
         ready_tx.send(()).expect("main waits");
         go_rx.recv().expect("main says go");
     });
     ready_rx.recv().expect("other ready");
-    drop(
-        (0..100)
-            .map(|_| ctl.acquire_chunk(None).expect("limit"))
-            .collect::<Vec<_>>(),
-    );
+    drop((0..100).map(|_| ctl.acquire_chunk(None).expect("limit")).collect::<Vec<_>>());
     let before = ctl.category_bytes(Category::FreeChunks);
     assert!(before >= 100 * CHUNK, "cached {before}");
     ctl.set_limit(8 << 20).expect("valid limit"); // share 1 MiB = 16 chunks
     let st = ctl.pool_stats();
     let cached = ctl.category_bytes(Category::FreeChunks);
-    assert!(
-        cached <= (8 << 20) / 8,
-        "free_chunks {cached} above the new share"
-    );
+    assert!(cached <= (8 << 20) / 8, "free_chunks {cached} above the new share");
     assert!(st.thread_cap * st.thread_caches + st.central_cap <= 16);
     assert!(st.thread_cached_chunks <= st.thread_cap * st.thread_caches);
-    assert_eq!(
-        cached,
-        (st.thread_cached_chunks + st.central_chunks) * CHUNK
-    );
+    assert_eq!(cached, (st.thread_cached_chunks + st.central_chunks) * CHUNK);
     assert_eq!(ctl.used(), cached);
     go_tx.send(()).expect("other waits");
     other.join().expect("other");
@@ -320,11 +275,7 @@ fn cached_chunks_stay_within_the_share_of_the_limit() {
         for _ in 0..3 {
             s.spawn(|| {
                 for round in 0..50 {
-                    drop(
-                        (0..(round % 40))
-                            .map(|_| ctl.acquire_chunk(None).expect("limit"))
-                            .collect::<Vec<_>>(),
-                    );
+                    drop((0..(round % 40)).map(|_| ctl.acquire_chunk(None).expect("limit")).collect::<Vec<_>>());
                     // While running, each thread may hold one chunk in hand and, between a
                     // cache flush and its accounting, a flushed batch (16) that is freed but
                     // still counted (the count lags on the safe side).
@@ -340,11 +291,7 @@ fn cached_chunks_stay_within_the_share_of_the_limit() {
 #[test]
 fn idle_caches_go_back_to_the_allocator() {
     let ctl = ctl(256 << 20);
-    drop(
-        (0..40)
-            .map(|_| ctl.acquire_chunk(None).expect("limit"))
-            .collect::<Vec<_>>(),
-    );
+    drop((0..40).map(|_| ctl.acquire_chunk(None).expect("limit")).collect::<Vec<_>>());
     let cached = ctl.category_bytes(Category::FreeChunks);
     assert_eq!(cached, 40 * CHUNK);
     // Just used: not idle yet.
@@ -361,11 +308,7 @@ fn idle_caches_go_back_to_the_allocator() {
 #[test]
 fn busy_thread_cache_is_not_trimmed_as_idle() {
     let ctl = ctl(256 << 20);
-    drop(
-        (0..10)
-            .map(|_| ctl.acquire_chunk(None).expect("limit"))
-            .collect::<Vec<_>>(),
-    );
+    drop((0..10).map(|_| ctl.acquire_chunk(None).expect("limit")).collect::<Vec<_>>());
     ctl.trim_idle(Duration::from_millis(100));
     std::thread::sleep(Duration::from_millis(150));
     // Used again right before the check: this cache is busy, only untouched caches go.
@@ -376,21 +319,12 @@ fn busy_thread_cache_is_not_trimmed_as_idle() {
 
 #[test]
 fn central_mutex_mode_has_no_thread_caches() {
-    let ctl = MemoryController::new(ControllerConfig {
-        memory_limit: Some(64 << 20),
-        chunk_size: CHUNK,
-        thread_cache: false,
-        ..ControllerConfig::default()
-    })
-    .expect("valid");
+    let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(64 << 20), chunk_size: CHUNK, thread_cache: false, ..ControllerConfig::default() })
+        .expect("valid");
     std::thread::scope(|s| {
         for _ in 0..2 {
             s.spawn(|| {
-                drop(
-                    (0..20)
-                        .map(|_| ctl.acquire_chunk(None).expect("limit"))
-                        .collect::<Vec<_>>(),
-                );
+                drop((0..20).map(|_| ctl.acquire_chunk(None).expect("limit")).collect::<Vec<_>>());
             });
         }
     });
@@ -399,10 +333,7 @@ fn central_mutex_mode_has_no_thread_caches() {
     assert_eq!(st.thread_caches, 0);
     assert_eq!(st.thread_cached_chunks, 0);
     assert_eq!(st.refills, 0);
-    assert_eq!(
-        ctl.category_bytes(Category::FreeChunks),
-        st.central_chunks * CHUNK
-    );
+    assert_eq!(ctl.category_bytes(Category::FreeChunks), st.central_chunks * CHUNK);
     assert_categories_sum_to_used(&ctl);
     ctl.trim_free_chunks(0);
     assert_all_zero(&ctl);
@@ -412,11 +343,7 @@ fn central_mutex_mode_has_no_thread_caches() {
 fn many_controllers_on_one_thread_keep_separate_caches() {
     let ctls: Vec<_> = (0..5).map(|_| ctl(64 << 20)).collect();
     for (i, c) in ctls.iter().enumerate() {
-        drop(
-            (0..=i)
-                .map(|_| c.acquire_chunk(None).expect("limit"))
-                .collect::<Vec<_>>(),
-        );
+        drop((0..=i).map(|_| c.acquire_chunk(None).expect("limit")).collect::<Vec<_>>());
     }
     for (i, c) in ctls.iter().enumerate() {
         assert_eq!(c.category_bytes(Category::FreeChunks), (i + 1) * CHUNK);
@@ -436,19 +363,12 @@ fn dropping_a_controller_frees_the_chunks_in_thread_caches() {
         let before = crate::alloc_count::live_bytes();
         for _ in 0..20 {
             let c = ctl(64 << 20);
-            drop(
-                (0..10)
-                    .map(|_| c.acquire_chunk(None).expect("limit"))
-                    .collect::<Vec<_>>(),
-            );
+            drop((0..10).map(|_| c.acquire_chunk(None).expect("limit")).collect::<Vec<_>>());
             assert_eq!(c.pool_stats().thread_cached_chunks, 10);
             drop(c); // its 10 cached chunks must be freed now, not at thread exit
         }
         let grown = crate::alloc_count::live_bytes() - before;
-        assert!(
-            grown < CHUNK as isize,
-            "{grown} bytes still held after dropping the controllers"
-        );
+        assert!(grown < CHUNK as isize, "{grown} bytes still held after dropping the controllers");
     })
     .join()
     .expect("test thread");
@@ -485,14 +405,9 @@ fn trims_limit_changes_and_reports_racing_with_traffic_keep_exact_accounting() {
                         x ^= x << 13;
                         x ^= x >> 7;
                         x ^= x << 17;
-                        let held: Vec<_> = (0..x % 40)
-                            .filter_map(|_| ctl.acquire_chunk(Some(table)).ok())
-                            .collect();
+                        let held: Vec<_> = (0..x % 40).filter_map(|_| ctl.acquire_chunk(Some(table)).ok()).collect();
                         if x.is_multiple_of(7) {
-                            drop(std::mem::replace(
-                                &mut arena,
-                                RowArena::new(ctl, Some(table)),
-                            ));
+                            drop(std::mem::replace(&mut arena, RowArena::new(ctl, Some(table))));
                         }
                         for _ in 0..x % 500 {
                             if arena.alloc(1 + (x % 3000) as usize).is_err() {
@@ -513,9 +428,7 @@ fn trims_limit_changes_and_reports_racing_with_traffic_keep_exact_accounting() {
                     1 => {
                         ctl.trim_idle(Duration::ZERO);
                     }
-                    2 => ctl
-                        .set_limit(if i % 2 == 0 { 16 << 20 } else { 64 << 20 })
-                        .expect("valid"),
+                    2 => ctl.set_limit(if i % 2 == 0 { 16 << 20 } else { 64 << 20 }).expect("valid"),
                     3 => {
                         let r = ctl.report();
                         assert!(r.category(Category::FreeChunks) <= 64 << 20);

@@ -671,10 +671,13 @@ impl Table {
             return Err(Error::DuplicateKey { table: self.inner.name.clone(), first, row });
         }
         let wal = self.inner.shared.wal()?;
-        // Relaxed mode appends inline: without an fsync to overlap, the early record buffer
-        // let concurrent writers at a tiny limit fill memory with sealed deltas no flush could
-        // convert (a breaker test, `breaker_walpool7`).
-        let overlap = n >= OVERLAP_WAL_ROWS && wal.syncs_each_append();
+        // In both sync modes: with `Relaxed` the record's encoding and `write` overlap the
+        // rows' encoding as the fsync does with `PerBatch`. (Relaxed appended inline from
+        // e4d27a7 until the admission counted the writes being admitted to other tables,
+        // `Shared::admit`: before that, concurrent relaxed writers at an 8 MiB limit passed
+        // the soft limit together and left deltas no flush had the memory to write,
+        // `breaker_walpool7`.)
+        let overlap = n >= OVERLAP_WAL_ROWS;
         let id = self.inner.id;
         self.with_backpressure(gritdb_storage::batch_bytes(batch), n, |st| {
             if !overlap {
@@ -784,9 +787,15 @@ impl Table {
             // Read before the table lock (it reads every table); 0 when the cheap bound in
             // `flush_room_short` already admits the write.
             let growth = Shared::delta_growth(batch_bytes_hint, rows);
-            let largest_sealed = if shared.flush_room_certain(growth) { 0 } else { self.engine.largest_sealed_delta() };
+            let largest_sealed = if shared.flush_room_certain(growth.saturating_add(shared.admitting())) { 0 } else { self.engine.largest_sealed_delta() };
             let res = {
                 let mut g = self.inner.state()?;
+                // From here to the end of the apply, this write's peak (its delta growth and
+                // its WAL record, about the batch's bytes) counts as memory in use for the
+                // writes to other tables that check meanwhile, and theirs for this one
+                // (`Shared::admit`).
+                let admission = shared.admit(growth.saturating_add(batch_bytes_hint));
+                let others = admission.others;
                 // A write must leave the memory to flush what it leaves behind: converting a
                 // sealed delta to batches needs about its bytes again, so a big write that
                 // filled the engine with deltas larger than the free memory left a table no
@@ -794,12 +803,16 @@ impl Table {
                 // `breaker_session12::many_writers_at_tiny_limits_with_big_batches_never_hang`).
                 let active = g.as_ref().map_or(0, |st| st.active.bytes());
                 let convert = batch_bytes_hint.saturating_add(rows.saturating_mul(crate::engine::FLUSH_ROW_OVERHEAD));
-                if let Some(need) = shared.flush_room_short(growth, convert, active, largest_sealed) {
+                if let Some(need) = shared.flush_room_short(growth.saturating_add(others), convert, active, largest_sealed) {
+                    drop(admission);
                     drop(g);
                     let e: Error = shared.ctl.limit_error(gritdb_memctl::Category::RowBlocks, need.max(1)).into();
-                    // Nothing to flush: waiting cannot help; the write is too big for what
-                    // is free.
-                    if !self.engine.relieve_pressure(true) || !self.engine.wait_for_memory(deadline) {
+                    // Nothing to flush and no other write being admitted: waiting cannot
+                    // help; the write is too big for what is free. (Writes admitted before
+                    // this one become deltas a flush can free, or fail and give their bytes
+                    // back: worth the wait.)
+                    let relieved = self.engine.relieve_pressure(true) || others > 0;
+                    if !relieved || !self.engine.wait_for_memory(deadline) {
                         tracing::warn!(table = %self.inner.name, error = %e, "memory limit error returned: no room to flush this write");
                         return Err(e);
                     }
@@ -814,9 +827,10 @@ impl Table {
                 // headroom in turn, up to the hard limit, and leave a full engine whose flush
                 // could not get the memory to convert a delta (24 writers on one table at an
                 // 8 MiB limit: `breaker_write11`). Such a writer waits like the one above.
-                if recheck && shared.pressure_bytes() > shared.write_soft_limit() {
+                if recheck && shared.pressure_bytes().saturating_add(others) > shared.write_soft_limit() {
+                    drop(admission);
                     drop(g);
-                    if !self.engine.relieve_pressure(true) {
+                    if !self.engine.relieve_pressure(true) && others == 0 {
                         recheck = false;
                         continue;
                     }

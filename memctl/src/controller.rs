@@ -464,6 +464,13 @@ impl MemoryController {
         MemoryError::Limit { requested, used: self.used(), limit: self.limit(), category, top }
     }
 
+    /// Wakes the threads in [`Self::wait_for_release`] as a release would, for a caller whose
+    /// waiters wait on something else that counts against the limit: the engine's writes
+    /// admitted but not yet applied, which end without releasing memory.
+    pub fn wake_waiters(&self) {
+        self.notify_release();
+    }
+
     pub(crate) fn notify_release(&self) {
         if self.waiters.load(Ordering::Acquire) > 0 {
             let mut generation = lock(&self.release_lock);

@@ -268,7 +268,7 @@ fn relaxed_tick_failure_refuses_every_write_kind_and_reopen_recovers_the_model()
         assert_refused(t.upsert(&kv(200..205, "late")), "upsert of live keys");
         assert_refused(t.update(&kv(300..305, "late")), "update");
         assert_refused(t.delete(&kv_keys(300..305)), "delete");
-        // A batch big enough for the overlapped WAL path in per-batch mode (relaxed: inline).
+        // A batch big enough for the overlapped WAL path (the pool thread's append is refused).
         assert_refused(t.insert(&kv(10_000..12_000, "big")), "big insert");
         std::thread::sleep(Duration::from_millis(20)); // ticks pass; the refusal stays
         assert_eq!(t.row_count().unwrap(), model.len() as u64, "round {round}");

@@ -546,20 +546,7 @@ impl BatchSink for ParallelWriter {
 /// [`StorageError::Io`] when the file cannot be opened, [`StorageError::Parquet`] when it is
 /// not valid Parquet; the iterator yields later decoding errors.
 pub fn read_file(path: &Path, projection: Option<&[usize]>, deleted: Arc<RoaringBitmap>, batch_rows: usize) -> Result<FileReader, StorageError> {
-    read_file_with(
-        path,
-        ReadSpec {
-            projection: projection.map(<[usize]>::to_vec),
-            filter: None,
-            deleted,
-            batch_rows,
-            batch_bytes: 0,
-            pruning_budget: usize::MAX,
-            counters: None,
-            resume_at: None,
-            partition: None,
-        },
-    )
+    read_file_with(path, ReadSpec::plain(projection, deleted, batch_rows))
 }
 
 /// [`read_file`] with the reader's memory in `res` (which holds nothing else), grown before each step of the open
@@ -574,18 +561,7 @@ pub fn read_file_reserved(
     batch_rows: usize,
     res: &mut Reservation,
 ) -> Result<FileReader, StorageError> {
-    let spec = ReadSpec {
-        projection: projection.map(<[usize]>::to_vec),
-        filter: None,
-        deleted,
-        batch_rows,
-        batch_bytes: 0,
-        pruning_budget: usize::MAX,
-        counters: None,
-        resume_at: None,
-        partition: None,
-    };
-    let reader = read_file_within(path, spec, &mut |total| Ok(res.try_resize(total.max(res.size()))?))?;
+    let reader = read_file_within(path, ReadSpec::plain(projection, deleted, batch_rows), &mut |total| Ok(res.try_resize(total.max(res.size()))?))?;
     res.try_resize(reader.buffer_bytes())?;
     Ok(reader)
 }
@@ -628,6 +604,25 @@ pub struct ReadSpec {
     /// then count this share's row groups (each reader still counts the file it opens).
     /// `None`: every row group.
     pub partition: Option<(usize, usize)>,
+}
+
+impl ReadSpec {
+    /// Every row group of a file, `projection`'s columns (`None`: all), without the rows in
+    /// `deleted`, in batches of at most `batch_rows` rows: no filter, byte cap, counters,
+    /// resume point or partition.
+    pub fn plain(projection: Option<&[usize]>, deleted: Arc<RoaringBitmap>, batch_rows: usize) -> Self {
+        Self {
+            projection: projection.map(<[usize]>::to_vec),
+            filter: None,
+            deleted,
+            batch_rows,
+            batch_bytes: 0,
+            pruning_budget: usize::MAX,
+            counters: None,
+            resume_at: None,
+            partition: None,
+        }
+    }
 }
 
 /// Reads a data file as `spec` says: row groups (and, with the page index, pages) whose

@@ -264,17 +264,7 @@ fn read_batches_are_capped_by_bytes() {
     let rows = batch_rows_for(&md, &groups, &all, 8192, 100 * per_row);
     assert!((40..=100).contains(&rows), "{rows}");
     assert_eq!(batch_rows_for(&md, &groups, &all, 8192, 1), 1);
-    let spec = ReadSpec {
-        projection: None,
-        filter: None,
-        deleted: Arc::new(RoaringBitmap::new()),
-        batch_rows: 8192,
-        batch_bytes: 100 * per_row,
-        pruning_budget: usize::MAX,
-        counters: None,
-        resume_at: None,
-        partition: None,
-    };
+    let spec = ReadSpec { batch_bytes: 100 * per_row, ..ReadSpec::plain(None, Arc::new(RoaringBitmap::new()), 8192) };
     let got: Vec<RecordBatch> = read_file_with(&path, spec).unwrap().collect::<Result<_, _>>().unwrap();
     assert!(got.iter().all(|b| b.num_rows() <= rows), "{:?}", got.iter().map(RecordBatch::num_rows).max());
     assert_eq!(got.iter().map(RecordBatch::num_rows).sum::<usize>(), 15_000);
@@ -364,17 +354,7 @@ fn reader_buffer_bytes_count_one_page_per_column_and_the_dictionary() {
     .metadata()
     .memory_size();
     assert!(indexed > meta, "the page index takes bytes: {indexed} vs {meta}");
-    let capped = ReadSpec {
-        projection: None,
-        filter: None,
-        deleted: Arc::new(RoaringBitmap::new()),
-        batch_rows: 8192,
-        batch_bytes: 1 << 20,
-        pruning_budget: usize::MAX,
-        counters: None,
-        resume_at: None,
-        partition: None,
-    };
+    let capped = ReadSpec { batch_bytes: 1 << 20, ..ReadSpec::plain(None, Arc::new(RoaringBitmap::new()), 8192) };
     // A byte cap reads the offset index alone (the column index serves only filters), and
     // only when a byte-array column is read: `k` alone keeps the footer's metadata.
     let offsets_only = ParquetRecordBatchReaderBuilder::try_new_with_options(

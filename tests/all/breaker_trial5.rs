@@ -18,6 +18,8 @@ use arrow::datatypes::{DataType, Field, Int64Type, Schema, SchemaRef, UInt64Type
 use gritdb::memory::Category;
 use gritdb::vfs::{FaultFs, Vfs, VfsFile};
 use gritdb::{Engine, EngineConfig, Error, ScanOptions, StorageError, Table, WalSync};
+#[cfg(feature = "sql")]
+use gritdb_tests::settled;
 use std::collections::BTreeMap;
 use std::io::{self, Seek, Write};
 use std::path::{Path, PathBuf};
@@ -845,20 +847,6 @@ fn count_sum(batches: &[RecordBatch]) -> (i64, i64) {
     let s = arrow::compute::cast(b[0].column(1), &DataType::Int64).unwrap();
     let s = s.as_primitive::<Int64Type>();
     (c.as_primitive::<Int64Type>().value(0), if s.is_null(0) { 0 } else { s.value(0) })
-}
-
-/// Accounted bytes per category once no query or scan holds memory (bounded wait: aborted
-/// tasks drop what they hold a moment after the error), cached chunks released.
-#[cfg(feature = "sql")]
-fn settled(engine: &Engine) -> Vec<(Category, usize)> {
-    let start = std::time::Instant::now();
-    let ctl = engine.memory();
-    while ctl.category_bytes(Category::Query) != 0 || ctl.category_bytes(Category::ScanBuffers) != 0 {
-        assert!(start.elapsed() < Duration::from_secs(15), "query or scan memory not released: {}", engine.memory_report());
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    engine.release_cached_memory();
-    Category::ALL.iter().map(|&c| (c, ctl.category_bytes(c))).collect()
 }
 
 /// Typed predicates (pushed into the scan and not) over a table whose rows are in a file, a

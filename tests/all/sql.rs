@@ -10,6 +10,7 @@ use gritdb::{Engine, EngineConfig, Error};
 use gritdb_soak::data::{self, LINEITEM_KEY};
 use gritdb_soak::model::LineitemAgg;
 use gritdb_soak::sql as tpch;
+use gritdb_tests::settled;
 use std::sync::Arc;
 
 fn schema() -> SchemaRef {
@@ -373,21 +374,6 @@ fn sql_from_async_code() {
         std::task::Poll::Ready(Err(Error::Config(msg))) => assert!(msg.contains("tokio runtime"), "{msg}"),
         other => panic!("expected Config error, got {other:?}"),
     }
-}
-
-/// Accounted bytes per category with no query running and no cached chunks. After a failed
-/// query, `DataFusion`'s aborted tasks and the scan's blocking thread drop what they hold a
-/// moment after the error was returned: wait (bounded) for `query` and `scan_buffers` to
-/// reach 0.
-fn settled(engine: &Engine) -> Vec<(Category, usize)> {
-    let start = std::time::Instant::now();
-    let ctl = engine.memory();
-    while ctl.category_bytes(Category::Query) != 0 || ctl.category_bytes(Category::ScanBuffers) != 0 {
-        assert!(start.elapsed() < std::time::Duration::from_secs(10), "query or scan memory not released: {}", engine.memory_report());
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-    engine.release_cached_memory();
-    Category::ALL.iter().map(|&c| (c, ctl.category_bytes(c))).collect()
 }
 
 #[test]

@@ -84,3 +84,29 @@ pub fn edit_manifest(path: &std::path::Path, edit: impl FnOnce(&str) -> String) 
     let sealed = format!("{{\n  \"manifest_crc32\": {},\n{body}", crc32fast::hash(body.as_bytes()));
     std::fs::write(path, sealed).expect("write manifest");
 }
+
+/// Accounted bytes per category once no query runs and no scan is open, with the cached free
+/// chunks given back. A query or stream that was dropped or failed stops a moment later:
+/// `DataFusion`'s aborted tasks and a scan's blocking producer drop what they hold at their
+/// next step, and a producer between two files holds no `scan_buffers` for that instant. So
+/// `query` and `scan_buffers` must read 0 for 100 ms in a row (20 reads, 5 ms apart), not once:
+/// a single 0 read between a producer's files was followed by its next reader's 8,235 bytes
+/// (`breaker_trial5`, one full run in two on a loaded machine). Panics after 15 s.
+pub fn settled(engine: &gritdb::Engine) -> Vec<(gritdb::memory::Category, usize)> {
+    use gritdb::memory::Category;
+    use std::time::{Duration, Instant};
+    let start = Instant::now();
+    let ctl = engine.memory();
+    let mut zero_reads = 0;
+    while zero_reads < 20 {
+        if ctl.category_bytes(Category::Query) == 0 && ctl.category_bytes(Category::ScanBuffers) == 0 {
+            zero_reads += 1;
+        } else {
+            zero_reads = 0;
+        }
+        assert!(start.elapsed() < Duration::from_secs(15), "query or scan memory not released: {}", engine.memory_report());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    engine.release_cached_memory();
+    Category::ALL.iter().map(|&c| (c, ctl.category_bytes(c))).collect()
+}

@@ -258,7 +258,9 @@ impl SharedSnapshot {
 /// Sends the scan's batches (at most `limit` rows) until the scan ends or the receiver is gone.
 fn send_all(scan: &mut crate::Scan, schema: &SchemaRef, limit: Option<usize>, tx: &BatchSender) -> datafusion::error::Result<()> {
     let mut remaining = limit.unwrap_or(usize::MAX);
-    while remaining > 0 {
+    // A query that dropped its stream closed the channel: stop before the next batch, which
+    // may open a file (and reserve its reader's buffers) only for the send to fail.
+    while remaining > 0 && !tx.is_closed() {
         let Some(batch) = scan.next() else { break };
         let batch = batch.map_err(to_datafusion)?;
         let n = batch.num_rows().min(remaining);

@@ -96,8 +96,8 @@ fn key_u128(key: &[u8]) -> u128 {
     if (8..=16).contains(&w) {
         // Two 8-byte loads (the second one overlapping the first when `w < 16`), no copy of a
         // variable length.
-        let hi = u64::from_be_bytes(*key.first_chunk::<8>().expect("8 bytes"));
-        let tail = u64::from_be_bytes(*key.last_chunk::<8>().expect("8 bytes"));
+        let hi = u64::from_be_bytes(*key.first_chunk::<8>().expect("8 bytes")); // infallible: 8 <= w
+        let tail = u64::from_be_bytes(*key.last_chunk::<8>().expect("8 bytes")); // infallible: 8 <= w
         let lo = if w == 8 { 0 } else { tail << (8 * (16 - w)) };
         (u128::from(hi) << 64) | u128::from(lo)
     } else {

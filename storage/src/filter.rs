@@ -283,7 +283,7 @@ impl ScanFilter {
 fn value_text(value: &ArrayRef) -> String {
     use arrow_cast::display::{ArrayFormatter, FormatOptions};
     // arrow-cast's formatter of a nested type recurses once per level.
-    if value.len() != 1 || type_depth(value.data_type()) > MAX_LITERAL_TYPE_DEPTH {
+    if value.len() != 1 || gritdb_keys::type_depth(value.data_type()) > MAX_LITERAL_TYPE_DEPTH {
         return "?".to_owned();
     }
     let opts = FormatOptions::default().with_null("NULL");
@@ -413,35 +413,8 @@ fn family(t: &DataType) -> Family {
 /// Deepest literal type [`ScanFilter::bind`] looks at (and `Display` shows): a type nested
 /// deeper is refused before anything formats or compares it, since Arrow's `Display`,
 /// `PartialEq` and formatters of a `DataType` recurse once per level. No nested type can be
-/// compared with a column anyway. The same bound as `gritdb_unify::MAX_TYPE_DEPTH`.
-const MAX_LITERAL_TYPE_DEPTH: usize = 64;
-
-/// Nesting depth of an Arrow type (1 for a flat type), walked with a heap stack.
-///
-/// SAME-RULE: `gritdb_unify::type_depth` measures column types the same way.
-fn type_depth(t: &DataType) -> usize {
-    let mut deepest = 0;
-    let mut todo = vec![(t, 1usize)];
-    while let Some((t, d)) = todo.pop() {
-        deepest = deepest.max(d);
-        match t {
-            DataType::List(f)
-            | DataType::LargeList(f)
-            | DataType::ListView(f)
-            | DataType::LargeListView(f)
-            | DataType::FixedSizeList(f, _)
-            | DataType::Map(f, _) => {
-                todo.push((f.data_type(), d + 1));
-            }
-            DataType::Struct(fields) => todo.extend(fields.iter().map(|f| (f.data_type(), d + 1))),
-            DataType::Union(fields, _) => todo.extend(fields.iter().map(|(_, f)| (f.data_type(), d + 1))),
-            DataType::Dictionary(k, v) => todo.extend([(k.as_ref(), d + 1), (v.as_ref(), d + 1)]),
-            DataType::RunEndEncoded(r, v) => todo.extend([(r.data_type(), d + 1), (v.data_type(), d + 1)]),
-            _ => {}
-        }
-    }
-    deepest
-}
+/// compared with a column anyway. The bound column types have too.
+const MAX_LITERAL_TYPE_DEPTH: usize = gritdb_keys::MAX_TYPE_DEPTH;
 
 fn bind(f: &ScanFilter, schema: &Schema) -> Result<Expr, FilterError> {
     let col = |name: &str| schema.index_of(name).map_err(|_| FilterError::ColumnNotFound { column: name.to_owned() });
@@ -450,7 +423,7 @@ fn bind(f: &ScanFilter, schema: &Schema) -> Result<Expr, FilterError> {
             let i = col(column)?;
             let ty = schema.field(i).data_type();
             let bad = |detail: String| FilterError::NotComparable { column: column.clone(), column_type: ty.clone(), detail };
-            let depth = type_depth(value.data_type());
+            let depth = gritdb_keys::type_depth(value.data_type());
             if depth > MAX_LITERAL_TYPE_DEPTH {
                 return Err(bad(format!("the literal's type is nested {depth} levels deep (more than {MAX_LITERAL_TYPE_DEPTH}); pass a literal of type {ty}")));
             }

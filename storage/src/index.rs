@@ -1,7 +1,6 @@
 use crate::error::StorageError;
-use arrow_array::cast::AsArray;
-use arrow_array::{Array, ArrayRef, RecordBatch};
-use arrow_row::{RowConverter, Rows, SortField};
+use arrow_array::RecordBatch;
+use arrow_row::{RowConverter, Rows};
 use arrow_schema::{DataType, SchemaRef};
 use gritdb_memctl::{Category, MemoryController, Reservation, TableAccount};
 use std::cmp::Ordering;
@@ -440,82 +439,16 @@ fn bloom_test(bloom: &[BloomBlock], hash: u64) -> bool {
     })
 }
 
-/// Key encoder for the storage side: the same `arrow-row` encoding the delta store uses
-/// (one `SortField` per key column, default options).
+/// Key encoder for the storage side: the one the delta store uses ([`gritdb_keys::key_converter`]),
+/// so a key's bytes in a data file equal its bytes in the delta.
 pub(crate) fn key_converter(schema: &SchemaRef, key_cols: &[usize]) -> Result<RowConverter, StorageError> {
-    let fields = key_cols.iter().map(|&i| SortField::new(schema.field(i).data_type().clone())).collect();
-    Ok(RowConverter::new(fields)?)
+    Ok(gritdb_keys::key_converter(key_cols.iter().map(|&i| schema.field(i).data_type().clone()))?)
 }
 
-/// Key bytes of the rows of a data-file batch, floats made canonical first
-/// ([`canonical_key_columns`]), as the delta store encodes them.
+/// Key bytes of the rows of a data-file batch, floats made canonical first, as the delta store
+/// encodes them ([`gritdb_keys::encode_keys`]).
 pub(crate) fn encode_keys(conv: &RowConverter, batch: &RecordBatch, key_cols: &[usize]) -> Result<Rows, StorageError> {
-    let cols: Vec<ArrayRef> = key_cols.iter().map(|&i| Arc::clone(batch.column(i))).collect();
-    Ok(conv.convert_columns(&canonical_key_columns(cols))?)
-}
-
-/// Key columns made canonical for key identity: in `Float16`/`Float32`/`Float64` columns,
-/// −0.0 becomes 0.0 and every NaN the positive quiet NaN, so 0.0 and −0.0 (equal under
-/// IEEE 754 `==`) are one key, and so are NaNs of any sign or payload (`PostgreSQL`'s rule for
-/// keys and `GROUP BY`: NaN equals NaN). `arrow-row` encodes floats in IEEE 754 totalOrder,
-/// where all of these differ, so without this a table could hold 0.0 and −0.0 as two rows of
-/// "one" key. Only the key bytes change: the rows keep the values written. Other columns,
-/// and float columns holding no such value, are returned as they are (no copy).
-///
-/// SAME-RULE: the delta store's key encoder (`unify/src/codec.rs`) and the storage key index
-/// (`storage/src/index.rs`) must apply the same rule, or a key written before a flush would
-/// not be found in the file after it (`tests/all/bad_input.rs` checks both sides).
-pub(crate) fn canonical_key_columns(cols: Vec<ArrayRef>) -> Vec<ArrayRef> {
-    use arrow_array::types::{Float16Type, Float32Type, Float64Type};
-    type F16 = <Float16Type as arrow_array::ArrowPrimitiveType>::Native;
-    fn fix<T: arrow_array::ArrowPrimitiveType>(col: ArrayRef, odd: impl Fn(T::Native) -> bool, canonical: impl Fn(T::Native) -> T::Native) -> ArrayRef {
-        let a = col.as_primitive::<T>();
-        if a.values().iter().any(|&v| odd(v)) { Arc::new(a.unary::<_, T>(canonical)) } else { col }
-    }
-    cols.into_iter()
-        .map(|col| match col.data_type() {
-            DataType::Float64 => fix::<Float64Type>(
-                col,
-                |v| v.to_bits() == (-0.0f64).to_bits() || (v.is_nan() && v.to_bits() != f64::NAN.to_bits()),
-                |v| {
-                    if v == 0.0 {
-                        0.0
-                    } else if v.is_nan() {
-                        f64::NAN
-                    } else {
-                        v
-                    }
-                },
-            ),
-            DataType::Float32 => fix::<Float32Type>(
-                col,
-                |v| v.to_bits() == (-0.0f32).to_bits() || (v.is_nan() && v.to_bits() != f32::NAN.to_bits()),
-                |v| {
-                    if v == 0.0 {
-                        0.0
-                    } else if v.is_nan() {
-                        f32::NAN
-                    } else {
-                        v
-                    }
-                },
-            ),
-            DataType::Float16 => fix::<Float16Type>(
-                col,
-                |v| v.to_bits() == 0x8000 || (v.is_nan() && v.to_bits() != 0x7e00),
-                |v| {
-                    if v.to_bits() == 0x8000 {
-                        F16::from_bits(0)
-                    } else if v.is_nan() {
-                        F16::from_bits(0x7e00)
-                    } else {
-                        v
-                    }
-                },
-            ),
-            _ => col,
-        })
-        .collect()
+    Ok(gritdb_keys::encode_keys(conv, key_cols.iter().map(|&i| Arc::clone(batch.column(i))).collect())?)
 }
 
 /// Builds one data file's key set for a [`KeyIndex`] (its stored keys, the ascending check
@@ -783,7 +716,9 @@ impl KeyIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use arrow_array::ArrayRef;
     use arrow_array::{Int32Array, Int64Array, StringArray};
+    use arrow_row::SortField;
     use gritdb_memctl::ControllerConfig;
 
     fn ctl() -> Arc<MemoryController> {

@@ -476,7 +476,7 @@ impl TableStore {
             // The projection returns the key columns in schema order; the row converter
             // takes them in key order (a key declared as `["b", "a"]` over `(a, b, ..)`).
             let cols = order.iter().map(|&i| b.column(i).clone()).collect();
-            let part = self.conv.convert_columns(&crate::index::canonical_key_columns(cols))?;
+            let part = gritdb_keys::encode_keys(&self.conv, cols)?;
             drop(b);
             res.shrink(decoded);
             let encoded = part.size();
@@ -604,7 +604,7 @@ impl TableStore {
         if put_rows > 0 && self.next_file_id == u32::MAX {
             return Err(StorageError::FileIdsExhausted { table: self.name.clone() });
         }
-        let del_rows = self.conv.convert_columns(&crate::index::canonical_key_columns(delete_keys.columns().to_vec()))?;
+        let del_rows = gritdb_keys::encode_keys(&self.conv, delete_keys.columns().to_vec())?;
         let file_id = (put_rows > 0).then_some(self.next_file_id);
         let mut additions = Vec::new();
         for r in &del_rows {

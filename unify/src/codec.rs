@@ -2,8 +2,9 @@ use crate::error::UnifyError;
 use arrow_array::cast::AsArray;
 use arrow_array::{Array, ArrayRef, RecordBatch};
 
-use arrow_row::{RowConverter, Rows, SortField};
+use arrow_row::{RowConverter, Rows};
 use arrow_schema::{DataType, SchemaRef};
+pub use gritdb_keys::{MAX_TYPE_DEPTH, type_depth};
 use std::sync::Arc;
 
 /// Bytes of the row header: op (1) + seq (8) + key length (4).
@@ -79,61 +80,6 @@ impl ColKind {
     }
 }
 
-/// Deepest column type [`RowCodec::new`] and [`RowCodec::validate`] look at: a type nested
-/// deeper is [`UnifyError::TypeTooDeep`] before anything formats or compares it (Arrow's
-/// `Display`, `Debug` and `PartialEq` of a `DataType` recurse once per level). No nested type
-/// is a supported column type, so the bound only decides which error a nested type gets;
-/// 64 is the flatbuffer verifier's default depth in arrow-ipc, beyond which no Arrow IPC
-/// stream (the WAL's format) can carry a schema anyway.
-pub const MAX_TYPE_DEPTH: usize = 64;
-
-/// Nesting depth of an Arrow type: 1 for a flat type, one more than its deepest child for
-/// lists, structs, maps, unions, dictionaries and run-end encoded types. Walked with a heap
-/// stack, so it is safe on a type of any depth.
-///
-/// SAME-RULE: `gritdb_storage`'s filter module measures literal types the same way.
-pub fn type_depth(t: &DataType) -> usize {
-    let nested = |t: &DataType| {
-        matches!(
-            t,
-            DataType::List(_)
-                | DataType::LargeList(_)
-                | DataType::ListView(_)
-                | DataType::LargeListView(_)
-                | DataType::FixedSizeList(..)
-                | DataType::Map(..)
-                | DataType::Struct(_)
-                | DataType::Union(..)
-                | DataType::Dictionary(..)
-                | DataType::RunEndEncoded(..)
-        )
-    };
-    if !nested(t) {
-        return 1;
-    }
-    let mut deepest = 1;
-    let mut todo = vec![(t, 1usize)];
-    while let Some((t, d)) = todo.pop() {
-        deepest = deepest.max(d);
-        match t {
-            DataType::List(f)
-            | DataType::LargeList(f)
-            | DataType::ListView(f)
-            | DataType::LargeListView(f)
-            | DataType::FixedSizeList(f, _)
-            | DataType::Map(f, _) => {
-                todo.push((f.data_type(), d + 1));
-            }
-            DataType::Struct(fields) => todo.extend(fields.iter().map(|f| (f.data_type(), d + 1))),
-            DataType::Union(fields, _) => todo.extend(fields.iter().map(|(_, f)| (f.data_type(), d + 1))),
-            DataType::Dictionary(k, v) => todo.extend([(k.as_ref(), d + 1), (v.as_ref(), d + 1)]),
-            DataType::RunEndEncoded(r, v) => todo.extend([(r.data_type(), d + 1), (v.data_type(), d + 1)]),
-            _ => {}
-        }
-    }
-    deepest
-}
-
 /// [`UnifyError::TypeTooDeep`] for a column whose type nests deeper than [`MAX_TYPE_DEPTH`].
 fn check_type_depth(column: &str, t: &DataType) -> Result<(), UnifyError> {
     let depth = type_depth(t);
@@ -155,73 +101,9 @@ fn decimal128_storable(precision: u8, scale: i8) -> bool {
     (1..=arrow_schema::DECIMAL128_MAX_PRECISION).contains(&precision) && u8::try_from(scale).is_ok_and(|s| s <= precision)
 }
 
-/// Key columns made canonical for key identity: in `Float16`/`Float32`/`Float64` columns,
-/// −0.0 becomes 0.0 and every NaN the positive quiet NaN, so 0.0 and −0.0 (equal under
-/// IEEE 754 `==`) are one key, and so are NaNs of any sign or payload (`PostgreSQL`'s rule for
-/// keys and `GROUP BY`: NaN equals NaN). `arrow-row` encodes floats in IEEE 754 totalOrder,
-/// where all of these differ, so without this a table could hold 0.0 and −0.0 as two rows of
-/// "one" key. Only the key bytes change: the rows keep the values written. Other columns,
-/// and float columns holding no such value, are returned as they are (no copy).
-///
-/// SAME-RULE: the delta store's key encoder (`unify/src/codec.rs`) and the storage key index
-/// (`storage/src/index.rs`) must apply the same rule, or a key written before a flush would
-/// not be found in the file after it (`tests/all/bad_input.rs` checks both sides).
-pub fn canonical_key_columns(cols: Vec<ArrayRef>) -> Vec<ArrayRef> {
-    use arrow_array::types::{Float16Type, Float32Type, Float64Type};
-    type F16 = <Float16Type as arrow_array::ArrowPrimitiveType>::Native;
-    fn fix<T: arrow_array::ArrowPrimitiveType>(col: ArrayRef, odd: impl Fn(T::Native) -> bool, canonical: impl Fn(T::Native) -> T::Native) -> ArrayRef {
-        let a = col.as_primitive::<T>();
-        if a.values().iter().any(|&v| odd(v)) { Arc::new(a.unary::<_, T>(canonical)) } else { col }
-    }
-    cols.into_iter()
-        .map(|col| match col.data_type() {
-            DataType::Float64 => fix::<Float64Type>(
-                col,
-                |v| v.to_bits() == (-0.0f64).to_bits() || (v.is_nan() && v.to_bits() != f64::NAN.to_bits()),
-                |v| {
-                    if v == 0.0 {
-                        0.0
-                    } else if v.is_nan() {
-                        f64::NAN
-                    } else {
-                        v
-                    }
-                },
-            ),
-            DataType::Float32 => fix::<Float32Type>(
-                col,
-                |v| v.to_bits() == (-0.0f32).to_bits() || (v.is_nan() && v.to_bits() != f32::NAN.to_bits()),
-                |v| {
-                    if v == 0.0 {
-                        0.0
-                    } else if v.is_nan() {
-                        f32::NAN
-                    } else {
-                        v
-                    }
-                },
-            ),
-            DataType::Float16 => fix::<Float16Type>(
-                col,
-                |v| v.to_bits() == 0x8000 || (v.is_nan() && v.to_bits() != 0x7e00),
-                |v| {
-                    if v.to_bits() == 0x8000 {
-                        F16::from_bits(0)
-                    } else if v.is_nan() {
-                        F16::from_bits(0x7e00)
-                    } else {
-                        v
-                    }
-                },
-            ),
-            _ => col,
-        })
-        .collect()
-}
-
 /// Encodes primary keys as `arrow-row` bytes: canonical (floats through
-/// [`canonical_key_columns`]), memcmp-comparable, and identical for every encoder built from
-/// the same key types (the storage crate builds the same one).
+/// [`gritdb_keys::canonical_key_columns`]), memcmp-comparable, and identical to the storage
+/// crate's key bytes, as both encode through [`gritdb_keys`].
 #[derive(Debug)]
 pub struct KeyEncoder {
     converter: RowConverter,
@@ -234,8 +116,8 @@ impl KeyEncoder {
     /// # Errors
     /// [`UnifyError::Arrow`] when a key type cannot be row-encoded.
     pub fn new(schema: &SchemaRef, columns: &[usize]) -> Result<Self, UnifyError> {
-        let fields = columns.iter().map(|&i| SortField::new(schema.field(i).data_type().clone())).collect();
-        Ok(Self { converter: RowConverter::new(fields)?, columns: columns.to_vec() })
+        let converter = gritdb_keys::key_converter(columns.iter().map(|&i| schema.field(i).data_type().clone()))?;
+        Ok(Self { converter, columns: columns.to_vec() })
     }
 
     /// Key bytes of every row of a full-schema batch.
@@ -244,7 +126,7 @@ impl KeyEncoder {
     /// [`UnifyError::Arrow`] on an encoding failure.
     pub fn encode_batch(&self, batch: &RecordBatch) -> Result<Rows, UnifyError> {
         let cols: Vec<ArrayRef> = self.columns.iter().map(|&i| Arc::clone(batch.column(i))).collect();
-        Ok(self.converter.convert_columns(&canonical_key_columns(cols))?)
+        Ok(gritdb_keys::encode_keys(&self.converter, cols)?)
     }
 
     /// Key bytes of every row of a batch holding only the key columns, in key order.
@@ -252,7 +134,7 @@ impl KeyEncoder {
     /// # Errors
     /// [`UnifyError::Arrow`] on an encoding failure.
     pub fn encode_key_columns(&self, cols: &[ArrayRef]) -> Result<Rows, UnifyError> {
-        Ok(self.converter.convert_columns(&canonical_key_columns(cols.to_vec()))?)
+        Ok(gritdb_keys::encode_keys(&self.converter, cols.to_vec())?)
     }
 
     /// Decodes key bytes back into key columns.
@@ -861,26 +743,6 @@ mod tests {
     use arrow_array::Decimal128Array;
     use arrow_schema::Field;
 
-    #[test]
-    fn canonical_key_columns_fixes_zero_signs_and_nans_only() {
-        use arrow_array::{Float64Array, Int64Array};
-        let odd_nan = f64::from_bits(0xfff8_0000_0000_0001);
-        let floats: ArrayRef = Arc::new(Float64Array::from(vec![Some(-0.0), Some(0.0), None, Some(odd_nan), Some(-2.5), Some(f64::NAN)]));
-        let ints: ArrayRef = Arc::new(Int64Array::from(vec![1, 2, 3, 4, 5, 6]));
-        let out = canonical_key_columns(vec![Arc::clone(&floats), Arc::clone(&ints)]);
-        let f = out[0].as_primitive::<arrow_array::types::Float64Type>();
-        let bits: Vec<u64> = f.values().iter().map(|v| v.to_bits()).collect();
-        assert_eq!(bits[0], 0, "-0.0 -> 0.0");
-        assert_eq!(bits[1], 0);
-        assert_eq!((bits[3], bits[5]), (f64::NAN.to_bits(), f64::NAN.to_bits()));
-        assert_eq!(bits[4], (-2.5f64).to_bits());
-        assert!(f.is_null(2) && f.null_count() == 1, "nulls stay nulls");
-        assert!(Arc::ptr_eq(&out[1], &ints), "other types are not copied");
-        // Nothing to fix: the same array back, no copy.
-        let clean: ArrayRef = Arc::new(Float64Array::from(vec![0.0, 1.0, f64::NAN, f64::INFINITY, f64::NEG_INFINITY]));
-        assert!(Arc::ptr_eq(&canonical_key_columns(vec![Arc::clone(&clean)])[0], &clean));
-    }
-
     /// Every length from 0 to 70 bytes (each branch of `copy_short` and both sides of its
     /// boundaries) copies exactly those bytes, at every alignment of source and target, and
     /// touches nothing around the target.
@@ -939,28 +801,6 @@ mod tests {
         std::thread::Builder::new().stack_size(bytes).spawn(work).expect("spawn").join().expect("no panic")
     }
 
-    /// `type_depth` counts levels of every nested kind; a flat type is 1.
-    #[test]
-    fn type_depth_counts_levels() {
-        assert_eq!(type_depth(&DataType::Utf8), 1);
-        assert_eq!(type_depth(&deep_list(3)), 3);
-        let item = |t: DataType| Arc::new(Field::new("item", t, true));
-        let st = DataType::Struct(vec![Field::new("a", DataType::Int8, true), Field::new("b", deep_list(4), true)].into());
-        assert_eq!(type_depth(&st), 5);
-        assert_eq!(type_depth(&DataType::LargeList(item(st.clone()))), 6);
-        assert_eq!(type_depth(&DataType::FixedSizeList(item(st.clone()), 2)), 6);
-        assert_eq!(type_depth(&DataType::Dictionary(Box::new(DataType::Int32), Box::new(deep_list(2)))), 3);
-        let entries = DataType::Struct(vec![Field::new("k", DataType::Utf8, false), Field::new("v", st, true)].into());
-        assert_eq!(type_depth(&DataType::Map(Arc::new(Field::new("entries", entries, false)), false)), 7);
-    }
-
-    /// A column type nested past `MAX_TYPE_DEPTH` is `TypeTooDeep` at `RowCodec::new` (the
-    /// table's create) and at `validate` (a write's batch), on a thread with the default 2 MiB
-    /// stack, for a type 10,000 levels deep: nothing formats or compares it. Before, the
-    /// write's `SchemaMismatch` message formatted the type (Arrow's `Display` recurses once per
-    /// level) and overflowed the stack. At the limit a nested type is still the plain
-    /// `UnsupportedType`. (The deep type is built and dropped on a thread with a large stack:
-    /// Arrow's own constructors and drops of it recurse.)
     #[test]
     fn a_deeply_nested_column_type_is_refused_typed_not_formatted() {
         let schema =

@@ -1029,7 +1029,7 @@ fn max_row_bytes_above_u32_max_is_refused_at_open() {
     let limit = u32::MAX as usize;
     match Engine::open(&dir, EngineConfig::default().memory_limit(64 << 20).max_row_bytes(limit + 1)) {
         Err(Error::Config(m)) => {
-            assert_eq!(m, "max_row_bytes = 4294967296: at most 4294967295 (u32::MAX; a row's lengths and offsets are u32 in the row format)")
+            assert_eq!(m, "max_row_bytes = 4294967296: at most 4294967295 (u32::MAX; a row's lengths and offsets are u32 in the row format)");
         }
         other => panic!("{other:?}"),
     }

@@ -164,7 +164,7 @@ fn wrow(k: i64, g: u64, nulls: u32, len: Option<usize>) -> WRow {
         f: (seed % 100_000) as f64 / 8.0,
         sv2: on(11).then(|| text(seed ^ 11, l(11))),
         u: (seed >> 16) as u8,
-        d: on(13).then_some((seed % 1_000_000_000_000_000) as i128 - 500_000_000_000_000),
+        d: on(13).then_some(i128::from(seed % 1_000_000_000_000_000) - 500_000_000_000_000),
     }
 }
 
@@ -172,7 +172,7 @@ fn wrow(k: i64, g: u64, nulls: u32, len: Option<usize>) -> WRow {
 fn rnd_nulls(k: i64, g: u64) -> u32 {
     let mut m = 0;
     for c in 0..14 {
-        if mix((k as u64) ^ (g << 32) ^ (c << 56)) % 4 == 0 {
+        if mix((k as u64) ^ (g << 32) ^ (c << 56)).is_multiple_of(4) {
             m |= 1 << c;
         }
     }

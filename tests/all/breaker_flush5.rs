@@ -406,7 +406,7 @@ impl Model {
     fn check_projected(&self, t: &Table, salt: u64, n: i64, what: &str) {
         let base = self.shape.key.fields().len();
         let names: Vec<String> = self.shape.schema().fields().iter().map(|f| f.name().clone()).collect();
-        let mut proj: Vec<usize> = (base + 2..names.len()).filter(|c| (*c as u64 + salt) % 3 == 0).rev().collect();
+        let mut proj: Vec<usize> = (base + 2..names.len()).filter(|c| (*c as u64 + salt).is_multiple_of(3)).rev().collect();
         proj.insert(proj.len() / 2, base);
         let opts = || ScanOptions::default().projection(proj.iter().map(|&c| names[c].clone())).batch_rows(100 + salt as usize * 37);
         self.check_with(t, opts(), Some(&proj), &|_, _| true, &format!("{what}, projected"));
@@ -481,14 +481,14 @@ fn every_type_round_trip(key: KeyKind, n: i64, seed: u64, chunk: usize) {
         t.flush().unwrap();
         m.check(&t, "after the first flush");
         for round in 0..3u64 {
-            let mut sub: Vec<i64> = keys.iter().copied().filter(|k| mix(*k as u64 ^ round) % 3 == 0).collect();
+            let mut sub: Vec<i64> = keys.iter().copied().filter(|k| mix(*k as u64 ^ round).is_multiple_of(3)).collect();
             shuffle(&mut sub, seed ^ round);
             in_batches(&sub, &sizes[round as usize..], |b| m.upsert(&t, b));
             sub.sort_unstable_by(|a, b| b.cmp(a));
             in_batches(&sub[..sub.len() / 2], &[129], |b| m.upsert(&t, b));
             let upd: Vec<i64> = m.rows.keys().copied().filter(|k| k % 11 == round as i64).collect();
             in_batches(&upd, &[128], |b| m.put(&t, b, 2));
-            let del: Vec<i64> = keys.iter().copied().filter(|k| mix(*k as u64 ^ 77 ^ round) % 5 == 0).collect();
+            let del: Vec<i64> = keys.iter().copied().filter(|k| mix(*k as u64 ^ 77 ^ round).is_multiple_of(5)).collect();
             in_batches(&del, &[7, 1000], |b| m.delete(&t, b));
             in_batches(&del.iter().copied().filter(|k| k % 2 == 0).collect::<Vec<_>>(), &[127], |b| m.insert(&t, b));
             if round != 1 {
@@ -547,9 +547,9 @@ fn many_files_every_key_layout() {
             let t = m.create(&e, "many");
             for r in 0..rounds {
                 m.insert(&t, &(0..per).rev().map(|i| i * rounds + r).collect::<Vec<_>>());
-                let old: Vec<i64> = m.rows.keys().copied().filter(|k| mix(*k as u64 ^ r as u64) % 4 == 0).collect();
+                let old: Vec<i64> = m.rows.keys().copied().filter(|k| mix(*k as u64 ^ r as u64).is_multiple_of(4)).collect();
                 m.upsert(&t, &old);
-                let del: Vec<i64> = (0..span).filter(|k| mix(*k as u64 ^ 0xdead ^ r as u64) % 9 == 0).collect();
+                let del: Vec<i64> = (0..span).filter(|k| mix(*k as u64 ^ 0xdead ^ r as u64).is_multiple_of(9)).collect();
                 m.delete(&t, &del);
                 m.insert(&t, &del.iter().copied().filter(|k| k % 3 == 1 && *k % rounds < r).collect::<Vec<_>>());
                 t.flush().unwrap();
@@ -581,13 +581,13 @@ fn large_flush(key: KeyKind, batch_bytes: usize) {
     let t = m.create(&e, "large");
     let n = 80_000i64;
     in_batches(&(0..n).rev().collect::<Vec<_>>(), &[65_537, 1], |b| m.insert(&t, b));
-    let mut sub: Vec<i64> = (0..n).filter(|k| mix(*k as u64) % 3 == 0).collect();
+    let mut sub: Vec<i64> = (0..n).filter(|k| mix(*k as u64).is_multiple_of(3)).collect();
     shuffle(&mut sub, 9);
     in_batches(&sub, &[4_096], |b| m.upsert(&t, b));
-    m.delete(&t, &(0..n).filter(|k| mix(*k as u64 ^ 5) % 7 == 0).collect::<Vec<_>>());
+    m.delete(&t, &(0..n).filter(|k| mix(*k as u64 ^ 5).is_multiple_of(7)).collect::<Vec<_>>());
     t.flush().unwrap();
     m.check(&t, &format!("{key:?}: after a large flush"));
-    let mut sub: Vec<i64> = (0..n + 40_000).filter(|k| mix(*k as u64 ^ 11) % 2 == 0).collect();
+    let mut sub: Vec<i64> = (0..n + 40_000).filter(|k| mix(*k as u64 ^ 11).is_multiple_of(2)).collect();
     shuffle(&mut sub, 10);
     in_batches(&sub, &[65_537, 999], |b| m.upsert(&t, b));
     t.flush().unwrap();
@@ -622,10 +622,10 @@ fn injected_failure_walks_a_large_flush() {
     let t = m.create(&e, "inj");
     let n = 34_000i64;
     let refill = |m: &mut Model, round: u64| {
-        let mut ks: Vec<i64> = (0..n).filter(|k| mix(*k as u64 ^ round) % 4 != 0).collect();
+        let mut ks: Vec<i64> = (0..n).filter(|k| !mix(*k as u64 ^ round).is_multiple_of(4)).collect();
         shuffle(&mut ks, round);
         in_batches(&ks, &[9_000], |b| m.upsert(&t, b));
-        m.delete(&t, &(0..n).filter(|k| mix(*k as u64 ^ round ^ 99) % 10 == 0).collect::<Vec<_>>());
+        m.delete(&t, &(0..n).filter(|k| mix(*k as u64 ^ round ^ 99).is_multiple_of(10)).collect::<Vec<_>>());
     };
     let (mut round, mut ok, mut failed) = (0u64, 0, 0);
     refill(&mut m, round);
@@ -672,10 +672,10 @@ fn every_type_under_small_limits() {
         shuffle(&mut keys, 21);
         in_batches(&keys, &[127, 1, 128, 7, 129], |b| m.insert(&t, b));
         for round in 0..3u64 {
-            let mut sub: Vec<i64> = (0..n).filter(|k| mix(*k as u64 ^ round) % 2 == 0).collect();
+            let mut sub: Vec<i64> = (0..n).filter(|k| mix(*k as u64 ^ round).is_multiple_of(2)).collect();
             shuffle(&mut sub, round);
             in_batches(&sub, &[129, 128], |b| m.upsert(&t, b));
-            in_batches(&(0..n).filter(|k| mix(*k as u64 ^ round ^ 5) % 6 == 0).collect::<Vec<_>>(), &[500], |b| m.delete(&t, b));
+            in_batches(&(0..n).filter(|k| mix(*k as u64 ^ round ^ 5).is_multiple_of(6)).collect::<Vec<_>>(), &[500], |b| m.delete(&t, b));
         }
         m.check(&t, "at 6 MiB");
         assert!(e.memory().used() <= e.memory().limit());

@@ -473,16 +473,16 @@ fn relaxed_rotation_fsyncs_the_full_segment_and_its_failure_is_final() {
                 }
             }
         }
-        if !fail {
-            assert!(refused.is_none(), "{refused:?}");
-            assert!(fault.syncs() > syncs, "no fsync at the rotation");
-        } else {
+        if fail {
             let (i, e) = refused.expect("the rotation's fsync failed, so some write must fail");
             assert!(i >= 15, "failed at record {i}: {e}");
             assert_os_error::<()>(Err(e), libc::EIO, "the rotating write");
             fault.heal();
             assert_refused(t.insert(&kv([100_000], "late")), "after the rotation failure");
             assert_refused(t.delete(&kv_keys([0])), "delete after the rotation failure");
+        } else {
+            assert!(refused.is_none(), "{refused:?}");
+            assert!(fault.syncs() > syncs, "no fsync at the rotation");
         }
         assert_eq!(t.row_count().unwrap(), acked as u64 + 1);
         drop(t);
@@ -689,7 +689,7 @@ fn fk_batch(rows: &[FRow], pad: bool) -> RecordBatch {
     let mut all: Vec<FRow> = Vec::new();
     if pad {
         all.push(((-0.0f64).to_bits(), "a".into(), Some(-1)));
-        all.push((0xfff8_0000_0000_0000, "".into(), None));
+        all.push((0xfff8_0000_0000_0000, String::new(), None));
     }
     all.extend(rows.iter().cloned());
     if pad {
@@ -715,7 +715,7 @@ fn fk_keys(keys: &[(u64, String)], pad: bool) -> RecordBatch {
     }
     all.extend(keys.iter().cloned());
     if pad {
-        all.push((0x7ff8_0000_0000_0000, "".into()));
+        all.push((0x7ff8_0000_0000_0000, String::new()));
     }
     let b = RecordBatch::try_new(
         fk_key_schema(),
@@ -862,7 +862,7 @@ fn composite_float_keys_random_ops_match_the_model_across_flush_compaction_and_r
         let op = [Op::Insert, Op::Insert, Op::Upsert, Op::Update, Op::Delete][rng.below(5)];
         let n = 1 + rng.below(4);
         let rows: Vec<FRow> =
-            (0..n).map(|_| (POOL[rng.below(POOL.len())], TEXTS[rng.below(TEXTS.len())].to_owned(), (rng.below(4) != 0).then(|| step as i64))).collect();
+            (0..n).map(|_| (POOL[rng.below(POOL.len())], TEXTS[rng.below(TEXTS.len())].to_owned(), (rng.below(4) != 0).then(|| i64::from(step)))).collect();
         let pad = rng.below(2) == 0;
         fk_apply(&t, &mut model, op, &rows, pad, &format!("step {step}"));
         fk_check(&t, &model, &format!("step {step} after {op:?}"));

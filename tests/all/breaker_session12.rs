@@ -428,11 +428,11 @@ fn single_decimal_keys_of_each_precision_replay() {
         // Inserting an existing extreme key is still refused after replay.
         for k in [m, -m] {
             let r = t.insert(&batch(&[k], 9));
-            if model.contains_key(&k) {
-                assert!(matches!(r, Err(Error::KeyExists { .. })), "p{p} s{s} key {k}: {r:?}");
-            } else {
+            if let std::collections::btree_map::Entry::Vacant(e) = model.entry(k) {
                 assert_eq!(r.unwrap(), 1, "p{p} s{s} key {k}");
-                model.insert(k, val(k, 9));
+                e.insert(val(k, 9));
+            } else {
+                assert!(matches!(r, Err(Error::KeyExists { .. })), "p{p} s{s} key {k}: {r:?}");
             }
         }
         assert_eq!(read(&t), model, "p{p} s{s}: after re-insert of the extremes");
@@ -923,7 +923,7 @@ fn a_batch_bigger_than_the_limit_fails_promptly_when_idle() {
         let start = Instant::now();
         let cpu = thread_cpu();
         let r = t.insert(&b);
-        let (took, cpu) = (start.elapsed(), thread_cpu() - cpu);
+        let (took, cpu) = (start.elapsed(), thread_cpu().saturating_sub(cpu));
         assert!(matches!(r, Err(ref e) if e.is_memory_limit()), "{what}: {r:?}");
         assert!(took < Duration::from_secs(3), "{what} idle: refused after {took:?} (cpu {cpu:?})");
         assert_eq!(t.row_count().unwrap(), 0);
@@ -985,7 +985,7 @@ fn an_impossible_batch_beside_busy_flushes_neither_spins_nor_hangs() {
             let start = Instant::now();
             let cpu = thread_cpu();
             let r = t.insert(&b);
-            results.lock().unwrap().push((start.elapsed(), thread_cpu() - cpu, matches!(r, Err(ref e) if e.is_memory_limit())));
+            results.lock().unwrap().push((start.elapsed(), thread_cpu().saturating_sub(cpu), matches!(r, Err(ref e) if e.is_memory_limit())));
         }
         stop.store(true, Ordering::Relaxed);
     });
@@ -1219,7 +1219,7 @@ fn big_writers_at_8_mib_leave_a_flushable_table() {
     let t = engine.table("a").unwrap();
     let st = t.stats().unwrap();
     let flushed = t.flush();
-    let scanned = t.scan(ScanOptions::default()).map(|s| s.count());
+    let scanned = t.scan(ScanOptions::default()).map(std::iter::Iterator::count);
     assert!(
         flushed.is_ok() && scanned.is_ok(),
         "accepted {oks:?}; before: sealed {} ({} B), files {}, used {} of {}; flush: {flushed:?}; scan: {:?}",

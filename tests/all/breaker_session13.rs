@@ -86,7 +86,7 @@ fn refused_by_close(strict: bool) {
                         let op = mix((w as u64) << 32 | i as u64) % 4;
                         let (r, keys, ver) = if op == 3 && !live.is_empty() {
                             // Delete the last acknowledged batch's keys.
-                            let keys: Vec<i64> = live.drain(..).collect();
+                            let keys: Vec<i64> = std::mem::take(&mut live);
                             (t.delete(&kv_keys(&keys)), keys, -1)
                         } else if op == 2 && !live.is_empty() {
                             let keys = live.clone();
@@ -612,7 +612,7 @@ fn corrupt_middle_record_is_corruption_torn_last_before_zeros_is_cut() {
             let d = with(&*f);
             let got = open_rows(d.path(), mode).unwrap_or_else(|e| panic!("{mode:?}: {what}: {e}"));
             assert_eq!(got, rows_upto(200), "{mode:?}: {what}");
-            assert_eq!(std::fs::metadata(wal_dir(d.path()).join(&name)).map(|m| m.len()).unwrap_or(0) <= c_at as u64, true, "{mode:?}: {what}: tail cut");
+            assert!(std::fs::metadata(wal_dir(d.path()).join(&name)).map_or(0, |m| m.len()) <= c_at as u64, "{mode:?}: {what}: tail cut");
             assert_eq!(open_rows(d.path(), mode).unwrap(), rows_upto(200), "{mode:?}: {what}: second open");
         }
     }

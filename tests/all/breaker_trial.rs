@@ -77,10 +77,10 @@ fn manifest_names(tdir: &Path) -> BTreeSet<String> {
         while let Some(i) = rest.find(key) {
             rest = &rest[i + key.len()..];
             let r = rest.trim_start().strip_prefix(':').unwrap_or("").trim_start();
-            if let Some(r) = r.strip_prefix('"') {
-                if let Some(end) = r.find('"') {
-                    out.insert(r[..end].to_owned());
-                }
+            if let Some(r) = r.strip_prefix('"')
+                && let Some(end) = r.find('"')
+            {
+                out.insert(r[..end].to_owned());
             }
         }
     }
@@ -597,7 +597,7 @@ fn damage_in_an_older_segment_is_corrupt_wal() {
     let old = std::fs::read(&segs[0]).unwrap();
     let new = std::fs::read(&segs[1]).unwrap();
     let (old_name, new_name) = (segs[0].file_name().unwrap().to_owned(), segs[1].file_name().unwrap().to_owned());
-    let big = |_: ()| cfg(512 * MIB).table_flush_bytes(256 * MIB);
+    let big = |(): ()| cfg(512 * MIB).table_flush_bytes(256 * MIB);
     let open = |name: &std::ffi::OsStr, bytes: &[u8]| -> Result<Result<u64, Error>, String> {
         let d = tempfile::tempdir().unwrap();
         copy_dir(src.path(), d.path());

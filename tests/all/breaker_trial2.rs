@@ -99,15 +99,15 @@ fn make_col(name: &str, dt: &DataType, nullable: bool, ks: &[i64], ver: i64, alt
         (_, DataType::Utf8View) => Arc::new(StringViewArray::from(ks.iter().map(|&k| text_of(k, salt)).collect::<Vec<_>>())),
         (_, DataType::Binary) => {
             let v: Vec<Vec<u8>> = ks.iter().map(|&k| [vec![((k * salt) % 3) as u8 * 100, 0, 255], vec![7u8; ((k % 3) * 6) as usize]].concat()).collect();
-            Arc::new(BinaryArray::from(v.iter().map(|b| b.as_slice()).collect::<Vec<_>>()))
+            Arc::new(BinaryArray::from(v.iter().map(std::vec::Vec::as_slice).collect::<Vec<_>>()))
         }
         (_, DataType::LargeBinary) => {
             let v: Vec<Vec<u8>> = ks.iter().map(|&k| [vec![((k * salt) % 3) as u8, 1], vec![0u8; ((k % 2) * 14) as usize]].concat()).collect();
-            Arc::new(LargeBinaryArray::from(v.iter().map(|b| b.as_slice()).collect::<Vec<_>>()))
+            Arc::new(LargeBinaryArray::from(v.iter().map(std::vec::Vec::as_slice).collect::<Vec<_>>()))
         }
         (_, DataType::BinaryView) => {
             let v: Vec<Vec<u8>> = ks.iter().map(|&k| [vec![((k * salt) % 4) as u8], vec![9u8; ((k % 3) * 7) as usize]].concat()).collect();
-            Arc::new(BinaryViewArray::from(v.iter().map(|b| b.as_slice()).collect::<Vec<_>>()))
+            Arc::new(BinaryViewArray::from(v.iter().map(std::vec::Vec::as_slice).collect::<Vec<_>>()))
         }
         other => panic!("no generator for {other:?}"),
     }
@@ -779,7 +779,7 @@ fn the_torn_tail_shape_in_an_older_segment_is_corrupt_wal() {
             match try_open(d.path(), config()) {
                 Ok(Err(Error::Storage(StorageError::CorruptWal { .. }))) => {}
                 Ok(Ok(e)) => {
-                    problems.push(format!("{mode:?} {what}: opened with {} rows of {}", e.table("t").unwrap().row_count().unwrap(), batches * per + per))
+                    problems.push(format!("{mode:?} {what}: opened with {} rows of {}", e.table("t").unwrap().row_count().unwrap(), batches * per + per));
                 }
                 Ok(Err(e)) => problems.push(format!("{mode:?} {what}: {e}")),
                 Err(p) => problems.push(format!("{mode:?} {what}: panic {p}")),
@@ -908,10 +908,10 @@ fn checked_scan(engine: &Engine, t: &Table, w: &Widths, opts: ScanOptions, cols:
                         let v = c.as_primitive::<Int64Type>();
                         for i in 0..b.num_rows() {
                             vsum += v.value(i);
-                            if let Some(&k) = ks.get(i) {
-                                if v.value(i) != version_of(k) {
-                                    return Err(format!("k {k}: v {}", v.value(i)));
-                                }
+                            if let Some(&k) = ks.get(i)
+                                && v.value(i) != version_of(k)
+                            {
+                                return Err(format!("k {k}: v {}", v.value(i)));
                             }
                         }
                     }

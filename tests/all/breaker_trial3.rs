@@ -223,7 +223,7 @@ fn a_stretched_ipc_length_in_a_record_before_the_last_is_corrupt_wal() {
                 match open_kv(src.path(), &name, &d, mode) {
                     Outcome::Corrupt => {}
                     Outcome::Rows(m) => {
-                        problems.push(format!("{mode:?} length {lwhat} + {what}: {} rows replayed (record 2 lost: {})", m.len(), m == rows_of(1)))
+                        problems.push(format!("{mode:?} length {lwhat} + {what}: {} rows replayed (record 2 lost: {})", m.len(), m == rows_of(1)));
                     }
                     Outcome::Other(s) => problems.push(format!("{mode:?} length {lwhat} + {what}: {s}")),
                 }
@@ -569,7 +569,7 @@ fn held_scan(p: &Pressured, batch_rows: usize) -> (usize, i64, Option<Error>, us
     loop {
         let t0 = Instant::now();
         let b = s.next();
-        if t0.elapsed() >= TIMEOUT - Duration::from_millis(50) {
+        if t0.elapsed() >= TIMEOUT.saturating_sub(Duration::from_millis(50)) {
             slow += 1;
         }
         match b {

@@ -580,14 +580,14 @@ fn sliced_boolean_and_view_key_batches_at_odd_offsets() {
     ]);
     let ks = schema(vec![Field::new("f", DataType::Boolean, false), Field::new("name", DataType::Utf8View, false)]);
     type Row = (bool, String, Option<Vec<u8>>, Option<bool>);
-    let name = |i: usize| if i % 3 == 0 { format!("n{i}") } else { format!("a-rather-long-name-beyond-twelve-bytes-{i}") };
+    let name = |i: usize| if i.is_multiple_of(3) { format!("n{i}") } else { format!("a-rather-long-name-beyond-twelve-bytes-{i}") };
     let row = |i: usize, generation: usize| -> Row {
-        let bv = (i + generation) % 4 != 0;
+        let bv = !(i + generation).is_multiple_of(4);
         (
-            i % 2 == 0,
+            i.is_multiple_of(2),
             name(i / 2),
             bv.then(|| vec![(i + generation) as u8; (i * 7 + generation) % 40]),
-            ((i + generation) % 5 != 0).then_some((i + generation) % 3 == 0),
+            (!(i + generation).is_multiple_of(5)).then_some((i + generation).is_multiple_of(3)),
         )
     };
     let mk = |rows: &[Row]| {

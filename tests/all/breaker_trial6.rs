@@ -205,7 +205,7 @@ fn predicates() -> Vec<(&'static str, ScanFilter, Pred)> {
         (
             "k >= 99990 OR k < 5",
             ScanFilter::or([ScanFilter::compare("k", CompareOp::GtEq, i64lit(99_990)), ScanFilter::compare("k", CompareOp::Lt, i64lit(5))]),
-            Box::new(|k, _, _| k >= 99_990 || k < 5),
+            Box::new(|k, _, _| !(5..99_990).contains(&k)),
         ),
         (
             "20000 < k <= 40000 AND v IS NOT NULL",
@@ -276,12 +276,11 @@ fn check_metrics(what: &str, m: &ScanMetrics, rows: usize, t: &Table, physical: 
     assert_eq!(m.rows_matched, rows as u64, "{what}: rows_matched {m:?}");
     assert!(m.row_groups_pruned <= m.row_groups_total, "{what}: {m:?}");
     assert!(m.files_opened <= st.files as u64, "{what}: {m:?} of {} files", st.files);
-    match physical {
-        Some(p) => assert!(m.rows_decoded + m.rows_pruned_by_page_index <= p, "{what}: {m:?}, {p} physical file rows"),
-        None => {
-            assert_eq!((m.row_groups_pruned, m.rows_pruned_by_page_index, m.files_opened), (0, 0, st.files as u64), "{what}: {m:?}");
-            assert!(m.rows_decoded >= st.file_rows, "{what}: {m:?}, {} live file rows", st.file_rows);
-        }
+    if let Some(p) = physical {
+        assert!(m.rows_decoded + m.rows_pruned_by_page_index <= p, "{what}: {m:?}, {p} physical file rows")
+    } else {
+        assert_eq!((m.row_groups_pruned, m.rows_pruned_by_page_index, m.files_opened), (0, 0, st.files as u64), "{what}: {m:?}");
+        assert!(m.rows_decoded >= st.file_rows, "{what}: {m:?}, {} live file rows", st.file_rows);
     }
     m.rows_decoded
 }
@@ -299,8 +298,8 @@ fn assert_baseline(engine: &Engine, base: usize, what: &str) {
 
 /// At 256 MiB (page pruning on): every predicate (string with 80-byte shared prefixes beyond the
 /// column index's 64-byte truncation, 4-byte chars, IS NULL, all-null pages, And/Or/empty,
-/// NotEq, an Int32 literal on Int64, binary and decimal(20)) over two files + deletion vectors
-/// + a delta, with full, [k, bin, dec] and filter-column-free ([dec, bin]) projections and two batch sizes: exactly
+/// NotEq, an Int32 literal on Int64, binary and decimal(20)) over two files, deletion vectors
+/// and a delta, with full, [k, bin, dec] and filter-column-free ([dec, bin]) projections and two batch sizes: exactly
 /// the model's rows; metrics consistent; memory back to its baseline after each scan; `k =
 /// 54321` is pruned by statistics or pages.
 #[test]
@@ -426,7 +425,7 @@ fn filtered_scans_stay_exact_while_the_pruning_budget_flips() {
     // Bisect the last count that still page-prunes.
     let (mut lo, mut hi) = (0usize, max_held);
     while hi - lo > 1 {
-        let mid = (lo + hi) / 2;
+        let mid = usize::midpoint(lo, hi);
         if probe(mid) == Ok(true) {
             lo = mid;
         } else {

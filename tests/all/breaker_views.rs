@@ -53,8 +53,8 @@ fn vrow(k: usize, tag: &str) -> (String, VRow) {
         v.truncate(LENS[(k + 4) % LENS.len()]);
         v
     });
-    let u = (k % 4 != 0).then(|| text(tag, LENS[(k + 1) % LENS.len()]));
-    let n = (k % 6 != 0).then_some(k as i64 * 3);
+    let u = (!k.is_multiple_of(4)).then(|| text(tag, LENS[(k + 1) % LENS.len()]));
+    let n = (!k.is_multiple_of(6)).then_some(k as i64 * 3);
     (key, (s, b, u, n))
 }
 

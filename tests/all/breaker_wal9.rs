@@ -63,7 +63,7 @@ const LAYOUTS: usize = 9;
 /// bigger array, 6 `gc` of layout 4, 7 views over one offset buffer (`From<&BinaryArray>`),
 /// 8 concatenation of a slice and a `nullif`.
 fn layout(vals: &[Option<Vec<u8>>], mode: usize) -> BinaryViewArray {
-    let filler = |i: usize| if i % 2 == 0 { b"hidden-filler-value-longer-than-12-bytes".to_vec() } else { b"short".to_vec() };
+    let filler = |i: usize| if i.is_multiple_of(2) { b"hidden-filler-value-longer-than-12-bytes".to_vec() } else { b"short".to_vec() };
     let plain = |v: &[Option<Vec<u8>>]| v.iter().map(|x| x.as_deref()).collect::<BinaryViewArray>();
     let blocks = |v: &[Option<Vec<u8>>], size: u32| {
         let mut b = BinaryViewBuilder::new().with_fixed_block_size(size);
@@ -154,7 +154,7 @@ fn vrow(k: usize, tag: usize) -> (String, VRow) {
     let s = (k % 5 != 2).then(|| utf(k + tag, LENS[(k + tag) % LENS.len()]));
     let b = (k % 4 != 1).then(|| raw(k + tag, LENS[(k / 2 + tag) % LENS.len()]));
     let t = utf(k * 3 + tag, LENS[(k / 3 + tag) % LENS.len()]);
-    let n = (k % 6 != 0).then_some((k * 10 + tag) as i64);
+    let n = (!k.is_multiple_of(6)).then_some((k * 10 + tag) as i64);
     (key(k), (s, b, t, n))
 }
 
@@ -329,7 +329,7 @@ fn binary_view_key_non_utf8_replays() {
     let keys_of = |from: usize, n: usize| -> Vec<usize> { (from..from + n).filter(|k| k % 4 != 2 || *k < 256).collect() };
     type BModel = BTreeMap<Vec<u8>, (String, Option<Vec<u8>>)>;
     let row = |k: usize, tag: usize| {
-        (bkey(k), (utf(k + tag, LENS[(k + tag) % LENS.len()]), (k % 3 != 0).then(|| raw(k * 7 + tag, LENS[(k + 2 * tag) % LENS.len()]))))
+        (bkey(k), (utf(k + tag, LENS[(k + tag) % LENS.len()]), (!k.is_multiple_of(3)).then(|| raw(k * 7 + tag, LENS[(k + 2 * tag) % LENS.len()]))))
     };
     let batch = |rows: &[(Vec<u8>, (String, Option<Vec<u8>>))], mode: usize| {
         let k: Vec<Option<Vec<u8>>> = rows.iter().map(|r| Some(r.0.clone())).collect();

@@ -408,7 +408,7 @@ fn a_big_write_retried_after_a_memory_error_is_applied_and_logged_once() {
     // Batches of ~2.5 MiB of strings, several in a row.
     for round in 0..4 {
         let keys: Vec<i64> = (next..next + 10_000).collect();
-        let vals: Vec<String> = keys.iter().map(|k| format!("{:0>240}", k)).collect();
+        let vals: Vec<String> = keys.iter().map(|k| format!("{k:0>240}")).collect();
         let b =
             RecordBatch::try_new(kv_schema(), vec![Arc::new(Int64Array::from(keys.clone())) as ArrayRef, Arc::new(StringArray::from(vals.clone()))]).unwrap();
         assert_eq!(t.insert(&b).unwrap(), 10_000, "round {round}");
@@ -1152,7 +1152,7 @@ fn decimal_extremes_round_trip_through_wal_flush_and_reopen() {
     let engine = Engine::open(dir.path(), big_config()).unwrap();
     let t = engine.create_table("t", dec_schema(), &["k"]).unwrap();
     let kmax = p10(18);
-    let mut keys: Vec<i128> = (0..3000).map(|i| (i as i128 - 1500) * 333_333_333_333_333).collect();
+    let mut keys: Vec<i128> = (0..3000).map(|i| (i128::from(i) - 1500) * 333_333_333_333_333).collect();
     keys.push(kmax);
     keys.push(-kmax);
     keys.push(kmax - 1);
@@ -1164,7 +1164,7 @@ fn decimal_extremes_round_trip_through_wal_flush_and_reopen() {
     }
     assert_eq!(t.insert(&dec_batch(&keys)).unwrap(), keys.len());
     // small batches
-    let small: Vec<i128> = (1..=20).map(|i| i as i128 * 7).collect();
+    let small: Vec<i128> = (1..=20).map(|i| i128::from(i) * 7).collect();
     for chunk in small.chunks(5) {
         t.upsert(&dec_batch(chunk)).unwrap();
         for &k in chunk {
@@ -1174,7 +1174,7 @@ fn decimal_extremes_round_trip_through_wal_flush_and_reopen() {
     }
     // one past the precision: refused, nothing logged
     let wal = engine.wal_usage();
-    let mut bad = dec_batch(&(100_000..100_000 + BIG as i128).collect::<Vec<_>>());
+    let mut bad = dec_batch(&(100_000..100_000 + i128::from(BIG)).collect::<Vec<_>>());
     let mut d9: Vec<Option<i128>> = bad.column(2).as_primitive::<Decimal128Type>().iter().collect();
     d9[900] = Some(p10(9) + 1);
     let mut cols = bad.columns().to_vec();
@@ -1184,10 +1184,10 @@ fn decimal_extremes_round_trip_through_wal_flush_and_reopen() {
         Err(Error::Input(UnifyError::ValueOutOfRange { row, .. })) => assert_eq!(row, 900),
         other => panic!("{other:?}"),
     }
-    let mut kbad: Vec<i128> = (200_000..200_000 + BIG as i128).collect();
+    let mut kbad: Vec<i128> = (200_000..200_000 + i128::from(BIG)).collect();
     kbad[5] = kmax + 1;
     let bad = RecordBatch::try_new(dec_schema(), {
-        let mut c = dec_batch(&(200_000..200_000 + BIG as i128).collect::<Vec<_>>()).columns().to_vec();
+        let mut c = dec_batch(&(200_000..200_000 + i128::from(BIG)).collect::<Vec<_>>()).columns().to_vec();
         c[0] = Arc::new(Decimal128Array::from(kbad).with_precision_and_scale(18, 0).unwrap());
         c
     })

@@ -408,7 +408,7 @@ fn a_wal_file_gritdb_did_not_write_is_refused_and_kept() {
         let (wal_before, tables_before) = (tree(&wal), tree(&dir.join("tables")));
         match Engine::open(&dir, config()) {
             Err(Error::Storage(gritdb::StorageError::CorruptWal { path, .. })) => {
-                assert_eq!(path, wal.join(name))
+                assert_eq!(path, wal.join(name));
             }
             Err(e) => panic!("{name}: expected CorruptWal, got {e:?}"),
             Ok(_) => panic!("{name}: expected CorruptWal, the engine opened"),
@@ -446,7 +446,7 @@ fn a_dir_open_in_this_process_is_locked_until_closed() {
     for _ in 0..3 {
         match Engine::open(&dir, config()) {
             Err(Error::Locked { holder, .. }) => {
-                assert_eq!(holder, format!("pid {}", std::process::id()))
+                assert_eq!(holder, format!("pid {}", std::process::id()));
             }
             Err(e) => panic!("expected Locked, got {e:?}"),
             Ok(_) => panic!("expected Locked, a second engine opened"),

@@ -475,7 +475,8 @@ fn export_streams_in_row_groups_cut_by_bytes() {
 fn codecs(path: &Path) -> Vec<gritdb::parquet::basic::Compression> {
     let reader = gritdb::parquet::file::reader::SerializedFileReader::new(std::fs::File::open(path).unwrap()).unwrap();
     let meta = gritdb::parquet::file::reader::FileReader::metadata(&reader);
-    let mut out: Vec<_> = meta.row_groups().iter().flat_map(|g| g.columns().iter().map(|c| c.compression())).collect();
+    let mut out: Vec<_> =
+        meta.row_groups().iter().flat_map(|g| g.columns().iter().map(gritdb::parquet::file::metadata::ColumnChunkMetaData::compression)).collect();
     out.dedup();
     out
 }

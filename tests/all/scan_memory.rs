@@ -540,7 +540,7 @@ fn a_file_that_failed_to_open_ends_the_scan_with_its_error() {
     }
     match s.next() {
         Some(Err(e)) => {
-            assert!(matches!(&e, gritdb::Error::Storage(gritdb::StorageError::MissingFile { path, table }) if files.contains(path) && table == "f"), "{e:?}")
+            assert!(matches!(&e, gritdb::Error::Storage(gritdb::StorageError::MissingFile { path, table }) if files.contains(path) && table == "f"), "{e:?}");
         }
         other => panic!("{:?}", other.map(|b| b.map(|b| b.num_rows()))),
     }

@@ -1077,7 +1077,7 @@ fn a_statement_past_the_timeout_is_cancelled_and_gives_back_its_memory() {
     for q in [endless, sorted] {
         match engine.sql(q) {
             Err(e @ Error::Sql { kind: SqlErrorKind::Timeout, .. }) => {
-                assert!(e.to_string().contains("sql_statement_timeout"), "{e}")
+                assert!(e.to_string().contains("sql_statement_timeout"), "{e}");
             }
             other => panic!("{q}: expected Timeout, got {:?}", other.map(|b| total_rows(&b))),
         }

@@ -40,7 +40,6 @@ fn outside_engine_is_at_most_five_percent_of_ingest_growth() {
         rows += b.num_rows();
         t.insert(&b).unwrap();
     }
-    drop(generator);
     let (alloc1, used1) = (allocated(), engine.memory().used());
     let growth = alloc1.saturating_sub(alloc0);
     let accounted = used1 - used0;
@@ -261,7 +260,7 @@ fn an_open_file_scan_counts_the_readers_page_buffers() {
     let (alloc0, acc0) = (allocated(), accounted());
     let mut s = t.scan(gritdb::ScanOptions::default()).unwrap();
     let (mut rows, mut worst_outside, mut max_growth, mut max_counted) = (0usize, i64::MIN, 0i64, 0usize);
-    while let Some(b) = s.next() {
+    for b in s.by_ref() {
         rows += b.unwrap().num_rows();
         let growth = allocated() as i64 - alloc0 as i64;
         let counted = accounted() as i64 - acc0 as i64;

@@ -325,18 +325,19 @@ impl OutputBound {
                 sum(&|i| list.at(i) + nonneg(n.at(i)) * fill.as_ref().map_or(16.0, |f| f.at(i)))
             }
             (Growth::Range, 1..) => {
-                let (start, stop, step) = match a.len() {
+                // `range(start, stop, step)`: `end` is the function's `stop`.
+                let (start, end, step) = match a.len() {
                     1 => (None, &a[0], None),
                     2 => (Some(&a[0]), &a[1], None),
                     _ => (Some(&a[0]), &a[1], Some(&a[2])),
                 };
-                let temporal = matches!(stop.data_type(), DataType::Date32 | DataType::Date64 | DataType::Timestamp(..));
-                let stop = PerRow::numbers(stop)?;
+                let temporal = matches!(end.data_type(), DataType::Date32 | DataType::Date64 | DataType::Timestamp(..));
+                let end = PerRow::numbers(end)?;
                 let start = start.map(PerRow::numbers).transpose()?;
                 let (numeric_step, fixed_step) =
                     if temporal { (None, temporal_step(step).unwrap_or(0.0)) } else { (step.map(PerRow::numbers).transpose()?, 1.0) };
                 sum(&|i| {
-                    let span = (stop.at(i) - start.as_ref().map_or(0.0, |s| s.at(i))).abs();
+                    let span = (end.at(i) - start.as_ref().map_or(0.0, |s| s.at(i))).abs();
                     let step = numeric_step.as_ref().map_or(fixed_step, |s| s.at(i).abs().max(1.0));
                     if step == 0.0 {
                         // A temporal step that can be 0 or change sign: no end.

@@ -185,10 +185,10 @@ impl SqlState {
     fn spawn(self: &Arc<Self>, query: &str) -> Result<QueryTask> {
         let handle = self.runtime()?;
         let (state, query) = (Arc::clone(self), query.to_owned());
+        let timeout = self.engine.upgrade().and_then(|e| e.shared.config.sql_statement_timeout);
         // The runtime is the engine's own, shut down with it (clippy.toml); the task is
         // aborted when its `QueryTask` is dropped.
         #[allow(clippy::disallowed_methods)]
-        let timeout = self.engine.upgrade().and_then(|e| e.shared.config.sql_statement_timeout);
         let task = handle.spawn(async move {
             let Some(limit) = timeout else { return state.run(&query).await };
             // Dropping `run`'s future at the deadline drops the plan's streams: scans stop at
@@ -637,7 +637,7 @@ mod tests {
         }));
         match futures::executor::block_on(task) {
             Err(Error::Sql { kind: SqlErrorKind::Internal, source }) => {
-                assert!(source.to_string().contains("the query panicked: boom in the planner"), "{source}")
+                assert!(source.to_string().contains("the query panicked: boom in the planner"), "{source}");
             }
             other => panic!("expected Internal, got {other:?}"),
         }

@@ -5,7 +5,7 @@
 //! path missing / empty dir ───────────────────────────────> New     (created, marker written)
 //! dir with the marker file GRITDB (format 1) ──────────────> Marked  (opened)
 //! dir without it, holding only what an older gritdb wrote,
-//!   with a pid LOCK or a table whose manifest reads ───────> Legacy  (marker written, opened)
+//!   with a pid LOCK or a table whose manifest reads ───────> Legacy  (opened, then marker written)
 //! anything else ───────────────────────────────────────────> NotADataDir / BadDataDirMarker,
 //!                                                            nothing touched
 //! ```

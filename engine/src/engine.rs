@@ -641,7 +641,8 @@ impl Engine {
     /// pid; `tables/` holding only `t<N>` table directories, each with a manifest that reads
     /// and checks out or only the manifest's temp file; `trash/` holding only `t<N>`
     /// directories of table files; `wal/` holding only `wal-<N>.log` segments), and a pid
-    /// `LOCK` or a table manifest proves it. It gets the marker. Anything else non-empty
+    /// `LOCK` or a table manifest proves it. It gets the marker once its tables and
+    /// write-ahead log have opened (a refused open writes none). Anything else non-empty
     /// (`lost+found` aside) is someone else's: refused, nothing created, changed or removed in
     /// it — the open's cleanup (removing dropped tables from `trash/`, table directories of
     /// interrupted creates, and files no manifest names) runs only in a directory known to be
@@ -735,13 +736,13 @@ impl Engine {
         }
         let mut lock_file = DirLock::new(lock_file, key);
         lock_file.file.set_len(0).and_then(|()| write!(lock_file.file, "{}", std::process::id())).map_err(io(&lock_path))?;
-        // The marker goes in before anything else, under the lock: from here on the
-        // directory is known to be gritdb's at every open.
-        if kind != crate::data_dir::Kind::Marked {
+        // A new directory gets the marker before anything else, under the lock: from here on
+        // it is known to be gritdb's at every open. An earlier gritdb's directory gets it
+        // only once its tables and write-ahead log have opened (below), so an open refused
+        // for a damaged file leaves it without one, as it was (before, a `CorruptWal` open
+        // left the marker written).
+        if kind == crate::data_dir::Kind::New {
             crate::data_dir::write_marker(config.vfs.as_ref(), &dir)?;
-            if kind == crate::data_dir::Kind::Legacy {
-                tracing::info!(dir = %dir.display(), marker = DATA_DIR_MARKER, "data directory of an earlier gritdb: marker written");
-            }
         }
 
         let tables_dir = dir.join("tables");
@@ -884,6 +885,10 @@ impl Engine {
         // Segments every table had committed before the last stop (a crash between a commit
         // and its truncation, say) are removed now, not left for a later commit.
         shared.truncate_wal(false);
+        if kind == crate::data_dir::Kind::Legacy {
+            crate::data_dir::write_marker(shared.config.vfs.as_ref(), &dir)?;
+            tracing::info!(dir = %dir.display(), marker = DATA_DIR_MARKER, "data directory of an earlier gritdb: marker written");
+        }
         if shared.config.wal_sync == WalSync::Relaxed {
             let weak = Arc::downgrade(&shared);
             writer.start_ticker(shared.config.wal_sync_interval, move || {

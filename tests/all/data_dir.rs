@@ -296,7 +296,8 @@ fn read_table_with(dir: &Path, config: EngineConfig) -> BTreeMap<(i64, i32), Row
 
 /// A data directory gritdb creates has the marker file; one an older gritdb wrote (no marker:
 /// a `LOCK` with a pid, `tables/` with manifests, `wal/`, `trash/`) opens with all its rows
-/// and gets the marker; without its `LOCK` too (a backup of `tables/` and `wal/`).
+/// and gets the marker; without its `LOCK` too (a backup of `tables/` and `wal/`). One with a
+/// damaged manifest or write-ahead log is refused and gets no marker.
 #[test]
 fn a_data_dir_without_the_marker_is_adopted_with_its_rows() {
     let root = tempfile::tempdir().unwrap();
@@ -328,6 +329,24 @@ fn a_data_dir_without_the_marker_is_adopted_with_its_rows() {
         other => panic!("expected CorruptManifest, got {other:?}"),
     }
     assert_eq!(tree(&damaged), before);
+
+    // One whose write-ahead log is damaged (bytes that are not a record's in its newest
+    // segment) is refused with `CorruptWal`, and gets no marker: it is left an earlier
+    // gritdb's directory until an open succeeds. With the damaged segment moved away it opens
+    // with every row, and then has the marker.
+    let bad_wal = root.path().join("bad-wal");
+    copy_tree(&dir, &bad_wal);
+    std::fs::remove_file(bad_wal.join(gritdb::DATA_DIR_MARKER)).unwrap();
+    let segment = bad_wal.join("wal").join("wal-99999999.log");
+    std::fs::write(&segment, b"these are not the bytes of a write-ahead log record\n").unwrap();
+    match Engine::open(&bad_wal, config()) {
+        Err(Error::Storage(gritdb::StorageError::CorruptWal { path, .. })) => assert_eq!(path, segment),
+        other => panic!("expected CorruptWal, got {other:?}"),
+    }
+    assert!(!bad_wal.join(gritdb::DATA_DIR_MARKER).exists(), "a refused open writes no marker");
+    std::fs::remove_file(&segment).unwrap();
+    assert_eq!(read_table(&bad_wal), want);
+    assert_eq!(std::fs::read_to_string(bad_wal.join(gritdb::DATA_DIR_MARKER)).unwrap(), "gritdb data directory\nformat 1\n");
 }
 
 /// A directory holding only the marker (a first open killed right after writing it, or a

@@ -964,8 +964,8 @@ impl Engine {
     /// Key identity: two rows have the same key when every key column is equal. Float key
     /// columns compare as numbers do for keys, so 0.0 and −0.0 are one key and every NaN (any
     /// sign or payload) is one key; a row keeps the value written. Scan filters
-    /// ([`crate::ScanOptions::filter`]) compare floats by total order instead (−0.0 < 0.0, each
-    /// NaN bit pattern its own value), so `k = 0.0` does not return a row written with −0.0.
+    /// ([`crate::ScanOptions::filter`]) compare floats the same way, so `k = 0.0` returns a row
+    /// written with −0.0.
     ///
     /// # Errors
     /// [`Error::InvalidTableName`], [`Error::TableExists`] (names compare case-insensitively),

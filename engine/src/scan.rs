@@ -42,9 +42,10 @@ impl ScanOptions {
     /// true), from files and in-memory deltas alike. Data files skip row groups and pages
     /// whose Parquet statistics prove no row matches ([`Scan::metrics`] counts them); the
     /// rest is filtered row by row, so the result is exact. Filter columns need not be in
-    /// the projection. Replaces an earlier filter. Floats compare by IEEE 754 total order, as
-    /// Arrow's comparison kernels do: −0.0 < 0.0, and NaN is above every number and equal only
-    /// to the same bits (key identity differs: see [`crate::Engine::create_table`]).
+    /// the projection. Replaces an earlier filter. Floats compare as `PostgreSQL` and `DuckDB`
+    /// compare them, and as float keys are identified ([`crate::Engine::create_table`]):
+    /// −0.0 = 0.0, every NaN (any sign or payload) equals every other NaN, and NaN is above
+    /// every number. (SQL through `DataFusion` differs on NaNs: see `docs/sql.md`.)
     ///
     /// [`Table::scan`](crate::Table::scan) returns [`Error::ColumnNotFound`] for an unknown
     /// filter column and [`Error::InvalidFilter`] for a literal that cannot be compared with

@@ -7,6 +7,8 @@
 //! - [`key_converter`] + [`encode_keys`]: `arrow-row` bytes, one `SortField` per key column
 //!   with default options, floats made canonical first ([`canonical_key_columns`]). Equal keys
 //!   are equal bytes and compare with `memcmp`.
+//! - [`canonical_floats`]: the float values that are one value (0.0 and −0.0; every NaN),
+//!   for keys and for scan filters alike.
 //! - [`type_depth`] and [`MAX_TYPE_DEPTH`]: how deep an Arrow type nests, and the deepest one
 //!   the engine looks at (column types and filter literals alike).
 //!
@@ -69,64 +71,81 @@ pub fn type_depth(t: &DataType) -> usize {
     deepest
 }
 
-/// Key columns made canonical for key identity: in `Float16`/`Float32`/`Float64` columns,
-/// −0.0 becomes 0.0 and every NaN the positive quiet NaN, so 0.0 and −0.0 (equal under
-/// IEEE 754 `==`) are one key, and so are NaNs of any sign or payload (`PostgreSQL`'s rule for
-/// keys and `GROUP BY`: NaN equals NaN). `arrow-row` encodes floats in IEEE 754 totalOrder,
-/// where all of these differ, so without this a table could hold 0.0 and −0.0 as two rows of
-/// "one" key. Only the key bytes change: the rows keep the values written. Other columns,
-/// and float columns holding no such value, are returned as they are (no copy).
+/// Key columns made canonical for key identity ([`canonical_floats`] of each): 0.0 and −0.0
+/// (equal under IEEE 754 `==`) are one key, and so are NaNs of any sign or payload
+/// (`PostgreSQL`'s rule for keys and `GROUP BY`: NaN equals NaN). `arrow-row` encodes floats
+/// in IEEE 754 totalOrder, where all of these differ, so without this a table could hold 0.0
+/// and −0.0 as two rows of "one" key. Only the key bytes change: the rows keep the values
+/// written. Other columns, and float columns holding no such value, are returned as they are
+/// (no copy).
 pub fn canonical_key_columns(cols: Vec<ArrayRef>) -> Vec<ArrayRef> {
+    cols.into_iter().map(canonical_floats).collect()
+}
+
+/// `col` with its float values made canonical: in a `Float16`, `Float32` or `Float64` array
+/// (or the values of a dictionary of one), −0.0 becomes 0.0 and every NaN the positive quiet
+/// NaN (`f64::NAN`, `f32::NAN`, `0x7e00`). Nulls stay null. Any other array, and a float
+/// array holding no −0.0 and no other NaN, is returned as it is (no copy).
+///
+/// Compared in IEEE 754 totalOrder afterwards (as `arrow-row` and Arrow's comparison kernels
+/// compare floats), canonical values order as `PostgreSQL` and `DuckDB` order floats:
+/// −0.0 = 0.0, NaN = NaN, and NaN above every number, +∞ included. The key rules
+/// ([`canonical_key_columns`]) and scan filters (`gritdb-storage`'s `ScanFilter`) both compare
+/// through it, so a filter `k = 0.0` finds the row whose key was written as −0.0.
+pub fn canonical_floats(col: ArrayRef) -> ArrayRef {
     use arrow_array::types::{Float16Type, Float32Type, Float64Type};
     type F16 = <Float16Type as arrow_array::ArrowPrimitiveType>::Native;
     fn fix<T: arrow_array::ArrowPrimitiveType>(col: ArrayRef, odd: impl Fn(T::Native) -> bool, canonical: impl Fn(T::Native) -> T::Native) -> ArrayRef {
         let a = col.as_primitive::<T>();
         if a.values().iter().any(|&v| odd(v)) { Arc::new(a.unary::<_, T>(canonical)) } else { col }
     }
-    cols.into_iter()
-        .map(|col| match col.data_type() {
-            DataType::Float64 => fix::<Float64Type>(
-                col,
-                |v| v.to_bits() == (-0.0f64).to_bits() || (v.is_nan() && v.to_bits() != f64::NAN.to_bits()),
-                |v| {
-                    if v == 0.0 {
-                        0.0
-                    } else if v.is_nan() {
-                        f64::NAN
-                    } else {
-                        v
-                    }
-                },
-            ),
-            DataType::Float32 => fix::<Float32Type>(
-                col,
-                |v| v.to_bits() == (-0.0f32).to_bits() || (v.is_nan() && v.to_bits() != f32::NAN.to_bits()),
-                |v| {
-                    if v == 0.0 {
-                        0.0
-                    } else if v.is_nan() {
-                        f32::NAN
-                    } else {
-                        v
-                    }
-                },
-            ),
-            DataType::Float16 => fix::<Float16Type>(
-                col,
-                |v| v.to_bits() == 0x8000 || (v.is_nan() && v.to_bits() != 0x7e00),
-                |v| {
-                    if v.to_bits() == 0x8000 {
-                        F16::from_bits(0)
-                    } else if v.is_nan() {
-                        F16::from_bits(0x7e00)
-                    } else {
-                        v
-                    }
-                },
-            ),
-            _ => col,
-        })
-        .collect()
+    match col.data_type() {
+        DataType::Float64 => fix::<Float64Type>(
+            col,
+            |v| v.to_bits() == (-0.0f64).to_bits() || (v.is_nan() && v.to_bits() != f64::NAN.to_bits()),
+            |v| {
+                if v == 0.0 {
+                    0.0
+                } else if v.is_nan() {
+                    f64::NAN
+                } else {
+                    v
+                }
+            },
+        ),
+        DataType::Float32 => fix::<Float32Type>(
+            col,
+            |v| v.to_bits() == (-0.0f32).to_bits() || (v.is_nan() && v.to_bits() != f32::NAN.to_bits()),
+            |v| {
+                if v == 0.0 {
+                    0.0
+                } else if v.is_nan() {
+                    f32::NAN
+                } else {
+                    v
+                }
+            },
+        ),
+        DataType::Float16 => fix::<Float16Type>(
+            col,
+            |v| v.to_bits() == 0x8000 || (v.is_nan() && v.to_bits() != 0x7e00),
+            |v| {
+                if v.to_bits() == 0x8000 {
+                    F16::from_bits(0)
+                } else if v.is_nan() {
+                    F16::from_bits(0x7e00)
+                } else {
+                    v
+                }
+            },
+        ),
+        DataType::Dictionary(_, v) if v.is_floating() => {
+            let d = col.as_any_dictionary();
+            let values = canonical_floats(Arc::clone(d.values()));
+            if Arc::ptr_eq(&values, d.values()) { col } else { d.with_values(values) }
+        }
+        _ => col,
+    }
 }
 
 /// The key encoder for key columns of the types `key_types`, in key order: one `SortField`
@@ -171,6 +190,49 @@ mod tests {
         // Nothing to fix: the same array back, no copy.
         let clean: ArrayRef = Arc::new(Float64Array::from(vec![0.0, 1.0, f64::NAN, f64::INFINITY, f64::NEG_INFINITY]));
         assert!(Arc::ptr_eq(&canonical_key_columns(vec![Arc::clone(&clean)])[0], &clean));
+    }
+
+    /// Float16, Float32 and dictionaries of floats are made canonical too, and the canonical
+    /// values compare in totalOrder as `PostgreSQL` compares floats: −0.0 = 0.0, NaN = NaN,
+    /// NaN above +∞, −∞ below every number.
+    #[test]
+    fn canonical_floats_of_every_float_type_order_as_postgresql() {
+        use arrow_array::types::{Float16Type, Float32Type, Float64Type, Int8Type};
+        use arrow_array::{DictionaryArray, Float16Array, Int8Array};
+        type F16 = <Float16Type as arrow_array::ArrowPrimitiveType>::Native;
+        let h: ArrayRef = Arc::new(Float16Array::from(vec![F16::from_bits(0x8000), F16::from_bits(0xfe01), F16::from_bits(0x3c00)]));
+        let h = canonical_floats(h);
+        let hb: Vec<u16> = h.as_primitive::<Float16Type>().values().iter().map(|v| v.to_bits()).collect();
+        assert_eq!(hb, [0, 0x7e00, 0x3c00]);
+        let f: ArrayRef = Arc::new(Float32Array::from(vec![-0.0f32, f32::from_bits(0xffc0_0001), 1.5]));
+        let fb: Vec<u32> = canonical_floats(f).as_primitive::<Float32Type>().values().iter().map(|v| v.to_bits()).collect();
+        assert_eq!(fb, [0, f32::NAN.to_bits(), 1.5f32.to_bits()]);
+        // A dictionary of floats: its values are fixed, its keys kept.
+        let d: ArrayRef = Arc::new(DictionaryArray::<Int8Type>::new(Int8Array::from(vec![1, 0, 1]), Arc::new(Float64Array::from(vec![-0.0, -f64::NAN]))));
+        let d = canonical_floats(d);
+        let d = d.as_dictionary::<Int8Type>();
+        assert_eq!(d.keys().values().to_vec(), [1, 0, 1]);
+        let vb: Vec<u64> = d.values().as_primitive::<Float64Type>().values().iter().map(|v| v.to_bits()).collect();
+        assert_eq!(vb, [0, f64::NAN.to_bits()]);
+        // A dictionary of other values and a clean one come back uncopied.
+        let clean: ArrayRef = Arc::new(DictionaryArray::<Int8Type>::new(Int8Array::from(vec![0]), Arc::new(Float64Array::from(vec![2.0]))));
+        assert!(Arc::ptr_eq(&canonical_floats(Arc::clone(&clean)), &clean));
+        // The order of canonical values.
+        let raw = [f64::NEG_INFINITY, -1.0, -0.0, 0.0, 1.0, f64::INFINITY, f64::NAN, -f64::NAN, f64::from_bits(0x7ff0_0000_0000_0001)];
+        let c = canonical_floats(Arc::new(Float64Array::from(raw.to_vec())));
+        let c = c.as_primitive::<Float64Type>().values();
+        use std::cmp::Ordering::{Equal, Greater, Less};
+        let pg = |a: f64, b: f64| match (a.is_nan(), b.is_nan()) {
+            (true, true) => Equal,
+            (true, false) => Greater,
+            (false, true) => Less,
+            _ => a.partial_cmp(&b).unwrap(),
+        };
+        for i in 0..raw.len() {
+            for j in 0..raw.len() {
+                assert_eq!(c[i].total_cmp(&c[j]), pg(raw[i], raw[j]), "{} vs {}", raw[i], raw[j]);
+            }
+        }
     }
 
     /// 0.0 and −0.0, and NaNs of two signs and payloads, encode to one key each; 1.0 and 2.0

@@ -6,13 +6,17 @@
 //! Semantics are exact and SQL-like: a row is returned only when the predicate is **true**
 //! for it. A comparison with a null value (in the column or as the literal) is not true, so
 //! `x <> 5` does not return rows where `x` is null. Values compare as Arrow's comparison
-//! kernels (`arrow_ord::cmp`) compare them (floats by IEEE total order: `NaN` is greater than
-//! every number and equal to itself, `-0.0 < 0.0`).
+//! kernels (`arrow_ord::cmp`) compare them, floats after both sides are made canonical
+//! (`gritdb_keys::canonical_floats`): `-0.0 = 0.0`, every `NaN` equals every other `NaN`, and
+//! `NaN` is greater than every number. That is how `PostgreSQL`, `DuckDB` and `DataFusion`'s SQL
+//! compare floats, and how keys are identified, so `k = 0.0` returns the row whose key was
+//! written as `-0.0`. (Arrow's kernels alone compare in IEEE 754 totalOrder, where `-0.0 <
+//! 0.0` and NaNs differ by sign and payload.)
 //!
 //! Pruning never changes a result, it only skips reading: a row group (or page) is skipped
 //! when its statistics prove that no row in it can make the predicate true. Float columns
-//! are not pruned by statistics (Parquet's float statistics leave out `NaN` and blur the sign
-//! of zero, which the total order distinguishes); they are filtered row by row.
+//! are not pruned by statistics (Parquet's float statistics leave out `NaN`); they are
+//! filtered row by row.
 //!
 //! Nesting is bounded: a filter nested more than [`MAX_FILTER_DEPTH`] levels deep is refused
 //! by [`ScanFilter::bind`] ([`FilterError::TooDeep`]), measured without recursion before any
@@ -445,6 +449,9 @@ fn bind(f: &ScanFilter, schema: &Schema) -> Result<Expr, FilterError> {
                     ))
                 })?
             };
+            // Floats compare canonically (module docs): the literal once here, the column in
+            // `eval`.
+            let lit = gritdb_keys::canonical_floats(lit);
             // The kernels decide what is comparable (nested types are not).
             if let Err(e) = arrow_ord::cmp::eq(&new_empty_array(ty), &Scalar::new(Arc::clone(&lit))) {
                 return Err(bad(format!("values of this type cannot be compared: {e}")));
@@ -555,7 +562,10 @@ pub struct FilePlan {
 fn eval(e: &Expr, batch: &RecordBatch, pos: &dyn Fn(usize) -> usize) -> Result<BooleanBuffer, ArrowError> {
     let n = batch.num_rows();
     Ok(match e {
-        Expr::Cmp { col, op, lit } => truth(&compare(*op, batch.column(pos(*col)), &Scalar::new(Arc::clone(lit)))?),
+        Expr::Cmp { col, op, lit } => {
+            let column = gritdb_keys::canonical_floats(Arc::clone(batch.column(pos(*col))));
+            truth(&compare(*op, &column, &Scalar::new(Arc::clone(lit)))?)
+        }
         Expr::IsNull(c) => match batch.column(pos(*c)).logical_nulls() {
             Some(nulls) => !nulls.inner(),
             None => BooleanBuffer::new_unset(n),

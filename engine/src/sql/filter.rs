@@ -14,11 +14,13 @@
 //! filters) is not pushed, and the translation stops descending there, so its recursion is
 //! bounded by that depth however deep the expression is.
 //!
-//! Comparisons of float columns are never pushed: gritdb's [`ScanFilter`] compares floats by
-//! IEEE 754 total order (`-0.0 < 0.0`), `DataFusion`'s filter as `PostgreSQL` does (`-0.0 =
-//! 0.0`, NaN above every number; measured), and a pushed filter is applied by both (`DataFusion` keeps its own
-//! `FilterExec`). A row on which they disagree was dropped by both sides of a partition: a
-//! `-0.0` row matched neither `x < 0` nor `x >= 0`. Float columns are not pruned by Parquet
+//! Comparisons of float columns are never pushed: gritdb's [`ScanFilter`] compares floats as
+//! `PostgreSQL` does (`-0.0 = 0.0`, every NaN equal and above every number), `DataFusion` 55's
+//! filter normalizes only the sign of zero (`datafusion-physical-expr-common`'s `apply_cmp`) and
+//! orders NaNs by IEEE 754 totalOrder (a negative NaN below −infinity, payloads apart;
+//! measured in `tests/all/sql.rs`), and a pushed filter is applied by both (`DataFusion` keeps its own
+//! `FilterExec`). A row on which they disagree would be dropped by both sides of a partition: a
+//! negative NaN would match neither `x < 0` nor `x >= 0`. Float columns are not pruned by Parquet
 //! statistics either (see `gritdb_storage::filter`), so nothing is lost by leaving them to
 //! `DataFusion`.
 
@@ -151,7 +153,7 @@ mod tests {
         // A literal the column cannot be compared with, and an unknown column.
         assert_eq!(t(&col("id").eq(lit("x"))), None);
         assert_eq!(t(&col("nope").eq(lit(1i64))), None);
-        // Float comparisons stay with DataFusion (its -0.0 = 0.0, not the scan's total order);
+        // Float comparisons stay with DataFusion (its NaN order is not the scan's);
         // their NULL tests are pushed.
         assert_eq!(t(&col("x").lt(lit(0.0f64))), None);
         assert_eq!(t(&lit(0.0f64).lt_eq(col("x"))), None);

@@ -199,6 +199,7 @@ mod tests {
     fn canonical_floats_of_every_float_type_order_as_postgresql() {
         use arrow_array::types::{Float16Type, Float32Type, Float64Type, Int8Type};
         use arrow_array::{DictionaryArray, Float16Array, Int8Array};
+        use std::cmp::Ordering::{Equal, Greater, Less};
         type F16 = <Float16Type as arrow_array::ArrowPrimitiveType>::Native;
         let h: ArrayRef = Arc::new(Float16Array::from(vec![F16::from_bits(0x8000), F16::from_bits(0xfe01), F16::from_bits(0x3c00)]));
         let h = canonical_floats(h);
@@ -221,7 +222,6 @@ mod tests {
         let raw = [f64::NEG_INFINITY, -1.0, -0.0, 0.0, 1.0, f64::INFINITY, f64::NAN, -f64::NAN, f64::from_bits(0x7ff0_0000_0000_0001)];
         let c = canonical_floats(Arc::new(Float64Array::from(raw.to_vec())));
         let c = c.as_primitive::<Float64Type>().values();
-        use std::cmp::Ordering::{Equal, Greater, Less};
         let pg = |a: f64, b: f64| match (a.is_nan(), b.is_nan()) {
             (true, true) => Equal,
             (true, false) => Greater,

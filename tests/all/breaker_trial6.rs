@@ -277,7 +277,7 @@ fn check_metrics(what: &str, m: &ScanMetrics, rows: usize, t: &Table, physical: 
     assert!(m.row_groups_pruned <= m.row_groups_total, "{what}: {m:?}");
     assert!(m.files_opened <= st.files as u64, "{what}: {m:?} of {} files", st.files);
     if let Some(p) = physical {
-        assert!(m.rows_decoded + m.rows_pruned_by_page_index <= p, "{what}: {m:?}, {p} physical file rows")
+        assert!(m.rows_decoded + m.rows_pruned_by_page_index <= p, "{what}: {m:?}, {p} physical file rows");
     } else {
         assert_eq!((m.row_groups_pruned, m.rows_pruned_by_page_index, m.files_opened), (0, 0, st.files as u64), "{what}: {m:?}");
         assert!(m.rows_decoded >= st.file_rows, "{what}: {m:?}, {} live file rows", st.file_rows);

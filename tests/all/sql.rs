@@ -503,6 +503,21 @@ fn tpch_q1_and_q6_through_sql_match_the_model() {
     assert_eq!(engine.memory().category_bytes(Category::Query), 0);
 }
 
+/// A table `name` of `id` (Int64, the key) and `x` (Float64, nullable) holding `xs` at ids
+/// 0, 1, ...: the first `in_file` rows flushed to a data file, the rest in the delta.
+fn float_table(engine: &Engine, name: &str, xs: &[Option<f64>], in_file: usize) -> gritdb::Table {
+    let s = Arc::new(Schema::new(vec![Field::new("id", DataType::Int64, false), Field::new("x", DataType::Float64, true)]));
+    let t = engine.create_table(name, Arc::clone(&s), &["id"]).unwrap();
+    let batch = |range: std::ops::Range<usize>| {
+        let ids = Int64Array::from_iter_values(range.clone().map(|i| i as i64));
+        RecordBatch::try_new(Arc::clone(&s), vec![Arc::new(ids), Arc::new(arrow::array::Float64Array::from(xs[range].to_vec()))]).unwrap()
+    };
+    t.insert(&batch(0..in_file)).unwrap();
+    t.flush().unwrap();
+    t.insert(&batch(in_file..xs.len())).unwrap();
+    t
+}
+
 /// A float column compared with DECIMAL constants (`1.5` parses as DECIMAL in this session)
 /// compares in floating point: NaN, ±infinity and 1e20 in the column answer instead of failing
 /// a cast to DECIMAL(30, 15); constant arithmetic is exact before the comparison
@@ -514,19 +529,8 @@ fn tpch_q1_and_q6_through_sql_match_the_model() {
 fn float_columns_compare_with_decimal_constants_in_floating_point() {
     let dir = tempfile::tempdir().unwrap();
     let engine = open(dir.path(), 64 << 20);
-    let s = Arc::new(Schema::new(vec![Field::new("id", DataType::Int64, false), Field::new("x", DataType::Float64, true)]));
-    let t = engine.create_table("fx", Arc::clone(&s), &["id"]).unwrap();
     let xs = [Some(1.5), Some(2.5), Some(f64::NAN), Some(f64::INFINITY), Some(f64::NEG_INFINITY), Some(1e20), Some(0.07), None, Some(-0.0)];
-    let batch = |range: std::ops::Range<usize>| {
-        RecordBatch::try_new(
-            Arc::clone(&s),
-            vec![Arc::new(Int64Array::from_iter_values(range.clone().map(|i| i as i64))), Arc::new(arrow::array::Float64Array::from(xs[range].to_vec()))],
-        )
-        .unwrap()
-    };
-    t.insert(&batch(0..5)).unwrap();
-    t.flush().unwrap(); // the first five in a file, the rest in the delta
-    t.insert(&batch(5..xs.len())).unwrap();
+    float_table(&engine, "fx", &xs, 5); // the first five in a file, the rest in the delta
     let count = |q: &str| scalar(&engine.sql(q).unwrap_or_else(|e| panic!("{q}: {e}")));
     for (q, want) in [
         ("SELECT count(*) FROM fx WHERE x > 1.0", 5), // 1.5, 2.5, NaN (above every number), inf, 1e20
@@ -566,24 +570,13 @@ fn floats_compare_in_scans_as_in_postgresql_and_in_sql_as_in_datafusion() {
     use gritdb::{CompareOp, ScanFilter, ScanOptions};
     let dir = tempfile::tempdir().unwrap();
     let engine = open(dir.path(), 64 << 20);
-    let s = Arc::new(Schema::new(vec![Field::new("id", DataType::Int64, false), Field::new("x", DataType::Float64, true)]));
-    let t = engine.create_table("fz", Arc::clone(&s), &["id"]).unwrap();
     let values: Vec<Option<f64>> = [0u64, 0x8000_0000_0000_0000, 0x7ff8_0000_0000_0000, 0xfff8_0000_0000_0000, 0x7ff8_0000_0000_0001, 0xfff0_0000_0000_0001]
         .iter()
         .chain(&[0x7ff0_0000_0000_0000, 0xfff0_0000_0000_0000, 0x3ff8_0000_0000_0000, 0xbff8_0000_0000_0000, 1, 0x8000_0000_0000_0001])
         .map(|b| Some(f64::from_bits(*b)))
         .chain([None])
         .collect();
-    let batch = |range: std::ops::Range<usize>| {
-        RecordBatch::try_new(
-            Arc::clone(&s),
-            vec![Arc::new(Int64Array::from_iter_values(range.clone().map(|i| i as i64))), Arc::new(arrow::array::Float64Array::from(values[range].to_vec()))],
-        )
-        .unwrap()
-    };
-    t.insert(&batch(0..7)).unwrap();
-    t.flush().unwrap(); // seven values in a file, six in the delta
-    t.insert(&batch(7..values.len())).unwrap();
+    let t = float_table(&engine, "fz", &values, 7); // seven values in a file, six in the delta
     let pg = |v: f64, lit: f64| match (v.is_nan(), lit.is_nan()) {
         (true, true) => std::cmp::Ordering::Equal,
         (true, false) => std::cmp::Ordering::Greater,

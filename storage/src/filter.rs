@@ -89,8 +89,10 @@ pub enum ScanFilter {
     /// `column <op> value`. `value` is a one-element Arrow array (the literal). Its type must
     /// be the column's type, or losslessly convertible to it within one family: integers,
     /// floats and decimals among themselves; `Utf8`/`LargeUtf8`/`Utf8View` among themselves;
-    /// `Binary`/`LargeBinary`/`BinaryView` among themselves. A null literal makes the
-    /// comparison true for no row.
+    /// `Binary`/`LargeBinary`/`BinaryView` among themselves. Floats are made canonical first
+    /// (module docs), so a NaN of any sign, payload or width, and −0.0, convert wherever the
+    /// value they name exists (−0.0 is 0 for an integer column); 0.1 for a `Float32` column
+    /// does not. A null literal makes the comparison true for no row.
     Compare {
         /// Column name.
         column: String,
@@ -434,14 +436,19 @@ fn bind(f: &ScanFilter, schema: &Schema) -> Result<Expr, FilterError> {
             if value.len() != 1 {
                 return Err(bad(format!("the literal must be an array of one element, not {}", value.len())));
             }
+            // Floats made canonical before the cast (module docs): every NaN and −0.0 has an
+            // equal value in every float width and −0.0 in every integer type, while the
+            // cast's bit-exact round trip refused a NaN with a sign or payload of another
+            // width, and −0.0 for an integer column, though they name values there.
+            let canonical = gritdb_keys::canonical_floats(Arc::clone(value));
             let lit = if value.data_type() == ty {
-                Arc::clone(value)
+                canonical
             } else {
                 let (from, to) = (family(value.data_type()), family(ty));
                 if from != to || from == Family::Other {
                     return Err(bad(format!("a {} literal cannot be compared with it; pass a literal of type {ty}", value.data_type())));
                 }
-                lossless_cast(value, ty).ok_or_else(|| {
+                lossless_cast(&canonical, ty).ok_or_else(|| {
                     bad(format!(
                         "the {} literal {} is not representable as {ty}",
                         value.data_type(),
@@ -449,9 +456,8 @@ fn bind(f: &ScanFilter, schema: &Schema) -> Result<Expr, FilterError> {
                     ))
                 })?
             };
-            // Floats compare canonically (module docs): the literal once here, the column in
-            // `eval`.
-            let lit = gritdb_keys::canonical_floats(lit);
+            // Floats compare canonically (module docs): the literal here (canonical, and a
+            // cast of a canonical float is canonical), the column in `eval`.
             // The kernels decide what is comparable (nested types are not).
             if let Err(e) = arrow_ord::cmp::eq(&new_empty_array(ty), &Scalar::new(Arc::clone(&lit))) {
                 return Err(bad(format!("values of this type cannot be compared: {e}")));

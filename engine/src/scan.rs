@@ -27,7 +27,8 @@ impl Default for ScanOptions {
 }
 
 impl ScanOptions {
-    /// Only these columns, in this order (default: all columns).
+    /// Only these columns, in this order (default: all columns), each named exactly as in the
+    /// schema (case-sensitive).
     #[must_use]
     pub fn projection<I, S>(mut self, columns: I) -> Self
     where

@@ -8,10 +8,11 @@
 //! `x <> 5` does not return rows where `x` is null. Values compare as Arrow's comparison
 //! kernels (`arrow_ord::cmp`) compare them, floats after both sides are made canonical
 //! (`gritdb_keys::canonical_floats`): `-0.0 = 0.0`, every `NaN` equals every other `NaN`, and
-//! `NaN` is greater than every number. That is how `PostgreSQL`, `DuckDB` and `DataFusion`'s SQL
-//! compare floats, and how keys are identified, so `k = 0.0` returns the row whose key was
-//! written as `-0.0`. (Arrow's kernels alone compare in IEEE 754 totalOrder, where `-0.0 <
-//! 0.0` and NaNs differ by sign and payload.)
+//! `NaN` is greater than every number. That is how `PostgreSQL` and `DuckDB` compare floats,
+//! and how keys are identified, so `k = 0.0` returns the row whose key was written as `-0.0`.
+//! (Arrow's kernels alone compare in IEEE 754 totalOrder, where `-0.0 < 0.0` and NaNs differ
+//! by sign and payload; `DataFusion` 55's SQL drops the sign of zero only, so it orders a
+//! negative NaN below −∞: `docs/sql.md`.)
 //!
 //! Pruning never changes a result, it only skips reading: a row group (or page) is skipped
 //! when its statistics prove that no row in it can make the predicate true. Float columns
@@ -436,10 +437,12 @@ fn bind(f: &ScanFilter, schema: &Schema) -> Result<Expr, FilterError> {
             if value.len() != 1 {
                 return Err(bad(format!("the literal must be an array of one element, not {}", value.len())));
             }
-            // Floats made canonical before the cast (module docs): every NaN and −0.0 has an
-            // equal value in every float width and −0.0 in every integer type, while the
-            // cast's bit-exact round trip refused a NaN with a sign or payload of another
-            // width, and −0.0 for an integer column, though they name values there.
+            // Floats compare canonically (module docs): the literal is made canonical here,
+            // before the cast (a cast of a canonical float is canonical), the column in `eval`.
+            // Before the cast, because every NaN and −0.0 has an equal value in every float
+            // width and −0.0 in every integer type, while the cast's bit-exact round trip
+            // refused a NaN with a sign or payload of another width, and −0.0 for an integer
+            // column, though they name values there.
             let canonical = gritdb_keys::canonical_floats(Arc::clone(value));
             let lit = if value.data_type() == ty {
                 canonical
@@ -456,8 +459,6 @@ fn bind(f: &ScanFilter, schema: &Schema) -> Result<Expr, FilterError> {
                     ))
                 })?
             };
-            // Floats compare canonically (module docs): the literal here (canonical, and a
-            // cast of a canonical float is canonical), the column in `eval`.
             // The kernels decide what is comparable (nested types are not).
             if let Err(e) = arrow_ord::cmp::eq(&new_empty_array(ty), &Scalar::new(Arc::clone(&lit))) {
                 return Err(bad(format!("values of this type cannot be compared: {e}")));

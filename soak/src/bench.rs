@@ -283,6 +283,20 @@ pub struct BenchResult {
     /// Minor page faults of the foreground thread per row during phase 1's insert
     /// (`/proc/thread-self/stat`, `minflt`): first touches of fresh memory (4 KiB pages).
     pub insert_faults_per_row: Option<f64>,
+    /// CPU time of every thread of the process (foreground, WAL record threads, background
+    /// flush) during phase 1's insert, nanoseconds per inserted row: the sum over
+    /// `/proc/self/task/*/schedstat` (see [`ProcessClock`]). With the wall time it says how
+    /// busy the cores were ([`Self::insert_cores_busy`]); `None` off Linux.
+    #[serde(default)]
+    pub insert_process_cpu_ns_per_row: Option<f64>,
+    /// Phase 1's insert: CPU time of every thread over (wall time × available parallelism),
+    /// 0..=1. Near 1 the insert ran on a saturated machine, so only less CPU per row (on any
+    /// thread, the flush's included) can make it faster; `None` off Linux.
+    #[serde(default)]
+    pub insert_cores_busy: Option<f64>,
+    /// As [`Self::insert_process_cpu_ns_per_row`], for phase 2's insert (no flush beside).
+    #[serde(default)]
+    pub insert_alone_process_cpu_ns_per_row: Option<f64>,
     /// Rows phase 1's `table.flush()` wrote (the rest were flushed in the background).
     pub durable_rows: u64,
     /// `memory_limit` of phase 1 (the engine's default when not given).
@@ -361,6 +375,42 @@ impl ThreadClock {
         let after_name = &stat[stat.rfind(')')? + 1..];
         let minor_faults = after_name.split_whitespace().nth(7)?.parse().ok()?;
         Some(Self { cpu_ns, minor_faults })
+    }
+}
+
+/// CPU time of every thread of this process, by thread id (Linux `/proc/self/task/<tid>/schedstat`,
+/// first field, nanoseconds). The process-wide `utime`/`stime` of `/proc/self/stat` count in
+/// clock ticks (10 ms), too coarse for a ~200 ms phase.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct ProcessClock {
+    cpu_ns: std::collections::BTreeMap<u64, u64>,
+}
+
+impl ProcessClock {
+    /// `None` off Linux or when the task directory cannot be listed; a thread that ends while
+    /// it is read is left out.
+    fn read() -> Option<Self> {
+        let tasks = std::fs::read_dir("/proc/self/task").ok()?;
+        let texts = tasks.filter_map(|e| {
+            let e = e.ok()?;
+            let tid = e.file_name().to_str()?.parse().ok()?;
+            Some((tid, std::fs::read_to_string(e.path().join("schedstat")).ok()?))
+        });
+        Some(Self::parse(texts))
+    }
+
+    /// From `(tid, schedstat text)` pairs; unparsable texts are left out.
+    fn parse(texts: impl IntoIterator<Item = (u64, String)>) -> Self {
+        let cpu_ns = texts.into_iter().filter_map(|(tid, t)| Some((tid, t.split_whitespace().next()?.parse().ok()?))).collect();
+        Self { cpu_ns }
+    }
+
+    /// CPU nanoseconds spent from `earlier` to `self`: each thread's growth, a thread born
+    /// between the two counted from 0. A thread that ended between them is missed (the
+    /// engine's writer and WAL threads live as long as the engine; a scoped encode thread of a
+    /// flush on `flush_threads` would be missed).
+    fn since(&self, earlier: &Self) -> u64 {
+        self.cpu_ns.iter().map(|(tid, &ns)| ns.saturating_sub(earlier.cpu_ns.get(tid).copied().unwrap_or(0))).sum()
     }
 }
 
@@ -759,11 +809,19 @@ fn measure(args: &BenchArgs, batches: &[RecordBatch], dir: &Path) -> Result<(Ben
     let used0 = engine.memory_report().used;
     let a0 = allocation_count();
     let clock = ThreadClock::read();
+    let process = ProcessClock::read();
     let t = Instant::now();
     for b in batches {
         table.insert(b)?;
     }
-    r.insert_rows_per_s = rate(rows, t.elapsed().as_secs_f64());
+    let wall = t.elapsed().as_secs_f64();
+    r.insert_rows_per_s = rate(rows, wall);
+    if let (Some(p0), Some(p1)) = (process, ProcessClock::read()) {
+        let cpu_ns = p1.since(&p0) as f64;
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get) as f64;
+        r.insert_process_cpu_ns_per_row = Some(cpu_ns / rows as f64);
+        r.insert_cores_busy = Some(cpu_ns / 1e9 / (wall * cores));
+    }
     if let (Some(c0), Some(c1)) = (clock, ThreadClock::read()) {
         r.insert_cpu_rows_per_s = Some(rate(rows, (c1.cpu_ns - c0.cpu_ns) as f64 / 1e9));
         r.insert_faults_per_row = Some((c1.minor_faults - c0.minor_faults) as f64 / rows as f64);
@@ -816,11 +874,15 @@ fn measure(args: &BenchArgs, batches: &[RecordBatch], dir: &Path) -> Result<(Ben
     let al0 = allocated();
     let a0 = allocation_count();
     let clock = ThreadClock::read();
+    let process = ProcessClock::read();
     let t = Instant::now();
     for b in batches {
         table.insert(b)?;
     }
     r.insert_alone_rows_per_s = rate(rows, t.elapsed().as_secs_f64());
+    if let (Some(p0), Some(p1)) = (process, ProcessClock::read()) {
+        r.insert_alone_process_cpu_ns_per_row = Some(p1.since(&p0) as f64 / rows as f64);
+    }
     if let (Some(c0), Some(c1)) = (clock, ThreadClock::read()) {
         r.insert_alone_cpu_rows_per_s = Some(rate(rows, (c1.cpu_ns - c0.cpu_ns) as f64 / 1e9));
     }
@@ -994,6 +1056,18 @@ fn print_table(r: &BenchResult, groups: &[Q1Group]) {
             r.insert_faults_per_row.unwrap_or(f64::NAN)
         );
     }
+    if let (Some(ns), Some(busy), Some(alone)) = (r.insert_process_cpu_ns_per_row, r.insert_cores_busy, r.insert_alone_process_cpu_ns_per_row) {
+        // The machine's ceiling for phase 1: at most `cores` CPU-seconds a second, so a rate of
+        // 10× the peer's needs at most cores / (10 × peer rate) of CPU a row, on all threads.
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get) as f64;
+        println!(
+            "{:<26} {:>15.0} ns/row  (alone {alone:.0}; cores busy {:.0}% of the insert's wall time; 10x the peer's insert on {cores} cores needs <= {:.0} ns/row)",
+            "insert CPU, all threads",
+            ns,
+            busy * 100.0,
+            cores * 1e9 / (10.0 * d.insert)
+        );
+    }
     println!("{:<26} {:>18.3} s {:>14.2} s {:>9.2}x", "durable (flush)", r.durable_s, d.durable_s, d.durable_s / r.durable_s);
     println!("{:<26} {:>17.1} ms {:>13.1} ms {:>9.2}x{}", "Q1", r.q1_ms, d.q1_ms, d.q1_ms / r.q1_ms, range("q1_ms", 1.0));
     println!("{:<26} {:>17.1} ms   (gritdb on {} threads, scan_partitions; not the peer comparison)", "Q1, partitioned", r.q1_parallel_ms, r.q1_threads);
@@ -1143,6 +1217,42 @@ mod tests {
             }
             assert!(c1.cpu_ns > c0.cpu_ns, "{c0:?} -> {c1:?} ({acc})");
             assert!(c1.minor_faults >= c0.minor_faults, "{c0:?} -> {c1:?}");
+        }
+    }
+
+    /// Each thread's growth is summed, a thread born between two reads counts from 0, one that
+    /// went away is left out, and unparsable texts are skipped; on Linux a spawned thread's
+    /// work shows in the sum.
+    #[test]
+    fn process_clock_sums_every_threads_growth() {
+        let t = |pairs: &[(u64, &str)]| ProcessClock::parse(pairs.iter().map(|&(tid, s)| (tid, s.to_owned())));
+        let before = t(&[(1, "1000 5 5\n"), (2, "500 1 1\n"), (3, "70 1 1\n"), (4, "garbage")]);
+        assert_eq!(before.cpu_ns.len(), 3);
+        let after = t(&[(1, "1600 5 5\n"), (2, "500 1 1\n"), (5, "40 1 1\n")]);
+        assert_eq!(after.since(&before), 600 + 40);
+        if let Some(p0) = ProcessClock::read() {
+            let (worked, wait) = (std::sync::mpsc::channel(), std::sync::mpsc::channel::<()>());
+            let (worked_tx, release_rx) = (worked.0, wait.1);
+            let spun = std::thread::spawn(move || {
+                let c0 = ThreadClock::read().map_or(0, |c| c.cpu_ns);
+                let began = std::time::Instant::now();
+                let mut acc = 0u64;
+                let mut spent = 0;
+                // Work until the kernel's clock of this thread moves (at most 10 s).
+                while spent == 0 && began.elapsed() < std::time::Duration::from_secs(10) {
+                    acc = (0..100_000u64).fold(acc, |a, x| std::hint::black_box(a.wrapping_mul(31).wrapping_add(x)));
+                    spent = ThreadClock::read().map_or(0, |c| c.cpu_ns) - c0;
+                }
+                worked_tx.send(spent).unwrap();
+                release_rx.recv().unwrap(); // stay alive until read
+                acc
+            });
+            let spent = worked.1.recv().unwrap();
+            let p1 = ProcessClock::read().unwrap();
+            wait.0.send(()).unwrap();
+            spun.join().unwrap();
+            assert!(spent > 0);
+            assert!(p1.since(&p0) >= spent, "{} < {spent}", p1.since(&p0));
         }
     }
 

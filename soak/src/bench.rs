@@ -294,6 +294,12 @@ pub struct BenchResult {
     /// thread, the flush's included) can make it faster; `None` off Linux.
     #[serde(default)]
     pub insert_cores_busy: Option<f64>,
+    /// [`Self::insert_process_cpu_ns_per_row`] by thread name (the foreground thread has the
+    /// program's name, `gritdb-soak`; `gritdb-wal` are the WAL record threads, `gritdb-writer`
+    /// the background flush); not
+    /// aggregated over runs (each run prints its own), so the first run's.
+    #[serde(default)]
+    pub insert_cpu_ns_per_row_by_thread: std::collections::BTreeMap<String, f64>,
     /// As [`Self::insert_process_cpu_ns_per_row`], for phase 2's insert (no flush beside).
     #[serde(default)]
     pub insert_alone_process_cpu_ns_per_row: Option<f64>,
@@ -379,11 +385,13 @@ impl ThreadClock {
 }
 
 /// CPU time of every thread of this process, by thread id (Linux `/proc/self/task/<tid>/schedstat`,
-/// first field, nanoseconds). The process-wide `utime`/`stime` of `/proc/self/stat` count in
-/// clock ticks (10 ms), too coarse for a ~200 ms phase.
+/// first field, nanoseconds), with each thread's name (`comm`). The process-wide
+/// `utime`/`stime` of `/proc/self/stat` count in clock ticks (10 ms), too coarse for a ~200 ms
+/// phase.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct ProcessClock {
-    cpu_ns: std::collections::BTreeMap<u64, u64>,
+    /// tid -> (name, CPU nanoseconds).
+    threads: std::collections::BTreeMap<u64, (String, u64)>,
 }
 
 impl ProcessClock {
@@ -394,23 +402,35 @@ impl ProcessClock {
         let texts = tasks.filter_map(|e| {
             let e = e.ok()?;
             let tid = e.file_name().to_str()?.parse().ok()?;
-            Some((tid, std::fs::read_to_string(e.path().join("schedstat")).ok()?))
+            let name = std::fs::read_to_string(e.path().join("comm")).unwrap_or_default();
+            Some((tid, name, std::fs::read_to_string(e.path().join("schedstat")).ok()?))
         });
         Some(Self::parse(texts))
     }
 
-    /// From `(tid, schedstat text)` pairs; unparsable texts are left out.
-    fn parse(texts: impl IntoIterator<Item = (u64, String)>) -> Self {
-        let cpu_ns = texts.into_iter().filter_map(|(tid, t)| Some((tid, t.split_whitespace().next()?.parse().ok()?))).collect();
-        Self { cpu_ns }
+    /// From `(tid, comm text, schedstat text)` triples; unparsable schedstat texts are left out.
+    fn parse(texts: impl IntoIterator<Item = (u64, String, String)>) -> Self {
+        let threads =
+            texts.into_iter().filter_map(|(tid, name, t)| Some((tid, (name.trim_end().to_owned(), t.split_whitespace().next()?.parse().ok()?)))).collect();
+        Self { threads }
     }
 
-    /// CPU nanoseconds spent from `earlier` to `self`: each thread's growth, a thread born
-    /// between the two counted from 0. A thread that ended between them is missed (the
-    /// engine's writer and WAL threads live as long as the engine; a scoped encode thread of a
-    /// flush on `flush_threads` would be missed).
+    /// CPU nanoseconds spent from `earlier` to `self`, summed by thread name: each thread's
+    /// growth, a thread born between the two counted from 0. A thread that ended between them
+    /// is missed (the engine's writer and WAL threads live as long as the engine; a scoped
+    /// encode thread of a flush on `flush_threads` would be missed).
+    fn by_name_since(&self, earlier: &Self) -> std::collections::BTreeMap<String, u64> {
+        let mut out = std::collections::BTreeMap::new();
+        for (tid, (name, ns)) in &self.threads {
+            let before = earlier.threads.get(tid).map_or(0, |&(_, ns)| ns);
+            *out.entry(name.clone()).or_insert(0) += ns.saturating_sub(before);
+        }
+        out
+    }
+
+    /// [`Self::by_name_since`], all threads together.
     fn since(&self, earlier: &Self) -> u64 {
-        self.cpu_ns.iter().map(|(tid, &ns)| ns.saturating_sub(earlier.cpu_ns.get(tid).copied().unwrap_or(0))).sum()
+        self.by_name_since(earlier).values().sum()
     }
 }
 
@@ -678,6 +698,11 @@ fn run(args: &BenchArgs, dir: &Path, temporary: bool) -> Result<(BenchResult, Ve
             r.rss_above_base_bytes as f64 / f64::from(1u32 << 20),
             r.vmhwm_bytes as f64 / f64::from(1u32 << 20)
         );
+        if !r.insert_cpu_ns_per_row_by_thread.is_empty() {
+            let threads: Vec<String> =
+                r.insert_cpu_ns_per_row_by_thread.iter().filter(|&(_, &ns)| ns >= 0.5).map(|(name, ns)| format!("{name} {ns:.0}")).collect();
+            eprintln!("bench: run {i}/{}: insert CPU ns/row by thread: {}", args.runs, threads.join(", "));
+        }
         ok &= run_ok;
         groups = g;
         results.push(r);
@@ -820,6 +845,7 @@ fn measure(args: &BenchArgs, batches: &[RecordBatch], dir: &Path) -> Result<(Ben
         let cpu_ns = p1.since(&p0) as f64;
         let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get) as f64;
         r.insert_process_cpu_ns_per_row = Some(cpu_ns / rows as f64);
+        r.insert_cpu_ns_per_row_by_thread = p1.by_name_since(&p0).into_iter().map(|(name, ns)| (name, ns as f64 / rows as f64)).collect();
         r.insert_cores_busy = Some(cpu_ns / 1e9 / (wall * cores));
     }
     if let (Some(c0), Some(c1)) = (clock, ThreadClock::read()) {
@@ -1220,16 +1246,20 @@ mod tests {
         }
     }
 
-    /// Each thread's growth is summed, a thread born between two reads counts from 0, one that
+    /// Each thread's growth is summed by name, a thread born between two reads counts from 0, one that
     /// went away is left out, and unparsable texts are skipped; on Linux a spawned thread's
     /// work shows in the sum.
     #[test]
     fn process_clock_sums_every_threads_growth() {
-        let t = |pairs: &[(u64, &str)]| ProcessClock::parse(pairs.iter().map(|&(tid, s)| (tid, s.to_owned())));
-        let before = t(&[(1, "1000 5 5\n"), (2, "500 1 1\n"), (3, "70 1 1\n"), (4, "garbage")]);
-        assert_eq!(before.cpu_ns.len(), 3);
-        let after = t(&[(1, "1600 5 5\n"), (2, "500 1 1\n"), (5, "40 1 1\n")]);
-        assert_eq!(after.since(&before), 600 + 40);
+        let t = |triples: &[(u64, &str, &str)]| ProcessClock::parse(triples.iter().map(|&(tid, name, s)| (tid, name.to_owned(), s.to_owned())));
+        let before = t(&[(1, "main\n", "1000 5 5\n"), (2, "gritdb-wal\n", "500 1 1\n"), (3, "gritdb-wal\n", "70 1 1\n"), (4, "x", "garbage")]);
+        assert_eq!(before.threads.len(), 3);
+        let after = t(&[(1, "main\n", "1600 5 5\n"), (2, "gritdb-wal\n", "530 1 1\n"), (5, "gritdb-wal\n", "40 1 1\n"), (6, "gritdb-writer", "9 1 1")]);
+        let by_name = after.by_name_since(&before);
+        assert_eq!(by_name.get("main"), Some(&600));
+        assert_eq!(by_name.get("gritdb-wal"), Some(&(30 + 40)), "thread 3 went away, thread 5 was born");
+        assert_eq!(by_name.get("gritdb-writer"), Some(&9));
+        assert_eq!(after.since(&before), 600 + 70 + 9);
         if let Some(p0) = ProcessClock::read() {
             let (worked, wait) = (std::sync::mpsc::channel(), std::sync::mpsc::channel::<()>());
             let (worked_tx, release_rx) = (worked.0, wait.1);

@@ -104,6 +104,77 @@ pub fn data_file_properties(row_group_rows: usize) -> parquet::file::properties:
         .set_max_row_group_row_count(Some(row_group_rows.max(1)))
 }
 
+/// Heap bytes a Parquet writer keeps for each column chunk it has written until the file is
+/// closed (the chunk's `ColumnChunkMetaData` and its column-index and offset-index entries),
+/// besides the chunk statistics' min and max bytes, which [`FooterTally`] adds: 924–1,050
+/// bytes a chunk measured with jemalloc's `allocated` (parquet 59, 10,000 one-row row groups
+/// of 3 and of 16 `Int64`/`Utf8` columns, 8- and 200-byte strings; a temporary program),
+/// rounded up.
+pub const WRITTEN_CHUNK_BYTES: usize = 1024;
+
+/// The bytes a Parquet writer holds for the row groups it has already written: their metadata
+/// and page indexes stay in the writer until the file is closed, so a file of many small row
+/// groups grows them without bound (2.8 KB a row group of three columns; an export of
+/// 20,000 one-row row groups held 57 MB that no reservation counted). Each row group is
+/// counted once, [`WRITTEN_CHUNK_BYTES`] per column chunk plus its statistics' min and max.
+#[derive(Debug, Clone)]
+pub struct FooterTally {
+    groups: usize,
+    bytes: usize,
+    /// Leaf columns of the file's Parquet schema (column chunks a row group has).
+    leaves: usize,
+}
+
+impl FooterTally {
+    /// For a writer of `schema` (its Parquet leaf columns, as `ArrowWriter` converts it;
+    /// the top-level fields when it cannot be converted).
+    pub fn new(schema: &arrow_schema::Schema) -> Self {
+        let leaves = parquet::arrow::ArrowSchemaConverter::new().convert(schema).map_or(schema.fields().len(), |d| d.num_columns());
+        Self { groups: 0, bytes: 0, leaves }
+    }
+
+    /// Counts the row groups of `flushed` (a writer's `flushed_row_groups()`, which only
+    /// grows) that are not counted yet, and returns the total in bytes.
+    pub fn update(&mut self, flushed: &[parquet::file::metadata::RowGroupMetaData]) -> usize {
+        for group in flushed.get(self.groups..).unwrap_or_default() {
+            for chunk in group.columns() {
+                let stats = chunk.statistics().map_or(0, |s| s.min_bytes_opt().map_or(0, <[u8]>::len) + s.max_bytes_opt().map_or(0, <[u8]>::len));
+                self.bytes = self.bytes.saturating_add(WRITTEN_CHUNK_BYTES + stats);
+            }
+        }
+        self.groups = self.groups.max(flushed.len());
+        self.bytes
+    }
+
+    /// The total counted so far, in bytes.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// What one more row group adds at least (its statistics not known yet): a column chunk
+    /// per leaf column, [`WRITTEN_CHUNK_BYTES`] each. A writer budgets it before a step that
+    /// fills a row group's rows (and so closes it).
+    pub fn next_group_bytes(&self) -> usize {
+        self.leaves.saturating_mul(WRITTEN_CHUNK_BYTES)
+    }
+}
+
+/// Writes `batch` into `w` one row group's worth of rows at a time (at most `max_rows`, the
+/// writer's `max_row_group_row_count`, less the rows its open row group holds). parquet 59's
+/// `ArrowWriter::write` calls itself once for every row group a batch crosses, so a batch of
+/// many row groups' rows (8,192 rows into one-row row groups) overflowed the stack and
+/// aborted the process (an export did). [`write_batches`] already cuts its steps at row-group
+/// ends; this keeps the one-thread writer safe whatever it is given.
+fn write_within_row_groups<W: std::io::Write + Send>(w: &mut ArrowWriter<W>, batch: &RecordBatch, max_rows: usize) -> Result<(), ParquetError> {
+    let mut at = 0;
+    while at < batch.num_rows() {
+        let len = max_rows.saturating_sub(w.in_progress_rows()).max(1).min(batch.num_rows() - at);
+        w.write(&batch.slice(at, len))?;
+        at += len;
+    }
+    Ok(())
+}
+
 /// Default thread count of a data-file write ([`WriteOptions::encode_threads`]) and of a
 /// flush's rows → Arrow conversion: min(2, `std::thread::available_parallelism`), 1 when
 /// that is unknown.
@@ -245,9 +316,9 @@ pub fn write_data_file_from(
             write_batches(&mut w, batches, opts, &mut buffers, &tmp).map_err(|e| e.into_storage(&pq))?;
             w.finish().map_err(pq)?
         } else {
-            let mut w = writer;
+            let mut w = SingleWriter { w: writer, max_rows: opts.row_group_rows.max(1), schema: Arc::clone(schema) };
             write_batches(&mut w, batches, opts, &mut buffers, &tmp).map_err(|e| e.into_storage(&pq))?;
-            w.into_inner().map_err(pq)?
+            w.w.into_inner().map_err(pq)?
         };
         drop(buffers);
         let crc32 = file.crc.finalize();
@@ -286,17 +357,40 @@ trait BatchSink {
     fn memory_size(&self) -> usize;
     /// Closes the open row group and writes it to the file (no-op when it is empty).
     fn flush(&mut self) -> Result<(), ParquetError>;
+    /// The row groups written so far (their metadata, held until the file is closed).
+    fn flushed_row_groups(&self) -> &[parquet::file::metadata::RowGroupMetaData];
+    /// Rows in the open row group.
+    fn in_progress_rows(&self) -> usize;
+    /// The Arrow schema written.
+    fn schema(&self) -> &arrow_schema::Schema;
 }
 
-impl BatchSink for ArrowWriter<Recording> {
+/// `ArrowWriter` on one thread, with the row-group row cap it was built with (the writer does
+/// not say it).
+struct SingleWriter {
+    w: ArrowWriter<Recording>,
+    max_rows: usize,
+    schema: arrow_schema::SchemaRef,
+}
+
+impl BatchSink for SingleWriter {
     fn write(&mut self, batch: &RecordBatch) -> Result<(), ParquetError> {
-        ArrowWriter::write(self, batch)
+        write_within_row_groups(&mut self.w, batch, self.max_rows)
     }
     fn memory_size(&self) -> usize {
-        ArrowWriter::memory_size(self)
+        self.w.memory_size()
     }
     fn flush(&mut self) -> Result<(), ParquetError> {
-        ArrowWriter::flush(self)
+        self.w.flush()
+    }
+    fn flushed_row_groups(&self) -> &[parquet::file::metadata::RowGroupMetaData] {
+        self.w.flushed_row_groups()
+    }
+    fn in_progress_rows(&self) -> usize {
+        self.w.in_progress_rows()
+    }
+    fn schema(&self) -> &arrow_schema::Schema {
+        &self.schema
     }
 }
 
@@ -341,6 +435,13 @@ fn write_batches(
     buffers: &mut Reservation,
     tmp: &Path,
 ) -> Result<(), WriteError> {
+    // The row groups already written stay in the writer (metadata, page indexes) until the
+    // file is closed: `buffers` holds them beside the open row group's encoders.
+    fn held(w: &impl BatchSink, written: &FooterTally) -> usize {
+        w.memory_size().saturating_add(written.bytes())
+    }
+    let mut written = FooterTally::new(w.schema());
+    let max_rows = opts.row_group_rows.max(1);
     for batch in batches {
         let batch = batch?;
         let (step, per_row) = step_rows(&batch, opts);
@@ -348,7 +449,9 @@ fn write_batches(
         while at < batch.num_rows() {
             // Between encoded batches (and so between row groups) a drop stops the write.
             opts.cancel.check().map_err(io(tmp))?;
-            let mut len = step.min(batch.num_rows() - at);
+            // A step never crosses a row group's end, so each step closes at most one row
+            // group (whose metadata it budgets ahead).
+            let mut len = step.min(batch.num_rows() - at).min(max_rows.saturating_sub(w.in_progress_rows()).max(1));
             // The step's buffers are budgeted before they are made (its Arrow bytes, about
             // what encoding it adds). When the budget refuses, the open row group is closed
             // first (its pages go to the file), then the step is halved until it fits, down
@@ -356,9 +459,16 @@ fn write_batches(
             // steps rather than the flush failing. A refusal of the smallest step with no row
             // group open is the error (smaller row groups still would grow the file's
             // metadata, which the writer holds to the end, without bound).
-            if buffers.try_resize(w.memory_size().saturating_add(len.saturating_mul(per_row))).is_err() {
+            // A step that fills the row group closes it (and the writer keeps its metadata);
+            // a row group closed by bytes below frees far more than its metadata takes.
+            let ahead = |w: &dyn BatchSink, len: usize, written: &FooterTally| {
+                let closes = w.in_progress_rows() + len >= max_rows;
+                len.saturating_mul(per_row).saturating_add(if closes { written.next_group_bytes() } else { 0 })
+            };
+            if buffers.try_resize(held(w, &written).saturating_add(ahead(&*w, len, &written))).is_err() {
                 w.flush().map_err(WriteError::Parquet)?;
-                while let Err(e) = buffers.try_resize(w.memory_size().saturating_add(len.saturating_mul(per_row))) {
+                written.update(w.flushed_row_groups());
+                while let Err(e) = buffers.try_resize(held(w, &written).saturating_add(ahead(&*w, len, &written))) {
                     if len == 1 || len.saturating_mul(per_row) <= MIN_STEP_BYTES {
                         return Err(e.into());
                     }
@@ -366,12 +476,14 @@ fn write_batches(
                 }
             }
             w.write(&batch.slice(at, len)).map_err(WriteError::Parquet)?;
+            written.update(w.flushed_row_groups());
             at += len;
             // Cut by the writer's whole buffered size (encoders and dictionaries included),
             // so its memory is bounded by about `row_group_bytes` + one step.
-            if w.memory_size() >= opts.row_group_bytes || buffers.try_resize(w.memory_size()).is_err() {
+            if w.memory_size() >= opts.row_group_bytes || buffers.try_resize(held(w, &written)).is_err() {
                 w.flush().map_err(WriteError::Parquet)?;
-                buffers.try_resize(w.memory_size())?;
+                written.update(w.flushed_row_groups());
+                buffers.try_resize(held(w, &written))?;
             }
         }
     }
@@ -536,6 +648,15 @@ impl BatchSink for ParallelWriter {
             return Ok(());
         }
         self.close_row_group()
+    }
+    fn flushed_row_groups(&self) -> &[parquet::file::metadata::RowGroupMetaData] {
+        self.file.flushed_row_groups()
+    }
+    fn in_progress_rows(&self) -> usize {
+        self.buffered_rows
+    }
+    fn schema(&self) -> &arrow_schema::Schema {
+        &self.schema
     }
 }
 

@@ -200,10 +200,11 @@ fn cancel_and_stream_errors_stop_the_parallel_writer() {
 #[test]
 fn refused_buffer_growth_cuts_row_groups_early() {
     let input = batches();
-    // Room for about 128 KiB of writer buffers: far less than the file's one-group size.
+    // Room for about 256 KiB of writer buffers: far less than the file's one-group size, and
+    // room for the smaller row groups' metadata (~6 KiB each) besides.
     let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(4 << 20), chunk_size: 64 << 10, ..ControllerConfig::default() }).unwrap();
     let mut held = Reservation::new(&ctl, Category::Metadata, None);
-    held.try_resize((4 << 20) - (128 << 10)).unwrap();
+    held.try_resize((4 << 20) - (256 << 10)).unwrap();
     let want = arrow_select::concat::concat_batches(&schema(), &input).unwrap();
     for threads in [1, 2] {
         let dir = tempfile::tempdir().unwrap();
@@ -215,7 +216,7 @@ fn refused_buffer_growth_cuts_row_groups_early() {
         let got = arrow_select::concat::concat_batches(&schema(), &read_all(&dir.path().join("f.parquet"))).unwrap();
         assert_eq!(got, want, "{threads} threads");
         assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0);
-        assert!(ctl.category_peak(Category::WriteBuffers) <= 128 << 10, "{}", ctl.category_peak(Category::WriteBuffers));
+        assert!(ctl.category_peak(Category::WriteBuffers) <= 256 << 10, "{}", ctl.category_peak(Category::WriteBuffers));
     }
     // No room at all: a typed memory error, nothing left behind.
     held.try_resize((4 << 20) - 1024).unwrap();
@@ -726,4 +727,84 @@ fn a_dictionary_page_header_gives_its_uncompressed_size() {
     assert_eq!(dictionary_page_uncompressed(&[], 100), None);
     // A negative uncompressed size (zigzag 1 = -1).
     assert_eq!(dictionary_page_uncompressed(&[0x15, 0x04, 0x15, 0x01, 0x15, 0x02], 100), None);
+}
+
+/// Leaf columns of [`schema`]: `k`, `s`, `d`, `st.a`, `st.b`, `l.item`.
+const LEAVES: usize = 6;
+
+/// One-row row groups from 8,192-row steps. `ArrowWriter::write` calls itself once for every
+/// row group a batch crosses, so a step of 8,192 rows into one-row row groups overflowed the
+/// stack (and aborted the process); the steps now end at row-group ends, which this checks on
+/// a 512 KiB stack. The row groups written stay in the writer until the file is closed and are
+/// counted under `write_buffers` meanwhile: the peak holds 8,192 row groups' chunks.
+#[test]
+fn one_row_row_groups_are_written_without_recursion_and_their_metadata_counted() {
+    let input = vec![batch(0, 8_192)];
+    let want = arrow_select::concat::concat_batches(&schema(), &input).unwrap();
+    for threads in [1, 2] {
+        let ctl = ctl();
+        let dir = tempfile::tempdir().unwrap();
+        let o = WriteOptions { write_batch_rows: 8_192, row_group_rows: 1, ..opts(threads) };
+        std::thread::scope(|s| {
+            let write = || write_data_file(&StdFs, dir.path(), "f.parquet", &input, &o, &ctl, None);
+            std::thread::Builder::new().stack_size(512 << 10).spawn_scoped(s, write).unwrap().join().unwrap()
+        })
+        .unwrap();
+        let path = dir.path().join("f.parquet");
+        assert_eq!(row_groups(&path), vec![1; 8_192], "{threads} threads");
+        assert_eq!(arrow_select::concat::concat_batches(&schema(), &read_all(&path)).unwrap(), want, "{threads} threads");
+        assert!(ctl.category_peak(Category::WriteBuffers) >= 8_192 * LEAVES * WRITTEN_CHUNK_BYTES, "{}", ctl.category_peak(Category::WriteBuffers));
+        assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0, "{threads} threads: released with the writer");
+    }
+}
+
+/// When the written row groups' metadata no longer fits, the write fails with a memory error
+/// (it grew outside the limit before) and leaves no file; with room for it the same write
+/// succeeds.
+#[test]
+fn row_group_metadata_beyond_the_limit_fails_the_write_typed() {
+    let input = vec![batch(0, 4_000)];
+    // About 1 MiB of room: 4,000 one-row row groups need at least 4,000 × 6 KiB.
+    let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(4 << 20), chunk_size: 64 << 10, ..ControllerConfig::default() }).unwrap();
+    let mut held = Reservation::new(&ctl, Category::Metadata, None);
+    held.try_resize(3 << 20).unwrap();
+    for threads in [1, 2] {
+        let dir = tempfile::tempdir().unwrap();
+        let o = WriteOptions { write_batch_rows: 8_192, row_group_rows: 1, ..opts(threads) };
+        let err = write_data_file(&StdFs, dir.path(), "f.parquet", &input, &o, &ctl, None).unwrap_err();
+        assert!(matches!(err, StorageError::Memory(_)), "{threads} threads: {err}");
+        assert!(listing(dir.path()).is_empty(), "{threads} threads: {:?}", listing(dir.path()));
+        assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0);
+        assert!(ctl.category_peak(Category::WriteBuffers) <= 1 << 20);
+        let o = WriteOptions { row_group_rows: 500, ..o };
+        write_data_file(&StdFs, dir.path(), "g.parquet", &input, &o, &ctl, None).unwrap();
+        assert_eq!(row_groups(&dir.path().join("g.parquet")), vec![500; 8], "{threads} threads");
+        assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0);
+    }
+}
+
+/// A tally counts each written row group once, however often it is updated, at
+/// [`WRITTEN_CHUNK_BYTES`] a column chunk plus the chunk's statistics; the next row group is
+/// estimated at a chunk per leaf column.
+#[test]
+fn footer_tally_counts_each_row_group_once() {
+    let mut w = ArrowWriter::try_new(Vec::new(), schema(), Some(data_file_properties(1_000).build())).unwrap();
+    let mut tally = FooterTally::new(&schema());
+    assert_eq!(tally.next_group_bytes(), LEAVES * WRITTEN_CHUNK_BYTES);
+    assert_eq!(tally.update(w.flushed_row_groups()), 0);
+    w.write(&batch(0, 2_500)).unwrap();
+    w.flush().unwrap();
+    let groups = w.flushed_row_groups();
+    assert_eq!(groups.len(), 3);
+    let stats: usize = groups
+        .iter()
+        .flat_map(parquet::file::metadata::RowGroupMetaData::columns)
+        .map(|c| c.statistics().map_or(0, |s| s.min_bytes_opt().map_or(0, <[u8]>::len) + s.max_bytes_opt().map_or(0, <[u8]>::len)))
+        .sum();
+    assert!(stats > 0);
+    let want = 3 * LEAVES * WRITTEN_CHUNK_BYTES + stats;
+    assert_eq!(tally.update(groups), want);
+    assert_eq!(tally.update(groups), want, "counted once");
+    assert_eq!(tally.update(&groups[..1]), want, "a shorter slice adds nothing");
+    assert_eq!(tally.bytes(), want);
 }

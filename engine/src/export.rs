@@ -16,8 +16,10 @@
 //!
 //! Memory: one scanned batch at a time (at most `batch_rows` rows), counted under
 //! `scan_buffers` by the scan as every batch it hands out, and dropped once written; the
-//! Parquet writer's buffers are reserved under `write_buffers` for the table as they grow and
-//! released when the file is closed. Both categories are back where they were when the
+//! Parquet writer's buffers, and the metadata it keeps of every row group written until the
+//! file is closed ([`gritdb_storage::FooterTally`]), are reserved under `write_buffers` for the
+//! table as they grow and released when the file is closed. The writer is fed at most one
+//! row group's rows at a time. Both categories are back where they were when the
 //! export returns.
 //!
 //! Atomicity: the file appears under its name complete or not at all. On any error the temp
@@ -68,7 +70,9 @@ impl ExportOptions {
 
     /// Close a row group once the Parquet writer buffers this many bytes
     /// (`ArrowWriter::memory_size`: encoded pages, encoders, dictionaries). Bounds the export's
-    /// writer memory to about this plus one batch. Default 32 MiB; at least 1 KiB. Under a
+    /// writer memory to about this plus one batch, plus the metadata of the row groups already
+    /// written (about [`crate::WRITTEN_CHUNK_BYTES`] a column chunk, kept until the file is
+    /// closed and counted under `write_buffers` too). Default 32 MiB; at least 1 KiB. Under a
     /// small memory limit the cut is at most a quarter of the write soft limit (the limit
     /// less the flush headroom, docs/memory.md), and a row group is also closed earlier when
     /// the limit refuses the buffers' growth, so the export's scan keeps room for its batches.
@@ -78,7 +82,10 @@ impl ExportOptions {
         self
     }
 
-    /// Upper bound on rows per row group. Default 1,048,576.
+    /// Upper bound on rows per row group. Default 1,048,576; at least 1. Each row group
+    /// costs about [`crate::WRITTEN_CHUNK_BYTES`] a column in the writer until the file is
+    /// closed, counted under the memory limit, so very small row groups of a large table can
+    /// end in [`Error::MemoryLimit`] (in `write_buffers`).
     #[must_use]
     pub fn row_group_rows(mut self, rows: usize) -> Self {
         self.row_group_rows = rows.max(1);
@@ -105,7 +112,10 @@ pub struct ExportStats {
     pub bytes: u64,
     /// Row groups in the file.
     pub row_groups: usize,
-    /// Highest Parquet writer buffer size reached (bytes reserved under `write_buffers`).
+    /// Highest Parquet writer memory reached, in bytes, as reserved under `write_buffers`: the
+    /// open row group's buffers plus what the writer keeps of the row groups already written
+    /// until the file is closed ([`crate::WRITTEN_CHUNK_BYTES`] a column chunk plus its
+    /// statistics).
     pub peak_buffer_bytes: usize,
 }
 
@@ -272,30 +282,49 @@ impl Table {
         let mut buffers = Reservation::new(&self.inner.shared.ctl, Category::WriteBuffers, Some(&self.inner.account));
         let mut rows = 0u64;
         let mut peak = 0usize;
+        // The row groups written so far stay in the writer until it is closed (their metadata
+        // and page indexes): reserved beside its open row group, so many small row groups are
+        // counted and end in `MemoryLimit` rather than growing outside the limit.
+        let schema = self.schema();
+        let mut written = gritdb_storage::FooterTally::new(&schema);
+        let held = |w: &ArrowWriter<Sink>, written: &gritdb_storage::FooterTally| w.memory_size().saturating_add(written.bytes());
         // The row-group cut, at most a quarter of the write soft limit: the writer's buffers
         // must leave the scan room for its next batches under a small limit.
         let cut = options.row_group_bytes.min((self.inner.shared.write_soft_limit() / 4).max(64 << 10));
         for batch in scan {
             let batch = batch?;
-            // The batch's encoding is budgeted before it is made (its Arrow bytes, about what
-            // it adds); when refused, the open row group is closed first, as the flush does
-            // (storage/src/write.rs).
-            let ahead = gritdb_storage::batch_bytes(&batch);
-            if buffers.try_resize(writer.memory_size() + ahead).is_err() {
-                writer.flush().map_err(pq)?;
-                buffers.try_resize(writer.memory_size() + ahead).map_err(Error::from)?;
+            let per_row = gritdb_storage::batch_bytes(&batch).div_ceil(batch.num_rows().max(1));
+            let mut at = 0;
+            while at < batch.num_rows() {
+                // A row group at a time (`ArrowWriter::write` calls itself once for every row
+                // group a batch crosses), so each step closes at most one row group.
+                let len = options.row_group_rows.saturating_sub(writer.in_progress_rows()).max(1).min(batch.num_rows() - at);
+                // The step's encoding is budgeted before it is made (its Arrow bytes, about
+                // what it adds, and the metadata of the row group it closes when it fills
+                // one); when refused, the open row group is closed first, as the flush does
+                // (storage/src/write.rs).
+                let closes = writer.in_progress_rows() + len >= options.row_group_rows;
+                let ahead = len.saturating_mul(per_row).saturating_add(if closes { written.next_group_bytes() } else { 0 });
+                if buffers.try_resize(held(&writer, &written).saturating_add(ahead)).is_err() {
+                    writer.flush().map_err(pq)?;
+                    written.update(writer.flushed_row_groups());
+                    buffers.try_resize(held(&writer, &written).saturating_add(ahead)).map_err(Error::from)?;
+                }
+                writer.write(&batch.slice(at, len)).map_err(pq)?;
+                written.update(writer.flushed_row_groups());
+                at += len;
+                peak = peak.max(held(&writer, &written));
+                // Cut by the writer's whole buffered size (encoders and dictionaries included),
+                // as the engine's flush does, and early when the budget refuses the buffers'
+                // growth: a smaller row group rather than a failed export.
+                if writer.memory_size() >= cut || buffers.try_resize(held(&writer, &written)).is_err() {
+                    writer.flush().map_err(pq)?;
+                    written.update(writer.flushed_row_groups());
+                    buffers.try_resize(held(&writer, &written)).map_err(Error::from)?;
+                    peak = peak.max(held(&writer, &written));
+                }
             }
-            writer.write(&batch).map_err(pq)?;
             rows += batch.num_rows() as u64;
-            drop(batch);
-            peak = peak.max(writer.memory_size());
-            // Cut by the writer's whole buffered size (encoders and dictionaries included), as
-            // the engine's flush does, and early when the budget refuses the buffers' growth:
-            // a smaller row group rather than a failed export.
-            if writer.memory_size() >= cut || buffers.try_resize(writer.memory_size()).is_err() {
-                writer.flush().map_err(pq)?;
-                buffers.try_resize(writer.memory_size()).map_err(Error::from)?;
-            }
         }
         writer.flush().map_err(pq)?;
         let row_groups = writer.flushed_row_groups().len();

@@ -40,6 +40,9 @@ pub use export::{ExportError, ExportOptions, ExportStats};
 /// so a caller can match on their typed fields (e.g. `UnifyError::NullKey { column, row }`).
 pub use gritdb_memctl::MemoryError;
 pub use gritdb_storage::StorageError;
+/// What a flush or an export counts, under `write_buffers`, for each column chunk a Parquet
+/// writer has written and keeps in its footer until the file is closed (docs/memory.md).
+pub use gritdb_storage::WRITTEN_CHUNK_BYTES;
 pub use gritdb_storage::{CompareOp, FilterError, MAX_FILTER_DEPTH, ScanFilter, ScanMetrics, WalSync};
 /// The Parquet writer settings of gritdb's data files and exports, for a caller that writes
 /// files to compare with or load into gritdb's (the bench's raw-writer baseline does).

@@ -519,3 +519,91 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
     }
     out
 }
+
+/// A table of two `Int64` columns (`k` the key, `v = k * 3`) holding keys `0..rows`, flushed.
+fn two_column_table(engine: &Engine, rows: i64) -> Table {
+    use arrow::array::Int64Array;
+    use arrow::datatypes::{DataType, Field, Schema};
+    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", DataType::Int64, false)]));
+    let t = engine.create_table("pairs", Arc::clone(&schema), &["k"]).unwrap();
+    let batch =
+        RecordBatch::try_new(schema, vec![Arc::new(Int64Array::from_iter_values(0..rows)), Arc::new(Int64Array::from_iter_values((0..rows).map(|k| k * 3)))])
+            .unwrap();
+    t.insert(&batch).unwrap();
+    t.flush().unwrap();
+    t
+}
+
+/// Row count, sum of `v` and row groups of an exported two-column file.
+fn pairs_in_file(path: &Path) -> (usize, i64, usize) {
+    use arrow::array::AsArray;
+    let builder = ParquetRecordBatchReaderBuilder::try_new(std::fs::File::open(path).unwrap()).unwrap();
+    let groups = builder.metadata().num_row_groups();
+    let (mut rows, mut sum) = (0, 0);
+    for b in builder.build().unwrap() {
+        let b = b.unwrap();
+        rows += b.num_rows();
+        sum += b.column(1).as_primitive::<arrow::datatypes::Int64Type>().values().iter().sum::<i64>();
+    }
+    (rows, sum, groups)
+}
+
+/// Row groups much smaller than the scan's batches. `ArrowWriter::write` calls itself once for
+/// every row group a batch crosses, so one batch of 20,000 rows into one-row row groups
+/// overflowed the stack and aborted the process; the export now feeds the writer a row
+/// group at a time (on a 1 MiB stack here, which 20,000 such frames would overflow). The
+/// row groups it has written stay in the writer until the file is closed, and are counted
+/// under `write_buffers`: the peak holds them, and they are released with the writer.
+#[test]
+fn export_of_row_groups_far_smaller_than_a_batch_is_exact_and_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(256 << 20)).unwrap();
+    let rows = 20_000i64;
+    let t = two_column_table(&engine, rows);
+    let before = engine.memory().category_bytes(Category::WriteBuffers);
+    let path = out.path().join("ones.parquet");
+    let options = ExportOptions::default().row_group_rows(1).batch_rows(20_000);
+    let stats = std::thread::scope(|s| {
+        std::thread::Builder::new().stack_size(1 << 20).spawn_scoped(s, || t.export_parquet_with(&path, &options)).unwrap().join().unwrap()
+    })
+    .unwrap();
+    assert_eq!((stats.rows, stats.row_groups), (20_000, 20_000));
+    assert_eq!(pairs_in_file(&path), (20_000, 3 * (rows * (rows - 1) / 2), 20_000));
+    // Two column chunks a row group, each counted at least `WRITTEN_CHUNK_BYTES`.
+    assert!(stats.peak_buffer_bytes >= 20_000 * 2 * gritdb::WRITTEN_CHUNK_BYTES, "{stats:?}");
+    assert_eq!(engine.memory().category_bytes(Category::WriteBuffers), before, "writer buffers released");
+    // Row groups of 7 rows from batches of 1,000: every cut lands inside a batch.
+    let path = out.path().join("sevens.parquet");
+    let stats = t.export_parquet_with(&path, &ExportOptions::default().row_group_rows(7).batch_rows(1_000)).unwrap();
+    assert_eq!(stats.row_groups, 20_000usize.div_ceil(7));
+    assert_eq!(pairs_in_file(&path), (20_000, 3 * (rows * (rows - 1) / 2), 20_000usize.div_ceil(7)));
+    engine.close().unwrap();
+}
+
+/// The written row groups' metadata counts against the limit: 20,000 one-row row groups need
+/// about 40 MB, more than an 8 MiB engine has, so the export fails with a typed
+/// `MemoryLimit` in `write_buffers` (it grew outside the limit before, 57 MB of RSS at a 4 MiB
+/// limit), leaves no file, and gives its memory back; with larger row groups it succeeds.
+#[test]
+fn an_export_of_more_row_groups_than_the_limit_holds_fails_typed() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(8 << 20)).unwrap();
+    let rows = 20_000i64;
+    let t = two_column_table(&engine, rows);
+    let path = out.path().join("ones.parquet");
+    let err = t.export_parquet_with(&path, &ExportOptions::default().row_group_rows(1)).unwrap_err();
+    match &err {
+        ExportError::Engine(gritdb::Error::MemoryLimit { category, .. }) => assert_eq!(*category, Category::WriteBuffers, "{err}"),
+        other => panic!("expected MemoryLimit in write_buffers, got {other:?}"),
+    }
+    assert!(entries(out.path()).is_empty(), "no file of the failed export: {:?}", entries(out.path()));
+    // The export's memory is given back: the writer's buffers and its scan's batches.
+    assert_eq!(engine.memory().category_bytes(Category::WriteBuffers), 0);
+    assert_eq!(engine.memory().category_bytes(Category::ScanBuffers), 0);
+    let stats = t.export_parquet_with(&path, &ExportOptions::default().row_group_rows(1_000)).unwrap();
+    assert_eq!(stats.row_groups, 20);
+    assert_eq!(pairs_in_file(&path), (20_000, 3 * (rows * (rows - 1) / 2), 20));
+    engine.close().unwrap();
+}

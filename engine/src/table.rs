@@ -942,9 +942,17 @@ impl Table {
     /// The snapshot is the same for all: writes after this call are in none of them.
     ///
     /// # Errors
-    /// As [`Self::scan`].
+    /// As [`Self::scan`]; [`Error::Config`] when `partitions` is above
+    /// [`crate::MAX_THREADS`] (each partition is meant for a thread of its own), checked
+    /// before the snapshot is taken.
     #[allow(clippy::needless_pass_by_value)] // builder value, consumed by convention
     pub fn scan_partitions(&self, options: ScanOptions, partitions: usize) -> Result<Vec<Scan>> {
+        if partitions > crate::MAX_THREADS {
+            return Err(Error::Config(format!(
+                "scan_partitions: {partitions} partitions is more than MAX_THREADS ({}); each partition is read by a thread of its own",
+                crate::MAX_THREADS
+            )));
+        }
         Ok(self.scan_snapshot(&options)?.into_partitions(partitions))
     }
 

@@ -82,6 +82,13 @@ fn partitions_on_threads_return_the_single_scans_rows_once() {
     }
     // Partition 0 of 0 is taken as 1: the whole table.
     assert_eq!(t.scan_partitions(ScanOptions::default(), 0).unwrap().len(), 1);
+    // More partitions than threads any setting may ask for: a typed error, nothing held
+    // (`usize::MAX` was a capacity-overflow panic).
+    assert_eq!(t.scan_partitions(ScanOptions::default(), gritdb::MAX_THREADS).unwrap().len(), gritdb::MAX_THREADS);
+    for n in [gritdb::MAX_THREADS + 1, 1_000_000, usize::MAX] {
+        assert!(matches!(t.scan_partitions(ScanOptions::default(), n), Err(gritdb::Error::Config(_))), "{n} partitions");
+    }
+    assert_eq!(scan_bytes(), 0);
     // Partitions of a dropped table.
     let scans = t.scan_partitions(ScanOptions::default(), 3).unwrap();
     drop(scans);

@@ -48,8 +48,8 @@ pub enum Command {
 /// Options of `crash`.
 #[derive(Debug, Clone, Args)]
 pub struct CrashArgs {
-    /// How many times to kill the child.
-    #[arg(long, default_value_t = 100)]
+    /// How many times to kill the child (at least 1).
+    #[arg(long, default_value_t = 100, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub kills: usize,
     /// Seed of the workload and of the kill moments.
     #[arg(long, default_value_t = 1)]
@@ -359,6 +359,12 @@ mod tests {
         assert!(Cli::try_parse_from(["gritdb-soak", "--memory-limit", "0"]).is_err());
         assert!(Cli::try_parse_from(["gritdb-soak", "--memory-limit", "lots"]).is_err());
         assert!(Cli::try_parse_from(["gritdb-soak", "--rounds", "0"]).is_err());
+        // A crash run of no kills would print PASS having checked nothing.
+        assert!(Cli::try_parse_from(["gritdb-soak", "crash", "--kills", "0"]).is_err());
+        match Cli::try_parse_from(["gritdb-soak", "crash", "--kills", "2"]).expect("crash").command {
+            Some(Command::Crash(c)) => assert_eq!(c.kills, 2),
+            other => panic!("{other:?}"),
+        }
         assert!(Cli::try_parse_from(["gritdb-soak", "--scale", "-1"]).is_err());
         let cli = Cli::try_parse_from(["gritdb-soak", "report", "/tmp/x"]).expect("report");
         assert!(matches!(cli.command, Some(Command::Report { .. })));

@@ -244,13 +244,17 @@ pub fn setup(engine: &Engine) -> gritdb::Result<()> {
 /// The child side: opens `dir`, skips the first `start` operations of `seed`'s sequence
 /// (already applied), then executes operations forever, printing `ACK n` after each.
 ///
-/// # Panics
-/// On any engine error (the parent sees the child exit and fails).
+/// On any engine error it prints the error on stderr and exits with status 2 (the parent
+/// sees the child end without being killed and fails).
 pub fn child_main(dir: &Path, seed: u64, start: usize) -> ! {
+    fn fail(what: &str, e: &dyn std::fmt::Display) -> ! {
+        eprintln!("crash-child: {what}: {e}");
+        std::process::exit(2)
+    }
     // The parent reads only `ACK n` lines; keep the engine's own logging off stdout.
-    let engine = Engine::open(dir, crash_config()).expect("child: open");
+    let engine = Engine::open(dir, crash_config()).unwrap_or_else(|e| fail(&format!("open {}", dir.display()), &e));
     if start == 0 {
-        setup(&engine).expect("child: setup");
+        setup(&engine).unwrap_or_else(|e| fail("setup", &e));
     }
     let mut w = Workload::new(seed);
     for n in 0..start {
@@ -259,7 +263,7 @@ pub fn child_main(dir: &Path, seed: u64, start: usize) -> ! {
     let out = std::io::stdout();
     for n in start.. {
         let op = w.next_op(n);
-        execute(&engine, &op).unwrap_or_else(|e| panic!("child: op {n} {op:?} failed: {e}"));
+        execute(&engine, &op).unwrap_or_else(|e| fail(&format!("op {n} {op:?}"), &e));
         let mut o = out.lock();
         let _ = writeln!(o, "ACK {n}");
         let _ = o.flush();
@@ -432,7 +436,10 @@ pub fn run_parent(dir: &Path, seed: u64, kills: usize, child: impl Fn(usize) -> 
 pub fn run_cli(args: &crate::cli::CrashArgs) -> anyhow::Result<bool> {
     let tmp;
     let dir = if let Some(d) = &args.dir {
-        if d.exists() && std::fs::read_dir(d)?.next().is_some() {
+        if d.exists() && !d.is_dir() {
+            anyhow::bail!("crash: --dir {} is not a directory; give an empty or new directory", d.display());
+        }
+        if d.exists() && anyhow::Context::with_context(std::fs::read_dir(d), || format!("crash: --dir {}", d.display()))?.next().is_some() {
             anyhow::bail!("crash: {} is not empty; give an empty or new directory", d.display());
         }
         d.clone()
@@ -459,4 +466,24 @@ pub fn run_cli(args: &crate::cli::CrashArgs) -> anyhow::Result<bool> {
         let _ = std::fs::remove_dir_all(&dir);
     }
     Ok(report.clean())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `--dir` that is a file or a non-empty directory is refused before any child starts,
+    /// with the path in the message.
+    #[test]
+    fn a_bad_dir_is_refused_naming_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join("a-file");
+        std::fs::write(&file, b"x").unwrap();
+        let args = |dir: &Path| crate::cli::CrashArgs { kills: 1, seed: 1, dir: Some(dir.to_path_buf()) };
+        let err = run_cli(&args(&file)).unwrap_err().to_string();
+        assert!(err.contains("not a directory") && err.contains("a-file"), "{err}");
+        let err = run_cli(&args(tmp.path())).unwrap_err().to_string();
+        assert!(err.contains("is not empty") && err.contains(&tmp.path().display().to_string()), "{err}");
+        assert_eq!(std::fs::read(&file).unwrap(), b"x", "left as it was");
+    }
 }

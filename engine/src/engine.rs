@@ -589,8 +589,8 @@ fn clamp_to_ram(bytes: usize) -> usize {
 /// shadowed in SQL by the system table, or by one added later.
 pub const RESERVED_TABLE_PREFIX: &str = "gritdb_";
 
-/// Checks a table name: 1..=255 bytes, no `/`, `\`, NUL or control characters, not `.`/`..`
-/// and no `..` inside. (Names never become paths — table directories are named by id — but
+/// Checks a table name: 1..=255 bytes, no `/`, `\`, NUL or control characters, not `.`/`..`,
+/// no `..` inside, and no whitespace at either end. (Names never become paths — table directories are named by id — but
 /// these rules keep names portable to tools that do.) Names starting with
 /// [`RESERVED_TABLE_PREFIX`] (ignoring case) are the system tables'.
 fn validate_name(name: &str) -> Result<()> {
@@ -968,7 +968,9 @@ impl Engine {
     /// written with −0.0.
     ///
     /// # Errors
-    /// [`Error::InvalidTableName`], [`Error::TableExists`] (names compare case-insensitively),
+    /// [`Error::InvalidTableName`] (empty, over 255 bytes, a path separator, NUL or a control
+    /// character, `.` or `..` in it, whitespace at either end, or the reserved `gritdb_` prefix),
+    /// [`Error::TableExists`] (names compare case-insensitively),
     /// [`Error::InvalidPrimaryKey`] (empty, unknown or repeated column),
     /// [`Error::Input`] for an unsupported column type, [`Error::Storage`] on I/O failure.
     #[allow(clippy::needless_pass_by_value)] // the API of ARCHITECTURE.md: the table takes the schema

@@ -15,7 +15,8 @@ pub enum Error {
     /// flush) did not free enough within the configured wait.
     #[error(
         "memory limit reached: requested {} for {category}, {} of {} in use; top consumers: {}. \
-         Raise the limit (EngineConfig::memory_limit / Engine::set_memory_limit) or write less at once",
+         Raise the limit (EngineConfig::memory_limit / Engine::set_memory_limit) or ask for less at once \
+         (a smaller write or scan batch; at open, the tables' key indexes must fit)",
         format_bytes(*requested), format_bytes(*used), format_bytes(*limit), top_list(top)
     )]
     MemoryLimit {

@@ -136,7 +136,8 @@ fn limit_error_text_is_pinned() {
         e.to_string(),
         "memory limit reached: requested 64.0 KiB for row_blocks, 31.5 MiB of 32.0 MiB in use; top consumers: \
          category:row_blocks 30.0 MiB, table:orders 29.0 MiB. Raise the limit (EngineConfig::memory_limit / \
-         Engine::set_memory_limit) or write less at once"
+         Engine::set_memory_limit) or ask for less at once (a smaller write or scan batch; at open, the tables' \
+         key indexes must fit)"
     );
 }
 

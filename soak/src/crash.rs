@@ -442,6 +442,9 @@ pub fn run_cli(args: &crate::cli::CrashArgs) -> anyhow::Result<bool> {
         if d.exists() && anyhow::Context::with_context(std::fs::read_dir(d), || format!("crash: --dir {}", d.display()))?.next().is_some() {
             anyhow::bail!("crash: {} is not empty; give an empty or new directory", d.display());
         }
+        // Made here, so a path that cannot be a directory (under a file, a dangling symbolic
+        // link) is this error, not a child that fails to open it.
+        anyhow::Context::with_context(std::fs::create_dir_all(d), || format!("crash: cannot create --dir {}", d.display()))?;
         d.clone()
     } else {
         tmp = std::env::temp_dir().join(format!("gritdb-crash-{}-{}", std::process::id(), args.seed));
@@ -472,8 +475,9 @@ pub fn run_cli(args: &crate::cli::CrashArgs) -> anyhow::Result<bool> {
 mod tests {
     use super::*;
 
-    /// A `--dir` that is a file or a non-empty directory is refused before any child starts,
-    /// with the path in the message.
+    /// A `--dir` that is a file, a non-empty directory, a path under a file or a dangling
+    /// symbolic link is refused before any child starts, with the path in the message (the
+    /// last two reached the parent's reopen and panicked there).
     #[test]
     fn a_bad_dir_is_refused_naming_it() {
         let tmp = tempfile::tempdir().unwrap();
@@ -484,6 +488,15 @@ mod tests {
         assert!(err.contains("not a directory") && err.contains("a-file"), "{err}");
         let err = run_cli(&args(tmp.path())).unwrap_err().to_string();
         assert!(err.contains("is not empty") && err.contains(&tmp.path().display().to_string()), "{err}");
+        let err = run_cli(&args(&file.join("sub"))).unwrap_err().to_string();
+        assert!(err.contains("cannot create") && err.contains("a-file"), "{err}");
+        #[cfg(unix)]
+        {
+            let dangling = tmp.path().join("dangling");
+            std::os::unix::fs::symlink(tmp.path().join("nowhere/at/all"), &dangling).unwrap();
+            let err = run_cli(&args(&dangling)).unwrap_err().to_string();
+            assert!(err.contains("cannot create") && err.contains("dangling"), "{err}");
+        }
         assert_eq!(std::fs::read(&file).unwrap(), b"x", "left as it was");
     }
 }

@@ -69,8 +69,9 @@ impl ExportOptions {
     }
 
     /// Close a row group once the Parquet writer buffers this many bytes
-    /// (`ArrowWriter::memory_size`: encoded pages, encoders, dictionaries). Bounds the export's
-    /// writer memory to about this plus one batch, plus the metadata of the row groups already
+    /// (`ArrowWriter::memory_size`: encoded pages, encoders, dictionaries), checked after each
+    /// step of at most a quarter of it (at least one row). Bounds the export's
+    /// writer memory to about this plus one step, plus the metadata of the row groups already
     /// written (about [`crate::WRITTEN_CHUNK_BYTES`] a column chunk, kept until the file is
     /// closed and counted under `write_buffers` too). Default 32 MiB; at least 1 KiB. Under a
     /// small memory limit the cut is at most a quarter of the write soft limit (the limit
@@ -112,10 +113,11 @@ pub struct ExportStats {
     pub bytes: u64,
     /// Row groups in the file.
     pub row_groups: usize,
-    /// Highest Parquet writer memory reached, in bytes, as reserved under `write_buffers`: the
-    /// open row group's buffers plus what the writer keeps of the row groups already written
-    /// until the file is closed ([`crate::WRITTEN_CHUNK_BYTES`] a column chunk plus its
-    /// statistics).
+    /// Highest reservation of the Parquet writer under `write_buffers`, in bytes: the open row
+    /// group's buffers plus what the writer keeps of the row groups already written until the
+    /// file is closed ([`crate::WRITTEN_CHUNK_BYTES`] a column chunk plus its statistics), and
+    /// the next step's estimate reserved before it is encoded. Never above the category's
+    /// high-water mark in `memory_report()`.
     pub peak_buffer_bytes: usize,
 }
 
@@ -294,11 +296,14 @@ impl Table {
         for batch in scan {
             let batch = batch?;
             let per_row = gritdb_storage::batch_bytes(&batch).div_ceil(batch.num_rows().max(1));
+            // Steps of at most a quarter of the cut, as the flush's (`step_rows`), so the cut is
+            // checked before a whole batch is encoded past it.
+            let step = (cut / 4 / per_row).max(1);
             let mut at = 0;
             while at < batch.num_rows() {
                 // A row group at a time (`ArrowWriter::write` calls itself once for every row
                 // group a batch crosses), so each step closes at most one row group.
-                let len = options.row_group_rows.saturating_sub(writer.in_progress_rows()).max(1).min(batch.num_rows() - at);
+                let len = options.row_group_rows.saturating_sub(writer.in_progress_rows()).max(1).min(batch.num_rows() - at).min(step);
                 // The step's encoding is budgeted before it is made (its Arrow bytes, about
                 // what it adds, and the metadata of the row group it closes when it fills
                 // one); when refused, the open row group is closed first, as the flush does
@@ -310,10 +315,10 @@ impl Table {
                     written.update(writer.flushed_row_groups());
                     buffers.try_resize(held(&writer, &written).saturating_add(ahead)).map_err(Error::from)?;
                 }
+                peak = peak.max(buffers.size());
                 writer.write(&batch.slice(at, len)).map_err(pq)?;
                 written.update(writer.flushed_row_groups());
                 at += len;
-                peak = peak.max(held(&writer, &written));
                 // Cut by the writer's whole buffered size (encoders and dictionaries included),
                 // as the engine's flush does, and early when the budget refuses the buffers'
                 // growth: a smaller row group rather than a failed export.
@@ -321,8 +326,9 @@ impl Table {
                     writer.flush().map_err(pq)?;
                     written.update(writer.flushed_row_groups());
                     buffers.try_resize(held(&writer, &written)).map_err(Error::from)?;
-                    peak = peak.max(held(&writer, &written));
                 }
+                // What was reserved: a size the budget refused is never the peak.
+                peak = peak.max(buffers.size());
             }
             rows += batch.num_rows() as u64;
         }

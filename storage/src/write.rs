@@ -316,7 +316,7 @@ pub fn write_data_file_from(
             write_batches(&mut w, batches, opts, &mut buffers, &tmp).map_err(|e| e.into_storage(&pq))?;
             w.finish().map_err(pq)?
         } else {
-            let mut w = SingleWriter { w: writer, max_rows: opts.row_group_rows.max(1), schema: Arc::clone(schema) };
+            let mut w = SingleWriter { w: writer, max_rows: opts.row_group_rows.max(1) };
             write_batches(&mut w, batches, opts, &mut buffers, &tmp).map_err(|e| e.into_storage(&pq))?;
             w.w.into_inner().map_err(pq)?
         };
@@ -357,12 +357,8 @@ trait BatchSink {
     fn memory_size(&self) -> usize;
     /// Closes the open row group and writes it to the file (no-op when it is empty).
     fn flush(&mut self) -> Result<(), ParquetError>;
-    /// The row groups written so far (their metadata, held until the file is closed).
-    fn flushed_row_groups(&self) -> &[parquet::file::metadata::RowGroupMetaData];
     /// Rows in the open row group.
     fn in_progress_rows(&self) -> usize;
-    /// The Arrow schema written.
-    fn schema(&self) -> &arrow_schema::Schema;
 }
 
 /// `ArrowWriter` on one thread, with the row-group row cap it was built with (the writer does
@@ -370,7 +366,6 @@ trait BatchSink {
 struct SingleWriter {
     w: ArrowWriter<Recording>,
     max_rows: usize,
-    schema: arrow_schema::SchemaRef,
 }
 
 impl BatchSink for SingleWriter {
@@ -383,14 +378,8 @@ impl BatchSink for SingleWriter {
     fn flush(&mut self) -> Result<(), ParquetError> {
         self.w.flush()
     }
-    fn flushed_row_groups(&self) -> &[parquet::file::metadata::RowGroupMetaData] {
-        self.w.flushed_row_groups()
-    }
     fn in_progress_rows(&self) -> usize {
         self.w.in_progress_rows()
-    }
-    fn schema(&self) -> &arrow_schema::Schema {
-        &self.schema
     }
 }
 
@@ -435,15 +424,8 @@ fn write_batches(
     buffers: &mut Reservation,
     tmp: &Path,
 ) -> Result<(), WriteError> {
-    // The row groups already written stay in the writer (metadata, page indexes) until the
-    // file is closed. Not counted here (an export counts them, `engine/src/export.rs`): with
-    // them a flush of an 80-column table at a 6 MiB limit held the room its writes needed
-    // (`breaker_flush5::every_type_under_small_limits` failed a write one run in three), and a
-    // flush's row groups are cut at `row_group_bytes` (32 MiB) unless the limit is tight.
-    fn held(w: &impl BatchSink, _written: &FooterTally) -> usize {
-        w.memory_size()
-    }
-    let mut written = FooterTally::new(w.schema());
+    // What the writer keeps of the row groups already written (metadata, page indexes) is not
+    // counted here, unlike an export (`engine/src/export.rs`): docs/memory.md, "Not accounted".
     let max_rows = opts.row_group_rows.max(1);
     for batch in batches {
         let batch = batch?;
@@ -452,8 +434,8 @@ fn write_batches(
         while at < batch.num_rows() {
             // Between encoded batches (and so between row groups) a drop stops the write.
             opts.cancel.check().map_err(io(tmp))?;
-            // A step never crosses a row group's end, so each step closes at most one row
-            // group (whose metadata it budgets ahead).
+            // A step never crosses a row group's end (`ArrowWriter::write` calls itself once
+            // for every row group a batch crosses).
             let mut len = step.min(batch.num_rows() - at).min(max_rows.saturating_sub(w.in_progress_rows()).max(1));
             // The step's buffers are budgeted before they are made (its Arrow bytes, about
             // what encoding it adds). When the budget refuses, the open row group is closed
@@ -464,11 +446,9 @@ fn write_batches(
             // metadata, which the writer holds to the end, without bound).
             // A step that fills the row group closes it (and the writer keeps its metadata);
             // a row group closed by bytes below frees far more than its metadata takes.
-            let ahead = |_w: &dyn BatchSink, len: usize, _written: &FooterTally| len.saturating_mul(per_row);
-            if buffers.try_resize(held(w, &written).saturating_add(ahead(&*w, len, &written))).is_err() {
+            if buffers.try_resize(w.memory_size().saturating_add(len.saturating_mul(per_row))).is_err() {
                 w.flush().map_err(WriteError::Parquet)?;
-                written.update(w.flushed_row_groups());
-                while let Err(e) = buffers.try_resize(held(w, &written).saturating_add(ahead(&*w, len, &written))) {
+                while let Err(e) = buffers.try_resize(w.memory_size().saturating_add(len.saturating_mul(per_row))) {
                     if len == 1 || len.saturating_mul(per_row) <= MIN_STEP_BYTES {
                         return Err(e.into());
                     }
@@ -476,14 +456,12 @@ fn write_batches(
                 }
             }
             w.write(&batch.slice(at, len)).map_err(WriteError::Parquet)?;
-            written.update(w.flushed_row_groups());
             at += len;
             // Cut by the writer's whole buffered size (encoders and dictionaries included),
             // so its memory is bounded by about `row_group_bytes` + one step.
-            if w.memory_size() >= opts.row_group_bytes || buffers.try_resize(held(w, &written)).is_err() {
+            if w.memory_size() >= opts.row_group_bytes || buffers.try_resize(w.memory_size()).is_err() {
                 w.flush().map_err(WriteError::Parquet)?;
-                written.update(w.flushed_row_groups());
-                buffers.try_resize(held(w, &written))?;
+                buffers.try_resize(w.memory_size())?;
             }
         }
     }
@@ -649,14 +627,8 @@ impl BatchSink for ParallelWriter {
         }
         self.close_row_group()
     }
-    fn flushed_row_groups(&self) -> &[parquet::file::metadata::RowGroupMetaData] {
-        self.file.flushed_row_groups()
-    }
     fn in_progress_rows(&self) -> usize {
         self.buffered_rows
-    }
-    fn schema(&self) -> &arrow_schema::Schema {
-        &self.schema
     }
 }
 

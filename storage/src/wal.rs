@@ -344,9 +344,9 @@ impl Wal {
     /// [`StorageError::Io`] for a record above 4 GiB.
     pub fn encode_record(&self, op: WalOp, batch: &RecordBatch) -> Result<EncodedRecord, StorageError> {
         let mut res = Reservation::new(&self.ctl, Category::WriteBuffers, None);
-        // The compact copy of view and decimal columns lives until the IPC encoding is done.
-        res.try_grow(compact_bytes(batch))?;
-        let compact = compact_for_log(batch)?;
+        // The compact copy of view and decimal columns lives until the IPC encoding is done;
+        // it is reserved column by column before each part is allocated.
+        let compact = compact_for_log(batch, &mut res)?;
         let batch = compact.as_ref().unwrap_or(batch);
         // A slice's own rows, not its parent's buffers (the IPC writer writes only the slice).
         let estimate = HEADER + PAYLOAD_HEADER + crate::batch_bytes(batch) + 1024;
@@ -569,25 +569,6 @@ impl Wal {
     }
 }
 
-fn view_bytes(c: &dyn arrow_array::Array) -> Option<usize> {
-    match c.data_type() {
-        arrow_schema::DataType::Utf8View => c.as_any().downcast_ref::<arrow_array::StringViewArray>().map(arrow_array::GenericByteViewArray::total_bytes_len),
-        arrow_schema::DataType::BinaryView => c.as_any().downcast_ref::<arrow_array::BinaryViewArray>().map(arrow_array::GenericByteViewArray::total_bytes_len),
-        _ => None,
-    }
-}
-
-/// Bytes [`compact_for_log`] allocates for `batch`: per view column its value bytes (plus 16
-/// of slack), `i32` offsets and a validity bitmap; per narrowed decimal column 8 bytes a value
-/// and a validity bitmap.
-fn compact_bytes(batch: &RecordBatch) -> usize {
-    let n = batch.num_rows();
-    let bitmap = n.div_ceil(8) + 128;
-    let views: usize = batch.columns().iter().filter_map(|c| view_bytes(c.as_ref())).map(|b| b + 16 + 4 * (n + 1) + bitmap).sum();
-    let decimals = batch.schema().fields().iter().filter(|f| narrowable(f.data_type())).count();
-    views + decimals * (8 * n + bitmap)
-}
-
 /// A `Decimal128` of precision ≤ 18 ([`arrow_schema::DECIMAL64_MAX_PRECISION`]): every value
 /// of such a column fits an `i64` (|v| ≤ 10^18 − 1 < 2^63), so it is logged as `Decimal64`.
 fn narrowable(t: &arrow_schema::DataType) -> bool {
@@ -606,9 +587,17 @@ fn narrowable(t: &arrow_schema::DataType) -> bool {
 /// `dd oflag=dsync` here: 1.4 MB writes 743 MB/s, 0.7 MB writes 873 MB/s). Replay casts back
 /// to the table's types ([`WalRecord::batch_as`]).
 ///
+/// Every part is reserved in `res` before it is allocated: per view column its `i32` offsets
+/// (4 bytes a value, plus one) and a validity bitmap, then its value bytes (plus 16 of slack)
+/// once the offsets have summed them; per narrowed decimal column 8 bytes a value and a
+/// validity bitmap. (The value bytes used to be summed in a pass of their own before any
+/// allocation, `total_bytes_len`: 61% of this function's own CPU in `gritdb-soak bench`,
+/// docs/performance.md, twenty-seventh pass.)
+///
 /// # Errors
-/// [`StorageError::Arrow`] when a view points outside its array's data buffers.
-fn compact_for_log(batch: &RecordBatch) -> Result<Option<RecordBatch>, StorageError> {
+/// [`StorageError::Memory`] when a part cannot be reserved; [`StorageError::Arrow`] when a
+/// view points outside its array's data buffers.
+fn compact_for_log(batch: &RecordBatch, res: &mut Reservation) -> Result<Option<RecordBatch>, StorageError> {
     use arrow_array::cast::AsArray as _;
     use arrow_schema::{DataType, Field, Schema};
     let schema = batch.schema();
@@ -619,11 +608,22 @@ fn compact_for_log(batch: &RecordBatch) -> Result<Option<RecordBatch>, StorageEr
     let mut fields = Vec::with_capacity(schema.fields().len());
     let mut cols: Vec<arrow_array::ArrayRef> = Vec::with_capacity(schema.fields().len());
     let mut changed = false;
+    let n = batch.num_rows();
+    let bitmap = n.div_ceil(8) + 128;
     for (f, c) in schema.fields().iter().zip(batch.columns()) {
         let logged: Option<arrow_array::ArrayRef> = match f.data_type() {
-            DataType::Utf8View => views_to_binary(c.as_string_view())?.map(|b| Arc::new(b) as _),
-            DataType::BinaryView => views_to_binary(c.as_binary_view())?.map(|b| Arc::new(b) as _),
-            t if narrowable(t) => narrow_decimal(c.as_primitive())?.map(|d| Arc::new(d) as _),
+            DataType::Utf8View => {
+                res.try_grow(4 * (n + 1) + bitmap)?;
+                views_to_binary(c.as_string_view(), &mut |b| Ok(res.try_grow(b + 16)?))?.map(|b| Arc::new(b) as _)
+            }
+            DataType::BinaryView => {
+                res.try_grow(4 * (n + 1) + bitmap)?;
+                views_to_binary(c.as_binary_view(), &mut |b| Ok(res.try_grow(b + 16)?))?.map(|b| Arc::new(b) as _)
+            }
+            t if narrowable(t) => {
+                res.try_grow(8 * n + bitmap)?;
+                narrow_decimal(c.as_primitive())?.map(|d| Arc::new(d) as _)
+            }
             _ => None,
         };
         if let Some(col) = logged {
@@ -674,11 +674,15 @@ fn narrow_decimal(a: &arrow_array::Decimal128Array) -> Result<Option<arrow_array
 /// pass). No UTF-8 check: a `Utf8View` column's bytes are UTF-8 already, and replay checks
 /// them again ([`WalRecord::batch_as`]).
 ///
+/// `reserve` is called with the value bytes once the offsets have summed them, before the
+/// value buffer (those bytes plus 16) is allocated.
+///
 /// # Errors
 /// [`StorageError::Arrow`] when a view names a data buffer or a range its array does not have
-/// (an array built without validation).
+/// (an array built without validation); whatever `reserve` returns.
 fn views_to_binary<T: arrow_array::types::ByteViewType + ?Sized>(
     a: &arrow_array::GenericByteViewArray<T>,
+    reserve: &mut impl FnMut(usize) -> Result<(), StorageError>,
 ) -> Result<Option<arrow_array::BinaryArray>, StorageError> {
     let views = a.views();
     let nulls = arrow_array::Array::nulls(a).filter(|n| n.null_count() > 0);
@@ -693,6 +697,7 @@ fn views_to_binary<T: arrow_array::types::ByteViewType + ?Sized>(
         let Ok(at) = i32::try_from(end) else { return Ok(None) };
         offsets.push(at);
     }
+    reserve(end)?;
     // 16 bytes of slack: an inline value is copied as all 12 inline bytes and the next value
     // overwrites the rest, so short values cost two fixed-size moves, not a `memcpy` call.
     let mut values = vec![0u8; end + 16];
@@ -1115,7 +1120,7 @@ mod tests {
         let full: StringViewArray = vals.iter().cloned().collect();
         for (start, len) in [(0, 3000), (1, 2998), (1013, 977), (2999, 1), (5, 0)] {
             let a = full.slice(start, len);
-            let got = views_to_binary(&a).unwrap().unwrap();
+            let got = views_to_binary(&a, &mut |_| Ok(())).unwrap().unwrap();
             let want = arrow_cast::cast(&a, &DataType::Binary).unwrap();
             let want = want.as_any().downcast_ref::<BinaryArray>().unwrap();
             assert_eq!(&got, want, "slice {start}+{len}");
@@ -1125,9 +1130,37 @@ mod tests {
         }
         let raw: Vec<Option<Vec<u8>>> = (0..500u32).map(|i| (i % 5 != 0).then(|| (0..i % 40).map(|b| (b as u8) ^ 0xff).collect())).collect();
         let bv: BinaryViewArray = raw.iter().map(|v| v.as_deref()).collect();
-        let got = views_to_binary(&bv).unwrap().unwrap();
+        let got = views_to_binary(&bv, &mut |_| Ok(())).unwrap().unwrap();
         let back: Vec<Option<Vec<u8>>> = got.iter().map(|v| v.map(<[u8]>::to_vec)).collect();
         assert_eq!(back, raw);
+    }
+
+    /// The compact copy is reserved before it is allocated, part by part: a view batch whose
+    /// value bytes (8 MB) exceed a 4 MiB limit, while its offsets (160 KB) fit, is refused
+    /// with `StorageError::Memory`, nothing is logged, and `write_buffers` is back at its
+    /// baseline to the byte; a batch of the same rows with 40-byte values is logged.
+    #[test]
+    fn a_record_whose_compact_copy_exceeds_the_limit_is_refused_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(4 << 20), ..ControllerConfig::default() }).unwrap();
+        let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int32, false), Field::new("s", DataType::Utf8View, false)]));
+        let rows = 40_000;
+        let batch_of = |len: usize| {
+            let s: StringViewArray = (0..rows).map(|i| Some(format!("{i:0len$}"))).collect();
+            RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int32Array::from_iter_values(0..rows)), Arc::new(s)]).unwrap()
+        };
+        let wal = Wal::open(dir.path(), Arc::new(StdFs), WalSync::PerBatch, &ctl, |_| Ok::<(), StorageError>(())).unwrap();
+        let buffers = || ctl.report().categories.iter().find(|c| c.category == Category::WriteBuffers).unwrap().bytes;
+        let before = buffers();
+        let err = wal.append(WalOp::Put, 1, 1, rows as u64, &batch_of(200)).unwrap_err();
+        assert!(matches!(err, StorageError::Memory(_)), "{err}");
+        assert_eq!(buffers(), before, "the offsets' reservation is released with the refused values'");
+        assert_eq!(wal.bytes(), 0, "nothing of the refused record is logged");
+        wal.append(WalOp::Put, 1, 1, rows as u64, &batch_of(40)).unwrap();
+        assert_eq!(buffers(), before);
+        assert!(wal.bytes() > 40 * rows as u64, "{} bytes logged", wal.bytes());
+        drop(wal);
+        assert_eq!(replayed_rows(dir.path(), &ctl), rows as usize);
     }
 
     /// A record whose `Binary` column holds bytes that are not UTF-8 does not replay into a

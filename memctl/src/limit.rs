@@ -14,9 +14,15 @@ pub fn physical_memory_bytes() -> usize {
 }
 
 /// The cgroup memory limit of this process in bytes: the smallest limit set on its cgroup or
-/// on any ancestor of it, cgroup v2 `memory.max` (under `/sys/fs/cgroup`) or v1
-/// `memory.limit_in_bytes` (under `/sys/fs/cgroup/memory`), the mount roots included. `None`
-/// when none is set or none is readable.
+/// on any ancestor of it, cgroup v2 `memory.max` or `memory.high` (under `/sys/fs/cgroup`) or
+/// v1 `memory.limit_in_bytes` (under `/sys/fs/cgroup/memory`), the mount roots included.
+/// `None` when none is set or none is readable.
+///
+/// `memory.high` counts as a limit: above it the kernel throttles the cgroup's allocations
+/// and reclaims hard ("the main mechanism to control memory usage", the kernel's
+/// `Documentation/admin-guide/cgroup-v2.rst`; systemd's `MemoryHigh=`), so an engine that
+/// plans to fill memory up to it would stall its own writes. v1's
+/// `memory.soft_limit_in_bytes` only steers reclaim under global pressure and is not read.
 ///
 /// Ancestors count because a cgroup's limit applies to every cgroup below it: a systemd
 /// service whose own `memory.max` is `max` inside a slice with `MemoryMax=`, or a process that
@@ -41,19 +47,20 @@ fn cgroup_limit_under(mount: &Path, own: &str, read: impl Fn(&Path) -> Option<St
     for line in own.lines() {
         let mut parts = line.splitn(3, ':');
         let (ctrl, path) = (parts.nth(1), parts.next());
-        let (dir, file) = match (ctrl, path) {
-            (Some(""), Some(_)) => (mount.to_path_buf(), "memory.max"),
-            (Some(c), Some(_)) if c.split(',').any(|x| x == "memory") => (mount.join("memory"), "memory.limit_in_bytes"),
+        let (dir, files): (PathBuf, &[&str]) = match (ctrl, path) {
+            (Some(""), Some(_)) => (mount.to_path_buf(), &["memory.max", "memory.high"]),
+            (Some(c), Some(_)) if c.split(',').any(|x| x == "memory") => (mount.join("memory"), &["memory.limit_in_bytes"]),
             _ => continue,
         };
         // The cgroup, then each ancestor up to the mount root ("" at the end).
         let mut rel = Some(Path::new(path.unwrap_or("").trim_start_matches('/')));
         while let Some(r) = rel {
-            candidates.push(dir.join(r).join(file));
+            candidates.extend(files.iter().map(|f| dir.join(r).join(f)));
             rel = r.parent();
         }
     }
     candidates.push(mount.join("memory.max"));
+    candidates.push(mount.join("memory.high"));
     candidates.push(mount.join("memory").join("memory.limit_in_bytes"));
     candidates.iter().filter_map(|p| parse_limit(&read(p)?)).min()
 }
@@ -118,6 +125,21 @@ mod tests {
         assert_eq!(limit("garbage\n::\n", &[("memory.max", "nonsense")]), None);
         // The process at the root: one candidate, the root's file.
         assert_eq!(limit("0::/\n", &[("memory.max", "4096\n")]), Some(4096));
+    }
+
+    /// v2 `memory.high` (systemd's `MemoryHigh=`) is a limit too, wherever it is set and
+    /// whether or not `memory.max` is; the smaller of the two counts.
+    #[test]
+    fn memory_high_counts_as_a_limit() {
+        let v2 = "0::/system.slice/app.service\n";
+        let own_high = [("system.slice/app.service/memory.max", "max\n"), ("system.slice/app.service/memory.high", "805306368\n")];
+        assert_eq!(limit(v2, &own_high), Some(768 << 20));
+        let slice_high = [("system.slice/app.service/memory.max", "1073741824\n"), ("system.slice/memory.high", "536870912\n")];
+        assert_eq!(limit(v2, &slice_high), Some(512 << 20));
+        let high_above_max = [("system.slice/app.service/memory.max", "268435456\n"), ("system.slice/app.service/memory.high", "1073741824\n")];
+        assert_eq!(limit(v2, &high_above_max), Some(256 << 20));
+        assert_eq!(limit(v2, &[("system.slice/app.service/memory.high", "max\n")]), None);
+        assert_eq!(limit("0::/docker/abc\n", &[("memory.high", "4096\n")]), Some(4096));
     }
 
     #[test]

@@ -441,17 +441,32 @@ fn export_enospc_at_every_step_leaves_no_file() {
     engine.close().unwrap();
 }
 
-/// The export streams: row groups are cut by the writer's buffered bytes, the writer's
-/// buffers (`write_buffers`) and the scanned batches (`scan_buffers`) are counted while it
-/// runs and released after, and the file holds the scan's rows.
-#[test]
-fn export_streams_in_row_groups_cut_by_bytes() {
+/// The lineitem table written and flushed in an engine at a 256 MiB limit, with an empty
+/// output directory beside it and the totals a scan of the table reads.
+struct Flushed {
+    dir: tempfile::TempDir,
+    out: tempfile::TempDir,
+    engine: Engine,
+    t: Table,
+    expected: Totals,
+}
+
+fn flushed_lineitem() -> Flushed {
     let dir = tempfile::tempdir().unwrap();
     let out = tempfile::tempdir().unwrap();
     let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(256 << 20)).unwrap();
     let t = lineitem_table(&engine, &lineitem());
     t.flush().unwrap();
     let expected = scan_totals(&t);
+    Flushed { dir, out, engine, t, expected }
+}
+
+/// The export streams: row groups are cut by the writer's buffered bytes, the writer's
+/// buffers (`write_buffers`) and the scanned batches (`scan_buffers`) are counted while it
+/// runs and released after, and the file holds the scan's rows.
+#[test]
+fn export_streams_in_row_groups_cut_by_bytes() {
+    let Flushed { dir: _dir, out, engine, t, expected } = flushed_lineitem();
     let before = engine.memory().category_bytes(Category::WriteBuffers);
     let scan_before = engine.memory().category_bytes(Category::ScanBuffers);
     let cut = 256 << 10;
@@ -490,12 +505,7 @@ fn codecs(path: &Path) -> Vec<gritdb::parquet::basic::Compression> {
 fn data_files_are_lz4_raw_and_exports_snappy() {
     use gritdb::parquet::basic::Compression;
     assert_eq!((gritdb::DATA_FILE_COMPRESSION, gritdb::EXPORT_COMPRESSION), (Compression::LZ4_RAW, Compression::SNAPPY));
-    let dir = tempfile::tempdir().unwrap();
-    let out = tempfile::tempdir().unwrap();
-    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(256 << 20)).unwrap();
-    let t = lineitem_table(&engine, &lineitem());
-    t.flush().unwrap();
-    let expected = scan_totals(&t);
+    let Flushed { dir, out, engine, t, expected } = flushed_lineitem();
     assert_eq!(expected.count, 60_175);
     let files: Vec<PathBuf> = walk(dir.path()).into_iter().filter(|p| p.extension().is_some_and(|e| e == "parquet")).collect();
     assert!(!files.is_empty(), "a flush writes a data file");
@@ -617,12 +627,7 @@ fn an_export_of_more_row_groups_than_the_limit_holds_fails_typed() {
 /// reported peak is a size the budget granted, never above `write_buffers`' high-water mark.
 #[test]
 fn export_steps_keep_the_writer_near_its_byte_cut() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = tempfile::tempdir().unwrap();
-    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(256 << 20)).unwrap();
-    let t = lineitem_table(&engine, &lineitem());
-    t.flush().unwrap();
-    let expected = scan_totals(&t);
+    let Flushed { dir: _dir, out, engine, t, expected } = flushed_lineitem();
     let path = out.path().join("t.parquet");
     let cut = 1 << 20;
     let stats = t.export_parquet_with(&path, &ExportOptions::default().row_group_bytes(cut)).unwrap();

@@ -297,15 +297,21 @@ impl CrashReport {
     }
 }
 
-fn read_db(engine: &Engine, dup: &mut usize) -> DbModel {
+fn read_db(engine: &Engine, dup: &mut usize) -> anyhow::Result<DbModel> {
+    use anyhow::Context as _;
     let mut out = DbModel::new();
     for t in engine.table_names() {
-        let table = engine.table(&t).expect("listed table");
-        let (m, d) = collect_composite_counting(table.scan(ScanOptions::default()).expect("scan"));
+        let table = engine.table(&t).with_context(|| format!("table {t} listed after recovery"))?;
+        let batches = table.scan(ScanOptions::default()).with_context(|| format!("scan of table {t} after recovery"))?;
+        let mut rows: Vec<gritdb::Result<RecordBatch>> = Vec::new();
+        for b in batches {
+            rows.push(Ok(b.with_context(|| format!("scan of table {t} after recovery"))?));
+        }
+        let (m, d) = collect_composite_counting(rows);
         *dup += d;
         out.insert(t, m);
     }
-    out
+    Ok(out)
 }
 
 fn diff(expected: &DbModel, got: &DbModel, report: &mut CrashReport) {
@@ -345,19 +351,52 @@ fn temp_files(dir: &Path) -> usize {
     n
 }
 
+/// `SIGKILL`'s number on Linux (`signal(7)`), what `Child::kill` sends.
+const SIGKILL: i32 = 9;
+
+/// The last bytes of a child's stderr kept for an error message.
+const STDERR_TAIL: usize = 8 << 10;
+
+/// Reads `from` to its end on a thread of its own (so a child that writes much to stderr
+/// never blocks on a full pipe), keeping its last [`STDERR_TAIL`] bytes.
+fn stderr_tail(from: impl std::io::Read + Send + 'static) -> std::thread::JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut r = BufReader::new(from);
+        let mut tail: Vec<u8> = Vec::new();
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = std::io::Read::read(&mut r, &mut buf) {
+            if n == 0 {
+                break;
+            }
+            tail.extend_from_slice(&buf[..n]);
+            if tail.len() > 2 * STDERR_TAIL {
+                tail.drain(..tail.len() - STDERR_TAIL);
+            }
+        }
+        let cut = tail.len().saturating_sub(STDERR_TAIL);
+        String::from_utf8_lossy(&tail[cut..]).trim_end().to_string()
+    })
+}
+
 /// The parent side: runs `kills` children (built by `child`, given the start operation), kills
 /// each with SIGKILL after a random number of acknowledged operations, and checks recovery.
 ///
-/// # Panics
-/// When a child exits on its own or the data directory cannot be opened.
-pub fn run_parent(dir: &Path, seed: u64, kills: usize, child: impl Fn(usize) -> Command) -> CrashReport {
+/// # Errors
+/// When a child cannot be spawned, when a child ends other than by this function's SIGKILL
+/// (an exit of its own, or another signal such as `SIGABRT`: the error gives its status and
+/// the end of its stderr), and when the data directory cannot be reopened or scanned after a
+/// kill (the engine's error, with the kill's number). The kills before it are not reported.
+pub fn run_parent(dir: &Path, seed: u64, kills: usize, child: impl Fn(usize) -> Command) -> anyhow::Result<CrashReport> {
+    use anyhow::Context as _;
+    use std::os::unix::process::ExitStatusExt as _;
     let mut report = CrashReport::default();
     let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
     let mut applied = 0usize; // operations known applied
-    for _ in 0..kills {
+    for kill in 1..=kills {
         let mut cmd = child(applied);
-        let mut proc = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().expect("spawn child");
-        let stdout = proc.stdout.take().expect("child stdout");
+        let mut proc = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().with_context(|| format!("crash: spawn child {kill}: {cmd:?}"))?;
+        let stdout = proc.stdout.take().context("crash: child stdout")?;
+        let stderr = stderr_tail(proc.stderr.take().context("crash: child stderr")?);
         let target = rng.random_range(5..120);
         let mut acked = None;
         let start = Instant::now();
@@ -373,14 +412,17 @@ pub fn run_parent(dir: &Path, seed: u64, kills: usize, child: impl Fn(usize) -> 
             }
         }
         let _ = proc.kill(); // SIGKILL on Unix
-        let status = proc.wait().expect("wait child");
+        let status = proc.wait().with_context(|| format!("crash: wait for child {kill}"))?;
         // The child went on until the kill: its later acknowledgements are still in the pipe.
         for line in lines.map_while(Result::ok) {
             if let Some(n) = parse(&line) {
                 acked = Some(n);
             }
         }
-        assert!(!status.success(), "child exited on its own: {status}");
+        let stderr = stderr.join().unwrap_or_default();
+        if status.signal() != Some(SIGKILL) {
+            anyhow::bail!("crash: child {kill} ended on its own ({status}) instead of being killed; its stderr:\n{stderr}");
+        }
         report.kills += 1;
         let acked_upto = acked.map_or(applied, |n| n + 1);
         report.acknowledged += acked_upto - applied;
@@ -392,9 +434,9 @@ pub fn run_parent(dir: &Path, seed: u64, kills: usize, child: impl Fn(usize) -> 
         let without = w.model.clone();
         w.next_op(acked_upto);
         let with = w.model.clone();
-        let engine = Engine::open(dir, crash_config()).expect("reopen after kill");
+        let engine = Engine::open(dir, crash_config()).with_context(|| format!("crash: reopen {} after kill {kill}", dir.display()))?;
         let mut dup = 0;
-        let got = read_db(&engine, &mut dup);
+        let got = read_db(&engine, &mut dup).with_context(|| format!("crash: after kill {kill}"))?;
         report.duplicate_keys += dup;
         drop(engine);
         report.temp_files += temp_files(dir);
@@ -424,7 +466,7 @@ pub fn run_parent(dir: &Path, seed: u64, kills: usize, child: impl Fn(usize) -> 
             }
         }
     }
-    report
+    Ok(report)
 }
 
 /// `gritdb-soak crash`: runs [`run_parent`] with this binary's hidden `crash-child`
@@ -456,7 +498,7 @@ pub fn run_cli(args: &crate::cli::CrashArgs) -> anyhow::Result<bool> {
         let mut c = Command::new(&exe);
         c.arg("crash-child").arg("--dir").arg(&dir).arg("--seed").arg(args.seed.to_string()).arg("--start").arg(start.to_string());
         c
-    });
+    })?;
     println!("kills                      {}", report.kills);
     println!("acknowledged operations    {}", report.acknowledged);
     println!("rows lost                  {} (must be 0)", report.rows_lost);
@@ -498,5 +540,34 @@ mod tests {
             assert!(err.contains("cannot create") && err.contains("dangling"), "{err}");
         }
         assert_eq!(std::fs::read(&file).unwrap(), b"x", "left as it was");
+    }
+
+    /// A child made of a shell script, run once.
+    fn sh(script: &'static str) -> impl Fn(usize) -> Command {
+        move |_| {
+            let mut c = Command::new("sh");
+            c.arg("-c").arg(script);
+            c
+        }
+    }
+
+    /// A child that ends other than by the parent's SIGKILL (an exit of its own, a crash of
+    /// its own) is an error giving its status and its stderr, not a kill counted; a data
+    /// directory that does not reopen after a kill is an error naming the kill, not a panic.
+    #[test]
+    fn a_child_that_ends_on_its_own_or_a_failed_reopen_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = format!("{:#}", run_parent(dir.path(), 1, 3, sh("echo 'ACK 0'; echo 'crash-child: setup: boom' >&2; exit 2")).unwrap_err());
+        assert!(err.contains("child 1 ended on its own") && err.contains("exit status: 2") && err.contains("crash-child: setup: boom"), "{err}");
+        let err = format!("{:#}", run_parent(dir.path(), 1, 3, sh("kill -ABRT $$")).unwrap_err());
+        assert!(err.contains("child 1 ended on its own") && err.contains("signal: 6"), "{err}");
+        // Killed as planned, but the directory holds a file named like a WAL segment that the
+        // log never names so (`wal-1.log`), which the open refuses.
+        drop(Engine::open(dir.path(), crash_config()).unwrap());
+        std::fs::create_dir_all(dir.path().join("wal")).unwrap();
+        std::fs::write(dir.path().join("wal/wal-1.log"), b"not a segment").unwrap();
+        let err =
+            format!("{:#}", run_parent(dir.path(), 1, 3, sh("i=0; while [ $i -lt 200 ]; do echo \"ACK $i\"; i=$((i+1)); done; exec sleep 60")).unwrap_err());
+        assert!(err.contains("after kill 1") && err.contains("wal-1.log"), "{err}");
     }
 }

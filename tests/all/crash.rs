@@ -30,7 +30,8 @@ fn sigkill_at_random_moments() {
             .env("GRITDB_CRASH_SEED", seed.to_string())
             .env("GRITDB_CRASH_START", start.to_string());
         c
-    });
+    })
+    .unwrap();
     eprintln!("{report:?}");
     assert_eq!(report.kills, kills);
     assert!(report.acknowledged >= kills * 5, "{report:?}");

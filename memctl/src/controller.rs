@@ -564,6 +564,22 @@ impl Reservation {
         }
     }
 
+    /// Grows or shrinks to exactly `bytes`, counting growth as
+    /// [`MemoryController::force_reserve`] does: for memory that already exists and cannot be
+    /// refused (what a Parquet writer keeps of the row groups it has written), so the counters
+    /// stay truthful even past the limit. Returns `true` when the growth fitted under the
+    /// limit (or the reservation shrank).
+    pub fn force_resize(&mut self, bytes: usize) -> bool {
+        if bytes > self.size {
+            let fits = self.ctl.force_reserve(self.category, self.table.as_ref(), bytes - self.size);
+            self.size = bytes;
+            fits
+        } else {
+            self.shrink(self.size - bytes);
+            true
+        }
+    }
+
     /// Releases everything held.
     pub fn free(&mut self) {
         self.shrink(self.size);

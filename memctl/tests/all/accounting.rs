@@ -117,3 +117,19 @@ fn absorb_moves_bytes_without_counting_them_twice() {
     assert_eq!(c.used(), 0);
     assert_categories_sum_to_used(&c);
 }
+
+/// `Reservation::force_resize` counts growth past the limit (memory that already exists), says
+/// whether it fitted, shrinks like `try_resize`, and gives everything back on drop.
+#[test]
+fn force_resize_counts_past_the_limit_and_shrinks_to_zero() {
+    let ctl = ctl(4 * CHUNK);
+    let mut r = Reservation::new(&ctl, Category::WriteBuffers, None);
+    assert!(r.force_resize(2 * CHUNK), "fits under the limit");
+    assert!(!r.force_resize(6 * CHUNK), "past the limit, counted anyway");
+    assert_eq!((r.size(), ctl.used(), ctl.category_bytes(Category::WriteBuffers)), (6 * CHUNK, 6 * CHUNK, 6 * CHUNK));
+    assert!(r.force_resize(CHUNK), "shrinking always fits");
+    assert_eq!(ctl.category_bytes(Category::WriteBuffers), CHUNK);
+    assert_eq!(ctl.category_peak(Category::WriteBuffers), 6 * CHUNK);
+    drop(r);
+    assert_all_zero(&ctl);
+}

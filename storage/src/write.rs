@@ -310,17 +310,19 @@ pub fn write_data_file_from(
         // metadata in both paths, so their files are alike.
         let writer = ArrowWriter::try_new(file, Arc::clone(schema), Some(props)).map_err(pq)?;
         let mut buffers = Reservation::new(ctl, Category::WriteBuffers, table);
+        let mut written = Written { tally: FooterTally::new(schema), held: Reservation::new(ctl, Category::WriteBuffers, table) };
         let file = if opts.encode_threads > 1 && !schema.fields().is_empty() {
             let (fw, factory) = writer.into_serialized_writer().map_err(pq)?;
             let mut w = ParallelWriter::new(fw, factory, schema, opts.encode_threads);
-            write_batches(&mut w, batches, opts, &mut buffers, &tmp).map_err(|e| e.into_storage(&pq))?;
+            write_batches(&mut w, batches, opts, &mut buffers, &mut written, &tmp).map_err(|e| e.into_storage(&pq))?;
             w.finish().map_err(pq)?
         } else {
             let mut w = SingleWriter { w: writer, max_rows: opts.row_group_rows.max(1) };
-            write_batches(&mut w, batches, opts, &mut buffers, &tmp).map_err(|e| e.into_storage(&pq))?;
+            write_batches(&mut w, batches, opts, &mut buffers, &mut written, &tmp).map_err(|e| e.into_storage(&pq))?;
             w.w.into_inner().map_err(pq)?
         };
-        drop(buffers);
+        // The written row groups' metadata is freed with the writer, at the file's close.
+        drop((buffers, written));
         let crc32 = file.crc.finalize();
         let mut file = file.inner;
         cancel.check().map_err(io(&tmp))?;
@@ -359,6 +361,8 @@ trait BatchSink {
     fn flush(&mut self) -> Result<(), ParquetError>;
     /// Rows in the open row group.
     fn in_progress_rows(&self) -> usize;
+    /// The row groups written so far (their metadata, held until the file is closed).
+    fn flushed_row_groups(&self) -> &[parquet::file::metadata::RowGroupMetaData];
 }
 
 /// `ArrowWriter` on one thread, with the row-group row cap it was built with (the writer does
@@ -380,6 +384,9 @@ impl BatchSink for SingleWriter {
     }
     fn in_progress_rows(&self) -> usize {
         self.w.in_progress_rows()
+    }
+    fn flushed_row_groups(&self) -> &[parquet::file::metadata::RowGroupMetaData] {
+        self.w.flushed_row_groups()
     }
 }
 
@@ -415,17 +422,40 @@ impl From<gritdb_memctl::MemoryError> for WriteError {
 /// a row is larger): 64 KiB, one default chunk.
 const MIN_STEP_BYTES: usize = 64 << 10;
 
+/// What a data-file writer keeps of the row groups it has written (their metadata and page
+/// indexes, until the file is closed), and its count under `write_buffers`.
+struct Written {
+    tally: FooterTally,
+    /// [`FooterTally::bytes`], counted with [`Reservation::force_resize`]: the memory exists
+    /// once a row group is closed, so it is counted even past the limit.
+    held: Reservation,
+}
+
+impl Written {
+    /// Whether closing a row group of `buffered` bytes (the writer's `memory_size`) early, on
+    /// a refused budget, is worth the metadata the writer then keeps of it to the file's end:
+    /// it must hold at least twice that metadata.
+    fn worth_closing(&self, buffered: usize) -> bool {
+        buffered >= 2 * self.tally.next_group_bytes()
+    }
+
+    /// Counts the row groups `w` has closed since the last call.
+    fn update(&mut self, w: &(impl BatchSink + ?Sized)) {
+        self.held.force_resize(self.tally.update(w.flushed_row_groups()));
+    }
+}
+
 /// Feeds `batches` to `w` in steps of `write_batch_rows`, keeping `buffers` at the writer's
-/// size and cutting row groups by `row_group_bytes` (the writer's rows limit cuts by rows).
+/// size, `written` at what it keeps of closed row groups, and cutting row groups by
+/// `row_group_bytes` (the writer's rows limit cuts by rows).
 fn write_batches(
     w: &mut impl BatchSink,
     batches: impl Iterator<Item = Result<RecordBatch, StorageError>>,
     opts: &WriteOptions,
     buffers: &mut Reservation,
+    written: &mut Written,
     tmp: &Path,
 ) -> Result<(), WriteError> {
-    // What the writer keeps of the row groups already written (metadata, page indexes) is not
-    // counted here, unlike an export (`engine/src/export.rs`): docs/memory.md, "Not accounted".
     let max_rows = opts.row_group_rows.max(1);
     for batch in batches {
         let batch = batch?;
@@ -438,31 +468,51 @@ fn write_batches(
             // for every row group a batch crosses).
             let mut len = step.min(batch.num_rows() - at).min(max_rows.saturating_sub(w.in_progress_rows()).max(1));
             // The step's buffers are budgeted before they are made (its Arrow bytes, about
-            // what encoding it adds). When the budget refuses, the open row group is closed
-            // first (its pages go to the file), then the step is halved until it fits, down
-            // to [`MIN_STEP_BYTES`]: under a tight limit the file gets smaller row groups and
-            // steps rather than the flush failing. A refusal of the smallest step with no row
-            // group open is the error (smaller row groups still would grow the file's
-            // metadata, which the writer holds to the end, without bound).
-            // A step that fills the row group closes it (and the writer keeps its metadata);
-            // a row group closed by bytes below frees far more than its metadata takes.
-            if buffers.try_resize(w.memory_size().saturating_add(len.saturating_mul(per_row))).is_err() {
-                w.flush().map_err(WriteError::Parquet)?;
-                while let Err(e) = buffers.try_resize(w.memory_size().saturating_add(len.saturating_mul(per_row))) {
-                    if len == 1 || len.saturating_mul(per_row) <= MIN_STEP_BYTES {
-                        return Err(e.into());
-                    }
+            // what encoding it adds). Under a tight limit the budget refuses; then, in order:
+            // - the open row group is closed (its pages go to the file) when it holds at
+            //   least twice what the writer keeps of it afterwards (its metadata, about
+            //   `WRITTEN_CHUNK_BYTES` a column, [`Written::worth_closing`]);
+            // - a step that fits but for the metadata this writer keeps of its written row
+            //   groups is counted past the limit by that much: the memory is the same as when
+            //   that metadata went uncounted, and is all freed when the file closes, while
+            //   shrinking steps for it would close more, smaller row groups, each adding
+            //   metadata (a 64-column table with 1 MiB of room wrote 102 row groups instead
+            //   of 11);
+            // - otherwise the step is halved, down to one row or [`MIN_STEP_BYTES`];
+            // - at the smallest step, the open row group is closed whatever its size;
+            // - the smallest step refused with no row group open is the error.
+            let ahead = |w: &dyn BatchSink, len: usize| w.memory_size().saturating_add(len.saturating_mul(per_row));
+            while let Err(e) = buffers.try_resize(ahead(&*w, len)) {
+                let smallest = len == 1 || len.saturating_mul(per_row) <= MIN_STEP_BYTES;
+                if w.in_progress_rows() > 0 && written.worth_closing(w.memory_size()) {
+                    w.flush().map_err(WriteError::Parquet)?;
+                    written.update(&*w);
+                } else if written.held.size() > 0 && buffers.try_resize(ahead(&*w, len).saturating_sub(written.held.size())).is_ok() {
+                    buffers.force_resize(ahead(&*w, len));
+                    break;
+                } else if !smallest {
                     len /= 2;
+                } else if w.in_progress_rows() > 0 {
+                    w.flush().map_err(WriteError::Parquet)?;
+                    written.update(&*w);
+                } else {
+                    return Err(e.into());
                 }
             }
             w.write(&batch.slice(at, len)).map_err(WriteError::Parquet)?;
+            // A step that fills the row group's rows closes it.
+            written.update(&*w);
             at += len;
             // Cut by the writer's whole buffered size (encoders and dictionaries included),
-            // so its memory is bounded by about `row_group_bytes` + one step.
-            if w.memory_size() >= opts.row_group_bytes || buffers.try_resize(w.memory_size()).is_err() {
+            // so its memory is bounded by about `row_group_bytes` + one step. When encoding
+            // took more than the step budgeted and the limit refuses it, a row group worth
+            // closing is closed; a smaller one stays open and the bytes, which exist, are
+            // counted past the limit (the next step's budget then closes or shrinks).
+            if w.memory_size() >= opts.row_group_bytes || (buffers.try_resize(w.memory_size()).is_err() && written.worth_closing(w.memory_size())) {
                 w.flush().map_err(WriteError::Parquet)?;
-                buffers.try_resize(w.memory_size())?;
+                written.update(&*w);
             }
+            buffers.force_resize(w.memory_size());
         }
     }
     Ok(())
@@ -629,6 +679,9 @@ impl BatchSink for ParallelWriter {
     }
     fn in_progress_rows(&self) -> usize {
         self.buffered_rows
+    }
+    fn flushed_row_groups(&self) -> &[parquet::file::metadata::RowGroupMetaData] {
+        self.file.flushed_row_groups()
     }
 }
 

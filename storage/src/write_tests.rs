@@ -752,7 +752,50 @@ fn one_row_row_groups_are_written_without_recursion() {
         assert_eq!(row_groups(&path), vec![1; 8_192], "{threads} threads");
         assert_eq!(arrow_select::concat::concat_batches(&schema(), &read_all(&path)).unwrap(), want, "{threads} threads");
         assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0, "{threads} threads: released with the writer");
+        // What the writer kept of the 8,192 written row groups was counted until the close.
+        let kept = 8_192 * LEAVES * WRITTEN_CHUNK_BYTES;
+        assert!(ctl.category_peak(Category::WriteBuffers) >= kept, "{threads} threads: peak {} < {kept}", ctl.category_peak(Category::WriteBuffers));
     }
+}
+
+/// `columns` `Int64` columns of `rows` distinct values each (column `c` holds `k * (c + 1)`).
+fn wide(columns: usize, rows: i64) -> RecordBatch {
+    let fields: Vec<Field> = (0..columns).map(|c| Field::new(format!("c{c}"), DataType::Int64, false)).collect();
+    let cols: Vec<ArrayRef> = (0..columns).map(|c| Arc::new(Int64Array::from_iter_values((0..rows).map(|k| k * (c as i64 + 1)))) as ArrayRef).collect();
+    RecordBatch::try_new(Arc::new(Schema::new(fields)), cols).unwrap()
+}
+
+/// A 64-column table written with 1 MiB of room, where each row group's metadata (64 KiB,
+/// [`WRITTEN_CHUNK_BYTES`] a column chunk) is a large share of the room: every row is written,
+/// on one thread and two; what the writer keeps of its written row groups is counted, past
+/// the room by at most that metadata (the peak of `write_buffers`), where it went uncounted
+/// before (the peak was the room exactly); the steps do not shrink for it, so the file has
+/// about as many row groups as then (11; shrinking steps for the metadata wrote 102, each
+/// adding metadata); and all of it is released at the close.
+#[test]
+fn a_wide_table_under_a_tight_limit_counts_its_row_groups_metadata() {
+    let b = wide(64, 20_000);
+    let room = 1 << 20;
+    let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(16 << 20), chunk_size: 64 << 10, ..ControllerConfig::default() }).unwrap();
+    let mut held = Reservation::new(&ctl, Category::Metadata, None);
+    held.try_resize((16 << 20) - room).unwrap();
+    for threads in [1, 2] {
+        ctl.reset_peaks();
+        let dir = tempfile::tempdir().unwrap();
+        let o = WriteOptions { row_group_rows: 1 << 20, write_batch_rows: 8_192, encode_threads: threads, ..WriteOptions::default() };
+        write_data_file(&StdFs, dir.path(), "w.parquet", std::slice::from_ref(&b), &o, &ctl, None).unwrap();
+        let path = dir.path().join("w.parquet");
+        let groups = row_groups(&path);
+        assert_eq!(groups.iter().sum::<i64>(), 20_000, "{threads} threads");
+        assert!((2..=16).contains(&groups.len()), "{threads} threads: {groups:?}");
+        assert_eq!(arrow_select::concat::concat_batches(&b.schema(), &read_all(&path)).unwrap(), b, "{threads} threads");
+        assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0, "{threads} threads: released with the writer");
+        // An `Int64` chunk's statistics add 16 bytes (min and max).
+        let metadata = groups.len() * 64 * (WRITTEN_CHUNK_BYTES + 16);
+        let peak = ctl.category_peak(Category::WriteBuffers);
+        assert!(peak > room && peak <= room + metadata, "{threads} threads: peak {peak}, room {room}, metadata {metadata}");
+    }
+    assert_eq!(ctl.used(), held.size());
 }
 
 /// A tally counts each written row group once, however often it is updated, at

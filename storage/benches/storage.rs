@@ -9,8 +9,12 @@
 //!   IPC encode, checksum, one write; `per_batch` adds the fsync, so it measures the disk of
 //!   the machine more than the code). Segments are truncated every 64 appends so the bench
 //!   does not fill the disk.
+//! - `wal_encode/views`: [`Wal::encode_record`] alone of an 8,192-row batch shaped like the
+//!   bench's lineitem rows as they reach the log: `Utf8View` strings (short inline values and
+//!   27–43-byte buffer values) and `Decimal128(15, 2)` columns, both logged compact (offsets,
+//!   `Decimal64`), beside `Int64` keys.
 
-use arrow_array::{ArrayRef, Date32Array, Decimal128Array, Int32Array, Int64Array, RecordBatch, StringArray};
+use arrow_array::{ArrayRef, Date32Array, Decimal128Array, Int32Array, Int64Array, RecordBatch, StringArray, StringViewArray};
 use arrow_row::{RowConverter, SortField};
 use arrow_schema::{DataType, Field, Schema};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
@@ -116,9 +120,38 @@ fn wal_append(c: &mut Criterion) {
     g.finish();
 }
 
+fn wal_encode(c: &mut Criterion) {
+    const ROWS: usize = 8192;
+    let schema = Arc::new(Schema::new(vec![
+        Field::new("orderkey", DataType::Int64, false),
+        Field::new("quantity", DataType::Decimal128(15, 2), false),
+        Field::new("price", DataType::Decimal128(15, 2), false),
+        Field::new("flag", DataType::Utf8View, false),
+        Field::new("mode", DataType::Utf8View, false),
+        Field::new("comment", DataType::Utf8View, false),
+    ]));
+    let text = "carefully final deposits sleep quickly among the furiously ironic";
+    let cols: Vec<ArrayRef> = vec![
+        Arc::new(Int64Array::from_iter_values((0..ROWS).map(|i| i as i64))),
+        Arc::new(Decimal128Array::from_iter_values((0..ROWS).map(|i| (i % 50) as i128 * 100)).with_precision_and_scale(15, 2).expect("valid decimal")),
+        Arc::new(Decimal128Array::from_iter_values((0..ROWS).map(|i| (i * 104_729 % 10_000_000) as i128)).with_precision_and_scale(15, 2).expect("valid decimal")),
+        Arc::new(StringViewArray::from_iter_values((0..ROWS).map(|i| ["A", "N", "R"][i % 3]))),
+        Arc::new(StringViewArray::from_iter_values((0..ROWS).map(|i| ["TRUCK", "MAIL", "REG AIR", "FOB"][i % 4]))),
+        Arc::new(StringViewArray::from_iter_values((0..ROWS).map(|i| &text[..27 + i % 17]))),
+    ];
+    let b = RecordBatch::try_new(schema, cols).expect("valid batch");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let ctl = controller();
+    let wal = Wal::open(dir.path(), Arc::new(StdFs), WalSync::Relaxed, &ctl, |_| Ok::<(), gritdb_storage::StorageError>(())).expect("open wal");
+    let mut g = c.benchmark_group("wal_encode");
+    g.throughput(Throughput::Elements(ROWS as u64));
+    g.bench_function("views", |bench| bench.iter(|| wal.encode_record(WalOp::Put, &b).expect("encode")));
+    g.finish();
+}
+
 fn config() -> Criterion {
     Criterion::default().sample_size(20).measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(500))
 }
 
-criterion_group! { name = benches; config = config(); targets = key_index, wal_append }
+criterion_group! { name = benches; config = config(); targets = key_index, wal_append, wal_encode }
 criterion_main!(benches);

@@ -698,18 +698,21 @@ fn views_to_binary<T: arrow_array::types::ByteViewType + ?Sized>(
         offsets.push(at);
     }
     reserve(end)?;
-    // 16 bytes of slack: an inline value is copied as all 12 inline bytes and the next value
-    // overwrites the rest, so short values cost two fixed-size moves, not a `memcpy` call.
-    let mut values = vec![0u8; end + 16];
+    // 16 bytes of slack: an inline value is appended as all 12 inline bytes and cut back to
+    // its length, so short values cost a fixed-size move, not a `memcpy` call. Appended, not
+    // written into a zeroed buffer: zeroing it (`calloc` of a large extent) was 14% of the
+    // WAL record thread's CPU (docs/performance.md, twenty-seventh pass).
+    let mut values: Vec<u8> = Vec::with_capacity(end + 16);
     let buffers = a.data_buffers();
-    let mut pos = 0usize;
     for (i, &v) in views.iter().enumerate() {
         let len = v as u32 as usize;
         if len == 0 || !live(i) {
             continue;
         }
         if len <= 12 {
-            values[pos..pos + 12].copy_from_slice(&v.to_le_bytes()[4..]);
+            let pos = values.len();
+            values.extend_from_slice(&v.to_le_bytes()[4..]);
+            values.truncate(pos + len);
         } else {
             let (buffer, offset) = ((v >> 64) as u32 as usize, (v >> 96) as u32 as usize);
             let src = buffers.get(buffer).and_then(|b| b.get(offset..offset + len)).ok_or_else(|| {
@@ -718,11 +721,10 @@ fn views_to_binary<T: arrow_array::types::ByteViewType + ?Sized>(
                     offset + len
                 ))
             })?;
-            values[pos..pos + len].copy_from_slice(src);
+            values.extend_from_slice(src);
         }
-        pos += len;
     }
-    values.truncate(end);
+    debug_assert_eq!(values.len(), end, "the offsets summed the same lengths");
     let offsets = arrow_buffer::OffsetBuffer::new(arrow_buffer::ScalarBuffer::from(offsets));
     Ok(Some(arrow_array::BinaryArray::try_new(offsets, arrow_buffer::Buffer::from_vec(values), nulls.cloned())?))
 }

@@ -15,9 +15,8 @@ pub enum Error {
     /// flush) did not free enough within the configured wait.
     #[error(
         "memory limit reached: requested {} for {category}, {} of {} in use; top consumers: {}. \
-         Raise the limit (EngineConfig::memory_limit / Engine::set_memory_limit) or ask for less at once \
-         (a smaller write or scan batch; at open, the tables' key indexes must fit)",
-        format_bytes(*requested), format_bytes(*used), format_bytes(*limit), top_list(top)
+         Raise the limit (EngineConfig::memory_limit / Engine::set_memory_limit) or ask for less at once ({})",
+        format_bytes(*requested), format_bytes(*used), format_bytes(*limit), top_list(top), less_of(*category)
     )]
     MemoryLimit {
         /// Bytes asked for.
@@ -247,6 +246,22 @@ impl std::fmt::Display for MarkerProblem {
                  the gritdb that wrote it"
             ),
         }
+    }
+}
+
+/// How to ask for less of `category` at once, in [`Error::MemoryLimit`]'s message. A scan's
+/// request is not always its batch: an open file reader reserves its page and dictionary
+/// buffers for a whole row group, estimated from the file's metadata (docs/memory.md,
+/// "Scans"), which a smaller `batch_rows` does not lower and fewer columns do.
+fn less_of(category: Category) -> &'static str {
+    match category {
+        Category::ScanBuffers => {
+            "scans: drop the batches held, project fewer columns, or use a smaller batch_rows; an open file's reader \
+             holds a page and a dictionary per projected column of a row group, however small the batch"
+        }
+        Category::KeyIndex => "the tables' key indexes must fit, at open and as files are added",
+        Category::Query => "a SQL query: fewer groups, joins or sorts at once",
+        _ => "a smaller write or scan batch; at open, the tables' key indexes must fit",
     }
 }
 

@@ -134,7 +134,9 @@ fn wal_encode(c: &mut Criterion) {
     let cols: Vec<ArrayRef> = vec![
         Arc::new(Int64Array::from_iter_values((0..ROWS).map(|i| i as i64))),
         Arc::new(Decimal128Array::from_iter_values((0..ROWS).map(|i| (i % 50) as i128 * 100)).with_precision_and_scale(15, 2).expect("valid decimal")),
-        Arc::new(Decimal128Array::from_iter_values((0..ROWS).map(|i| (i * 104_729 % 10_000_000) as i128)).with_precision_and_scale(15, 2).expect("valid decimal")),
+        Arc::new(
+            Decimal128Array::from_iter_values((0..ROWS).map(|i| (i * 104_729 % 10_000_000) as i128)).with_precision_and_scale(15, 2).expect("valid decimal"),
+        ),
         Arc::new(StringViewArray::from_iter_values((0..ROWS).map(|i| ["A", "N", "R"][i % 3]))),
         Arc::new(StringViewArray::from_iter_values((0..ROWS).map(|i| ["TRUCK", "MAIL", "REG AIR", "FOB"][i % 4]))),
         Arc::new(StringViewArray::from_iter_values((0..ROWS).map(|i| &text[..27 + i % 17]))),

@@ -141,6 +141,38 @@ fn limit_error_text_is_pinned() {
     );
 }
 
+/// A scan refused for its file reader's buffers says what lowers them: the reader holds a
+/// page and a dictionary per projected column of a row group whatever `batch_rows` is (a
+/// trial's table of 100-byte strings, flushed at 64 MiB, then scanned at 2 MiB, was told to
+/// use "a smaller write or scan batch", which changed nothing). Fewer columns do fit.
+#[test]
+fn a_scan_refused_for_its_readers_buffers_is_told_what_lowers_them() {
+    use arrow::array::{Int64Array, RecordBatch, StringArray};
+    use arrow::datatypes::{DataType, Field, Schema};
+    let dir = tempfile::tempdir().unwrap();
+    let e = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20).backpressure_timeout(Duration::from_secs(1))).unwrap();
+    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("s", DataType::Utf8, true)]));
+    let t = e.create_table("t", Arc::clone(&schema), &["k"]).unwrap();
+    let n = 100_000i64;
+    let s: StringArray = (0..n).map(|k| Some(format!("{k:0100}"))).collect();
+    t.insert(&RecordBatch::try_new(schema, vec![Arc::new(Int64Array::from_iter_values(0..n)), Arc::new(s)]).unwrap()).unwrap();
+    t.flush().unwrap();
+    e.set_memory_limit(2 << 20).unwrap();
+    for rows in [16, 1024] {
+        let err = t.scan(ScanOptions::default().batch_rows(rows)).and_then(|s| s.collect::<gritdb::Result<Vec<_>>>()).unwrap_err();
+        assert!(matches!(err, Error::MemoryLimit { category: gritdb::memory::Category::ScanBuffers, .. }), "{err}");
+        let text = err.to_string();
+        assert!(text.contains("project fewer columns") && text.contains("however small the batch"), "{text}");
+    }
+    let (mut count, mut sum) = (0usize, 0i64);
+    for b in t.scan(ScanOptions::default().projection(["k"])).unwrap() {
+        let b = b.unwrap();
+        count += b.num_rows();
+        sum += b.column(0).as_any().downcast_ref::<Int64Array>().unwrap().values().iter().sum::<i64>();
+    }
+    assert_eq!((count, sum), (n as usize, n * (n - 1) / 2), "the key column alone is read at 2 MiB");
+}
+
 /// Walks an injected allocation failure across a whole ingest + flush + scan run.
 #[test]
 fn injected_failure_at_every_reservation() {

@@ -1169,6 +1169,17 @@ impl Engine {
         memory_batch(&self.memory_report())
     }
 
+    /// What this open cut from the end of the write-ahead log as a torn tail, if anything:
+    /// the segment, the offset, the bytes dropped and what recovery saw there
+    /// ([`crate::WalTornTail`]). A write a crash interrupted leaves one (with the default
+    /// [`crate::WalSync::PerBatch`] it was never acknowledged); so does damage to the last
+    /// record, which recovery cannot tell apart, so an application that must know of every
+    /// lost acknowledged write checks this after each open (the same tail is also logged at
+    /// `warn`). `None` once the engine is closed.
+    pub fn wal_torn_tail(&self) -> Option<crate::WalTornTail> {
+        self.inner.shared.wal().ok().and_then(|w| w.torn_tail().cloned())
+    }
+
     /// The memory controller (limit, used, peak, per-category figures).
     pub fn memory(&self) -> &Arc<MemoryController> {
         &self.inner.shared.ctl

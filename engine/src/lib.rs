@@ -40,6 +40,8 @@ pub use export::{ExportError, ExportOptions, ExportStats};
 /// so a caller can match on their typed fields (e.g. `UnifyError::NullKey { column, row }`).
 pub use gritdb_memctl::MemoryError;
 pub use gritdb_storage::StorageError;
+/// What an open cut from the end of the write-ahead log ([`Engine::wal_torn_tail`]).
+pub use gritdb_storage::TornTail as WalTornTail;
 /// What a flush or an export counts, under `write_buffers`, for each column chunk a Parquet
 /// writer has written and keeps in its footer until the file is closed (docs/memory.md).
 pub use gritdb_storage::WRITTEN_CHUNK_BYTES;

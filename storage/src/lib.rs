@@ -53,7 +53,7 @@ pub use index::{FileKeys, KeyIndex, Loc, MAX_FILE_ROWS};
 pub use manifest::{FileMeta, LEGACY_DECODED_RATIO, MANIFEST_CHECKSUM_KEY, MANIFEST_FILE, Manifest, write_atomic};
 pub use table::{CommitPlan, FileGuard, FileScan, PutKeyEncoder, PutKeys, ScanSource, Staged, TableStore, is_table_file_name};
 pub use vfs::{FaultFs, FsOp, StdFs, Vfs, VfsFile, rename_may_have_happened};
-pub use wal::{MAX_SEGMENT_ID, SEGMENT_BYTES, WAL_DIR, Wal, WalOp, WalPosition, WalRecord, WalSync, decode_segment, wal_segment_id};
+pub use wal::{MAX_SEGMENT_ID, SEGMENT_BYTES, TornTail, WAL_DIR, Wal, WalOp, WalPosition, WalRecord, WalSync, decode_segment, wal_segment_id};
 pub use write::{
     CancelToken, DATA_FILE_COMPRESSION, DICTIONARY_PAGE_BYTES, EXPORT_COMPRESSION, FOOTER_MEMORY_FACTOR, FileReader, FooterTally, OFFSET_INDEX_MEMORY_FACTOR,
     PAGE_INDEX_MEMORY_FACTOR, ReadSpec, WRITTEN_CHUNK_BYTES, WriteOptions, WrittenFile, data_file_properties, default_encode_threads, file_crc32, read_file,

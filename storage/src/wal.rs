@@ -191,6 +191,8 @@ pub struct Wal {
     sync: WalSync,
     ctl: Arc<MemoryController>,
     inner: Mutex<Inner>,
+    /// What the open cut from the last segment.
+    torn_tail: Option<TornTail>,
 }
 
 impl std::fmt::Debug for Wal {
@@ -267,9 +269,29 @@ fn corrupt(path: &Path, offset: u64, detail: impl Into<String>) -> StorageError 
     StorageError::CorruptWal { path: path.to_path_buf(), offset, detail: detail.into() }
 }
 
+/// The tail [`Wal::open`] dropped from the last segment: bytes after the last whole record
+/// that recovery took for a write a crash interrupted (see the module's recovery rules) and
+/// cut off. With [`WalSync::PerBatch`] such a write was never acknowledged, as an append
+/// returns after its fsync; but damage to the last acknowledged record (a flipped bit in its
+/// length or payload) looks the same, so an application that must know reads this after
+/// every open.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TornTail {
+    /// The segment cut.
+    pub segment: PathBuf,
+    /// Where the dropped bytes began (the segment's new length), in bytes.
+    pub offset: u64,
+    /// Bytes dropped.
+    pub bytes: u64,
+    /// What recovery saw there ("record extends past the end of the segment", ...).
+    pub detail: String,
+}
+
 impl Wal {
     /// Opens the WAL in `dir` (created if missing), calling `replay` with every record in
-    /// order. A torn last record is dropped (and the segment truncated).
+    /// order. A torn last record is dropped (and the segment truncated; [`Self::torn_tail`]
+    /// says what was dropped).
     ///
     /// # Errors
     /// [`StorageError::CorruptWal`] for damage other than a torn tail, [`StorageError::Io`],
@@ -312,11 +334,13 @@ impl Wal {
         }
         ids.sort_unstable();
         let mut closed = Vec::new();
+        let mut torn_tail = None;
         for (i, &id) in ids.iter().enumerate() {
             let last = i + 1 == ids.len();
             let path = dir.join(seg_name(id));
-            let seg = read_segment(&path, id, last, &mut replay)?;
+            let (seg, torn) = read_segment(&path, id, last, &mut replay)?;
             closed.push(seg);
+            torn_tail = torn_tail.or(torn);
         }
         let next_id = ids.last().map_or(1, |l| l + 1); // at most `MAX_SEGMENT_ID` + 1
         Ok(Self {
@@ -325,7 +349,13 @@ impl Wal {
             sync,
             ctl: Arc::clone(ctl),
             inner: Mutex::new(Inner { active: None, closed, next_id, unsynced: false, failed: None }),
+            torn_tail,
         })
+    }
+
+    /// The tail this open cut from the last segment, if any ([`TornTail`]).
+    pub fn torn_tail(&self) -> Option<&TornTail> {
+        self.torn_tail.as_ref()
     }
 
     /// Whether [`Self::append`] fsyncs before it returns ([`WalSync::PerBatch`]).
@@ -729,15 +759,24 @@ fn views_to_binary<T: arrow_array::types::ByteViewType + ?Sized>(
     Ok(Some(arrow_array::BinaryArray::try_new(offsets, arrow_buffer::Buffer::from_vec(values), nulls.cloned())?))
 }
 
-fn read_segment<E: From<StorageError>>(path: &Path, id: u64, last: bool, replay: &mut impl FnMut(WalRecord) -> Result<(), E>) -> Result<Segment, E> {
+/// Replays one segment's records; for the last segment, also what its torn tail was, once
+/// cut ([`TornTail`]).
+fn read_segment<E: From<StorageError>>(
+    path: &Path,
+    id: u64,
+    last: bool,
+    replay: &mut impl FnMut(WalRecord) -> Result<(), E>,
+) -> Result<(Segment, Option<TornTail>), E> {
     let data = fs::read(path).map_err(io(path)).map_err(E::from)?;
     let mut seg = Segment { id, bytes: 0, max_seq: HashMap::new() };
     let mut at = 0usize;
     let end = data.len();
+    let mut torn_detail = String::new();
     while at < end {
-        let torn = |detail: &str| -> Result<(), E> {
+        let mut torn = |detail: &str| -> Result<(), E> {
             if last {
                 tracing::warn!(path = %path.display(), offset = at, detail, "dropping torn WAL tail");
+                detail.clone_into(&mut torn_detail);
                 Ok(())
             } else {
                 Err(corrupt(path, at as u64, detail).into())
@@ -808,12 +847,14 @@ fn read_segment<E: From<StorageError>>(path: &Path, id: u64, last: bool, replay:
         replay(rec)?;
         at += HEADER + len;
     }
+    let mut tail = None;
     if at < end {
         let f = fs::OpenOptions::new().write(true).open(path).map_err(io(path)).map_err(E::from)?;
         f.set_len(at as u64).and_then(|()| f.sync_all()).map_err(io(path)).map_err(E::from)?;
+        tail = Some(TornTail { segment: path.to_path_buf(), offset: at as u64, bytes: (end - at) as u64, detail: torn_detail });
     }
     seg.bytes = at as u64;
-    Ok(seg)
+    Ok((seg, tail))
 }
 
 /// Whether a record whose header (non-zero length) is at `at` could be one this log wrote,

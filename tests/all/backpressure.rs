@@ -159,7 +159,7 @@ fn a_scan_refused_for_its_readers_buffers_is_told_what_lowers_them() {
     t.flush().unwrap();
     e.set_memory_limit(2 << 20).unwrap();
     for rows in [16, 1024] {
-        let err = t.scan(ScanOptions::default().batch_rows(rows)).and_then(|s| s.collect::<gritdb::Result<Vec<_>>>()).unwrap_err();
+        let err = t.scan(ScanOptions::default().batch_rows(rows)).and_then(Iterator::collect::<gritdb::Result<Vec<_>>>).unwrap_err();
         assert!(matches!(err, Error::MemoryLimit { category: gritdb::memory::Category::ScanBuffers, .. }), "{err}");
         let text = err.to_string();
         assert!(text.contains("project fewer columns") && text.contains("however small the batch"), "{text}");

@@ -302,12 +302,9 @@ fn read_db(engine: &Engine, dup: &mut usize) -> anyhow::Result<DbModel> {
     let mut out = DbModel::new();
     for t in engine.table_names() {
         let table = engine.table(&t).with_context(|| format!("table {t} listed after recovery"))?;
-        let batches = table.scan(ScanOptions::default()).with_context(|| format!("scan of table {t} after recovery"))?;
-        let mut rows: Vec<gritdb::Result<RecordBatch>> = Vec::new();
-        for b in batches {
-            rows.push(Ok(b.with_context(|| format!("scan of table {t} after recovery"))?));
-        }
-        let (m, d) = collect_composite_counting(rows);
+        let batches: Vec<RecordBatch> =
+            table.scan(ScanOptions::default()).and_then(Iterator::collect).with_context(|| format!("scan of table {t} after recovery"))?;
+        let (m, d) = collect_composite_counting(batches.into_iter().map(Ok));
         *dup += d;
         out.insert(t, m);
     }

@@ -8,18 +8,22 @@
 //! the same rows gritdb does.
 //!
 //! ```text
-//! Table::scan (one snapshot) ──batch by batch──> ArrowWriter ──> <dir>/.<name>.<pid>.<n>.gritdb-export.tmp
-//!     row groups cut by the writer's buffered bytes          │ fsync, check target, rename
-//!     (ArrowWriter::memory_size, reserved as write_buffers)  ▼
-//!                                                          <dir>/<name>, then fsync <dir>
+//! Table::scan (one snapshot) ──batch by batch──> StepWriter ──> <dir>/.<name>.<pid>.<n>.gritdb-export.tmp
+//!     (gritdb_storage, the flush's stepped ArrowWriter)     │ fsync, check target, rename
+//!     row groups cut by the writer's buffered bytes         ▼
+//!     (ArrowWriter::memory_size, reserved as write_buffers) <dir>/<name>, then fsync <dir>
 //! ```
 //!
 //! Memory: one scanned batch at a time (at most `batch_rows` rows), counted under
 //! `scan_buffers` by the scan as every batch it hands out, and dropped once written; the
 //! Parquet writer's buffers, and the metadata it keeps of every row group written until the
 //! file is closed ([`gritdb_storage::FooterTally`]), are reserved under `write_buffers` for the
-//! table as they grow and released when the file is closed. The writer is fed at most one
-//! row group's rows at a time. Both categories are back where they were when the
+//! table as they grow and released when the file is closed. The writer is fed in steps of at
+//! most a quarter of the row-group cut and never past a row group's end, as a flush's is
+//! ([`gritdb_storage::StepWriter`]); unlike a flush, an export budgets each row group's
+//! metadata before closing it and fails with `MemoryLimit` when refused
+//! ([`gritdb_storage::WrittenMetadata::Budget`]), because its row groups are sized by the
+//! caller. Both categories are back where they were when the
 //! export returns.
 //!
 //! Atomicity: the file appears under its name complete or not at all. On any error the temp
@@ -29,9 +33,7 @@
 use crate::error::Error;
 use crate::scan::ScanOptions;
 use crate::table::Table;
-use gritdb_memctl::{Category, Reservation};
 use gritdb_storage::{Vfs, VfsFile};
-use parquet::arrow::ArrowWriter;
 use parquet::errors::ParquetError;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -280,62 +282,40 @@ impl Table {
             .set_created_by(format!("gritdb version {}", env!("CARGO_PKG_VERSION")))
             .build();
         let pq = |e: ParquetError| parquet_error(e, tmp, &seen);
-        let mut writer = ArrowWriter::try_new(sink, self.schema(), Some(props)).map_err(pq)?;
-        let mut buffers = Reservation::new(&self.inner.shared.ctl, Category::WriteBuffers, Some(&self.inner.account));
+        // Fed in budgeted steps as a flush's writer is (`gritdb_storage::StepWriter`): the row
+        // group cut is at most a quarter of the write soft limit, so the writer's buffers leave
+        // the scan room for its next batches under a small limit; the row groups written so
+        // far stay in the writer until it is closed (their metadata and page indexes) and are
+        // budgeted before each row group is closed, so many small row groups end in
+        // `MemoryLimit` rather than growing past the limit.
+        let steps = gritdb_storage::WriteOptions {
+            row_group_bytes: options.row_group_bytes.min((self.inner.shared.write_soft_limit() / 4).max(64 << 10)),
+            write_batch_rows: options.batch_rows,
+            ..gritdb_storage::WriteOptions::default()
+        };
+        let step = |e: gritdb_storage::StepError| match e {
+            gritdb_storage::StepError::Storage(e) => ExportError::from(Error::from(e)),
+            gritdb_storage::StepError::Parquet(e) => pq(e),
+        };
+        let mut writer = gritdb_storage::StepWriter::try_new(
+            sink,
+            self.schema(),
+            props,
+            steps,
+            gritdb_storage::WrittenMetadata::Budget,
+            &self.inner.shared.ctl,
+            Some(&self.inner.account),
+            tmp,
+        )
+        .map_err(step)?;
         let mut rows = 0u64;
-        let mut peak = 0usize;
-        // The row groups written so far stay in the writer until it is closed (their metadata
-        // and page indexes): reserved beside its open row group, so many small row groups are
-        // counted and end in `MemoryLimit` rather than growing outside the limit.
-        let schema = self.schema();
-        let mut written = gritdb_storage::FooterTally::new(&schema);
-        let held = |w: &ArrowWriter<Sink>, written: &gritdb_storage::FooterTally| w.memory_size().saturating_add(written.bytes());
-        // The row-group cut, at most a quarter of the write soft limit: the writer's buffers
-        // must leave the scan room for its next batches under a small limit.
-        let cut = options.row_group_bytes.min((self.inner.shared.write_soft_limit() / 4).max(64 << 10));
         for batch in scan {
             let batch = batch?;
-            let per_row = gritdb_storage::batch_bytes(&batch).div_ceil(batch.num_rows().max(1));
-            // Steps of at most a quarter of the cut, as the flush's (`step_rows`), so the cut is
-            // checked before a whole batch is encoded past it.
-            let step = (cut / 4 / per_row).max(1);
-            let mut at = 0;
-            while at < batch.num_rows() {
-                // A row group at a time (`ArrowWriter::write` calls itself once for every row
-                // group a batch crosses), so each step closes at most one row group.
-                let len = options.row_group_rows.saturating_sub(writer.in_progress_rows()).max(1).min(batch.num_rows() - at).min(step);
-                // The step's encoding is budgeted before it is made (its Arrow bytes, about
-                // what it adds, and the metadata of the row group it closes when it fills
-                // one); when refused, the open row group is closed first, as the flush does
-                // (storage/src/write.rs).
-                let closes = writer.in_progress_rows() + len >= options.row_group_rows;
-                let ahead = len.saturating_mul(per_row).saturating_add(if closes { written.next_group_bytes() } else { 0 });
-                if buffers.try_resize(held(&writer, &written).saturating_add(ahead)).is_err() {
-                    writer.flush().map_err(pq)?;
-                    written.update(writer.flushed_row_groups());
-                    buffers.try_resize(held(&writer, &written).saturating_add(ahead)).map_err(Error::from)?;
-                }
-                peak = peak.max(buffers.size());
-                writer.write(&batch.slice(at, len)).map_err(pq)?;
-                written.update(writer.flushed_row_groups());
-                at += len;
-                // Cut by the writer's whole buffered size (encoders and dictionaries included),
-                // as the engine's flush does, and early when the budget refuses the buffers'
-                // growth: a smaller row group rather than a failed export.
-                if writer.memory_size() >= cut || buffers.try_resize(held(&writer, &written)).is_err() {
-                    writer.flush().map_err(pq)?;
-                    written.update(writer.flushed_row_groups());
-                    buffers.try_resize(held(&writer, &written)).map_err(Error::from)?;
-                }
-                // What was reserved: a size the budget refused is never the peak.
-                peak = peak.max(buffers.size());
-            }
+            writer.write(&batch).map_err(step)?;
             rows += batch.num_rows() as u64;
         }
-        writer.flush().map_err(pq)?;
-        let row_groups = writer.flushed_row_groups().len();
-        let mut file = writer.into_inner().map_err(pq)?.inner;
-        drop(buffers);
+        let (sink, written) = writer.finish().map_err(step)?;
+        let mut file = sink.inner;
         let io = |p: &Path| {
             let p = p.to_path_buf();
             move |source| ExportError::Io { path: p, source }
@@ -355,8 +335,8 @@ impl Table {
         *renamed = moved.is_ok() || gritdb_storage::rename_may_have_happened(tmp);
         moved.map_err(io(path))?;
         vfs.sync_dir(dir).map_err(io(dir))?;
-        tracing::debug!(table = %self.name(), path = %path.display(), rows, bytes, row_groups, "table exported to Parquet");
-        Ok(ExportStats { path: path.to_path_buf(), rows, bytes, row_groups, peak_buffer_bytes: peak })
+        tracing::debug!(table = %self.name(), path = %path.display(), rows, bytes, row_groups = written.row_groups, "table exported to Parquet");
+        Ok(ExportStats { path: path.to_path_buf(), rows, bytes, row_groups: written.row_groups, peak_buffer_bytes: written.peak_bytes })
     }
 }
 

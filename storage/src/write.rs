@@ -163,7 +163,7 @@ impl FooterTally {
 /// writer's `max_row_group_row_count`, less the rows its open row group holds). parquet 59's
 /// `ArrowWriter::write` calls itself once for every row group a batch crosses, so a batch of
 /// many row groups' rows (8,192 rows into one-row row groups) overflowed the stack and
-/// aborted the process (an export did). [`write_batches`] already cuts its steps at row-group
+/// aborted the process (an export did). [`write_steps`] already cuts its steps at row-group
 /// ends; this keeps the one-thread writer safe whatever it is given.
 fn write_within_row_groups<W: std::io::Write + Send>(w: &mut ArrowWriter<W>, batch: &RecordBatch, max_rows: usize) -> Result<(), ParquetError> {
     let mut at = 0;
@@ -309,20 +309,23 @@ pub fn write_data_file_from(
         // `ArrowWriter` builds the Parquet schema and adds the Arrow schema to the footer's
         // metadata in both paths, so their files are alike.
         let writer = ArrowWriter::try_new(file, Arc::clone(schema), Some(props)).map_err(pq)?;
-        let mut buffers = Reservation::new(ctl, Category::WriteBuffers, table);
-        let mut written = Written { tally: FooterTally::new(schema), held: Reservation::new(ctl, Category::WriteBuffers, table) };
+        let mut budget = Budget::new(ctl, table, schema, WrittenMetadata::CountPastLimit);
         let file = if opts.encode_threads > 1 && !schema.fields().is_empty() {
             let (fw, factory) = writer.into_serialized_writer().map_err(pq)?;
             let mut w = ParallelWriter::new(fw, factory, schema, opts.encode_threads);
-            write_batches(&mut w, batches, opts, &mut buffers, &mut written, &tmp).map_err(|e| e.into_storage(&pq))?;
+            for batch in batches {
+                write_steps(&mut w, &batch?, opts, &mut budget, &tmp).map_err(|e| e.into_storage(&pq))?;
+            }
             w.finish().map_err(pq)?
         } else {
             let mut w = SingleWriter { w: writer, max_rows: opts.row_group_rows.max(1) };
-            write_batches(&mut w, batches, opts, &mut buffers, &mut written, &tmp).map_err(|e| e.into_storage(&pq))?;
+            for batch in batches {
+                write_steps(&mut w, &batch?, opts, &mut budget, &tmp).map_err(|e| e.into_storage(&pq))?;
+            }
             w.w.into_inner().map_err(pq)?
         };
         // The written row groups' metadata is freed with the writer, at the file's close.
-        drop((buffers, written));
+        drop(budget);
         let crc32 = file.crc.finalize();
         let mut file = file.inner;
         cancel.check().map_err(io(&tmp))?;
@@ -340,7 +343,7 @@ pub fn write_data_file_from(
     res.map(|(bytes, crc32)| WrittenFile { bytes, crc32, decoded_bytes })
 }
 
-/// Rows per step of [`write_batches`] for `batch`, and the batch's average Arrow bytes per
+/// Rows per step of [`write_steps`] for `batch`, and the batch's average Arrow bytes per
 /// row ([`crate::batch_bytes`] / rows, at least 1). The step is
 /// `write_batch_rows`, fewer when that many rows would hold more than a quarter of
 /// `row_group_bytes`, so one step of a wide table cannot overshoot the row-group cut by much.
@@ -351,7 +354,7 @@ fn step_rows(batch: &RecordBatch, opts: &WriteOptions) -> (usize, usize) {
     (opts.write_batch_rows.min((opts.row_group_bytes / 4 / per_row).max(1)).max(1), per_row)
 }
 
-/// What [`write_batches`] drives: `ArrowWriter` on one thread, or [`ParallelWriter`].
+/// What [`write_steps`] drives: `ArrowWriter` on one thread, or [`ParallelWriter`].
 trait BatchSink {
     /// Encodes `batch` into the open row group.
     fn write(&mut self, batch: &RecordBatch) -> Result<(), ParquetError>;
@@ -367,12 +370,12 @@ trait BatchSink {
 
 /// `ArrowWriter` on one thread, with the row-group row cap it was built with (the writer does
 /// not say it).
-struct SingleWriter {
-    w: ArrowWriter<Recording>,
+struct SingleWriter<W: std::io::Write + Send> {
+    w: ArrowWriter<W>,
     max_rows: usize,
 }
 
-impl BatchSink for SingleWriter {
+impl<W: std::io::Write + Send> BatchSink for SingleWriter<W> {
     fn write(&mut self, batch: &RecordBatch) -> Result<(), ParquetError> {
         write_within_row_groups(&mut self.w, batch, self.max_rows)
     }
@@ -390,14 +393,19 @@ impl BatchSink for SingleWriter {
     }
 }
 
-/// An error of [`write_batches`]: from the batch stream or the budget (already a
-/// [`StorageError`]), or from the Parquet writer (mapped by the caller, which knows the sink).
-enum WriteError {
+/// An error of a stepped Parquet write ([`StepWriter`]): from the budget or the batch stream
+/// (already a [`StorageError`]), or from the Parquet writer, left to the caller to map
+/// because it knows its sink (an I/O error the sink saw may reach it only as Parquet's text).
+#[derive(Debug)]
+pub enum StepError {
+    /// The budget refused ([`StorageError::Memory`]), the write was cancelled
+    /// ([`StorageError::Io`]), or the batch stream failed.
     Storage(StorageError),
+    /// The Parquet writer failed (its sink's I/O errors included).
     Parquet(ParquetError),
 }
 
-impl WriteError {
+impl StepError {
     fn into_storage(self, pq: &impl Fn(ParquetError) -> StorageError) -> StorageError {
         match self {
             Self::Storage(e) => e,
@@ -406,32 +414,69 @@ impl WriteError {
     }
 }
 
-impl From<StorageError> for WriteError {
+impl From<StorageError> for StepError {
     fn from(e: StorageError) -> Self {
         Self::Storage(e)
     }
 }
 
-impl From<gritdb_memctl::MemoryError> for WriteError {
+impl From<gritdb_memctl::MemoryError> for StepError {
     fn from(e: gritdb_memctl::MemoryError) -> Self {
         Self::Storage(e.into())
     }
 }
 
-/// The smallest step [`write_batches`] halves a refused step to, in Arrow bytes (one row when
+/// The smallest step [`write_steps`] halves a refused step to, in Arrow bytes (one row when
 /// a row is larger): 64 KiB, one default chunk.
 const MIN_STEP_BYTES: usize = 64 << 10;
 
-/// What a data-file writer keeps of the row groups it has written (their metadata and page
-/// indexes, until the file is closed), and its count under `write_buffers`.
-struct Written {
-    tally: FooterTally,
-    /// [`FooterTally::bytes`], counted with [`Reservation::force_resize`]: the memory exists
-    /// once a row group is closed, so it is counted even past the limit.
-    held: Reservation,
+/// How a stepped Parquet write counts the metadata its writer keeps of the row groups it has
+/// written (about [`WRITTEN_CHUNK_BYTES`] a column chunk plus its statistics, held until the
+/// file is closed, [`FooterTally`]), under `write_buffers`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WrittenMetadata {
+    /// Counted as it comes to exist, past the limit when need be
+    /// ([`Reservation::force_resize`]); a step that fits but for it goes ahead. For flushes
+    /// and compactions ([`write_data_file`], [`write_data_file_from`]), which must finish to
+    /// give memory back: they close a row group early only when it holds at least twice its
+    /// metadata, and their row-group row cap is Parquet's default, so the metadata stays a
+    /// small part of what they write. Shrinking steps for it instead closed more, smaller row
+    /// groups, each adding metadata (a 64-column table with 1 MiB of room wrote 102 row
+    /// groups instead of 11).
+    CountPastLimit,
+    /// Budgeted before each row group is closed (one more row group's worth,
+    /// [`FooterTally::next_group_bytes`]); refused, the write fails with
+    /// [`StorageError::Memory`]. For writes whose row groups the caller sizes (an export's
+    /// `row_group_rows`: 20,000 one-row row groups of two columns keep ~40 MB), which must
+    /// not grow past the limit.
+    Budget,
 }
 
-impl Written {
+/// A data-file writer's reservations under `write_buffers`: its open row group's buffers and
+/// what it keeps of the row groups it has written.
+struct Budget {
+    /// The writer's `memory_size`, or a step's budget ahead of it.
+    buffers: Reservation,
+    tally: FooterTally,
+    /// [`FooterTally::bytes`]; one row group more while one is closed under
+    /// [`WrittenMetadata::Budget`].
+    held: Reservation,
+    policy: WrittenMetadata,
+    /// The highest `buffers` + `held` so far, in bytes.
+    peak: usize,
+}
+
+impl Budget {
+    fn new(ctl: &Arc<MemoryController>, table: Option<&TableAccount>, schema: &arrow_schema::Schema, policy: WrittenMetadata) -> Self {
+        Self {
+            buffers: Reservation::new(ctl, Category::WriteBuffers, table),
+            tally: FooterTally::new(schema),
+            held: Reservation::new(ctl, Category::WriteBuffers, table),
+            policy,
+            peak: 0,
+        }
+    }
+
     /// Whether closing a row group of `buffered` bytes (the writer's `memory_size`) early, on
     /// a refused budget, is worth the metadata the writer then keeps of it to the file's end:
     /// it must hold at least twice that metadata.
@@ -439,83 +484,176 @@ impl Written {
         buffered >= 2 * self.tally.next_group_bytes()
     }
 
-    /// Counts the row groups `w` has closed since the last call.
+    /// Under [`WrittenMetadata::Budget`], reserves what the writer will keep of the row group
+    /// about to be closed.
+    fn before_close(&mut self) -> Result<(), gritdb_memctl::MemoryError> {
+        if self.policy == WrittenMetadata::Budget {
+            self.held.try_resize(self.tally.bytes().saturating_add(self.tally.next_group_bytes()))?;
+            self.note_peak();
+        }
+        Ok(())
+    }
+
+    /// Closes `w`'s open row group (no-op when it is empty), budgeted as [`Self::before_close`].
+    fn close(&mut self, w: &mut (impl BatchSink + ?Sized)) -> Result<(), StepError> {
+        if w.in_progress_rows() > 0 {
+            self.before_close()?;
+        }
+        w.flush().map_err(StepError::Parquet)?;
+        self.update(&*w);
+        Ok(())
+    }
+
+    /// Counts the row groups `w` has closed since the last call, as they are (past the limit
+    /// if need be: the memory exists).
     fn update(&mut self, w: &(impl BatchSink + ?Sized)) {
         self.held.force_resize(self.tally.update(w.flushed_row_groups()));
+        self.note_peak();
+    }
+
+    fn note_peak(&mut self) {
+        self.peak = self.peak.max(self.buffers.size().saturating_add(self.held.size()));
     }
 }
 
-/// Feeds `batches` to `w` in steps of `write_batch_rows`, keeping `buffers` at the writer's
-/// size, `written` at what it keeps of closed row groups, and cutting row groups by
-/// `row_group_bytes` (the writer's rows limit cuts by rows).
-fn write_batches(
-    w: &mut impl BatchSink,
-    batches: impl Iterator<Item = Result<RecordBatch, StorageError>>,
-    opts: &WriteOptions,
-    buffers: &mut Reservation,
-    written: &mut Written,
-    tmp: &Path,
-) -> Result<(), WriteError> {
+/// Feeds `batch` to `w` in steps of `write_batch_rows`, keeping `budget` at the writer's
+/// size and what it keeps of closed row groups, and cutting row groups by `row_group_bytes`
+/// (the writer's rows limit cuts by rows). `file` names the file in a cancellation's error.
+fn write_steps(w: &mut impl BatchSink, batch: &RecordBatch, opts: &WriteOptions, budget: &mut Budget, file: &Path) -> Result<(), StepError> {
     let max_rows = opts.row_group_rows.max(1);
-    for batch in batches {
-        let batch = batch?;
-        let (step, per_row) = step_rows(&batch, opts);
-        let mut at = 0;
-        while at < batch.num_rows() {
-            // Between encoded batches (and so between row groups) a drop stops the write.
-            opts.cancel.check().map_err(io(tmp))?;
-            // A step never crosses a row group's end (`ArrowWriter::write` calls itself once
-            // for every row group a batch crosses).
-            let mut len = step.min(batch.num_rows() - at).min(max_rows.saturating_sub(w.in_progress_rows()).max(1));
-            // The step's buffers are budgeted before they are made (its Arrow bytes, about
-            // what encoding it adds). Under a tight limit the budget refuses; then, in order:
-            // - the open row group is closed (its pages go to the file) when it holds at
-            //   least twice what the writer keeps of it afterwards (its metadata, about
-            //   `WRITTEN_CHUNK_BYTES` a column, [`Written::worth_closing`]);
-            // - a step that fits but for the metadata this writer keeps of its written row
-            //   groups is counted past the limit by that much: the memory is the same as when
-            //   that metadata went uncounted, and is all freed when the file closes, while
-            //   shrinking steps for it would close more, smaller row groups, each adding
-            //   metadata (a 64-column table with 1 MiB of room wrote 102 row groups instead
-            //   of 11);
-            // - otherwise the step is halved, down to one row or [`MIN_STEP_BYTES`];
-            // - at the smallest step, the open row group is closed whatever its size;
-            // - the smallest step refused with no row group open is the error.
-            let ahead = |w: &dyn BatchSink, len: usize| w.memory_size().saturating_add(len.saturating_mul(per_row));
-            while let Err(e) = buffers.try_resize(ahead(&*w, len)) {
-                let smallest = len == 1 || len.saturating_mul(per_row) <= MIN_STEP_BYTES;
-                if w.in_progress_rows() > 0 && written.worth_closing(w.memory_size()) {
-                    w.flush().map_err(WriteError::Parquet)?;
-                    written.update(&*w);
-                } else if written.held.size() > 0 && buffers.try_resize(ahead(&*w, len).saturating_sub(written.held.size())).is_ok() {
-                    buffers.force_resize(ahead(&*w, len));
-                    break;
-                } else if !smallest {
-                    len /= 2;
-                } else if w.in_progress_rows() > 0 {
-                    w.flush().map_err(WriteError::Parquet)?;
-                    written.update(&*w);
-                } else {
-                    return Err(e.into());
-                }
+    let (step, per_row) = step_rows(batch, opts);
+    let mut at = 0;
+    while at < batch.num_rows() {
+        // Between encoded batches (and so between row groups) a drop stops the write.
+        opts.cancel.check().map_err(io(file))?;
+        // A step never crosses a row group's end (`ArrowWriter::write` calls itself once
+        // for every row group a batch crosses).
+        let mut len = step.min(batch.num_rows() - at).min(max_rows.saturating_sub(w.in_progress_rows()).max(1));
+        // The step's buffers are budgeted before they are made (its Arrow bytes, about
+        // what encoding it adds). Under a tight limit the budget refuses; then, in order:
+        // - the open row group is closed (its pages go to the file) when it holds at
+        //   least twice what the writer keeps of it afterwards (its metadata, about
+        //   `WRITTEN_CHUNK_BYTES` a column, [`Budget::worth_closing`]);
+        // - under [`WrittenMetadata::CountPastLimit`], a step that fits but for the metadata
+        //   this writer keeps of its written row groups is counted past the limit by that
+        //   much: the memory is the same as when that metadata went uncounted, and is all
+        //   freed when the file closes;
+        // - otherwise the step is halved, down to one row or [`MIN_STEP_BYTES`];
+        // - at the smallest step, the open row group is closed whatever its size;
+        // - the smallest step refused with no row group open is the error.
+        let ahead = |w: &dyn BatchSink, len: usize| w.memory_size().saturating_add(len.saturating_mul(per_row));
+        while let Err(e) = budget.buffers.try_resize(ahead(&*w, len)) {
+            let smallest = len == 1 || len.saturating_mul(per_row) <= MIN_STEP_BYTES;
+            if w.in_progress_rows() > 0 && budget.worth_closing(w.memory_size()) {
+                budget.close(w)?;
+            } else if budget.policy == WrittenMetadata::CountPastLimit
+                && budget.held.size() > 0
+                && budget.buffers.try_resize(ahead(&*w, len).saturating_sub(budget.held.size())).is_ok()
+            {
+                budget.buffers.force_resize(ahead(&*w, len));
+                break;
+            } else if !smallest {
+                len /= 2;
+            } else if w.in_progress_rows() > 0 {
+                budget.close(w)?;
+            } else {
+                return Err(e.into());
             }
-            w.write(&batch.slice(at, len)).map_err(WriteError::Parquet)?;
-            // A step that fills the row group's rows closes it.
-            written.update(&*w);
-            at += len;
-            // Cut by the writer's whole buffered size (encoders and dictionaries included),
-            // so its memory is bounded by about `row_group_bytes` + one step. When encoding
-            // took more than the step budgeted and the limit refuses it, a row group worth
-            // closing is closed; a smaller one stays open and the bytes, which exist, are
-            // counted past the limit (the next step's budget then closes or shrinks).
-            if w.memory_size() >= opts.row_group_bytes || (buffers.try_resize(w.memory_size()).is_err() && written.worth_closing(w.memory_size())) {
-                w.flush().map_err(WriteError::Parquet)?;
-                written.update(&*w);
-            }
-            buffers.force_resize(w.memory_size());
         }
+        // A step that fills the row group's rows closes it.
+        if w.in_progress_rows() + len >= max_rows {
+            budget.before_close()?;
+        }
+        budget.note_peak();
+        w.write(&batch.slice(at, len)).map_err(StepError::Parquet)?;
+        budget.update(&*w);
+        at += len;
+        // Cut by the writer's whole buffered size (encoders and dictionaries included),
+        // so its memory is bounded by about `row_group_bytes` + one step. When encoding
+        // took more than the step budgeted and the limit refuses it, a row group worth
+        // closing is closed; a smaller one stays open and the bytes, which exist, are
+        // counted past the limit (the next step's budget then closes or shrinks).
+        if w.memory_size() >= opts.row_group_bytes || (budget.buffers.try_resize(w.memory_size()).is_err() && budget.worth_closing(w.memory_size())) {
+            budget.close(w)?;
+        }
+        budget.buffers.force_resize(w.memory_size());
+        budget.note_peak();
     }
     Ok(())
+}
+
+/// A Parquet file's `ArrowWriter` fed in budgeted steps, as a flush writes its data files:
+/// the writer's buffers and the metadata it keeps of written row groups are reserved under
+/// `write_buffers` (in `ctl`, and `table` when given) as they grow, row groups are cut at
+/// [`WriteOptions::row_group_bytes`] of buffered bytes and at the writer properties'
+/// `max_row_group_row_count` rows, and under a tight limit row groups are closed early and
+/// steps shrink rather than pass the limit. Everything reserved is released when it is
+/// dropped or [`finish`](Self::finish)ed. For writers outside the flush (the engine's
+/// export), whose sink is their own.
+pub struct StepWriter<W: std::io::Write + Send> {
+    w: SingleWriter<W>,
+    opts: WriteOptions,
+    budget: Budget,
+    path: std::path::PathBuf,
+}
+
+/// What a [`StepWriter`] wrote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepStats {
+    /// Row groups in the file.
+    pub row_groups: usize,
+    /// The highest the writer's reservations reached together (its buffers, a step's budget
+    /// ahead, and its written row groups' metadata), in bytes.
+    pub peak_bytes: usize,
+}
+
+impl<W: std::io::Write + Send> StepWriter<W> {
+    /// An `ArrowWriter` over `sink` for batches of `schema`, with `props`; `opts` gives the
+    /// byte cut, the rows a step takes at most, and the cancel token (its `row_group_rows`
+    /// is taken from `props`, its `encode_threads` is not used: one thread). `path` names
+    /// the file in errors.
+    ///
+    /// # Errors
+    /// [`StepError::Parquet`] when the schema cannot be written as Parquet.
+    #[allow(clippy::too_many_arguments)]
+    pub fn try_new(
+        sink: W,
+        schema: arrow_schema::SchemaRef,
+        props: WriterProperties,
+        mut opts: WriteOptions,
+        policy: WrittenMetadata,
+        ctl: &Arc<MemoryController>,
+        table: Option<&TableAccount>,
+        path: &Path,
+    ) -> Result<Self, StepError> {
+        opts.row_group_rows = props.max_row_group_row_count().unwrap_or(usize::MAX).max(1);
+        let budget = Budget::new(ctl, table, &schema, policy);
+        let w = ArrowWriter::try_new(sink, schema, Some(props)).map_err(StepError::Parquet)?;
+        Ok(Self { w: SingleWriter { w, max_rows: opts.row_group_rows }, opts, budget, path: path.to_path_buf() })
+    }
+
+    /// Encodes `batch` (of the writer's schema) in steps, closing row groups as they fill.
+    ///
+    /// # Errors
+    /// [`StepError::Storage`] with [`StorageError::Memory`] when the limit refuses even one
+    /// row with no row group open, or (under [`WrittenMetadata::Budget`]) a closed row
+    /// group's metadata; [`StepError::Parquet`] from the writer. The file is then unfinished:
+    /// drop the writer and remove it.
+    pub fn write(&mut self, batch: &RecordBatch) -> Result<(), StepError> {
+        write_steps(&mut self.w, batch, &self.opts, &mut self.budget, &self.path)
+    }
+
+    /// Closes the last row group, writes the footer and returns the sink (not fsynced) with
+    /// what was written; the reservations are released.
+    ///
+    /// # Errors
+    /// As [`Self::write`].
+    pub fn finish(mut self) -> Result<(W, StepStats), StepError> {
+        self.budget.close(&mut self.w)?;
+        let stats = StepStats { row_groups: self.w.w.flushed_row_groups().len(), peak_bytes: self.budget.peak };
+        let sink = self.w.w.into_inner().map_err(StepError::Parquet)?;
+        Ok((sink, stats))
+    }
 }
 
 /// A Parquet file written with its columns encoded on several threads (parquet's

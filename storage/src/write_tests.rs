@@ -823,3 +823,44 @@ fn footer_tally_counts_each_row_group_once() {
     assert_eq!(tally.update(&groups[..1]), want, "a shorter slice adds nothing");
     assert_eq!(tally.bytes(), want);
 }
+
+/// The two ways of counting written row groups' metadata, through [`StepWriter`] on one
+/// `Int64` column at a 1 MiB limit with one-row row groups: 2,000 row groups keep at least
+/// 2,000 × `WRITTEN_CHUNK_BYTES` (~2 MB). Budgeted, the write is refused with `MemoryLimit`
+/// in `write_buffers` before the metadata passes the limit; counted past the limit (a
+/// flush's rule), it finishes with every row group and its peak holds them. Both give every
+/// byte back.
+#[test]
+fn step_writer_budgets_or_counts_written_row_groups_metadata() {
+    let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(1 << 20), ..ControllerConfig::default() }).unwrap();
+    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false)]));
+    let b = RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int64Array::from_iter_values(0..2_000))]).unwrap();
+    let writer = |policy| {
+        let props = data_file_properties(1).build();
+        StepWriter::try_new(Vec::new(), Arc::clone(&schema), props, WriteOptions::default(), policy, &ctl, None, Path::new("steps.parquet")).unwrap()
+    };
+    let mut budgeted = writer(WrittenMetadata::Budget);
+    match budgeted.write(&b) {
+        Err(StepError::Storage(StorageError::Memory(gritdb_memctl::MemoryError::Limit { category, .. }))) => assert_eq!(category, Category::WriteBuffers),
+        other => panic!("expected a refused budget, got {other:?}"),
+    }
+    let refused_at = budgeted.budget.tally.bytes();
+    assert!(refused_at <= 1 << 20, "the budgeted metadata stayed under the limit: {refused_at}");
+    assert!(refused_at > (1 << 20) - 4 * WRITTEN_CHUNK_BYTES, "refused only near the limit: {refused_at}");
+    drop(budgeted);
+    assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0);
+    ctl.reset_peaks();
+    let mut counted = writer(WrittenMetadata::CountPastLimit);
+    counted.write(&b).unwrap();
+    let (bytes, stats) = counted.finish().unwrap();
+    assert_eq!(stats.row_groups, 2_000);
+    assert!(stats.peak_bytes >= 2_000 * WRITTEN_CHUNK_BYTES, "{stats:?}");
+    assert_eq!(ctl.category_peak(Category::WriteBuffers), stats.peak_bytes);
+    assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("steps.parquet");
+    std::fs::write(&path, bytes).unwrap();
+    assert_eq!(row_groups(&path), vec![1; 2_000]);
+    let sum: i64 = read_all(&path).iter().map(|r| r.column(0).as_any().downcast_ref::<Int64Array>().unwrap().values().iter().sum::<i64>()).sum();
+    assert_eq!(sum, 1_999 * 2_000 / 2);
+}

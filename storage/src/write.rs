@@ -104,6 +104,46 @@ pub fn data_file_properties(row_group_rows: usize) -> parquet::file::properties:
         .set_max_row_group_row_count(Some(row_group_rows.max(1)))
 }
 
+/// Bytes a Parquet writer allocates for each dictionary-encoded column chunk of physical type
+/// `INT32`, `INT64`, `FLOAT` or `DOUBLE` when a row group opens, before any value: parquet 59's
+/// `Interner::new` preallocates a hash table of `DEFAULT_DEDUP_CAPACITY` (4,096) keys.
+/// `ArrowWriter::memory_size` reads exactly this for one such column after one null row
+/// (`write::tests::an_open_row_groups_dictionary_tables_are_known_before_they_exist`); byte
+/// array, fixed-length byte array and boolean columns allocate theirs as values come (0–265
+/// bytes after one row). A table of 64 `Int64` columns holds 4.7 MB of them from its first
+/// row, whatever the row group's size.
+pub const DICTIONARY_TABLE_BYTES: usize = 74_000;
+
+/// The dictionary tables a row group of `descr` opens with `props`: [`DICTIONARY_TABLE_BYTES`]
+/// for every leaf of a preallocating physical type whose dictionary is enabled.
+fn dictionary_table_bytes(descr: &parquet::schema::types::SchemaDescriptor, props: &WriterProperties) -> usize {
+    descr.columns().iter().filter(|c| preallocates_dictionary(c) && props.dictionary_enabled(c.path())).count().saturating_mul(DICTIONARY_TABLE_BYTES)
+}
+
+/// Whether a dictionary-encoded column chunk of `column` opens with [`DICTIONARY_TABLE_BYTES`].
+fn preallocates_dictionary(column: &parquet::schema::types::ColumnDescriptor) -> bool {
+    use parquet::basic::Type;
+    matches!(column.physical_type(), Type::INT32 | Type::INT64 | Type::FLOAT | Type::DOUBLE)
+}
+
+/// `props` for a file of `schema` written with `room` bytes free under the limit: when the
+/// dictionary tables every row group opens ([`DICTIONARY_TABLE_BYTES`] a column) would take
+/// more than a quarter of `room`, those columns are written without dictionaries (plain
+/// encoding, a larger file) rather than hold memory past the limit; otherwise `props` as
+/// given. Byte-array columns keep their dictionaries either way: they grow with their values,
+/// inside the step budget.
+pub fn fit_dictionaries(props: WriterProperties, schema: &arrow_schema::Schema, room: usize) -> WriterProperties {
+    let Ok(descr) = parquet::arrow::ArrowSchemaConverter::new().convert(schema) else { return props };
+    if dictionary_table_bytes(&descr, &props) <= room / 4 {
+        return props;
+    }
+    let mut builder = props.into_builder();
+    for c in descr.columns().iter().filter(|c| preallocates_dictionary(c)) {
+        builder = builder.set_column_dictionary_enabled(c.path().clone(), false);
+    }
+    builder.build()
+}
+
 /// Heap bytes a Parquet writer keeps for each column chunk it has written until the file is
 /// closed (the chunk's `ColumnChunkMetaData` and its column-index and offset-index entries),
 /// besides the chunk statistics' min and max bytes, which [`FooterTally`] adds: 924–1,050
@@ -304,12 +344,12 @@ pub fn write_data_file_from(
         let cancel = &opts.cancel;
         cancel.check().map_err(io(&tmp))?;
         let file = Recording { inner: vfs.create(&tmp).map_err(io(&tmp))?, seen: Arc::clone(&seen), cancel: cancel.clone(), crc: crc32fast::Hasher::new() };
-        let props = data_file_properties(opts.row_group_rows).build();
+        let props = fit_dictionaries(data_file_properties(opts.row_group_rows).build(), schema, ctl.limit().saturating_sub(ctl.used()));
         let pq = |e: ParquetError| parquet_io(e, &tmp, &seen);
         // `ArrowWriter` builds the Parquet schema and adds the Arrow schema to the footer's
         // metadata in both paths, so their files are alike.
+        let mut budget = Budget::new(ctl, table, schema, &props, WrittenMetadata::CountPastLimit);
         let writer = ArrowWriter::try_new(file, Arc::clone(schema), Some(props)).map_err(pq)?;
-        let mut budget = Budget::new(ctl, table, schema, WrittenMetadata::CountPastLimit);
         let file = if opts.encode_threads > 1 && !schema.fields().is_empty() {
             let (fw, factory) = writer.into_serialized_writer().map_err(pq)?;
             let mut w = ParallelWriter::new(fw, factory, schema, opts.encode_threads);
@@ -426,6 +466,21 @@ impl From<gritdb_memctl::MemoryError> for StepError {
     }
 }
 
+/// What a step's encoding adds to a writer's buffers, in percent of the step's Arrow bytes,
+/// before any step of the file was seen, and at least for a row group's first step (which
+/// allocates its encoders' buffers afresh): 200. The encoders' buffers grow by doubling (a
+/// `Vec`'s capacity, which `ArrowWriter::memory_size` counts), so a step can take up to twice
+/// what its values need: `write::tests::refused_buffer_growth_cuts_row_groups_early` peaked
+/// at 340 KB in 256 KiB of room when steps were budgeted at their Arrow bytes, once what
+/// existed was counted; a first step of 400-byte strings added 194% where the file's steps
+/// so far had added at most 177% (`flush_parts`). After that the budget uses the most any
+/// step of the file added ([`Budget::growth_pct`]), between 100 and [`MAX_GROWTH_PCT`]:
+/// 64 `Int64` columns add 103%.
+const FIRST_GROWTH_PCT: usize = 200;
+
+/// The most [`Budget::growth_pct`] budgets a step at: 400% of its Arrow bytes.
+const MAX_GROWTH_PCT: usize = 400;
+
 /// The smallest step [`write_steps`] halves a refused step to, in Arrow bytes (one row when
 /// a row is larger): 64 KiB, one default chunk.
 const MIN_STEP_BYTES: usize = 64 << 10;
@@ -462,19 +517,49 @@ struct Budget {
     /// [`WrittenMetadata::Budget`].
     held: Reservation,
     policy: WrittenMetadata,
+    /// The dictionary tables a row group opens with ([`DICTIONARY_TABLE_BYTES`] a column),
+    /// budgeted with its first step.
+    opening: usize,
+    /// The most a step of this file added to the writer's buffers, in percent of its Arrow
+    /// bytes (`None` before the first step).
+    growth: Option<usize>,
     /// The highest `buffers` + `held` so far, in bytes.
     peak: usize,
 }
 
 impl Budget {
-    fn new(ctl: &Arc<MemoryController>, table: Option<&TableAccount>, schema: &arrow_schema::Schema, policy: WrittenMetadata) -> Self {
+    fn new(
+        ctl: &Arc<MemoryController>,
+        table: Option<&TableAccount>,
+        schema: &arrow_schema::Schema,
+        props: &WriterProperties,
+        policy: WrittenMetadata,
+    ) -> Self {
+        let opening = parquet::arrow::ArrowSchemaConverter::new().convert(schema).map_or(0, |d| dictionary_table_bytes(&d, props));
         Self {
             buffers: Reservation::new(ctl, Category::WriteBuffers, table),
             tally: FooterTally::new(schema),
             held: Reservation::new(ctl, Category::WriteBuffers, table),
             policy,
+            opening,
+            growth: None,
             peak: 0,
         }
+    }
+
+    /// What the next step is budgeted at, in percent of its Arrow bytes: the most a step of
+    /// this file added so far, [`FIRST_GROWTH_PCT`] before the first.
+    fn growth_pct(&self) -> usize {
+        self.growth.unwrap_or(FIRST_GROWTH_PCT)
+    }
+
+    /// Learns from a step of `step_bytes` Arrow bytes that took the writer's buffers from
+    /// `before` to `after` bytes (`opened`: the step opened the row group, whose dictionary
+    /// tables are budgeted apart).
+    fn observe(&mut self, step_bytes: usize, before: usize, after: usize, opened: bool) {
+        let added = after.saturating_sub(before).saturating_sub(if opened { self.opening } else { 0 });
+        let pct = (added.saturating_mul(100) / step_bytes.max(1)).clamp(100, MAX_GROWTH_PCT);
+        self.growth = Some(self.growth.map_or(pct, |g| g.max(pct)));
     }
 
     /// Whether closing a row group of `buffered` bytes (the writer's `memory_size`) early, on
@@ -529,8 +614,10 @@ fn write_steps(w: &mut impl BatchSink, batch: &RecordBatch, opts: &WriteOptions,
         // A step never crosses a row group's end (`ArrowWriter::write` calls itself once
         // for every row group a batch crosses).
         let mut len = step.min(batch.num_rows() - at).min(max_rows.saturating_sub(w.in_progress_rows()).max(1));
-        // The step's buffers are budgeted before they are made (its Arrow bytes, about
-        // what encoding it adds). Under a tight limit the budget refuses; then, in order:
+        // The step's buffers are budgeted before they are made: its Arrow bytes times what
+        // steps of this file added ([`Budget::growth_pct`]), and for a row group's first step
+        // the dictionary tables it opens ([`DICTIONARY_TABLE_BYTES`]). Under a tight limit
+        // the budget refuses; then, in order:
         // - the open row group is closed (its pages go to the file) when it holds at
         //   least twice what the writer keeps of it afterwards (its metadata, about
         //   `WRITTEN_CHUNK_BYTES` a column, [`Budget::worth_closing`]);
@@ -540,22 +627,38 @@ fn write_steps(w: &mut impl BatchSink, batch: &RecordBatch, opts: &WriteOptions,
         //   freed when the file closes;
         // - otherwise the step is halved, down to one row or [`MIN_STEP_BYTES`];
         // - at the smallest step, the open row group is closed whatever its size;
-        // - the smallest step refused with no row group open is the error.
-        let ahead = |w: &dyn BatchSink, len: usize| w.memory_size().saturating_add(len.saturating_mul(per_row));
-        while let Err(e) = budget.buffers.try_resize(ahead(&*w, len)) {
+        // - then the smallest step is budgeted bare: its Arrow bytes alone, without the
+        //   growth and tables estimated for it (what it really adds is counted once it
+        //   exists, below), so a write that fits by its values is not refused for an
+        //   estimate;
+        // - the bare smallest step refused with no row group open is the error.
+        let mut bare = false;
+        loop {
+            // A row group's first step allocates its encoders' buffers afresh (capacities
+            // rounded up to powers of two): at least [`FIRST_GROWTH_PCT`].
+            let first = w.in_progress_rows() == 0;
+            let (open, pct) = match (bare, first) {
+                (true, _) => (0, 100),
+                (false, true) => (budget.opening, budget.growth_pct().max(FIRST_GROWTH_PCT)),
+                (false, false) => (0, budget.growth_pct()),
+            };
+            let ahead = w.memory_size().saturating_add(len.saturating_mul(per_row).saturating_mul(pct) / 100).saturating_add(open);
+            let Err(e) = budget.buffers.try_resize(ahead) else { break };
             let smallest = len == 1 || len.saturating_mul(per_row) <= MIN_STEP_BYTES;
             if w.in_progress_rows() > 0 && budget.worth_closing(w.memory_size()) {
                 budget.close(w)?;
             } else if budget.policy == WrittenMetadata::CountPastLimit
                 && budget.held.size() > 0
-                && budget.buffers.try_resize(ahead(&*w, len).saturating_sub(budget.held.size())).is_ok()
+                && budget.buffers.try_resize(ahead.saturating_sub(budget.held.size())).is_ok()
             {
-                budget.buffers.force_resize(ahead(&*w, len));
+                budget.buffers.force_resize(ahead);
                 break;
             } else if !smallest {
                 len /= 2;
             } else if w.in_progress_rows() > 0 {
                 budget.close(w)?;
+            } else if !bare {
+                bare = true;
             } else {
                 return Err(e.into());
             }
@@ -565,15 +668,27 @@ fn write_steps(w: &mut impl BatchSink, batch: &RecordBatch, opts: &WriteOptions,
             budget.before_close()?;
         }
         budget.note_peak();
+        let (before, opened) = (w.memory_size(), w.in_progress_rows() == 0);
         w.write(&batch.slice(at, len)).map_err(StepError::Parquet)?;
+        // A step that closed its row group shows nothing of what it added.
+        if w.in_progress_rows() > 0 {
+            budget.observe(len.saturating_mul(per_row), before, w.memory_size(), opened);
+        }
         budget.update(&*w);
         at += len;
         // Cut by the writer's whole buffered size (encoders and dictionaries included),
         // so its memory is bounded by about `row_group_bytes` + one step. When encoding
-        // took more than the step budgeted and the limit refuses it, a row group worth
-        // closing is closed; a smaller one stays open and the bytes, which exist, are
-        // counted past the limit (the next step's budget then closes or shrinks).
-        if w.memory_size() >= opts.row_group_bytes || (budget.buffers.try_resize(w.memory_size()).is_err() && budget.worth_closing(w.memory_size())) {
+        // took more than the step budgeted and the limit refuses it, the bytes, which exist,
+        // are counted past the limit first (so the high-water mark shows them), then a row
+        // group worth closing is closed; a smaller one stays open (the next step's budget
+        // then closes or shrinks).
+        let buffered = w.memory_size();
+        let over = budget.buffers.try_resize(buffered).is_err();
+        if over {
+            budget.buffers.force_resize(buffered);
+            budget.note_peak();
+        }
+        if buffered >= opts.row_group_bytes || (over && budget.worth_closing(buffered)) {
             budget.close(w)?;
         }
         budget.buffers.force_resize(w.memory_size());
@@ -608,10 +723,11 @@ pub struct StepStats {
 }
 
 impl<W: std::io::Write + Send> StepWriter<W> {
-    /// An `ArrowWriter` over `sink` for batches of `schema`, with `props`; `opts` gives the
-    /// byte cut, the rows a step takes at most, and the cancel token (its `row_group_rows`
-    /// is taken from `props`, its `encode_threads` is not used: one thread). `path` names
-    /// the file in errors.
+    /// An `ArrowWriter` over `sink` for batches of `schema`, with `props` (dictionaries of
+    /// fixed-width columns turned off when their tables do not fit the room left under the
+    /// limit, [`fit_dictionaries`]); `opts` gives the byte cut, the rows a step takes at
+    /// most, and the cancel token (its `row_group_rows` is taken from `props`, its
+    /// `encode_threads` is not used: one thread). `path` names the file in errors.
     ///
     /// # Errors
     /// [`StepError::Parquet`] when the schema cannot be written as Parquet.
@@ -627,7 +743,8 @@ impl<W: std::io::Write + Send> StepWriter<W> {
         path: &Path,
     ) -> Result<Self, StepError> {
         opts.row_group_rows = props.max_row_group_row_count().unwrap_or(usize::MAX).max(1);
-        let budget = Budget::new(ctl, table, &schema, policy);
+        let props = fit_dictionaries(props, &schema, ctl.limit().saturating_sub(ctl.used()));
+        let budget = Budget::new(ctl, table, &schema, &props, policy);
         let w = ArrowWriter::try_new(sink, schema, Some(props)).map_err(StepError::Parquet)?;
         Ok(Self { w: SingleWriter { w, max_rows: opts.row_group_rows }, opts, budget, path: path.to_path_buf() })
     }

@@ -215,7 +215,11 @@ fn refused_buffer_growth_cuts_row_groups_early() {
         let got = arrow_select::concat::concat_batches(&schema(), &read_all(&dir.path().join("f.parquet"))).unwrap();
         assert_eq!(got, want, "{threads} threads");
         assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0);
-        assert!(ctl.category_peak(Category::WriteBuffers) <= 256 << 10, "{}", ctl.category_peak(Category::WriteBuffers));
+        // Counted as they exist: past the room by at most what one step's buffers grew beyond
+        // its budget (they grow by doubling). Before, the four fixed-width columns' dictionary
+        // tables (296 KB) were made in 256 KiB of room and went uncounted; now they are not made.
+        assert!(ctl.category_peak(Category::WriteBuffers) <= 2 * (256 << 10), "{}", ctl.category_peak(Category::WriteBuffers));
+        assert_eq!(dictionary_pages(&dir.path().join("f.parquet")), 0, "{threads} threads");
     }
     // No room at all: a typed memory error, nothing left behind.
     held.try_resize((4 << 20) - 1024).unwrap();
@@ -768,10 +772,14 @@ fn wide(columns: usize, rows: i64) -> RecordBatch {
 /// A 64-column table written with 1 MiB of room, where each row group's metadata (64 KiB,
 /// [`WRITTEN_CHUNK_BYTES`] a column chunk) is a large share of the room: every row is written,
 /// on one thread and two; what the writer keeps of its written row groups is counted, past
-/// the room by at most that metadata (the peak of `write_buffers`), where it went uncounted
-/// before (the peak was the room exactly); the steps do not shrink for it, so the file has
-/// about as many row groups as then (11; shrinking steps for the metadata wrote 102, each
-/// adding metadata); and all of it is released at the close.
+/// the room by at most that metadata plus one step's growth of the open row group's buffers
+/// (they grow by doubling, so a step can add what the row group held: at most the room), where
+/// it went uncounted before; the steps do not shrink for it, so the file has a few more row
+/// groups than the 11 of steps budgeted at their Arrow bytes (shrinking steps for the
+/// metadata wrote 102, each adding metadata); and all of it is released at the close. The
+/// 64 dictionary tables (4.7 MB, [`DICTIONARY_TABLE_BYTES`] each) do not fit 1 MiB: the
+/// columns are written plain. Before, they were made and went uncounted: the writer held
+/// 6.8 MB while `write_buffers` peaked at 1.56 MB.
 #[test]
 fn a_wide_table_under_a_tight_limit_counts_its_row_groups_metadata() {
     let b = wide(64, 20_000);
@@ -787,13 +795,14 @@ fn a_wide_table_under_a_tight_limit_counts_its_row_groups_metadata() {
         let path = dir.path().join("w.parquet");
         let groups = row_groups(&path);
         assert_eq!(groups.iter().sum::<i64>(), 20_000, "{threads} threads");
-        assert!((2..=16).contains(&groups.len()), "{threads} threads: {groups:?}");
+        assert!((2..=24).contains(&groups.len()), "{threads} threads: {groups:?}");
+        assert_eq!(dictionary_pages(&path), 0, "{threads} threads");
         assert_eq!(arrow_select::concat::concat_batches(&b.schema(), &read_all(&path)).unwrap(), b, "{threads} threads");
         assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0, "{threads} threads: released with the writer");
         // An `Int64` chunk's statistics add 16 bytes (min and max).
         let metadata = groups.len() * 64 * (WRITTEN_CHUNK_BYTES + 16);
         let peak = ctl.category_peak(Category::WriteBuffers);
-        assert!(peak > room && peak <= room + metadata, "{threads} threads: peak {peak}, room {room}, metadata {metadata}");
+        assert!(peak > room && peak <= 2 * room + metadata, "{threads} threads: peak {peak}, room {room}, metadata {metadata}");
     }
     assert_eq!(ctl.used(), held.size());
 }
@@ -846,7 +855,8 @@ fn step_writer_budgets_or_counts_written_row_groups_metadata() {
     }
     let refused_at = budgeted.budget.tally.bytes();
     assert!(refused_at <= 1 << 20, "the budgeted metadata stayed under the limit: {refused_at}");
-    assert!(refused_at > (1 << 20) - 4 * WRITTEN_CHUNK_BYTES, "refused only near the limit: {refused_at}");
+    // Each one-row row group opens a dictionary table, budgeted with its step.
+    assert!(refused_at > (1 << 20) - DICTIONARY_TABLE_BYTES - 4 * WRITTEN_CHUNK_BYTES, "refused only near the limit: {refused_at}");
     drop(budgeted);
     assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0);
     ctl.reset_peaks();
@@ -863,4 +873,67 @@ fn step_writer_budgets_or_counts_written_row_groups_metadata() {
     assert_eq!(row_groups(&path), vec![1; 2_000]);
     let sum: i64 = read_all(&path).iter().map(|r| r.column(0).as_any().downcast_ref::<Int64Array>().unwrap().values().iter().sum::<i64>()).sum();
     assert_eq!(sum, 1_999 * 2_000 / 2);
+}
+
+/// Column chunks of fixed-width physical types (not byte arrays) in the file at `path` that
+/// have a dictionary page.
+fn dictionary_pages(path: &Path) -> usize {
+    let r = ParquetRecordBatchReaderBuilder::try_new(fs::File::open(path).unwrap()).unwrap();
+    r.metadata()
+        .row_groups()
+        .iter()
+        .flat_map(parquet::file::metadata::RowGroupMetaData::columns)
+        .filter(|c| c.column_type() != parquet::basic::Type::BYTE_ARRAY && c.dictionary_page_offset().is_some())
+        .count()
+}
+
+/// A row group opens a dictionary table of exactly [`DICTIONARY_TABLE_BYTES`] for each
+/// `INT32`/`INT64`/`FLOAT`/`DOUBLE` column before any value (parquet's `Interner`), and none
+/// for byte-array or boolean columns (a boolean's bit buffer is 256 bytes). A file whose tables do not fit a quarter of the room
+/// left under the limit writes those columns without dictionaries; with room, it keeps them.
+#[test]
+fn an_open_row_groups_dictionary_tables_are_known_before_they_exist() {
+    use arrow_array::{BooleanArray, Date32Array, Float32Array, Float64Array};
+    let fixed: Vec<ArrayRef> = vec![
+        Arc::new(Int32Array::from(vec![None])),
+        Arc::new(Int64Array::from(vec![None])),
+        Arc::new(Float32Array::from(vec![None])),
+        Arc::new(Float64Array::from(vec![None])),
+        Arc::new(Date32Array::from(vec![None])),
+    ];
+    let growing: Vec<ArrayRef> = vec![Arc::new(StringArray::from(vec![None::<&str>])), Arc::new(BooleanArray::from(vec![None]))];
+    for (a, want) in fixed.into_iter().map(|a| (a, DICTIONARY_TABLE_BYTES)).chain(growing.into_iter().map(|a| (a, 0))) {
+        let schema = Arc::new(Schema::new(vec![Field::new("c", a.data_type().clone(), true)]));
+        let mut w = ArrowWriter::try_new(Vec::new(), Arc::clone(&schema), Some(data_file_properties(1 << 20).build())).unwrap();
+        w.write(&RecordBatch::try_new(Arc::clone(&schema), vec![Arc::clone(&a)]).unwrap()).unwrap();
+        if want > 0 {
+            assert_eq!(w.memory_size(), want, "{}", a.data_type());
+        } else {
+            assert!(w.memory_size() <= 256, "{}: {}", a.data_type(), w.memory_size());
+        }
+        let descr = parquet::arrow::ArrowSchemaConverter::new().convert(&schema).unwrap();
+        assert_eq!(dictionary_table_bytes(&descr, &data_file_properties(1 << 20).build()), want, "{}", a.data_type());
+    }
+    // 64 `Int64` columns and a string: 4.7 MB of tables, kept with 19 MB of room, not with 18.
+    let mut fields: Vec<Field> = (0..64).map(|c| Field::new(format!("c{c}"), DataType::Int64, false)).collect();
+    fields.push(Field::new("s", DataType::Utf8, false));
+    let schema = Schema::new(fields);
+    let tables = 64 * DICTIONARY_TABLE_BYTES;
+    let kept = fit_dictionaries(data_file_properties(1 << 20).build(), &schema, 4 * tables);
+    assert!(kept.dictionary_enabled(&parquet::schema::types::ColumnPath::from("c0")));
+    let plain = fit_dictionaries(data_file_properties(1 << 20).build(), &schema, 4 * tables - 4);
+    assert!(!plain.dictionary_enabled(&parquet::schema::types::ColumnPath::from("c63")));
+    assert!(plain.dictionary_enabled(&parquet::schema::types::ColumnPath::from("s")), "a string column keeps its dictionary");
+    // Written: with 64 MiB of room every chunk has a dictionary page; with 1 MiB, none does.
+    let b = wide(64, 5_000);
+    for (room, want) in [(64 << 20, 64), (1 << 20, 0)] {
+        let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(room), chunk_size: 64 << 10, ..ControllerConfig::default() }).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        write_data_file(&StdFs, dir.path(), "d.parquet", std::slice::from_ref(&b), &WriteOptions::default(), &ctl, None).unwrap();
+        let path = dir.path().join("d.parquet");
+        let groups = row_groups(&path).len();
+        assert_eq!(dictionary_pages(&path), want * groups, "room {room}");
+        assert_eq!(arrow_select::concat::concat_batches(&b.schema(), &read_all(&path)).unwrap(), b, "room {room}");
+        assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0);
+    }
 }

@@ -32,6 +32,10 @@ pub(crate) struct Shared {
     /// While a lower limit is being reached (`set_memory_limit`), writes already respect it
     /// (0: none pending) and flushes may still use the old limit.
     pub(crate) write_target: std::sync::atomic::AtomicUsize,
+    /// How many `set_memory_limit` calls have taken effect or begun a lowering; held while a
+    /// call applies its limit, so the last call wins (a lowering still waiting when a later
+    /// call comes is superseded and applies nothing).
+    limit_calls: Mutex<u64>,
     /// Write-ahead-log segment files the log has forgotten and that are still to be removed
     /// (see [`Shared::note_flushed`]).
     wal_cleanup: WalCleanup,
@@ -756,6 +760,7 @@ impl Engine {
             flushed: Mutex::new(HashMap::new()),
             closed: AtomicBool::new(false),
             write_target: std::sync::atomic::AtomicUsize::new(0),
+            limit_calls: Mutex::new(0),
             wal_cleanup: WalCleanup { pending: Mutex::new(Vec::new()), running: Mutex::new(()), queued: AtomicBool::new(false), runtime: writer.handle() },
             wal_pool: writer.wal_pool(),
             admitting: std::sync::atomic::AtomicUsize::new(0),
@@ -1199,21 +1204,38 @@ impl Engine {
     /// value; then it becomes the limit. It never waits on a flush lock, so a stuck disk cannot
     /// block it beyond that bound.
     ///
+    /// Calls from several threads apply in the order they begin, and the last one wins: a
+    /// raise ends a lowering still waiting, and a lowering still waiting when another call
+    /// begins applies nothing.
+    ///
     /// # Errors
     /// [`Error::Config`] when `bytes` is below two chunks; [`Error::MemoryLimit`] (with the
     /// figures reached) when memory in use is still above the new value after the wait — the
-    /// old limit then stays in force.
+    /// old limit then stays in force; [`Error::LimitSuperseded`] when a later call began while
+    /// this lowering waited (the later call's value is the one in force).
     pub fn set_memory_limit(&self, bytes: usize) -> Result<()> {
         let bytes = clamp_to_ram(bytes);
         let shared = &self.inner.shared;
         let ctl = &shared.ctl;
-        if bytes >= ctl.limit() {
-            return Ok(ctl.set_limit(bytes)?);
-        }
-        // Lowering: writes respect the new limit at once; the writer flushes down while the
-        // old limit still lets it build its batches; then the new limit takes over.
-        gritdb_memctl::MemoryController::check_limit_value(bytes, ctl.chunk_size())?;
-        shared.write_target.store(bytes, Ordering::Release);
+        let call = {
+            let mut calls = lock(&shared.limit_calls);
+            if bytes >= ctl.limit() {
+                ctl.set_limit(bytes)?;
+                // The last call wins: a lowering still waiting is superseded, and writes are
+                // no longer held to its value.
+                *calls += 1;
+                shared.write_target.store(0, Ordering::Release);
+                return Ok(());
+            }
+            // Lowering: writes respect the new limit at once; the writer flushes down while
+            // the old limit still lets it build its batches; then the new limit takes over.
+            gritdb_memctl::MemoryController::check_limit_value(bytes, ctl.chunk_size())?;
+            *calls += 1;
+            shared.write_target.store(bytes, Ordering::Release);
+            *calls
+        };
+        let superseded = || *lock(&shared.limit_calls) != call;
+        let superseded_error = || Error::LimitSuperseded { requested: bytes, limit: ctl.limit() };
         let deadline = deadline_after(shared.config.backpressure_timeout);
         // Every delta is sealed and flushed while the old limit still leaves the writer room
         // (a delta sealed under the old limit may need more than the new one allows).
@@ -1224,6 +1246,9 @@ impl Engine {
             }
         }
         let reached = loop {
+            if superseded() {
+                return Err(superseded_error());
+            }
             ctl.trim_free_chunks(0);
             // Done when what is in use, plus what the sealed deltas still need to be turned
             // into batches, fits the new limit (a staged file needs only the disk: a stuck
@@ -1239,19 +1264,26 @@ impl Engine {
                 break ctl.used() + self.inner.sealed_bytes() <= bytes;
             }
         };
-        shared.write_target.store(0, Ordering::Release);
-        if !reached {
-            // Name the category that holds the most, not the one a write would have needed.
-            let holder = Category::ALL.into_iter().max_by_key(|c| ctl.category_bytes(*c)).unwrap_or(Category::RowBlocks);
-            let e = ctl.limit_error(holder, (ctl.used() + self.inner.sealed_bytes()).saturating_sub(bytes));
-            tracing::warn!(target_limit = bytes, used = ctl.used(), "lowered limit not reached; the old limit stays");
-            return Err(e.into());
+        {
+            let calls = lock(&shared.limit_calls);
+            if *calls != call {
+                return Err(superseded_error());
+            }
+            shared.write_target.store(0, Ordering::Release);
+            if !reached {
+                // Name the category that holds the most, not the one a write would have needed.
+                let holder = Category::ALL.into_iter().max_by_key(|c| ctl.category_bytes(*c)).unwrap_or(Category::RowBlocks);
+                let e = ctl.limit_error(holder, (ctl.used() + self.inner.sealed_bytes()).saturating_sub(bytes));
+                tracing::warn!(target_limit = bytes, used = ctl.used(), "lowered limit not reached; the old limit stays");
+                return Err(e.into());
+            }
+            ctl.set_limit(bytes)?;
+            drop(calls);
         }
-        ctl.set_limit(bytes)?;
         // A reservation that checked the old limit just before the swap may have landed after
         // the check above; from now on none goes past the new limit, so `used` only falls:
-        // wait (bounded) until it is under.
-        while ctl.used() > bytes {
+        // wait (bounded) until it is under, or until a later call changes the limit again.
+        while ctl.used() > bytes && !superseded() {
             ctl.trim_free_chunks(0);
             self.inner.relieve_pressure(true);
             if !self.inner.wait_for_memory(deadline) {
@@ -1435,5 +1467,55 @@ mod tests {
         }
         assert!(waiter.join().unwrap(), "the waiter was woken by an admission's end, not its timeout");
         assert_eq!(shared.admitting(), 0);
+    }
+
+    /// The last `set_memory_limit` call wins. A lowering to 4 MiB waits while 12 MiB are held;
+    /// a raise to 32 MiB then takes effect at once, ends the wait (the lowering returns
+    /// `LimitSuperseded` and applies nothing, and writes are no longer held to 4 MiB), and once
+    /// the memory is given back the limit is still 32 MiB (it was 4 MiB: the waiting lowering
+    /// applied its value after the raise). A lowering superseded by a later lowering also
+    /// applies nothing; the later one's value is in force.
+    #[test]
+    fn a_later_limit_call_supersedes_a_lowering_still_waiting() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = EngineConfig::default().memory_limit(64 << 20).backpressure_timeout(Duration::from_mins(5));
+        let engine = Arc::new(Engine::open(dir.path(), config).unwrap());
+        let shared = Arc::clone(&engine.inner.shared);
+        for (later, want) in [(32 << 20, 32 << 20), (16 << 20, 16 << 20)] {
+            engine.set_memory_limit(64 << 20).unwrap();
+            let mut held = gritdb_memctl::Reservation::new(&shared.ctl, Category::ScanBuffers, None);
+            held.try_resize(12 << 20).unwrap();
+            let calls = *lock(&shared.limit_calls);
+            let lowering = std::thread::spawn({
+                let engine = Arc::clone(&engine);
+                move || engine.set_memory_limit(4 << 20)
+            });
+            // Waiting: its call counted and writes held to 4 MiB.
+            let start = Instant::now();
+            while *lock(&shared.limit_calls) == calls || shared.write_target.load(Ordering::Acquire) != 4 << 20 {
+                assert!(start.elapsed() < Duration::from_mins(1), "the lowering never began");
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            assert!(!lowering.is_finished(), "12 MiB held: the lowering to 4 MiB waits");
+            let begun = Instant::now();
+            // A raise to 32 MiB; a lowering to 16 MiB, which the 12 MiB held fit: both apply
+            // at once.
+            engine.set_memory_limit(later).unwrap();
+            assert_eq!(shared.ctl.limit(), later);
+            match lowering.join().unwrap() {
+                // The limit in force when it returned: the raise had applied before it began
+                // to count; a later lowering may apply just after.
+                Err(Error::LimitSuperseded { requested, limit }) => {
+                    assert_eq!(requested, 4 << 20);
+                    assert!(limit == want || (later < 64 << 20 && limit == 64 << 20), "{limit}");
+                }
+                other => panic!("expected LimitSuperseded, got {other:?}"),
+            }
+            assert!(begun.elapsed() < Duration::from_mins(1), "the superseded lowering returned without waiting out its timeout");
+            assert_eq!(shared.write_target.load(Ordering::Acquire), 0, "writes are no longer held to 4 MiB");
+            drop(held);
+            std::thread::sleep(Duration::from_millis(50));
+            assert_eq!(shared.ctl.limit(), want, "the later call's value stays in force");
+        }
     }
 }

@@ -33,6 +33,19 @@ pub enum Error {
     /// Another memory-controller error (configuration, injected fault).
     #[error(transparent)]
     Memory(MemoryError),
+    /// A lowering of the limit (`Engine::set_memory_limit`) was still waiting for memory to
+    /// be given back when a later call began; the later call wins and this one applied
+    /// nothing.
+    #[error(
+        "memory limit change to {} superseded by a later set_memory_limit call before it took effect; the limit is {}",
+        format_bytes(*requested), format_bytes(*limit)
+    )]
+    LimitSuperseded {
+        /// The limit this call asked for, in bytes.
+        requested: usize,
+        /// The limit in force when this call returned, in bytes.
+        limit: usize,
+    },
     /// A table name is not acceptable.
     #[error("invalid table name {name:?}: {reason}")]
     InvalidTableName {

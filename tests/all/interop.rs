@@ -637,3 +637,74 @@ fn export_steps_keep_the_writer_near_its_byte_cut() {
     assert_eq!(file_totals(&path), (expected, stats.row_groups));
     engine.close().unwrap();
 }
+
+/// A table of 64 columns holding keys `0..rows`, flushed: `k` the key, 39 `Int64` columns
+/// `k * c` (c = 1..=39) and 24 `Utf8` columns `"v{k}"`.
+fn wide_table(engine: &Engine, rows: i64) -> Table {
+    use arrow::array::{ArrayRef, Int64Array, StringArray};
+    use arrow::datatypes::{DataType, Field, Schema};
+    let mut fields: Vec<Field> = (0..40).map(|c| Field::new(if c == 0 { "k".to_string() } else { format!("c{c}") }, DataType::Int64, false)).collect();
+    fields.extend((40..64).map(|c| Field::new(format!("s{c}"), DataType::Utf8, false)));
+    let schema = Arc::new(Schema::new(fields));
+    let t = engine.create_table("wide", Arc::clone(&schema), &["k"]).unwrap();
+    for from in (0..rows).step_by(500) {
+        let keys = from..(from + 500).min(rows);
+        let mut cols: Vec<ArrayRef> = (0..40i64).map(|c| Arc::new(Int64Array::from_iter_values(keys.clone().map(|k| k * c.max(1)))) as ArrayRef).collect();
+        cols.extend((40..64).map(|_| Arc::new(StringArray::from_iter_values(keys.clone().map(|k| format!("v{k}")))) as ArrayRef));
+        t.insert(&RecordBatch::try_new(Arc::clone(&schema), cols).unwrap()).unwrap();
+    }
+    t.flush().unwrap();
+    t
+}
+
+/// Rows, the sum of every `Int64` value, the total length of every string, and row groups
+/// of an exported file.
+fn wide_file_totals(path: &Path) -> (usize, i128, usize, usize) {
+    use arrow::array::AsArray;
+    use arrow::datatypes::DataType;
+    let builder = ParquetRecordBatchReaderBuilder::try_new(std::fs::File::open(path).unwrap()).unwrap();
+    let groups = builder.metadata().num_row_groups();
+    let (mut rows, mut sum, mut text) = (0, 0i128, 0);
+    for b in builder.build().unwrap() {
+        let b = b.unwrap();
+        rows += b.num_rows();
+        for c in b.columns() {
+            match c.data_type() {
+                DataType::Int64 => sum += c.as_primitive::<arrow::datatypes::Int64Type>().values().iter().map(|v| i128::from(*v)).sum::<i128>(),
+                _ => text += c.as_string::<i32>().iter().map(|v| v.map_or(0, str::len)).sum::<usize>(),
+            }
+        }
+    }
+    (rows, sum, text, groups)
+}
+
+/// Small scan batches do not make small row groups. A 64-column table at 16 MiB: the
+/// writer's 40 dictionary tables (3 MB, `DICTIONARY_TABLE_BYTES` each) filled the export's
+/// byte cut from the first row, so every scanned batch closed a row group; each kept ~64 KiB
+/// of metadata, and `batch_rows(16)` and smaller failed with `MemoryLimit` in
+/// `write_buffers` (fresh-clone trial). Now the tables are left out when they take more than
+/// a quarter of the cut, and the cut counts what a row group holds beyond them: every batch
+/// size writes the same few row groups, exactly, within the limit.
+#[test]
+fn small_export_batches_of_a_wide_table_make_few_row_groups() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let limit = 16 << 20;
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(limit)).unwrap();
+    let rows = 3_000i64;
+    let t = wide_table(&engine, rows);
+    // The key plus 39 columns of k * c (c = 1..=39): the sum of k times 1 + 39 * 40 / 2;
+    // "v{k}" is 1 + the digits of k long, in 24 columns.
+    let want_sum = i128::from(rows * (rows - 1) / 2) * (1 + 39 * 40 / 2);
+    let want_text = 24 * (0..rows).map(|k| 1 + k.to_string().len()).sum::<usize>();
+    for batch_rows in [8_192, 64, 16, 1] {
+        let path = out.path().join(format!("w{batch_rows}.parquet"));
+        let stats = t.export_parquet_with(&path, &ExportOptions::default().batch_rows(batch_rows)).unwrap_or_else(|e| panic!("batch_rows {batch_rows}: {e}"));
+        assert_eq!((stats.rows, stats.row_groups <= 4), (3_000, true), "batch_rows {batch_rows}: {stats:?}");
+        assert_eq!(wide_file_totals(&path), (3_000, want_sum, want_text, stats.row_groups), "batch_rows {batch_rows}");
+        assert!(stats.peak_buffer_bytes < limit / 2, "batch_rows {batch_rows}: {stats:?}");
+    }
+    assert_eq!(engine.memory().category_bytes(Category::WriteBuffers), 0);
+    assert!(engine.memory().peak() <= limit);
+    engine.close().unwrap();
+}

@@ -385,13 +385,15 @@ impl ThreadClock {
 }
 
 /// CPU time of every thread of this process, by thread id (Linux `/proc/self/task/<tid>/schedstat`,
-/// first field, nanoseconds), with each thread's name (`comm`). The process-wide
-/// `utime`/`stime` of `/proc/self/stat` count in clock ticks (10 ms), too coarse for a ~200 ms
-/// phase.
+/// first field, nanoseconds), with each thread's name (`comm`) and start time (`stat` field 22,
+/// clock ticks since boot). The process-wide `utime`/`stime` of `/proc/self/stat` count in
+/// clock ticks (10 ms), too coarse for a ~200 ms phase.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct ProcessClock {
-    /// tid -> (name, CPU nanoseconds).
-    threads: std::collections::BTreeMap<u64, (String, u64)>,
+    /// (tid, start time) -> (name, CPU nanoseconds). A thread id is reused once its thread
+    /// has ended (the kernel hands ids out cyclically up to `pid_max`, 32,768 here), so the
+    /// start time tells two threads of one id apart.
+    threads: std::collections::BTreeMap<(u64, u64), (String, u64)>,
 }
 
 impl ProcessClock {
@@ -402,27 +404,32 @@ impl ProcessClock {
         let texts = tasks.filter_map(|e| {
             let e = e.ok()?;
             let tid = e.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
             let name = std::fs::read_to_string(e.path().join("comm")).unwrap_or_default();
-            Some((tid, name, std::fs::read_to_string(e.path().join("schedstat")).ok()?))
+            Some((tid, start_ticks(&stat)?, name, std::fs::read_to_string(e.path().join("schedstat")).ok()?))
         });
         Some(Self::parse(texts))
     }
 
-    /// From `(tid, comm text, schedstat text)` triples; unparsable schedstat texts are left out.
-    fn parse(texts: impl IntoIterator<Item = (u64, String, String)>) -> Self {
-        let threads =
-            texts.into_iter().filter_map(|(tid, name, t)| Some((tid, (name.trim_end().to_owned(), t.split_whitespace().next()?.parse().ok()?)))).collect();
+    /// From `(tid, start time, comm text, schedstat text)`; unparsable schedstat texts are
+    /// left out.
+    fn parse(texts: impl IntoIterator<Item = (u64, u64, String, String)>) -> Self {
+        let threads = texts
+            .into_iter()
+            .filter_map(|(tid, start, name, t)| Some(((tid, start), (name.trim_end().to_owned(), t.split_whitespace().next()?.parse().ok()?))))
+            .collect();
         Self { threads }
     }
 
     /// CPU nanoseconds spent from `earlier` to `self`, summed by thread name: each thread's
-    /// growth, a thread born between the two counted from 0. A thread that ended between them
-    /// is missed (the engine's writer and WAL threads live as long as the engine; a scoped
-    /// encode thread of a flush on `flush_threads` would be missed).
+    /// growth, a thread born between the two counted from 0 (a reused thread id too: its
+    /// start time differs). A thread that ended between them is missed (the engine's writer
+    /// and WAL threads live as long as the engine; a scoped encode thread of a flush on
+    /// `flush_threads` would be missed).
     fn by_name_since(&self, earlier: &Self) -> std::collections::BTreeMap<String, u64> {
         let mut out = std::collections::BTreeMap::new();
-        for (tid, (name, ns)) in &self.threads {
-            let before = earlier.threads.get(tid).map_or(0, |&(_, ns)| ns);
+        for (id, (name, ns)) in &self.threads {
+            let before = earlier.threads.get(id).map_or(0, |&(_, ns)| ns);
             *out.entry(name.clone()).or_insert(0) += ns.saturating_sub(before);
         }
         out
@@ -432,6 +439,12 @@ impl ProcessClock {
     fn since(&self, earlier: &Self) -> u64 {
         self.by_name_since(earlier).values().sum()
     }
+}
+
+/// A thread's start time from its `/proc/.../stat` text: field 22, in clock ticks since boot
+/// (the fields counted after the name's closing parenthesis, as the name may hold spaces).
+fn start_ticks(stat: &str) -> Option<u64> {
+    stat[stat.rfind(')')? + 1..].split_whitespace().nth(19)?.parse().ok()
 }
 
 fn rate(rows: u64, secs: f64) -> f64 {
@@ -1251,7 +1264,7 @@ mod tests {
     /// work shows in the sum.
     #[test]
     fn process_clock_sums_every_threads_growth() {
-        let t = |triples: &[(u64, &str, &str)]| ProcessClock::parse(triples.iter().map(|&(tid, name, s)| (tid, name.to_owned(), s.to_owned())));
+        let t = |rows: &[(u64, &str, &str)]| ProcessClock::parse(rows.iter().map(|&(tid, name, s)| (tid, 7, name.to_owned(), s.to_owned())));
         let before = t(&[(1, "main\n", "1000 5 5\n"), (2, "gritdb-wal\n", "500 1 1\n"), (3, "gritdb-wal\n", "70 1 1\n"), (4, "x", "garbage")]);
         assert_eq!(before.threads.len(), 3);
         let after = t(&[(1, "main\n", "1600 5 5\n"), (2, "gritdb-wal\n", "530 1 1\n"), (5, "gritdb-wal\n", "40 1 1\n"), (6, "gritdb-writer", "9 1 1")]);
@@ -1260,6 +1273,13 @@ mod tests {
         assert_eq!(by_name.get("gritdb-wal"), Some(&(30 + 40)), "thread 3 went away, thread 5 was born");
         assert_eq!(by_name.get("gritdb-writer"), Some(&9));
         assert_eq!(after.since(&before), 600 + 70 + 9);
+        // Thread id 2 reused by a thread started later (the CI run's kernel wraps ids at
+        // 32,768): its 40 ns count from 0, not as 500 -> 40 (which read as 0 and failed the
+        // spawned-thread check below once in CI).
+        let reused = ProcessClock::parse([(2, 9, "gritdb-wal".to_owned(), "40 1 1".to_owned())]);
+        assert_eq!(reused.since(&before), 40);
+        let stat = "4242 (gritdb wal) S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 123456 20 21";
+        assert_eq!(start_ticks(stat), Some(123_456), "field 22, after a name with a space");
         if let Some(p0) = ProcessClock::read() {
             let (worked, wait) = (std::sync::mpsc::channel(), std::sync::mpsc::channel::<()>());
             let (worked_tx, release_rx) = (worked.0, wait.1);

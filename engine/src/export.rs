@@ -71,8 +71,9 @@ impl ExportOptions {
     }
 
     /// Close a row group once the Parquet writer buffers this many bytes
-    /// (`ArrowWriter::memory_size`: encoded pages, encoders, dictionaries), checked after each
-    /// step of at most a quarter of it (at least one row). Bounds the export's
+    /// (`ArrowWriter::memory_size`: encoded pages, encoders, dictionaries, less the
+    /// dictionary tables every row group opens with, which closing does not free), checked
+    /// after each step of at most a quarter of it (at least one row). Bounds the export's
     /// writer memory to about this plus one step, plus the metadata of the row groups already
     /// written (about [`crate::WRITTEN_CHUNK_BYTES`] a column chunk, kept until the file is
     /// closed and counted under `write_buffers` too). Default 32 MiB; at least 1 KiB. Under a
@@ -118,7 +119,8 @@ pub struct ExportStats {
     /// Highest reservation of the Parquet writer under `write_buffers`, in bytes: the open row
     /// group's buffers plus what the writer keeps of the row groups already written until the
     /// file is closed ([`crate::WRITTEN_CHUNK_BYTES`] a column chunk plus its statistics), and
-    /// the next step's estimate reserved before it is encoded. Never above the category's
+    /// the next step's estimate reserved before it is encoded, or what a step really made
+    /// when that was more (counted past the limit as it exists). Never above the category's
     /// high-water mark in `memory_report()`.
     pub peak_buffer_bytes: usize,
 }

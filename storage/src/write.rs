@@ -126,13 +126,14 @@ fn preallocates_dictionary(column: &parquet::schema::types::ColumnDescriptor) ->
     matches!(column.physical_type(), Type::INT32 | Type::INT64 | Type::FLOAT | Type::DOUBLE)
 }
 
-/// `props` for a file of `schema` whose writer may use `room` bytes (the room left under the
-/// limit, or the row-group byte cut when that is smaller): when the dictionary tables every
-/// row group opens ([`DICTIONARY_TABLE_BYTES`] a column) would take more than a quarter of
-/// `room`, those columns are written without dictionaries (plain encoding, a larger file)
-/// rather than hold memory past the limit or fill row groups with tables alone (a 64-column
-/// export cut at 4 MiB held 3.3 MB of them from its first row, so every step closed a row
-/// group and their metadata ran the export out of memory); otherwise `props` as given. Byte-array columns keep their dictionaries either way: they grow with their values,
+/// `props` for a file of `schema` written with `room` bytes free under the limit: when the
+/// dictionary tables every row group opens ([`DICTIONARY_TABLE_BYTES`] a column) would take
+/// more than a quarter of `room`, those columns are written without dictionaries (plain
+/// encoding, a larger file) rather than hold memory past the limit; otherwise `props` as
+/// given. The row-group byte cut does not weigh here: it counts what a row group holds beyond
+/// its tables (`write_steps`), and a wide table of few distinct values written plain needs
+/// far bigger reader pages (120 `Int64` columns of 1,000 values each: a scan asked 12 MiB
+/// where the dictionary-encoded files scanned at 8 MiB). Byte-array columns keep their dictionaries either way: they grow with their values,
 /// inside the step budget.
 pub fn fit_dictionaries(props: WriterProperties, schema: &arrow_schema::Schema, room: usize) -> WriterProperties {
     let Ok(descr) = parquet::arrow::ArrowSchemaConverter::new().convert(schema) else { return props };
@@ -346,8 +347,7 @@ pub fn write_data_file_from(
         let cancel = &opts.cancel;
         cancel.check().map_err(io(&tmp))?;
         let file = Recording { inner: vfs.create(&tmp).map_err(io(&tmp))?, seen: Arc::clone(&seen), cancel: cancel.clone(), crc: crc32fast::Hasher::new() };
-        let room = ctl.limit().saturating_sub(ctl.used()).min(opts.row_group_bytes);
-        let props = fit_dictionaries(data_file_properties(opts.row_group_rows).build(), schema, room);
+        let props = fit_dictionaries(data_file_properties(opts.row_group_rows).build(), schema, ctl.limit().saturating_sub(ctl.used()));
         let pq = |e: ParquetError| parquet_io(e, &tmp, &seen);
         // `ArrowWriter` builds the Parquet schema and adds the Arrow schema to the footer's
         // metadata in both paths, so their files are alike.
@@ -750,7 +750,7 @@ impl<W: std::io::Write + Send> StepWriter<W> {
         path: &Path,
     ) -> Result<Self, StepError> {
         opts.row_group_rows = props.max_row_group_row_count().unwrap_or(usize::MAX).max(1);
-        let props = fit_dictionaries(props, &schema, ctl.limit().saturating_sub(ctl.used()).min(opts.row_group_bytes));
+        let props = fit_dictionaries(props, &schema, ctl.limit().saturating_sub(ctl.used()));
         let budget = Budget::new(ctl, table, &schema, &props, policy);
         let w = ArrowWriter::try_new(sink, schema, Some(props)).map_err(StepError::Parquet)?;
         Ok(Self { w: SingleWriter { w, max_rows: opts.row_group_rows }, opts, budget, path: path.to_path_buf() })

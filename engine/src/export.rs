@@ -71,9 +71,9 @@ impl ExportOptions {
     }
 
     /// Close a row group once the Parquet writer buffers this many bytes
-    /// (`ArrowWriter::memory_size`: encoded pages, encoders, dictionaries, less the
-    /// dictionary tables every row group opens with, which closing does not free), checked
-    /// after each step of at most a quarter of it (at least one row). Bounds the export's
+    /// (`ArrowWriter::memory_size`: encoded pages, encoders, dictionaries; at least twice
+    /// the dictionary tables every row group opens with, which closing does not free),
+    /// checked after each step of at most a quarter of it (at least one row). Bounds the export's
     /// writer memory to about this plus one step, plus the metadata of the row groups already
     /// written (about [`crate::WRITTEN_CHUNK_BYTES`] a column chunk, kept until the file is
     /// closed and counted under `write_buffers` too). Default 32 MiB; at least 1 KiB. Under a

@@ -693,9 +693,10 @@ fn write_steps(w: &mut impl BatchSink, batch: &RecordBatch, opts: &WriteOptions,
             budget.buffers.force_resize(buffered);
             budget.note_peak();
         }
-        // The cut is by what the row group holds beyond the dictionary tables it opened with
-        // (closing does not free those: the next row group opens them again).
-        if buffered.saturating_sub(budget.opening) >= opts.row_group_bytes || (over && budget.worth_closing(buffered)) {
+        // The cut is at least twice the dictionary tables a row group opens with: closing
+        // does not free those (the next row group opens them again), so a cut they alone
+        // fill would close a row group at every step.
+        if buffered >= opts.row_group_bytes.max(2 * budget.opening) || (over && budget.worth_closing(buffered)) {
             budget.close(w)?;
         }
         budget.buffers.force_resize(w.memory_size());

@@ -623,9 +623,8 @@ fn an_export_of_more_row_groups_than_the_limit_holds_fails_typed() {
 
 /// The byte cut holds for whole default batches: the writer is fed steps of at most a quarter
 /// of `row_group_bytes`, so a 1 MiB cut over 8,192-row lineitem batches (about 2.5 MB of Arrow
-/// each) peaks near the cut plus the dictionary tables a row group opens with (which the cut
-/// leaves out: closing a row group does not free them; at most one per column of lineitem's
-/// 16, `DICTIONARY_TABLE_BYTES` each), where it reached 8.2 MB when a whole batch was one
+/// each) peaks near the cut plus one step, and at most the dictionary tables of lineitem's 16
+/// columns (`DICTIONARY_TABLE_BYTES` each: the cut is at least twice them), where it reached 8.2 MB when a whole batch was one
 /// step; and the reported peak is never above `write_buffers`' high-water mark.
 #[test]
 fn export_steps_keep_the_writer_near_its_byte_cut() {
@@ -685,7 +684,7 @@ fn wide_file_totals(path: &Path) -> (usize, i128, usize, usize) {
 /// byte cut from the first row, so every scanned batch closed a row group; each kept ~64 KiB
 /// of metadata, and `batch_rows(16)` and smaller failed with `MemoryLimit` in
 /// `write_buffers` (fresh-clone trial). Now the tables are left out when they take more than
-/// a quarter of the cut, and the cut counts what a row group holds beyond them: every batch
+/// a quarter of the room, and the cut is at least twice them: every batch
 /// size writes the same few row groups, exactly, within the limit.
 #[test]
 fn small_export_batches_of_a_wide_table_make_few_row_groups() {

@@ -136,8 +136,21 @@ fn preallocates_dictionary(column: &parquet::schema::types::ColumnDescriptor) ->
 /// where the dictionary-encoded files scanned at 8 MiB). Byte-array columns keep their dictionaries either way: they grow with their values,
 /// inside the step budget.
 pub fn fit_dictionaries(props: WriterProperties, schema: &arrow_schema::Schema, room: usize) -> WriterProperties {
-    let Ok(descr) = parquet::arrow::ArrowSchemaConverter::new().convert(schema) else { return props };
-    if dictionary_table_bytes(&descr, &props) <= room / 4 {
+    match parquet_schema(schema) {
+        Some(descr) => fit_dictionaries_of(props, &descr, room),
+        None => props,
+    }
+}
+
+/// `schema`'s Parquet descriptor as `ArrowWriter` converts it; `None` when it cannot be
+/// converted (the writer then fails with the reason).
+fn parquet_schema(schema: &arrow_schema::Schema) -> Option<parquet::schema::types::SchemaDescriptor> {
+    parquet::arrow::ArrowSchemaConverter::new().convert(schema).ok()
+}
+
+/// [`fit_dictionaries`] for a schema already converted to its Parquet descriptor.
+fn fit_dictionaries_of(props: WriterProperties, descr: &parquet::schema::types::SchemaDescriptor, room: usize) -> WriterProperties {
+    if dictionary_table_bytes(descr, &props) <= room / 4 {
         return props;
     }
     let mut builder = props.into_builder();
@@ -172,8 +185,13 @@ impl FooterTally {
     /// For a writer of `schema` (its Parquet leaf columns, as `ArrowWriter` converts it;
     /// the top-level fields when it cannot be converted).
     pub fn new(schema: &arrow_schema::Schema) -> Self {
-        let leaves = parquet::arrow::ArrowSchemaConverter::new().convert(schema).map_or(schema.fields().len(), |d| d.num_columns());
-        Self { groups: 0, bytes: 0, leaves }
+        Self::of(schema, parquet_schema(schema).as_ref())
+    }
+
+    /// [`Self::new`] with `schema`'s Parquet descriptor already converted (`None`: it cannot
+    /// be).
+    fn of(schema: &arrow_schema::Schema, descr: Option<&parquet::schema::types::SchemaDescriptor>) -> Self {
+        Self { groups: 0, bytes: 0, leaves: descr.map_or(schema.fields().len(), parquet::schema::types::SchemaDescriptor::num_columns) }
     }
 
     /// Counts the row groups of `flushed` (a writer's `flushed_row_groups()`, which only
@@ -347,11 +365,10 @@ pub fn write_data_file_from(
         let cancel = &opts.cancel;
         cancel.check().map_err(io(&tmp))?;
         let file = Recording { inner: vfs.create(&tmp).map_err(io(&tmp))?, seen: Arc::clone(&seen), cancel: cancel.clone(), crc: crc32fast::Hasher::new() };
-        let props = fit_dictionaries(data_file_properties(opts.row_group_rows).build(), schema, ctl.limit().saturating_sub(ctl.used()));
+        let (mut budget, props) = Budget::for_file(ctl, table, schema, data_file_properties(opts.row_group_rows).build(), WrittenMetadata::CountPastLimit);
         let pq = |e: ParquetError| parquet_io(e, &tmp, &seen);
         // `ArrowWriter` builds the Parquet schema and adds the Arrow schema to the footer's
         // metadata in both paths, so their files are alike.
-        let mut budget = Budget::new(ctl, table, schema, &props, WrittenMetadata::CountPastLimit);
         let writer = ArrowWriter::try_new(file, Arc::clone(schema), Some(props)).map_err(pq)?;
         let file = if opts.encode_threads > 1 && !schema.fields().is_empty() {
             let (fw, factory) = writer.into_serialized_writer().map_err(pq)?;
@@ -531,23 +548,32 @@ struct Budget {
 }
 
 impl Budget {
-    fn new(
+    /// The budget of a file of `schema` written with `props`, and `props` fitted to the room
+    /// left under `ctl`'s limit now ([`fit_dictionaries`]): the schema is converted to its
+    /// Parquet descriptor once for the fitting, the dictionary tables and the footer tally.
+    fn for_file(
         ctl: &Arc<MemoryController>,
         table: Option<&TableAccount>,
         schema: &arrow_schema::Schema,
-        props: &WriterProperties,
+        props: WriterProperties,
         policy: WrittenMetadata,
-    ) -> Self {
-        let opening = parquet::arrow::ArrowSchemaConverter::new().convert(schema).map_or(0, |d| dictionary_table_bytes(&d, props));
-        Self {
+    ) -> (Self, WriterProperties) {
+        let descr = parquet_schema(schema);
+        let props = match &descr {
+            Some(d) => fit_dictionaries_of(props, d, ctl.limit().saturating_sub(ctl.used())),
+            None => props,
+        };
+        let opening = descr.as_ref().map_or(0, |d| dictionary_table_bytes(d, &props));
+        let budget = Self {
             buffers: Reservation::new(ctl, Category::WriteBuffers, table),
-            tally: FooterTally::new(schema),
+            tally: FooterTally::of(schema, descr.as_ref()),
             held: Reservation::new(ctl, Category::WriteBuffers, table),
             policy,
             opening,
             growth: None,
             peak: 0,
-        }
+        };
+        (budget, props)
     }
 
     /// What the next step is budgeted at, in percent of its Arrow bytes: the most a step of
@@ -751,8 +777,7 @@ impl<W: std::io::Write + Send> StepWriter<W> {
         path: &Path,
     ) -> Result<Self, StepError> {
         opts.row_group_rows = props.max_row_group_row_count().unwrap_or(usize::MAX).max(1);
-        let props = fit_dictionaries(props, &schema, ctl.limit().saturating_sub(ctl.used()));
-        let budget = Budget::new(ctl, table, &schema, &props, policy);
+        let (budget, props) = Budget::for_file(ctl, table, &schema, props, policy);
         let w = ArrowWriter::try_new(sink, schema, Some(props)).map_err(StepError::Parquet)?;
         Ok(Self { w: SingleWriter { w, max_rows: opts.row_group_rows }, opts, budget, path: path.to_path_buf() })
     }

@@ -47,6 +47,26 @@ pub fn rename_may_have_happened(from: &Path) -> bool {
     !matches!(from.try_exists(), Ok(true))
 }
 
+/// Writes all of `bufs` to `file` in order, with as few vectored writes (`writev`) as the
+/// file takes: `std::io::Write::write_all_vectored` is not stable. `bufs` is consumed (its
+/// slices are advanced past what was written).
+///
+/// # Errors
+/// The first write error other than `Interrupted`; `WriteZero` when a write takes nothing.
+/// Part of `bufs` may have been written.
+pub fn write_all_vectored(file: &mut dyn VfsFile, mut bufs: &mut [io::IoSlice<'_>]) -> io::Result<()> {
+    io::IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        match file.write_vectored(bufs) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "failed to write the whole record")),
+            Ok(n) => io::IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 /// The real file system.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct StdFs;
@@ -56,6 +76,9 @@ struct StdFile(fs::File);
 impl Write for StdFile {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         self.0.write(buf)
+    }
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        self.0.write_vectored(bufs)
     }
     fn flush(&mut self) -> io::Result<()> {
         self.0.flush()
@@ -234,6 +257,10 @@ impl Write for FaultFile {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         self.fs.step(FsOp::Write, &self.path)?;
         self.inner.write(buf)
+    }
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        self.fs.step(FsOp::Write, &self.path)?;
+        self.inner.write_vectored(bufs)
     }
     fn flush(&mut self) -> io::Result<()> {
         self.inner.flush()

@@ -36,11 +36,10 @@ use crate::error::{StorageError, io};
 use crate::vfs::{Vfs, VfsFile};
 use arrow_array::RecordBatch;
 use arrow_ipc::reader::StreamReader;
-use arrow_ipc::writer::StreamWriter;
+use arrow_ipc::writer::StreamEncoder;
 use gritdb_memctl::{Category, MemoryController, Reservation};
 use std::collections::HashMap;
 use std::fs;
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -166,21 +165,40 @@ impl Inner {
     }
 }
 
-/// One WAL record encoded ahead of its append ([`Wal::encode_record`]): the frame, the
-/// payload header and the batch as an Arrow IPC stream in one buffer reserved under
-/// `write_buffers` while it exists. The table id and sequence numbers are filled in, and the
-/// checksum completed, by [`Wal::append_record`]; encoding can thus run before the write is
-/// checked and numbered (the engine does it beside its key checks).
+/// One WAL record encoded ahead of its append ([`Wal::encode_record`]): the frame and the
+/// payload header in a small buffer of their own, then the batch as an Arrow IPC stream in
+/// the buffers `arrow_ipc::writer::StreamEncoder` gives (the stream's metadata and padding,
+/// and the column buffers themselves: slices of the batch's arrays, or of their compact copy
+/// for the log, not copies), written with one vectored `write`. Reserved under
+/// `write_buffers` while it exists: the compact copy, and every IPC buffer's length (the
+/// slices of the caller's arrays too, which over-counts them: the encoder's own allocations,
+/// e.g. re-based offsets of a sliced array, cannot be told apart). The table id and sequence
+/// numbers are filled in, and the checksum completed, by [`Wal::append_record`]; encoding can
+/// thus run before the write is checked and numbered (the engine does it beside its key
+/// checks).
 pub struct EncodedRecord {
-    buf: Vec<u8>,
-    res: Reservation,
+    /// The frame (length, checksum) and the payload header (op, table, sequence numbers).
+    head: [u8; HEADER + PAYLOAD_HEADER],
+    /// The Arrow IPC stream, in order.
+    ipc: Vec<arrow_buffer::Buffer>,
+    /// Bytes of `ipc`.
+    ipc_len: usize,
+    /// Held until the record is dropped (written or not).
+    _res: Reservation,
     /// Checksum state of the IPC part (everything after the payload header).
     ipc_crc: crc32fast::Hasher,
 }
 
+impl EncodedRecord {
+    /// The record's bytes on disk.
+    fn len(&self) -> usize {
+        HEADER + PAYLOAD_HEADER + self.ipc_len
+    }
+}
+
 impl std::fmt::Debug for EncodedRecord {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EncodedRecord").field("bytes", &self.buf.len()).finish_non_exhaustive()
+        f.debug_struct("EncodedRecord").field("bytes", &self.len()).finish_non_exhaustive()
     }
 }
 
@@ -378,32 +396,35 @@ impl Wal {
         // it is reserved column by column before each part is allocated.
         let compact = compact_for_log(batch, &mut res)?;
         let batch = compact.as_ref().unwrap_or(batch);
-        // A slice's own rows, not its parent's buffers (the IPC writer writes only the slice).
-        let estimate = HEADER + PAYLOAD_HEADER + crate::batch_bytes(batch) + 1024;
-        res.try_grow(estimate)?;
-        let mut buf = Vec::with_capacity(estimate);
-        buf.extend_from_slice(&[0; HEADER]);
-        buf.push(match op {
-            WalOp::Put => 1,
-            WalOp::Delete => 2,
-        });
-        // Table id, first and last sequence number: filled in by `append_record`.
-        buf.extend_from_slice(&[0; PAYLOAD_HEADER - 1]);
-        {
-            let mut w = StreamWriter::try_new(&mut buf, batch.schema_ref())?;
-            w.write(batch)?;
-            w.finish()?;
-        }
+        // A slice's own rows, not its parent's buffers (the IPC encoder encodes only the
+        // slice). The encoder's own allocations (its metadata, re-based offsets and shifted
+        // bitmaps of sliced arrays) are budgeted before it runs, at the batch's bytes.
+        let compacted = res.size();
+        res.try_grow(crate::batch_bytes(batch) + 1024)?;
+        let mut enc = StreamEncoder::try_new(batch.schema_ref())?;
+        let mut ipc = enc.encode(batch)?;
+        ipc.extend(enc.finish()?);
         drop(compact);
-        res.try_resize(buf.capacity())?;
-        let len = u32::try_from(buf.len() - HEADER).map_err(|_| StorageError::Io {
+        let ipc_len = ipc.iter().map(arrow_buffer::Buffer::len).sum::<usize>();
+        // What the record holds until it is written: the compact copy (its arrays stay alive
+        // in `ipc`) and the IPC buffers.
+        res.try_resize(compacted + ipc_len)?;
+        let len = u32::try_from(PAYLOAD_HEADER + ipc_len).map_err(|_| StorageError::Io {
             path: self.dir.clone(),
             source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "WAL record above 4 GiB; write smaller batches"),
         })?;
-        buf[..4].copy_from_slice(&len.to_le_bytes());
+        let mut head = [0; HEADER + PAYLOAD_HEADER];
+        head[..4].copy_from_slice(&len.to_le_bytes());
+        head[HEADER] = match op {
+            WalOp::Put => 1,
+            WalOp::Delete => 2,
+        };
+        // Table id, first and last sequence number: filled in by `append_record`.
         let mut ipc_crc = crc32fast::Hasher::new();
-        ipc_crc.update(&buf[HEADER + PAYLOAD_HEADER..]);
-        Ok(EncodedRecord { buf, res, ipc_crc })
+        for b in &ipc {
+            ipc_crc.update(b.as_slice());
+        }
+        Ok(EncodedRecord { head, ipc, ipc_len, _res: res, ipc_crc })
     }
 
     /// Appends one record; with [`WalSync::PerBatch`] it is fsynced before this returns.
@@ -424,21 +445,26 @@ impl Wal {
     /// # Errors
     /// [`StorageError::Io`] (the record may be partly written: recovery drops a torn tail).
     pub fn append_record(&self, mut rec: EncodedRecord, table: u64, first_seq: u64, last_seq: u64) -> Result<(), StorageError> {
-        let head = &mut rec.buf[HEADER + 1..HEADER + PAYLOAD_HEADER];
+        let head = &mut rec.head[HEADER + 1..];
         head[..8].copy_from_slice(&table.to_le_bytes());
         head[8..16].copy_from_slice(&first_seq.to_le_bytes());
         head[16..].copy_from_slice(&last_seq.to_le_bytes());
         let mut crc = crc32fast::Hasher::new();
-        crc.update(&rec.buf[HEADER..HEADER + PAYLOAD_HEADER]);
+        crc.update(&rec.head[HEADER..]);
         crc.combine(&rec.ipc_crc);
         let crc = crc.finalize();
-        rec.buf[4..HEADER].copy_from_slice(&crc.to_le_bytes());
-        let result = self.write_record(&rec.buf, table, last_seq);
-        drop(rec.res);
+        rec.head[4..HEADER].copy_from_slice(&crc.to_le_bytes());
+        let mut parts = Vec::with_capacity(1 + rec.ipc.len());
+        parts.push(std::io::IoSlice::new(&rec.head));
+        parts.extend(rec.ipc.iter().map(|b| std::io::IoSlice::new(b.as_slice())));
+        let result = self.write_record(&mut parts, rec.len(), table, last_seq);
+        drop(parts);
+        drop(rec);
         result
     }
 
-    fn write_record(&self, record: &[u8], table: u64, last_seq: u64) -> Result<(), StorageError> {
+    /// Writes one record of `len` bytes, given as `parts` in order (consumed by the write).
+    fn write_record(&self, parts: &mut [std::io::IoSlice<'_>], len: usize, table: u64, last_seq: u64) -> Result<(), StorageError> {
         let mut g = self.lock();
         g.refuse_if_failed()?;
         if g.active.as_ref().is_some_and(|a| a.seg.bytes >= SEGMENT_BYTES) {
@@ -477,7 +503,7 @@ impl Wal {
         }
         let a = g.active.as_mut().expect("active segment just ensured"); // infallible
         let good = a.seg.bytes;
-        let mut res = a.file.write_all(record);
+        let mut res = crate::vfs::write_all_vectored(a.file.as_mut(), parts);
         if res.is_ok() && self.sync == WalSync::PerBatch {
             res = a.file.sync_all();
         }
@@ -502,7 +528,7 @@ impl Wal {
             }
             return Err(StorageError::Io { path, source: e });
         }
-        a.seg.bytes += record.len() as u64;
+        a.seg.bytes += len as u64;
         let e = a.seg.max_seq.entry(table).or_insert(0);
         *e = (*e).max(last_seq);
         if self.sync == WalSync::Relaxed {
@@ -1112,8 +1138,118 @@ mod tests {
     use super::*;
     use crate::vfs::StdFs;
     use arrow_array::{Array, Int32Array, StringViewArray};
+    use arrow_ipc::writer::StreamWriter;
     use arrow_schema::{DataType, Field, Schema};
     use gritdb_memctl::ControllerConfig;
+
+    /// The batch as `StreamWriter` writes it, after the log's compact copy.
+    fn stream_writer_bytes(batch: &RecordBatch) -> Vec<u8> {
+        let mut res = Reservation::new(&MemoryController::new(ControllerConfig::default()).unwrap(), Category::WriteBuffers, None);
+        let compact = compact_for_log(batch, &mut res).unwrap();
+        let batch = compact.as_ref().unwrap_or(batch);
+        let mut out = Vec::new();
+        let mut w = StreamWriter::try_new(&mut out, batch.schema_ref()).unwrap();
+        w.write(batch).unwrap();
+        w.finish().unwrap();
+        out
+    }
+
+    /// A record written from the IPC encoder's buffers with vectored writes holds exactly the
+    /// bytes `StreamWriter` wrote into one buffer before: full, sliced (at bit and byte
+    /// offsets, so offsets are re-based and bitmaps shifted), empty, with nulls, views,
+    /// decimals and a dictionary column. The segment is the frame, the payload header and
+    /// those bytes, one record after the other, and replays to the same rows; the write
+    /// buffers come back to the byte.
+    #[test]
+    fn a_record_written_in_parts_is_byte_for_byte_the_ipc_stream() {
+        use arrow_array::{Decimal128Array, DictionaryArray, Int64Array, StringArray, types::Int16Type};
+        let dir = tempfile::tempdir().unwrap();
+        let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(64 << 20), ..ControllerConfig::default() }).unwrap();
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("k", DataType::Int64, false),
+            Field::new("s", DataType::Utf8, true),
+            Field::new("v", DataType::Utf8View, true),
+            Field::new("d", DataType::Decimal128(12, 2), true),
+            Field::new("e", DataType::Dictionary(Box::new(DataType::Int16), Box::new(DataType::Utf8)), true),
+        ]));
+        let n = 5000;
+        let strings: Vec<Option<String>> = (0..n).map(|i| (i % 7 != 0).then(|| format!("value-{}", "x".repeat(i % 40)))).collect();
+        let dict: DictionaryArray<Int16Type> = (0..n).map(|i| (i % 5 != 0).then(|| ["a", "bb", "ccc"][i % 3])).collect();
+        let batch = RecordBatch::try_new(
+            Arc::clone(&schema),
+            vec![
+                Arc::new(Int64Array::from_iter_values(0..n as i64)),
+                Arc::new(strings.iter().cloned().collect::<StringArray>()),
+                Arc::new(strings.iter().cloned().collect::<StringViewArray>()),
+                Arc::new((0..n).map(|i| (i % 11 != 0).then_some(i as i128 * 7)).collect::<Decimal128Array>().with_precision_and_scale(12, 2).unwrap()),
+                Arc::new(dict),
+            ],
+        )
+        .unwrap();
+        let wal = Wal::open(dir.path(), Arc::new(StdFs), WalSync::PerBatch, &ctl, |_| Ok::<(), StorageError>(())).unwrap();
+        let buffers = |ctl: &Arc<MemoryController>| ctl.report().categories.iter().find(|c| c.category == Category::WriteBuffers).unwrap().bytes;
+        let before = buffers(&ctl);
+        let parts = [batch.clone(), batch.slice(3, 1000), batch.slice(8, 4000), batch.slice(4999, 1), batch.slice(10, 0)];
+        let mut want = Vec::new();
+        for (i, b) in parts.iter().enumerate() {
+            let ipc = stream_writer_bytes(b);
+            let seq = i as u64 * 10_000 + 1;
+            wal.append(WalOp::Put, 3, seq, seq + b.num_rows().max(1) as u64 - 1, b).unwrap();
+            want.push(ipc);
+        }
+        assert_eq!(buffers(&ctl), before, "every record's reservation is released after its append");
+        drop(wal);
+        let seg = std::fs::read(dir.path().join(seg_name(1))).unwrap();
+        let mut at = 0;
+        for (i, ipc) in want.iter().enumerate() {
+            let len = u32::from_le_bytes(seg[at..at + 4].try_into().unwrap()) as usize;
+            assert_eq!(len, PAYLOAD_HEADER + ipc.len(), "record {i}'s length");
+            assert_eq!(&seg[at + HEADER + PAYLOAD_HEADER..at + HEADER + len], &ipc[..], "record {i}'s IPC bytes");
+            at += HEADER + len;
+        }
+        assert_eq!(at, seg.len(), "nothing but the records");
+        let recs = replayed(dir.path(), &ctl);
+        assert_eq!(recs.len(), parts.len());
+        for (rec, b) in recs.iter().zip(&parts) {
+            assert_eq!(&rec.batch_as(&schema).unwrap(), b);
+        }
+    }
+
+    /// A file that takes a vectored write a few bytes at a time still gets the whole record,
+    /// in order; one that takes nothing is `WriteZero`, not a loop.
+    #[test]
+    fn a_vectored_record_is_written_whole_through_short_writes() {
+        struct Short(Vec<u8>, usize);
+        impl std::io::Write for Short {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                let n = buf.len().min(self.1);
+                self.0.extend_from_slice(&buf[..n]);
+                Ok(n)
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        impl VfsFile for Short {
+            fn sync_all(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+            fn len(&self) -> std::io::Result<u64> {
+                Ok(self.0.len() as u64)
+            }
+        }
+        let parts: Vec<Vec<u8>> = vec![vec![1; 5], vec![], vec![2; 17], vec![3; 1], vec![4; 40]];
+        let want: Vec<u8> = parts.concat();
+        for step in [1, 3, 7, 64] {
+            let mut f = Short(Vec::new(), step);
+            let mut slices: Vec<std::io::IoSlice<'_>> = parts.iter().map(|p| std::io::IoSlice::new(p)).collect();
+            crate::vfs::write_all_vectored(&mut f, &mut slices).unwrap();
+            assert_eq!(f.0, want, "{step} bytes a write");
+        }
+        let mut f = Short(Vec::new(), 0);
+        let mut slices: Vec<std::io::IoSlice<'_>> = parts.iter().map(|p| std::io::IoSlice::new(p)).collect();
+        assert_eq!(crate::vfs::write_all_vectored(&mut f, &mut slices).unwrap_err().kind(), std::io::ErrorKind::WriteZero);
+    }
 
     /// A record of a view batch is stored with offset columns and fewer bytes than the same
     /// batch's IPC with views; `batch_as` gives back the views with equal values, and the

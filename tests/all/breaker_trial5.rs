@@ -13,8 +13,13 @@
 //!   tables dropped mid-stream.
 //! - (`gritdb-soak` bad command lines: moved to `soak/tests/cli.rs`.)
 
-use arrow::array::{Array, ArrayRef, AsArray, BooleanArray, Date32Array, Decimal128Array, Int32Array, Int64Array, RecordBatch, StringArray, UInt64Array};
-use arrow::datatypes::{DataType, Field, Int64Type, Schema, SchemaRef, UInt64Type};
+use arrow::array::{ArrayRef, AsArray, Int64Array, RecordBatch, StringArray};
+#[cfg(feature = "sql")]
+use arrow::array::{Array, BooleanArray, Date32Array, Decimal128Array, Int32Array, UInt64Array};
+#[cfg(feature = "sql")]
+use arrow::datatypes::UInt64Type;
+use arrow::datatypes::{DataType, Field, Int64Type, Schema, SchemaRef};
+#[cfg(feature = "sql")]
 use gritdb::memory::Category;
 use gritdb::vfs::{FaultFs, Vfs, VfsFile};
 use gritdb::{Engine, EngineConfig, Error, ScanOptions, StorageError, Table, WalSync};

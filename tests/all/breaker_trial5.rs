@@ -13,9 +13,9 @@
 //!   tables dropped mid-stream.
 //! - (`gritdb-soak` bad command lines: moved to `soak/tests/cli.rs`.)
 
-use arrow::array::{ArrayRef, AsArray, Int64Array, RecordBatch, StringArray};
 #[cfg(feature = "sql")]
 use arrow::array::{Array, BooleanArray, Date32Array, Decimal128Array, Int32Array, UInt64Array};
+use arrow::array::{ArrayRef, AsArray, Int64Array, RecordBatch, StringArray};
 #[cfg(feature = "sql")]
 use arrow::datatypes::UInt64Type;
 use arrow::datatypes::{DataType, Field, Int64Type, Schema, SchemaRef};

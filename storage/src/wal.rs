@@ -428,8 +428,9 @@ impl Wal {
     }
 
     /// Appends one record; with [`WalSync::PerBatch`] it is fsynced before this returns.
-    /// The record (frame header included) is encoded into one buffer, sized up front and
-    /// reserved under `write_buffers` while it exists, and written with one `write`.
+    /// The record is encoded as its frame and payload header plus the Arrow IPC encoder's
+    /// buffers ([`EncodedRecord`], reserved under `write_buffers` while it exists) and
+    /// written with one vectored `write` (more when the file takes part of it).
     ///
     /// # Errors
     /// [`StorageError::Io`] (the record may be partly written: recovery drops a torn tail),

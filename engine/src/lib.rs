@@ -39,16 +39,19 @@ pub use export::{ExportError, ExportOptions, ExportStats};
 /// The error types [`Error`] wraps ([`Error::Input`], [`Error::Storage`], [`Error::Memory`]),
 /// so a caller can match on their typed fields (e.g. `UnifyError::NullKey { column, row }`).
 pub use gritdb_memctl::MemoryError;
+/// What a Parquet writer allocates, per dictionary-encoded fixed-width column, when a row group
+/// opens; a flush or an export budgets it under `write_buffers` (docs/memory.md).
+pub use gritdb_storage::DICTIONARY_TABLE_BYTES;
 pub use gritdb_storage::StorageError;
 /// What an open cut from the end of the write-ahead log ([`Engine::wal_torn_tail`]).
 pub use gritdb_storage::TornTail as WalTornTail;
+/// What a flush or an export counts, under `write_buffers`, for each column chunk a Parquet
+/// writer has written and keeps in its footer until the file is closed (docs/memory.md).
+pub use gritdb_storage::WRITTEN_CHUNK_BYTES;
 pub use gritdb_storage::{CompareOp, FilterError, MAX_FILTER_DEPTH, ScanFilter, ScanMetrics, WalSync};
 /// The Parquet writer settings of gritdb's data files and exports, for a caller that writes
 /// files to compare with or load into gritdb's (the bench's raw-writer baseline does).
 pub use gritdb_storage::{DATA_FILE_COMPRESSION, DICTIONARY_PAGE_BYTES, EXPORT_COMPRESSION, data_file_properties};
-/// What a flush or an export counts, under `write_buffers`, for each column chunk a Parquet
-/// writer has written and keeps in its footer until the file is closed (docs/memory.md).
-pub use gritdb_storage::{DICTIONARY_TABLE_BYTES, WRITTEN_CHUNK_BYTES};
 /// What a scan reserves for a data file's metadata before parsing it, per encoded byte
 /// (docs/memory.md, "Not accounted").
 pub use gritdb_storage::{FOOTER_MEMORY_FACTOR, OFFSET_INDEX_MEMORY_FACTOR, PAGE_INDEX_MEMORY_FACTOR};

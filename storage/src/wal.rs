@@ -458,10 +458,8 @@ impl Wal {
         let mut parts = Vec::with_capacity(1 + rec.ipc.len());
         parts.push(std::io::IoSlice::new(&rec.head));
         parts.extend(rec.ipc.iter().map(|b| std::io::IoSlice::new(b.as_slice())));
-        let result = self.write_record(&mut parts, rec.len(), table, last_seq);
-        drop(parts);
-        drop(rec);
-        result
+        // The record (and its reservation) is dropped when this returns, written or not.
+        self.write_record(&mut parts, rec.len(), table, last_seq)
     }
 
     /// Writes one record of `len` bytes, given as `parts` in order (consumed by the write).

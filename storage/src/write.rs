@@ -39,6 +39,46 @@ pub struct WriteOptions {
     /// thread alone, through `ArrowWriter`. Default [`default_encode_threads`]: min(2, the
     /// machine's available parallelism). The file is the same whatever the count.
     pub encode_threads: usize,
+    /// What a data-file write does when the limit leaves no room for its writer's buffers.
+    /// `true` (the default; flushes, which must finish to give their delta's memory back):
+    /// the smallest step is budgeted at its Arrow bytes alone when its estimate is refused,
+    /// and what a step adds beyond its budget, and the metadata of written row groups, are
+    /// counted past the limit ([`WrittenMetadata::CountPastLimit`]). `false` (compactions,
+    /// which free nothing that is needed now and run again after a later flush): every step
+    /// is budgeted at [`MAX_GROWTH_PCT`] of its Arrow bytes, the metadata before each row
+    /// group is closed ([`WrittenMetadata::Budget`]), and a refusal, or a step that added more
+    /// than its budget and does not fit, ends the write with [`StorageError::Memory`].
+    pub count_past_limit: bool,
+    /// With [`Self::count_past_limit`], asked before the smallest step is budgeted bare: it
+    /// returns `true` after waiting for memory that another holder is about to give back
+    /// (the step is then budgeted at its estimate again), `false` when nothing would (the
+    /// step goes bare). `None` (the default) never waits. See [`MemoryWait`].
+    pub memory_wait: Option<MemoryWait>,
+}
+
+/// How a data-file write waits for memory instead of counting its buffers past the limit
+/// ([`WriteOptions::memory_wait`]): a function of the time already waited for the step,
+/// returning `true` when it waited and the budget is worth asking again, `false` when nothing
+/// else can free memory soon.
+#[derive(Clone)]
+pub struct MemoryWait(Arc<dyn Fn(std::time::Duration) -> bool + Send + Sync>);
+
+impl MemoryWait {
+    /// Wraps `wait` (see [`MemoryWait`]).
+    pub fn new(wait: impl Fn(std::time::Duration) -> bool + Send + Sync + 'static) -> Self {
+        Self(Arc::new(wait))
+    }
+
+    /// Calls the wait function with the time waited so far for this step.
+    pub fn wait(&self, waited: std::time::Duration) -> bool {
+        (self.0)(waited)
+    }
+}
+
+impl std::fmt::Debug for MemoryWait {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("MemoryWait(..)")
+    }
 }
 
 impl Default for WriteOptions {
@@ -49,7 +89,18 @@ impl Default for WriteOptions {
             row_group_rows: 1 << 20,
             cancel: CancelToken::default(),
             encode_threads: default_encode_threads(),
+            count_past_limit: true,
+            memory_wait: None,
         }
+    }
+}
+
+impl WriteOptions {
+    /// How a write with these options counts the metadata of its written row groups:
+    /// [`WrittenMetadata::CountPastLimit`] when [`Self::count_past_limit`], else
+    /// [`WrittenMetadata::Budget`].
+    fn written_metadata(&self) -> WrittenMetadata {
+        if self.count_past_limit { WrittenMetadata::CountPastLimit } else { WrittenMetadata::Budget }
     }
 }
 
@@ -365,7 +416,7 @@ pub fn write_data_file_from(
         let cancel = &opts.cancel;
         cancel.check().map_err(io(&tmp))?;
         let file = Recording { inner: vfs.create(&tmp).map_err(io(&tmp))?, seen: Arc::clone(&seen), cancel: cancel.clone(), crc: crc32fast::Hasher::new() };
-        let (mut budget, props) = Budget::for_file(ctl, table, schema, data_file_properties(opts.row_group_rows).build(), WrittenMetadata::CountPastLimit);
+        let (mut budget, props) = Budget::for_file(ctl, table, schema, data_file_properties(opts.row_group_rows).build(), opts.written_metadata());
         let pq = |e: ParquetError| parquet_io(e, &tmp, &seen);
         // `ArrowWriter` builds the Parquet schema and adds the Arrow schema to the footer's
         // metadata in both paths, so their files are alike.
@@ -632,6 +683,14 @@ impl Budget {
     }
 }
 
+/// Waits through [`WriteOptions::memory_wait`] (none: `false`); `since` is when this step's
+/// first wait began.
+fn wait_for_room(opts: &WriteOptions, since: &mut Option<std::time::Instant>) -> bool {
+    let Some(wait) = &opts.memory_wait else { return false };
+    let start = *since.get_or_insert_with(std::time::Instant::now);
+    wait.wait(start.elapsed())
+}
+
 /// Feeds `batch` to `w` in steps of `write_batch_rows`, keeping `budget` at the writer's
 /// size and what it keeps of closed row groups, and cutting row groups by `row_group_bytes`
 /// (the writer's rows limit cuts by rows). `file` names the file in a cancellation's error.
@@ -658,19 +717,25 @@ fn write_steps(w: &mut impl BatchSink, batch: &RecordBatch, opts: &WriteOptions,
         //   freed when the file closes;
         // - otherwise the step is halved, down to one row or [`MIN_STEP_BYTES`];
         // - at the smallest step, the open row group is closed whatever its size;
-        // - then the smallest step is budgeted bare: its Arrow bytes alone, without the
-        //   growth and tables estimated for it (what it really adds is counted once it
-        //   exists, below), so a write that fits by its values is not refused for an
-        //   estimate;
-        // - the bare smallest step refused with no row group open is the error.
+        // - then, with [`WriteOptions::count_past_limit`] (flushes), while
+        //   [`WriteOptions::memory_wait`] says another holder is about to give memory back,
+        //   the write waits and asks again; after that the smallest step is budgeted bare:
+        //   its Arrow bytes alone, without the growth and tables estimated for it (what it
+        //   really adds is counted once it exists, below), so a write that fits by its
+        //   values is not refused for an estimate;
+        // - the bare smallest step refused with no row group open (without
+        //   `count_past_limit`: the smallest step refused) is the error.
         let mut bare = false;
+        let mut waited_since = None;
         loop {
             // A row group's first step allocates its encoders' buffers afresh (capacities
             // rounded up to powers of two): at least [`FIRST_GROWTH_PCT`].
             let first = w.in_progress_rows() == 0;
             let (open, pct) = match (bare, first) {
                 (true, _) => (0, 100),
+                (false, true) if !opts.count_past_limit => (budget.opening, MAX_GROWTH_PCT),
                 (false, true) => (budget.opening, budget.growth_pct().max(FIRST_GROWTH_PCT)),
+                (false, false) if !opts.count_past_limit => (0, MAX_GROWTH_PCT),
                 (false, false) => (0, budget.growth_pct()),
             };
             let ahead = w.memory_size().saturating_add(len.saturating_mul(per_row).saturating_mul(pct) / 100).saturating_add(open);
@@ -688,7 +753,10 @@ fn write_steps(w: &mut impl BatchSink, batch: &RecordBatch, opts: &WriteOptions,
                 len /= 2;
             } else if w.in_progress_rows() > 0 {
                 budget.close(w)?;
-            } else if !bare {
+            } else if !bare && opts.count_past_limit && wait_for_room(opts, &mut waited_since) {
+                // Memory another holder gives back soon (a write's WAL record, another
+                // flush): asked again at the estimate.
+            } else if !bare && opts.count_past_limit {
                 bare = true;
             } else {
                 return Err(e.into());
@@ -714,10 +782,14 @@ fn write_steps(w: &mut impl BatchSink, batch: &RecordBatch, opts: &WriteOptions,
         // group worth closing is closed; a smaller one stays open (the next step's budget
         // then closes or shrinks).
         let buffered = w.memory_size();
-        let over = budget.buffers.try_resize(buffered).is_err();
-        if over {
+        let refused = budget.buffers.try_resize(buffered).err();
+        let over = refused.is_some();
+        if let Some(e) = refused {
             budget.buffers.force_resize(buffered);
             budget.note_peak();
+            if !opts.count_past_limit {
+                return Err(e.into());
+            }
         }
         // The cut is at least twice the dictionary tables a row group opens with: closing
         // does not free those (the next row group opens them again), so a cut they alone

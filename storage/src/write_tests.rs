@@ -937,3 +937,67 @@ fn an_open_row_groups_dictionary_tables_are_known_before_they_exist() {
         assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0);
     }
 }
+
+/// A controller of 4 MiB with all but `room` bytes held under `metadata` by the returned
+/// reservation.
+fn tight(room: usize) -> (Arc<MemoryController>, Reservation) {
+    let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(4 << 20), chunk_size: 64 << 10, ..ControllerConfig::default() }).unwrap();
+    let mut held = Reservation::new(&ctl, Category::Metadata, None);
+    held.try_resize((4 << 20) - room).unwrap();
+    (ctl, held)
+}
+
+#[test]
+fn without_count_past_limit_a_write_is_refused_instead_of_passing_the_limit() {
+    // 96 KiB of room: the smallest step (64 KiB of Arrow bytes) budgeted at 400% does not fit.
+    for threads in [1, 2] {
+        let (ctl, _held) = tight(96 << 10);
+        let dir = tempfile::tempdir().unwrap();
+        let o = WriteOptions { count_past_limit: false, ..opts(threads) };
+        let err = write_data_file(&StdFs, dir.path(), "f.parquet", &batches(), &o, &ctl, None).unwrap_err();
+        assert!(matches!(err, StorageError::Memory(_)), "{threads} threads: {err}");
+        assert!(listing(dir.path()).is_empty(), "{threads} threads");
+        assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0);
+        assert!(ctl.peak() <= 4 << 20, "{threads} threads: peak {}", ctl.peak());
+        // With it (a flush's options), the same write finishes, its last steps budgeted bare.
+        let o = WriteOptions { count_past_limit: true, ..opts(threads) };
+        write_data_file(&StdFs, dir.path(), "g.parquet", &batches(), &o, &ctl, None).unwrap();
+        assert_eq!(row_groups(&dir.path().join("g.parquet")).iter().sum::<i64>(), 15_000);
+        assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0);
+    }
+}
+
+#[test]
+fn a_write_waits_for_memory_given_back_before_its_last_resort() {
+    for threads in [1, 2] {
+        let (ctl, held) = tight(96 << 10);
+        let held = Arc::new(Mutex::new(held));
+        let calls = Arc::new(AtomicUsize::new(0));
+        let wait = {
+            let (held, calls) = (Arc::clone(&held), Arc::clone(&calls));
+            // The other holder gives 2 MiB back during the first wait.
+            MemoryWait::new(move |waited| {
+                assert!(waited < std::time::Duration::from_mins(1));
+                if calls.fetch_add(1, Ordering::AcqRel) == 0 {
+                    held.lock().unwrap().shrink(2 << 20);
+                }
+                true
+            })
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let o = WriteOptions { memory_wait: Some(wait), ..opts(threads) };
+        write_data_file(&StdFs, dir.path(), "f.parquet", &batches(), &o, &ctl, None).unwrap();
+        let expected = arrow_select::concat::concat_batches(&schema(), &batches()).unwrap();
+        let got = arrow_select::concat::concat_batches(&schema(), &read_all(&dir.path().join("f.parquet"))).unwrap();
+        assert_eq!(got, expected, "{threads} threads");
+        assert_eq!(calls.load(Ordering::Acquire), 1, "{threads} threads: asked once, then room");
+        // Waited instead of counting the step past the limit.
+        assert!(ctl.peak() <= 4 << 20, "{threads} threads: peak {}", ctl.peak());
+        assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0);
+        // A wait that says nothing will come back leaves the bare last resort: it finishes.
+        let (ctl, _held) = tight(96 << 10);
+        let o = WriteOptions { memory_wait: Some(MemoryWait::new(|_| false)), ..opts(threads) };
+        write_data_file(&StdFs, dir.path(), "g.parquet", &batches(), &o, &ctl, None).unwrap();
+        assert_eq!(row_groups(&dir.path().join("g.parquet")).iter().sum::<i64>(), 15_000);
+    }
+}

@@ -43,7 +43,28 @@ pub(crate) struct Shared {
     /// Bytes of the writes between their admission check and the end of their apply, all
     /// tables together ([`Self::admit`]).
     admitting: std::sync::atomic::AtomicUsize,
+    /// Data files being written by flushes and compactions ([`Self::file_write`]), and how
+    /// many of those writers wait for memory in [`Self::memory_wait`].
+    file_writes: std::sync::atomic::AtomicUsize,
+    file_writes_waiting: std::sync::atomic::AtomicUsize,
 }
+
+/// A data-file write's place among [`Shared::file_writes`], for its duration.
+pub(crate) struct FileWrite<'a>(&'a Shared);
+
+impl Drop for FileWrite<'_> {
+    fn drop(&mut self) {
+        self.0.file_writes.fetch_sub(1, Ordering::AcqRel);
+        // A flush waiting in `memory_wait` may now have nothing left to wait for.
+        self.0.ctl.wake_waiters();
+    }
+}
+
+/// The longest a flush's Parquet writer waits for memory at one step before it counts the
+/// step past the limit ([`Shared::memory_wait`]): 1 s. The holders it waits for (a write
+/// between its admission and the end of its apply, another data-file write) give memory back
+/// within milliseconds unless a disk stalls.
+const FLUSH_MEMORY_WAIT: Duration = Duration::from_secs(1);
 
 /// A write's place among the writes being admitted ([`Shared::admit`]): its bytes count for
 /// every write admitted after it until this is dropped, which wakes the writes waiting for
@@ -253,6 +274,40 @@ impl Shared {
     pub(crate) fn admit(&self, bytes: usize) -> Admission<'_> {
         let others = self.admitting.fetch_add(bytes, Ordering::AcqRel);
         Admission { shared: self, bytes, others }
+    }
+
+    /// Counts a data-file write (a flush's or a compaction's) until the guard drops.
+    pub(crate) fn file_write(&self) -> FileWrite<'_> {
+        self.file_writes.fetch_add(1, Ordering::AcqRel);
+        FileWrite(self)
+    }
+
+    /// How a flush's Parquet writer waits for memory before it counts a step past the limit
+    /// (`gritdb_storage::WriteOptions::memory_wait`): while a write is between its admission
+    /// and the end of its apply ([`Self::admit`]; its WAL record is freed when written), or
+    /// another data-file write is running and not itself waiting here (it ends, or fails, and
+    /// gives its buffers and batches back), for at most [`FLUSH_MEMORY_WAIT`] a step; woken by
+    /// every release. When every other writer waits too, or nothing else holds memory that
+    /// will come back, it does not wait: a flush must finish to free memory, and the step
+    /// then goes on past the limit as before. Two flushes whose conversions filled a 2 MiB
+    /// engine beside the writes of three tables counted their steps up to 55 KB past it
+    /// (`peak_limit::concurrent_writers_of_big_rows_stay_under_small_limits`).
+    pub(crate) fn memory_wait(self: &Arc<Self>) -> gritdb_storage::MemoryWait {
+        let shared = Arc::downgrade(self);
+        gritdb_storage::MemoryWait::new(move |waited| {
+            let Some(s) = shared.upgrade() else { return false };
+            if waited >= FLUSH_MEMORY_WAIT {
+                return false;
+            }
+            // This writer is one of the running and one of the waiting.
+            let waiting = s.file_writes_waiting.fetch_add(1, Ordering::AcqRel) + 1;
+            let others = s.file_writes.load(Ordering::Acquire).saturating_sub(waiting) > 0 || s.admitting() > 0;
+            if others {
+                s.ctl.wait_for_release(FLUSH_MEMORY_WAIT.saturating_sub(waited).min(Duration::from_millis(20)));
+            }
+            s.file_writes_waiting.fetch_sub(1, Ordering::AcqRel);
+            others
+        })
     }
 
     /// Bytes of the writes being admitted now ([`Self::admit`]).
@@ -764,6 +819,8 @@ impl Engine {
             wal_cleanup: WalCleanup { pending: Mutex::new(Vec::new()), running: Mutex::new(()), queued: AtomicBool::new(false), runtime: writer.handle() },
             wal_pool: writer.wal_pool(),
             admitting: std::sync::atomic::AtomicUsize::new(0),
+            file_writes: std::sync::atomic::AtomicUsize::new(0),
+            file_writes_waiting: std::sync::atomic::AtomicUsize::new(0),
         });
         let mut tables: BTreeMap<String, Arc<TableInner>> = BTreeMap::new();
         let mut max_id = 0u64;

@@ -453,9 +453,19 @@ impl TableInner {
                 let mut g = self.state()?;
                 let Some(st) = g.as_mut() else { return Ok(()) };
                 let Some(plan) = st.store.plan_compaction(&opts) else { return Ok(()) };
-                (plan, Arc::clone(st.store.controller()), st.store.account().cloned(), self.write_options(st, threads))
+                // A compaction frees nothing that is needed now: refused memory skips it
+                // (below) rather than counting its writer past the limit, as a flush's does.
+                // With three writers of 70-600 KB upserts at 4 and 8 MiB, compactions beside
+                // the flushes counted up to 101 KB past the limit
+                // (`peak_limit::concurrent_writers_of_big_rows_stay_under_small_limits`).
+                let mut wopts = self.write_options(st, threads);
+                wopts.count_past_limit = false;
+                (plan, Arc::clone(st.store.controller()), st.store.account().cloned(), wopts)
             };
-            if let Err(e) = plan.execute(&wopts, &ctl, account.as_ref()) {
+            let writing = self.shared.file_write();
+            let done = plan.execute(&wopts, &ctl, account.as_ref());
+            drop(writing);
+            if let Err(e) = done {
                 plan.abandon();
                 if matches!(e, gritdb_storage::StorageError::Memory(_)) {
                     tracing::info!(table = %self.name, "compaction skipped: no memory for it now");
@@ -508,10 +518,15 @@ impl TableInner {
                 let g = self.state()?;
                 let Some(st) = g.as_ref() else { return Ok(()) };
                 let Some(plan) = st.store.plan_commit() else { return Ok(()) };
-                (plan, Arc::clone(st.store.controller()), st.store.account().cloned(), self.write_options(st, threads))
+                let mut opts = self.write_options(st, threads);
+                opts.memory_wait = Some(self.shared.memory_wait());
+                (plan, Arc::clone(st.store.controller()), st.store.account().cloned(), opts)
             };
             let mut plan = plan;
-            if let Err(e) = plan.execute(&opts, &ctl, account.as_ref()) {
+            let writing = self.shared.file_write();
+            let done = plan.execute(&opts, &ctl, account.as_ref());
+            drop(writing);
+            if let Err(e) = done {
                 let err: Error = e.into();
                 if let Ok(mut g) = self.state()
                     && let Some(st) = g.as_mut()
@@ -763,21 +778,30 @@ impl Table {
         let mut recheck = true;
         // Whether a flush was in flight when the last attempt ran (see the refusal below).
         let mut flushing;
+        // What the write holds at its peak: its delta growth and its WAL record (about the
+        // batch's Arrow bytes; the record is freed once written).
+        let growth = Shared::delta_growth(batch_bytes_hint, rows);
+        let peak = growth.saturating_add(batch_bytes_hint);
         loop {
             // A write waiting for memory while the engine closes gives up (the flushes that
             // would free memory are stopping, or `close` needs that memory for its last
             // flush; both wait for admitted writes).
             self.engine.check_writable()?;
             // Soft limit for writes: leave the flush headroom to the writer, else a full
-            // engine could not flush (a flush needs memory to free memory).
+            // engine could not flush (a flush needs memory to free memory). The write's whole
+            // peak must fit under it, not only the memory in use before it: a write admitted
+            // just under the soft limit took its delta growth and its WAL record from the
+            // headroom, and the flush running beside it counted its Parquet writer's steps
+            // past the limit (100-row inserts of 240-300 KB at 1-4 MiB: up to 149 KB past,
+            // `peak_limit`).
             let soft = shared.write_soft_limit();
-            if shared.pressure_bytes() > soft && self.engine.relieve_pressure(true) {
+            if shared.pressure_bytes().saturating_add(peak) > soft && self.engine.relieve_pressure(true) {
                 if !waited {
                     tracing::info!(table = %self.inner.name, used = shared.ctl.used(), soft, "backpressure: waiting for the writer to free memory");
                     waited = true;
                 }
                 if !self.engine.wait_for_memory(deadline) {
-                    let requested = batch_bytes_hint.max(1);
+                    let requested = peak.max(1);
                     let e: Error = shared.ctl.limit_error(gritdb_memctl::Category::RowBlocks, requested).into();
                     tracing::warn!(table = %self.inner.name, error = %e, "memory limit error returned");
                     return Err(e);
@@ -786,7 +810,6 @@ impl Table {
             }
             // Read before the table lock (it reads every table); 0 when the cheap bound in
             // `flush_room_short` already admits the write.
-            let growth = Shared::delta_growth(batch_bytes_hint, rows);
             let largest_sealed = if shared.flush_room_certain(growth.saturating_add(shared.admitting())) { 0 } else { self.engine.largest_sealed_delta() };
             let res = {
                 let mut g = self.inner.state()?;
@@ -794,7 +817,7 @@ impl Table {
                 // its WAL record, about the batch's bytes) counts as memory in use for the
                 // writes to other tables that check meanwhile, and theirs for this one
                 // (`Shared::admit`).
-                let admission = shared.admit(growth.saturating_add(batch_bytes_hint));
+                let admission = shared.admit(peak);
                 let others = admission.others;
                 // A write must leave the memory to flush what it leaves behind: converting a
                 // sealed delta to batches needs about its bytes again, so a big write that
@@ -827,7 +850,7 @@ impl Table {
                 // headroom in turn, up to the hard limit, and leave a full engine whose flush
                 // could not get the memory to convert a delta (24 writers on one table at an
                 // 8 MiB limit: `breaker_write11`). Such a writer waits like the one above.
-                if recheck && shared.pressure_bytes().saturating_add(others) > shared.write_soft_limit() {
+                if recheck && shared.pressure_bytes().saturating_add(others).saturating_add(peak) > shared.write_soft_limit() {
                     drop(admission);
                     drop(g);
                     if !self.engine.relieve_pressure(true) && others == 0 {
@@ -839,7 +862,7 @@ impl Table {
                         waited = true;
                     }
                     if !self.engine.wait_for_memory(deadline) {
-                        let e: Error = shared.ctl.limit_error(gritdb_memctl::Category::RowBlocks, batch_bytes_hint.max(1)).into();
+                        let e: Error = shared.ctl.limit_error(gritdb_memctl::Category::RowBlocks, peak.max(1)).into();
                         tracing::warn!(table = %self.inner.name, error = %e, "memory limit error returned");
                         return Err(e);
                     }

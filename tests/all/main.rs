@@ -64,6 +64,7 @@ mod flush_parts;
 mod flush_threads;
 mod interop;
 mod model;
+mod peak_limit;
 mod refused_writes;
 mod regressions;
 mod reopen_smaller;

@@ -234,8 +234,15 @@ pub fn summarize(samples: &[Sample], error: Option<String>, config: serde_json::
 
     let not_enough = format!("not checked: {} after {warmup} warm-up, need {}", plural(after.len() as u64, "round"), th.min_rounds_for_slopes);
     let slope_check = |name: &str, v: Option<f64>, max: f64| -> Check {
-        let value = v.map_or_else(|| "n/a".to_owned(), |v| format!("{}/round", fmt_bytes(v)));
         let checked = slope_checked && v.is_some();
+        // A slope fitted over too few rounds is no verdict: the check shows none (the figures
+        // above and the JSON summary keep the fitted value). A trial read "40.8 KiB/round"
+        // beside "not checked" as a result.
+        let value = match v {
+            Some(v) if checked => format!("{}/round", fmt_bytes(v)),
+            Some(_) => "-".to_owned(),
+            None => "n/a".to_owned(),
+        };
         Check {
             name: name.to_owned(),
             value,
@@ -441,6 +448,9 @@ mod tests {
         let sum = summarize(&few, None, serde_json::Value::Null).expect("summary");
         assert!(!sum.slope_checked);
         assert_eq!(sum.verdict, "pass");
+        let vmhwm = sum.checks.iter().find(|c| c.name == "VmHWM slope").expect("VmHWM check");
+        assert_eq!((vmhwm.value.as_str(), vmhwm.checked), ("-", false));
+        assert_eq!(vmhwm.threshold, "not checked: 2 rounds after 1 warm-up, need 20");
         few[2].create_drop_residual = Some(4096);
         let sum = summarize(&few, None, serde_json::Value::Null).expect("summary");
         assert_eq!(sum.verdict, "fail");

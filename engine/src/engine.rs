@@ -259,6 +259,21 @@ impl Shared {
         (self.pressure_bytes().saturating_add(need) > self.ctl.limit()).then_some(need)
     }
 
+    /// Whether a write adding `bytes` to a delta ([`Self::delta_growth`]), whose rows need
+    /// `convert` bytes to flush, would be refused by [`Self::flush_room_short`] even in an
+    /// engine holding nothing (no other write admitted, no delta, nothing in use): when both
+    /// `2 × bytes` and `bytes + convert` are more than the limit. Returns
+    /// `Some(bytes + convert)`, the `requested` of its refusal. No flush can make room for
+    /// such a write, so it is refused at once instead of waiting out `backpressure_timeout`
+    /// while other writers keep the engine busy (a 5 MiB row at a 4 MiB limit beside two busy
+    /// writers waited the whole 30 s; idle, it was refused at once: trial of 2026-12-06,
+    /// `probe30_g`).
+    pub(crate) fn never_fits(&self, bytes: usize, convert: usize) -> Option<usize> {
+        let limit = self.ctl.limit();
+        let need = bytes.saturating_add(convert);
+        (2usize.saturating_mul(bytes) > limit && need > limit).then_some(need)
+    }
+
     /// Takes a write's place among the writes being admitted, for `bytes`: what it will hold
     /// at its peak (its delta growth and its WAL record). The admission checks of
     /// `Table::with_backpressure` count [`Admission::others`] as memory in use, so writes to

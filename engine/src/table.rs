@@ -593,7 +593,8 @@ impl Table {
     /// [`Error::KeyExists`] when a key is already in the table, [`Error::DuplicateKey`] for a
     /// key repeated inside the batch, [`Error::Input`] for schema mismatches or nulls in key
     /// or non-nullable columns, [`Error::MemoryLimit`] when memory cannot be had after
-    /// backpressure. On any error nothing of the batch is applied.
+    /// backpressure (at once, without waiting, for a batch no flush could make room for:
+    /// `docs/memory.md`, "Enforcement"). On any error nothing of the batch is applied.
     pub fn insert(&self, batch: &RecordBatch) -> Result<usize> {
         self.write(batch, WriteMode::Insert)
     }
@@ -782,11 +783,20 @@ impl Table {
         // batch's Arrow bytes; the record is freed once written).
         let growth = Shared::delta_growth(batch_bytes_hint, rows);
         let peak = growth.saturating_add(batch_bytes_hint);
+        // What flushing this write's rows needs beside its delta (`Shared::flush_room_short`).
+        let convert = batch_bytes_hint.saturating_add(rows.saturating_mul(crate::engine::FLUSH_ROW_OVERHEAD));
         loop {
             // A write waiting for memory while the engine closes gives up (the flushes that
             // would free memory are stopping, or `close` needs that memory for its last
             // flush; both wait for admitted writes).
             self.engine.check_writable()?;
+            // A write no flush can make room for is refused now, not after the timeout (read
+            // again each time round: the limit may have been changed meanwhile).
+            if let Some(need) = shared.never_fits(growth, convert) {
+                let e: Error = shared.ctl.limit_error(gritdb_memctl::Category::RowBlocks, need).into();
+                tracing::warn!(table = %self.inner.name, error = %e, "memory limit error returned: the write needs more than the limit");
+                return Err(e);
+            }
             // Soft limit for writes: leave the flush headroom to the writer, else a full
             // engine could not flush (a flush needs memory to free memory). The write's whole
             // peak must fit under it, not only the memory in use before it: a write admitted
@@ -825,7 +835,6 @@ impl Table {
                 // flush or scan could get memory for (8 writers of 0.5-3 MB batches at 8 MiB:
                 // `breaker_session12::many_writers_at_tiny_limits_with_big_batches_never_hang`).
                 let active = g.as_ref().map_or(0, |st| st.active.bytes());
-                let convert = batch_bytes_hint.saturating_add(rows.saturating_mul(crate::engine::FLUSH_ROW_OVERHEAD));
                 if let Some(need) = shared.flush_room_short(growth.saturating_add(others), convert, active, largest_sealed) {
                     drop(admission);
                     drop(g);

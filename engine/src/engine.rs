@@ -49,6 +49,21 @@ pub(crate) struct Shared {
     file_writes_waiting: std::sync::atomic::AtomicUsize,
 }
 
+/// [`Shared::flush_room_certain`] with `pressure` bytes in use under `limit`.
+fn flush_room_certain_at(pressure: usize, limit: usize, bytes: usize) -> bool {
+    2usize.saturating_mul(pressure.saturating_add(bytes)) <= limit
+}
+
+/// [`Shared::flush_room_short`] with `pressure` bytes in use under `limit` (0 for
+/// [`Shared::never_fits`]: an engine holding nothing).
+fn flush_room_short_at(pressure: usize, limit: usize, bytes: usize, convert: usize, active: usize, largest_sealed: usize) -> Option<usize> {
+    if flush_room_certain_at(pressure, limit, bytes) {
+        return None;
+    }
+    let need = bytes.saturating_add(active.saturating_add(convert).max(largest_sealed));
+    (pressure.saturating_add(need) > limit).then_some(need)
+}
+
 /// A data-file write's place among [`Shared::file_writes`], for its duration.
 pub(crate) struct FileWrite<'a>(&'a Shared);
 
@@ -233,7 +248,7 @@ impl Shared {
     /// limit`, because the delta a flush must convert is never larger than the memory in use
     /// after the write.
     pub(crate) fn flush_room_certain(&self, bytes: usize) -> bool {
-        2usize.saturating_mul(self.pressure_bytes().saturating_add(bytes)) <= self.ctl.limit()
+        flush_room_certain_at(self.pressure_bytes(), self.ctl.limit(), bytes)
     }
 
     /// Whether a write adding `bytes` to a delta ([`Self::delta_growth`]) of a table whose
@@ -252,11 +267,7 @@ impl Shared {
     /// to flush what it leaves (the `requested` of its `MemoryLimit` refusal, so that `used +
     /// requested > limit` in the message, as in any other refusal).
     pub(crate) fn flush_room_short(&self, bytes: usize, convert: usize, active: usize, largest_sealed: usize) -> Option<usize> {
-        if self.flush_room_certain(bytes) {
-            return None;
-        }
-        let need = bytes.saturating_add(active.saturating_add(convert).max(largest_sealed));
-        (self.pressure_bytes().saturating_add(need) > self.ctl.limit()).then_some(need)
+        flush_room_short_at(self.pressure_bytes(), self.ctl.limit(), bytes, convert, active, largest_sealed)
     }
 
     /// Whether a write adding `bytes` to a delta ([`Self::delta_growth`]), whose rows need
@@ -269,9 +280,7 @@ impl Shared {
     /// writers waited the whole 30 s; idle, it was refused at once: trial of 2026-12-06,
     /// `probe30_g`).
     pub(crate) fn never_fits(&self, bytes: usize, convert: usize) -> Option<usize> {
-        let limit = self.ctl.limit();
-        let need = bytes.saturating_add(convert);
-        (2usize.saturating_mul(bytes) > limit && need > limit).then_some(need)
+        flush_room_short_at(0, self.ctl.limit(), bytes, convert, 0, 0)
     }
 
     /// Takes a write's place among the writes being admitted, for `bytes`: what it will hold

@@ -21,6 +21,8 @@ pub struct EngineConfig {
     pub table_flush_bytes: Option<usize>,
     /// How long a write waits for the background writer to free memory before it returns
     /// [`crate::Error::MemoryLimit`]. Default 30 s; `Duration::MAX` waits without end.
+    /// Waiting writes are admitted in the order they began to wait, so this also bounds how
+    /// long a write waits behind bigger writes that came first.
     pub backpressure_timeout: Duration,
     /// Background flush threads. Default 2; at most [`crate::MAX_THREADS`] (more is
     /// [`crate::Error::Config`] at open, as for the other thread counts).

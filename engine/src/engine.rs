@@ -47,6 +47,18 @@ pub(crate) struct Shared {
     /// many of those writers wait for memory in [`Self::memory_wait`].
     file_writes: std::sync::atomic::AtomicUsize,
     file_writes_waiting: std::sync::atomic::AtomicUsize,
+    /// Writes waiting for memory, in the order they began to wait ([`Self::queue`]).
+    queue: Mutex<WriteQueue>,
+    /// Peak bytes of every write in [`Self::queue`], read without its lock by writes that are
+    /// not waiting.
+    queued_bytes: std::sync::atomic::AtomicUsize,
+}
+
+/// Writes waiting for memory, oldest first: their tickets and peak bytes.
+#[derive(Default)]
+struct WriteQueue {
+    next_ticket: u64,
+    waiting: Vec<(u64, usize)>,
 }
 
 /// [`Shared::flush_room_certain`] with `pressure` bytes in use under `limit`.
@@ -72,6 +84,24 @@ impl Drop for FileWrite<'_> {
         self.0.file_writes.fetch_sub(1, Ordering::AcqRel);
         // A flush waiting in `memory_wait` may now have nothing left to wait for.
         self.0.ctl.wake_waiters();
+    }
+}
+
+/// A write's place in the queue of writes waiting for memory ([`Shared::queue`]).
+pub(crate) struct QueuePlace<'a> {
+    shared: &'a Shared,
+    ticket: u64,
+    bytes: usize,
+}
+
+impl Drop for QueuePlace<'_> {
+    fn drop(&mut self) {
+        let mut q = lock(&self.shared.queue);
+        q.waiting.retain(|(t, _)| *t != self.ticket);
+        drop(q);
+        self.shared.queued_bytes.fetch_sub(self.bytes, Ordering::AcqRel);
+        // The writes behind may fit now.
+        self.shared.ctl.wake_waiters();
     }
 }
 
@@ -298,6 +328,32 @@ impl Shared {
     pub(crate) fn admit(&self, bytes: usize) -> Admission<'_> {
         let others = self.admitting.fetch_add(bytes, Ordering::AcqRel);
         Admission { shared: self, bytes, others }
+    }
+
+    /// Takes a place, after every write already there, in the queue of writes waiting for
+    /// memory, for a write whose peak is `bytes` (see [`Self::queued_ahead`]). The place is
+    /// kept until the write returns, however often it waits; dropping it wakes the writes
+    /// behind.
+    pub(crate) fn queue(&self, bytes: usize) -> QueuePlace<'_> {
+        let mut q = lock(&self.queue);
+        let ticket = q.next_ticket;
+        q.next_ticket += 1;
+        q.waiting.push((ticket, bytes));
+        self.queued_bytes.fetch_add(bytes, Ordering::AcqRel);
+        QueuePlace { shared: self, ticket, bytes }
+    }
+
+    /// Peak bytes of the writes waiting for memory ahead of a write at `place`, or of all of
+    /// them for a write that is not waiting. The soft-limit check counts them as memory in
+    /// use, so the writes are admitted first come, first served: a write arriving while a
+    /// bigger one waits no longer takes the memory a flush just freed before it (a 1.6 MB
+    /// insert beside three writers of 100 KB batches at 8 MiB waited out its whole 20 s
+    /// `backpressure_timeout`, five times of five;
+    /// `fair_admission::a_big_write_beside_busy_small_writers_is_admitted_in_its_turn`).
+    /// One atomic load when nobody waits.
+    pub(crate) fn queued_ahead(&self, place: Option<&QueuePlace<'_>>) -> usize {
+        let Some(place) = place else { return self.queued_bytes.load(Ordering::Acquire) };
+        lock(&self.queue).waiting.iter().take_while(|(t, _)| *t < place.ticket).map(|(_, b)| b).sum()
     }
 
     /// Counts a data-file write (a flush's or a compaction's) until the guard drops.
@@ -845,6 +901,8 @@ impl Engine {
             admitting: std::sync::atomic::AtomicUsize::new(0),
             file_writes: std::sync::atomic::AtomicUsize::new(0),
             file_writes_waiting: std::sync::atomic::AtomicUsize::new(0),
+            queue: Mutex::new(WriteQueue::default()),
+            queued_bytes: std::sync::atomic::AtomicUsize::new(0),
         });
         let mut tables: BTreeMap<String, Arc<TableInner>> = BTreeMap::new();
         let mut max_id = 0u64;

@@ -770,6 +770,7 @@ impl Table {
 
     /// Runs `apply` under the table lock; when it fails for memory, asks the writer to flush
     /// the largest deltas and waits (bounded by `backpressure_timeout`) before trying again.
+    /// Writes that wait are admitted first come, first served (`Shared::queue`).
     fn with_backpressure(&self, batch_bytes_hint: usize, rows: usize, mut apply: impl FnMut(&mut TableState) -> Result<usize>) -> Result<usize> {
         let deadline = crate::engine::deadline_after(self.inner.shared.config.backpressure_timeout);
         let mut waited = false;
@@ -785,6 +786,9 @@ impl Table {
         let peak = growth.saturating_add(batch_bytes_hint);
         // What flushing this write's rows needs beside its delta (`Shared::flush_room_short`).
         let convert = batch_bytes_hint.saturating_add(rows.saturating_mul(crate::engine::FLUSH_ROW_OVERHEAD));
+        // This write's place among the writes waiting for memory, taken when it first waits
+        // and kept until it returns (`Shared::queue`).
+        let mut place = None;
         loop {
             // A write waiting for memory while the engine closes gives up (the flushes that
             // would free memory are stopping, or `close` needs that memory for its last
@@ -804,8 +808,12 @@ impl Table {
             // headroom, and the flush running beside it counted its Parquet writer's steps
             // past the limit (100-row inserts of 240-300 KB at 1-4 MiB: up to 149 KB past,
             // `peak_limit`).
+            // The writes waiting ahead of this one count as memory in use: they are admitted
+            // first (`Shared::queued_ahead`).
             let soft = shared.write_soft_limit();
-            if shared.pressure_bytes().saturating_add(peak) > soft && self.engine.relieve_pressure(true) {
+            let ahead = shared.queued_ahead(place.as_ref());
+            if shared.pressure_bytes().saturating_add(ahead).saturating_add(peak) > soft && self.engine.relieve_pressure(true) {
+                place.get_or_insert_with(|| shared.queue(peak));
                 if !waited {
                     tracing::info!(table = %self.inner.name, used = shared.ctl.used(), soft, "backpressure: waiting for the writer to free memory");
                     waited = true;
@@ -848,6 +856,7 @@ impl Table {
                         tracing::warn!(table = %self.inner.name, error = %e, "memory limit error returned: no room to flush this write");
                         return Err(e);
                     }
+                    place.get_or_insert_with(|| shared.queue(peak));
                     if !waited {
                         tracing::info!(table = %self.inner.name, used = shared.ctl.used(), "backpressure: waiting for room to flush this write");
                         waited = true;
@@ -866,6 +875,7 @@ impl Table {
                         recheck = false;
                         continue;
                     }
+                    place.get_or_insert_with(|| shared.queue(peak));
                     if !waited {
                         tracing::info!(table = %self.inner.name, used = shared.ctl.used(), "backpressure: waiting for the writer to free memory");
                         waited = true;
@@ -892,6 +902,7 @@ impl Table {
             };
             match res {
                 Err(e) if e.is_memory_limit() => {
+                    place.get_or_insert_with(|| shared.queue(peak));
                     if !waited {
                         tracing::info!(table = %self.inner.name, "backpressure: waiting for the writer to free memory");
                         waited = true;

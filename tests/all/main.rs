@@ -58,6 +58,7 @@ mod create_drop;
 mod data_dir;
 mod drop_faults;
 mod drop_flush;
+mod fair_admission;
 mod faults;
 mod filter;
 mod flush_parts;

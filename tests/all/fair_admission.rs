@@ -1,0 +1,88 @@
+//! A big write beside busy small writers is admitted in its turn (first come, first served),
+//! not starved until its `backpressure_timeout` while the small writes that came after it keep
+//! passing the soft limit (fresh-clone trial of 2026-12-06, probe B: writes of 20-150% of the
+//! soft limit beside two busy writers were refused after the whole 3 s timeout).
+
+use arrow::array::{Int32Array, RecordBatch, StringArray};
+use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
+use gritdb::{Engine, EngineConfig, Error, ScanOptions};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+const MIB: usize = 1 << 20;
+
+fn schema() -> SchemaRef {
+    Arc::new(Schema::new(vec![Field::new("id", DataType::Int32, false), Field::new("s", DataType::Utf8, false)]))
+}
+
+/// Rows of `width`-byte strings keyed by `ids`.
+fn batch(ids: &[i32], width: usize) -> RecordBatch {
+    let s: Vec<String> = ids.iter().map(|i| format!("{i:0>width$}")).collect();
+    RecordBatch::try_new(schema(), vec![Arc::new(Int32Array::from(ids.to_vec())), Arc::new(StringArray::from(s))]).unwrap()
+}
+
+fn rows(t: &gritdb::Table) -> usize {
+    t.scan(ScanOptions::default()).unwrap().map(|b| b.unwrap().num_rows()).sum()
+}
+
+/// At an 8 MiB limit (soft limit 6 MiB), four threads upsert 200 KB batches (100 rows of
+/// 2,000-byte strings, over 10,000 keys each, so the key indexes stay small) into their own
+/// tables without pause, while a fifth inserts five 1.6 MB batches (1,000 rows; peak ~3.3 MB,
+/// half the soft limit) one after another, each given 20 s. Every big write must be admitted:
+/// the small writes that arrive while it waits queue behind it instead of keeping the memory
+/// in use at the soft limit. Before the queue all five waited out their 20 s and were refused
+/// (2026-12-06); with it each took 10-50 ms.
+#[test]
+fn a_big_write_beside_busy_small_writers_is_admitted_in_its_turn() {
+    let dir = tempfile::tempdir().unwrap();
+    let limit = 8 * MIB;
+    let config = EngineConfig::default().memory_limit(limit).flush_age(Duration::from_secs(3600)).backpressure_timeout(Duration::from_secs(20));
+    let engine = Engine::open(dir.path(), config).unwrap();
+    let big_table = engine.create_table("big", schema(), &["id"]).unwrap();
+    let stop = AtomicBool::new(false);
+    let (results, small) = std::thread::scope(|s| {
+        let writers: Vec<_> = (0..4)
+            .map(|w| {
+                let t = engine.create_table(&format!("w{w}"), schema(), &["id"]).unwrap();
+                let stop = &stop;
+                s.spawn(move || {
+                    let (mut written, mut refused, mut next) = (0usize, 0usize, 0i32);
+                    while !stop.load(Ordering::Relaxed) {
+                        let n = 100;
+                        let ids: Vec<i32> = (next..next + n).collect();
+                        next = (next + n) % 10_000;
+                        match t.upsert(&batch(&ids, 2000)) {
+                            Ok(k) => written += k,
+                            Err(Error::MemoryLimit { .. }) => refused += 1,
+                            Err(e) => panic!("{e}"),
+                        }
+                    }
+                    (t, written, refused)
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(300));
+        let mut results = Vec::new();
+        for round in 0..5 {
+            let ids: Vec<i32> = (round * 1000..round * 1000 + 1000).collect();
+            let b = batch(&ids, 1600);
+            let started = Instant::now();
+            results.push((big_table.insert(&b), started.elapsed()));
+        }
+        stop.store(true, Ordering::Relaxed);
+        let small: Vec<_> = writers.into_iter().map(|h| h.join().unwrap()).collect();
+        (results, small)
+    });
+    for (t, written, refused) in &small {
+        assert_eq!(rows(t), (*written).min(10_000));
+        eprintln!("small writer: {written} rows, {refused} refused");
+    }
+    for (r, took) in &results {
+        eprintln!("big write: {:?} in {took:?}", r.as_ref().map_err(ToString::to_string));
+    }
+    let admitted = results.iter().filter(|(r, _)| r.is_ok()).count();
+    assert_eq!(admitted, 5, "{results:?}");
+    assert_eq!(rows(&big_table), 5000);
+    engine.close().unwrap();
+}

@@ -258,3 +258,85 @@ fn table_file_names_are_recognised_exactly() {
         assert!(!is_table_file_name(bad), "{bad}");
     }
 }
+
+/// Stages `puts` and `deletes` and commits them (a file when there are puts).
+fn flush(s: &mut TableStore, c: &Arc<MemoryController>, puts: &[RecordBatch], deletes: &RecordBatch, seq: u64) {
+    s.stage(puts, deletes, seq).expect("stage");
+    let mut plan = s.plan_commit().expect("staged");
+    plan.execute(&WriteOptions::default(), c, None).expect("write");
+    s.finish_commit(plan);
+}
+
+fn key_batch(keys: impl Iterator<Item = i64>) -> RecordBatch {
+    RecordBatch::try_new(key_schema(), vec![Arc::new(Int64Array::from_iter_values(keys))]).expect("keys")
+}
+
+fn parquet_files(dir: &std::path::Path) -> usize {
+    std::fs::read_dir(dir).expect("dir").filter(|e| e.as_ref().is_ok_and(|e| e.file_name().to_string_lossy().ends_with(".parquet"))).count()
+}
+
+/// A file whose every row is deleted is dropped by a compaction that reads and writes no data
+/// file, and every such file goes in one: before, each was rewritten as an empty file, one for
+/// one, so under steady upserts of a bounded key set the files (and their `metadata`) grew
+/// without bound. The manifest read back names only the files with live rows, and a store
+/// opened from it finds exactly the live keys.
+#[test]
+fn files_whose_rows_are_all_deleted_are_dropped_without_a_new_file() {
+    let dir = tempfile::tempdir().expect("dir");
+    let c = ctl();
+    let mut s = store(dir.path(), &c, "t");
+    for (i, (from, to)) in [(0, 1000), (1000, 2000), (2000, 3000)].into_iter().enumerate() {
+        flush(&mut s, &c, &[rows(from..to)], &no_deletes(), i as u64 + 1);
+    }
+    // All of the first two files' rows deleted, and all but ten of the third's.
+    flush(&mut s, &c, &[], &key_batch((0..2000).chain(2010..3000)), 4);
+    assert_eq!((s.files.len(), parquet_files(&dir.path().join("t"))), (3, 3));
+    let mut plan = s.plan_compaction(&CompactionOptions::default()).expect("two dead files");
+    let dead: Vec<u32> = s.files.values().filter(|f| f.meta.rows == f.dv_live.len()).map(|f| f.meta.id).collect();
+    assert_eq!((plan.inputs(), dead.len()), (dead, 2));
+    plan.execute(&WriteOptions::default(), &c, None).expect("execute");
+    s.install_compaction(&mut plan).expect("install");
+    plan.commit().expect("commit");
+    assert_eq!(s.finish_compaction(plan), 0, "no row rewritten");
+    assert_eq!((s.files.len(), s.index().rows()), (1, 1000), "one file left, its 1,000 rows indexed (10 live)");
+    assert_eq!(parquet_files(&dir.path().join("t")), 1, "no new file written, both inputs removed");
+    let manifest = TableStore::read_manifest(&dir.path().join("t")).expect("manifest");
+    assert_eq!(manifest.files.len(), 1);
+    let c2 = ctl();
+    let reopened = TableStore::open(Arc::new(StdFs), &dir.path().join("t"), &c2, None, manifest).expect("open");
+    let conv = crate::index::key_converter(&schema(), &[0]).expect("converter");
+    let live = (0..3000i64).filter(|k| {
+        let keys = crate::index::encode_keys(&conv, &key_batch(std::iter::once(*k)), &[0]).expect("encode");
+        reopened.find_key(keys.row(0).as_ref()).is_some()
+    });
+    assert_eq!(live.collect::<Vec<_>>(), (2000..2010).collect::<Vec<_>>());
+}
+
+/// A merge is planned by its inputs' live rows' share of their decoded bytes: files whose rows
+/// were mostly deleted (upserted again since) are merged by what a merge holds of them, not by
+/// their whole rows. Four 3,000-row files (48,000 decoded bytes each), three of them with ten
+/// live rows: at a budget of 90,000 bytes (a tenth of 900,000) the two such files beside the
+/// one rewritten alone and the whole file merge (48,320 bytes); by whole bytes no two fit.
+#[test]
+fn merges_are_planned_by_the_live_rows_decoded_bytes() {
+    let dir = tempfile::tempdir().expect("dir");
+    let c = ctl();
+    let mut s = store(dir.path(), &c, "t");
+    for i in 0..4i64 {
+        flush(&mut s, &c, &[rows(i * 3000..(i + 1) * 3000)], &no_deletes(), i as u64 + 1);
+    }
+    // Files 2-4 keep ten rows each, but the third nine: it is the worst.
+    flush(&mut s, &c, &[], &key_batch((3010..6000).chain(6011..9000).chain(9010..12000).chain([6000, 6001])), 5);
+    c.set_limit(900_000).expect("limit");
+    let opts = CompactionOptions { small_files_trigger: 3, ..CompactionOptions::default() };
+    let mut plan = s.plan_compaction(&opts).expect("a merge");
+    let mut inputs = plan.inputs();
+    inputs.sort_unstable();
+    let ids: Vec<u32> = s.files.keys().copied().collect();
+    assert_eq!(inputs, [ids[0], ids[1], ids[3]], "the worst file (9 of 3,000 live) is not among them");
+    plan.execute(&WriteOptions::default(), &c, None).expect("execute");
+    s.install_compaction(&mut plan).expect("install");
+    plan.commit().expect("commit");
+    assert_eq!(s.finish_compaction(plan), 3020);
+    assert_eq!(s.files.len(), 2);
+}

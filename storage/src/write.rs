@@ -54,6 +54,31 @@ pub struct WriteOptions {
     /// (the step is then budgeted at its estimate again), `false` when nothing would (the
     /// step goes bare). `None` (the default) never waits. See [`MemoryWait`].
     pub memory_wait: Option<MemoryWait>,
+    /// The most a step of an earlier file written with these options (or their clones) added
+    /// to its writer's buffers, in percent of its Arrow bytes: a file's first step is
+    /// budgeted at it instead of [`FIRST_GROWTH_PCT`]. Every default-built `WriteOptions` has
+    /// its own; a table's flushes share theirs. See [`LearnedGrowth`].
+    pub learned_growth: LearnedGrowth,
+}
+
+/// The most a step of the data files written with one [`WriteOptions`] (and its clones) added
+/// to its writer's buffers, in percent of the step's Arrow bytes (0: no step yet). A file
+/// starts its budget from it: before, every file's first step was budgeted at
+/// [`FIRST_GROWTH_PCT`] (200%), and rows of 2-6 KB strings added 278-286% there, which a
+/// flush under a 2 MiB limit counted past the limit (a temporary print in
+/// `peak_limit::concurrent_writers_of_big_rows_stay_under_small_limits`, 2026-12-06).
+#[derive(Debug, Clone, Default)]
+pub struct LearnedGrowth(Arc<AtomicUsize>);
+
+impl LearnedGrowth {
+    /// The percentage learned so far, `None` before any step.
+    pub fn pct(&self) -> Option<usize> {
+        Some(self.0.load(Ordering::Relaxed)).filter(|&p| p > 0)
+    }
+
+    fn learn(&self, pct: usize) {
+        self.0.fetch_max(pct, Ordering::Relaxed);
+    }
 }
 
 /// How a data-file write waits for memory instead of counting its buffers past the limit
@@ -91,6 +116,7 @@ impl Default for WriteOptions {
             encode_threads: default_encode_threads(),
             count_past_limit: true,
             memory_wait: None,
+            learned_growth: LearnedGrowth::default(),
         }
     }
 }
@@ -416,7 +442,8 @@ pub fn write_data_file_from(
         let cancel = &opts.cancel;
         cancel.check().map_err(io(&tmp))?;
         let file = Recording { inner: vfs.create(&tmp).map_err(io(&tmp))?, seen: Arc::clone(&seen), cancel: cancel.clone(), crc: crc32fast::Hasher::new() };
-        let (mut budget, props) = Budget::for_file(ctl, table, schema, data_file_properties(opts.row_group_rows).build(), opts.written_metadata());
+        let (mut budget, props) =
+            Budget::for_file(ctl, table, schema, data_file_properties(opts.row_group_rows).build(), opts.written_metadata(), &opts.learned_growth);
         let pq = |e: ParquetError| parquet_io(e, &tmp, &seen);
         // `ArrowWriter` builds the Parquet schema and adds the Arrow schema to the footer's
         // metadata in both paths, so their files are alike.
@@ -592,8 +619,10 @@ struct Budget {
     /// budgeted with its first step.
     opening: usize,
     /// The most a step of this file added to the writer's buffers, in percent of its Arrow
-    /// bytes (`None` before the first step).
+    /// bytes (`None` before the first step), starting from what earlier files learned.
     growth: Option<usize>,
+    /// Where this file's steps teach later files ([`WriteOptions::learned_growth`]).
+    learned: LearnedGrowth,
     /// The highest `buffers` + `held` so far, in bytes.
     peak: usize,
 }
@@ -608,6 +637,7 @@ impl Budget {
         schema: &arrow_schema::Schema,
         props: WriterProperties,
         policy: WrittenMetadata,
+        learned: &LearnedGrowth,
     ) -> (Self, WriterProperties) {
         let descr = parquet_schema(schema);
         let props = match &descr {
@@ -621,14 +651,16 @@ impl Budget {
             held: Reservation::new(ctl, Category::WriteBuffers, table),
             policy,
             opening,
-            growth: None,
+            growth: learned.pct(),
+            learned: learned.clone(),
             peak: 0,
         };
         (budget, props)
     }
 
     /// What the next step is budgeted at, in percent of its Arrow bytes: the most a step of
-    /// this file added so far, [`FIRST_GROWTH_PCT`] before the first.
+    /// this file, or of an earlier file with the same [`LearnedGrowth`], added so far;
+    /// [`FIRST_GROWTH_PCT`] before the first.
     fn growth_pct(&self) -> usize {
         self.growth.unwrap_or(FIRST_GROWTH_PCT)
     }
@@ -640,6 +672,7 @@ impl Budget {
         let added = after.saturating_sub(before).saturating_sub(if opened { self.opening } else { 0 });
         let pct = (added.saturating_mul(100) / step_bytes.max(1)).clamp(100, MAX_GROWTH_PCT);
         self.growth = Some(self.growth.map_or(pct, |g| g.max(pct)));
+        self.learned.learn(pct);
     }
 
     /// Whether closing a row group of `buffered` bytes (the writer's `memory_size`) early, on
@@ -849,7 +882,7 @@ impl<W: std::io::Write + Send> StepWriter<W> {
         path: &Path,
     ) -> Result<Self, StepError> {
         opts.row_group_rows = props.max_row_group_row_count().unwrap_or(usize::MAX).max(1);
-        let (budget, props) = Budget::for_file(ctl, table, &schema, props, policy);
+        let (budget, props) = Budget::for_file(ctl, table, &schema, props, policy, &opts.learned_growth);
         let w = ArrowWriter::try_new(sink, schema, Some(props)).map_err(StepError::Parquet)?;
         Ok(Self { w: SingleWriter { w, max_rows: opts.row_group_rows }, opts, budget, path: path.to_path_buf() })
     }

@@ -1001,3 +1001,29 @@ fn a_write_waits_for_memory_given_back_before_its_last_resort() {
         assert_eq!(row_groups(&dir.path().join("g.parquet")).iter().sum::<i64>(), 15_000);
     }
 }
+
+/// A file's steps teach the next file written with the same options (or a clone: a table's
+/// flushes share theirs) how much a step adds, and its first step is budgeted at that instead
+/// of `FIRST_GROWTH_PCT`; options built apart learn apart.
+#[test]
+fn a_files_first_step_is_budgeted_at_what_earlier_files_learned() {
+    let dir = tempfile::tempdir().unwrap();
+    let ctl = ctl();
+    let o = opts(1);
+    assert_eq!(o.learned_growth.pct(), None);
+    write_data_file(&StdFs, dir.path(), "a.parquet", &batches(), &o, &ctl, None).unwrap();
+    let learned = o.learned_growth.pct().expect("learned from the first file");
+    assert!((100..=MAX_GROWTH_PCT).contains(&learned), "{learned}");
+    let shared = o.clone();
+    assert_eq!(shared.learned_growth.pct(), Some(learned));
+    assert_eq!(opts(1).learned_growth.pct(), None, "options built apart learn apart");
+    let descr_schema = schema();
+    let (budget, _) = Budget::for_file(&ctl, None, &descr_schema, data_file_properties(4_000).build(), WrittenMetadata::CountPastLimit, &shared.learned_growth);
+    assert_eq!(budget.growth_pct(), learned, "the next file starts at what was learned");
+    let (fresh, _) =
+        Budget::for_file(&ctl, None, &descr_schema, data_file_properties(4_000).build(), WrittenMetadata::CountPastLimit, &LearnedGrowth::default());
+    assert_eq!(fresh.growth_pct(), FIRST_GROWTH_PCT);
+    // A second file never lowers what was learned.
+    write_data_file(&StdFs, dir.path(), "b.parquet", &batches()[..1], &shared, &ctl, None).unwrap();
+    assert!(o.learned_growth.pct().unwrap() >= learned);
+}

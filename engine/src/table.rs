@@ -794,6 +794,13 @@ impl Table {
             // would free memory are stopping, or `close` needs that memory for its last
             // flush; both wait for admitted writes).
             self.engine.check_writable()?;
+            // A write waiting for memory whose table is dropped meanwhile stops waiting (and
+            // leaves the queue, where its peak counted ahead of every later write): the wait
+            // below takes no table lock, so without this it waited out the whole timeout and
+            // returned `MemoryLimit` (`fair_admission::a_write_waiting_for_memory_when_its_table_is_dropped_returns_table_not_found`).
+            if waited {
+                drop(self.inner.state()?);
+            }
             // A write no flush can make room for is refused now, not after the timeout (read
             // again each time round: the limit may have been changed meanwhile).
             if let Some(need) = shared.never_fits(growth, convert) {

@@ -86,3 +86,94 @@ fn a_big_write_beside_busy_small_writers_is_admitted_in_its_turn() {
     assert_eq!(rows(&big_table), 5000);
     engine.close().unwrap();
 }
+
+/// Inserts 100-row batches of 2,000-byte strings into `t` until the engine holds more than
+/// `bytes`; returns the rows written.
+fn fill(engine: &Engine, t: &gritdb::Table, bytes: usize) -> usize {
+    let mut next = 0i32;
+    while engine.memory().used() < bytes {
+        let ids: Vec<i32> = (next..next + 100).collect();
+        t.insert(&batch(&ids, 2000)).unwrap();
+        next += 100;
+    }
+    next as usize
+}
+
+/// A write waiting for memory when its table is dropped returns `TableNotFound` within a
+/// wait step (100 ms), not `MemoryLimit` after its whole `backpressure_timeout`: before, the
+/// soft-limit wait never looked at the table, so the write kept its place in the queue (its
+/// peak counted ahead of every later write, to any table) for the 20 s, then reported the
+/// wrong error. The data files are stalled, so nothing frees memory meanwhile.
+#[test]
+fn a_write_waiting_for_memory_when_its_table_is_dropped_returns_table_not_found() {
+    let dir = tempfile::tempdir().unwrap();
+    let fs = gritdb::vfs::FaultFs::new();
+    let limit = 16 * MIB;
+    let timeout = Duration::from_secs(20);
+    let config = EngineConfig::default().memory_limit(limit).flush_age(Duration::from_secs(3600)).backpressure_timeout(timeout).vfs(Arc::new(fs.clone()));
+    let engine = Engine::open(dir.path(), config).unwrap();
+    let a = engine.create_table("a", schema(), &["id"]).unwrap();
+    let b = engine.create_table("b", schema(), &["id"]).unwrap();
+    fs.stall_paths(".parquet");
+    let written = fill(&engine, &b, limit / 2);
+    // 3,000 rows of 1,000-byte strings: ~3 MB of Arrow bytes, a peak of ~6.3 MB, which does
+    // not fit beside b's 8 MiB under the soft limit; it waits.
+    let ids: Vec<i32> = (0..3000).collect();
+    let big = batch(&ids, 1000);
+    let (result, took) = std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            let started = Instant::now();
+            let r = a.insert(&big);
+            (r, started.elapsed())
+        });
+        std::thread::sleep(Duration::from_millis(500));
+        engine.drop_table("a").unwrap();
+        h.join().unwrap()
+    });
+    assert!(matches!(&result, Err(Error::TableNotFound { name }) if name == "a"), "{result:?}");
+    assert!(took < timeout / 2, "the write waited {took:?} after its table was dropped");
+    fs.heal();
+    assert_eq!(rows(&b), written);
+    engine.close().unwrap();
+}
+
+/// Writes that wait out their `backpressure_timeout` leave the queue with their error: three
+/// big writes refused while the data files are stalled, then, once the disk is back, a write
+/// of the same size is admitted and every acknowledged row is there. (A place left behind
+/// would count its bytes ahead of every later write, and this write would be refused too.)
+#[test]
+fn writes_that_time_out_in_the_queue_leave_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let fs = gritdb::vfs::FaultFs::new();
+    let limit = 16 * MIB;
+    let config =
+        EngineConfig::default().memory_limit(limit).flush_age(Duration::from_secs(3600)).backpressure_timeout(Duration::from_secs(1)).vfs(Arc::new(fs.clone()));
+    let engine = Engine::open(dir.path(), config).unwrap();
+    let b = engine.create_table("b", schema(), &["id"]).unwrap();
+    let tables: Vec<_> = (0..3).map(|i| engine.create_table(&format!("t{i}"), schema(), &["id"]).unwrap()).collect();
+    fs.stall_paths(".parquet");
+    let written = fill(&engine, &b, limit / 2);
+    let results: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = tables
+            .iter()
+            .map(|t| {
+                s.spawn(move || {
+                    let ids: Vec<i32> = (0..3000).collect();
+                    t.insert(&batch(&ids, 1000))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for r in &results {
+        assert!(matches!(r, Err(Error::MemoryLimit { .. })), "{r:?}");
+    }
+    fs.heal();
+    b.flush().unwrap();
+    let ids: Vec<i32> = (0..3000).collect();
+    tables[0].insert(&batch(&ids, 1000)).unwrap();
+    assert_eq!(rows(&tables[0]), 3000);
+    assert_eq!(rows(&tables[1]), 0);
+    assert_eq!(rows(&b), written);
+    engine.close().unwrap();
+}

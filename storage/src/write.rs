@@ -148,6 +148,14 @@ impl WriteOptions {
 /// under `write_buffers`, to a quarter of the default per column.
 pub const DICTIONARY_PAGE_BYTES: usize = 256 << 10;
 
+/// Data page size of gritdb's data files, in bytes: 1 MiB, Parquet's default
+/// (`parquet::file::properties::DEFAULT_PAGE_SIZE`), set explicitly because the stepped writer
+/// bounds its steps by it ([`step_len`]). Best effort in Parquet: the writer checks a page's
+/// size after each mini-batch it encodes, so a page passes it by up to a mini-batch's values;
+/// with each step's values of a column bounded by this size, a page holds at most about twice
+/// it (or one value larger than that).
+pub const DATA_PAGE_BYTES: usize = 1 << 20;
+
 /// Page compression of gritdb's own data files: `LZ4_RAW` (Parquet format 2.9, 2021; read by
 /// arrow-rs, pyarrow and `DuckDB`, as `tests/all/interop.rs` checks).
 ///
@@ -178,6 +186,7 @@ pub fn data_file_properties(row_group_rows: usize) -> parquet::file::properties:
     WriterProperties::builder()
         .set_compression(DATA_FILE_COMPRESSION)
         .set_dictionary_page_size_limit(DICTIONARY_PAGE_BYTES)
+        .set_data_page_size_limit(DATA_PAGE_BYTES)
         .set_max_row_group_row_count(Some(row_group_rows.max(1)))
 }
 
@@ -492,6 +501,111 @@ fn step_rows(batch: &RecordBatch, opts: &WriteOptions) -> (usize, usize) {
     (opts.write_batch_rows.min((opts.row_group_bytes / 4 / per_row).max(1)).max(1), per_row)
 }
 
+/// The value bytes of one byte-array column of a batch, row by row ([`StepSizer`]).
+enum ValueBytes<'a> {
+    /// `Utf8` / `Binary`: a row's values are the difference of its offsets.
+    Offsets(&'a [i32]),
+    /// `LargeUtf8` / `LargeBinary`.
+    LargeOffsets(&'a [i64]),
+    /// `Utf8View` / `BinaryView`: a row's length is the low 32 bits of its view.
+    Views(&'a [u128]),
+}
+
+impl ValueBytes<'_> {
+    /// Bytes of row `i`'s value.
+    fn row(&self, i: usize) -> usize {
+        match self {
+            Self::Offsets(o) => usize::try_from(o[i + 1].wrapping_sub(o[i])).unwrap_or(0),
+            Self::LargeOffsets(o) => usize::try_from(o[i + 1].wrapping_sub(o[i])).unwrap_or(0),
+            Self::Views(v) => (v[i] as u32) as usize,
+        }
+    }
+
+    /// Bytes of the values of rows `at..at + len`.
+    fn range(&self, at: usize, len: usize) -> usize {
+        match self {
+            Self::Offsets(o) => usize::try_from(o[at + len].wrapping_sub(o[at])).unwrap_or(0),
+            Self::LargeOffsets(o) => usize::try_from(o[at + len].wrapping_sub(o[at])).unwrap_or(0),
+            Self::Views(v) => v[at..at + len].iter().map(|v| (*v as u32) as usize).sum(),
+        }
+    }
+
+    /// Arrow bytes a row takes besides its value: its offset or view.
+    fn per_row(&self) -> usize {
+        match self {
+            Self::Offsets(_) => 4,
+            Self::LargeOffsets(_) => 8,
+            Self::Views(_) => 16,
+        }
+    }
+}
+
+/// The Arrow bytes of row ranges of one batch, for [`write_steps`]: a step is sized and
+/// budgeted by what its own rows hold, not by the batch's average row (a batch of narrow rows
+/// with a cluster of wide values put 12 MB of values in one 8,192-row step budgeted at the
+/// average, and in one Parquet page). Byte-array columns (`Utf8`, `Binary`, their `Large` and
+/// `View` forms) are measured row by row from their offsets or views; every other column counts
+/// its share of the batch's bytes per row (fixed widths are that exactly; a nested column's or
+/// a dictionary's values are averaged).
+struct StepSizer<'a> {
+    /// Bytes a row of the columns not measured row by row.
+    other_per_row: usize,
+    columns: Vec<ValueBytes<'a>>,
+}
+
+impl<'a> StepSizer<'a> {
+    fn new(batch: &'a RecordBatch) -> Self {
+        use arrow_array::cast::AsArray;
+        use arrow_schema::DataType;
+        let rows = batch.num_rows().max(1);
+        let mut other = 0usize;
+        let mut columns = Vec::new();
+        for c in batch.columns() {
+            match c.data_type() {
+                DataType::Utf8 => columns.push(ValueBytes::Offsets(c.as_string::<i32>().value_offsets())),
+                DataType::Binary => columns.push(ValueBytes::Offsets(c.as_binary::<i32>().value_offsets())),
+                DataType::LargeUtf8 => columns.push(ValueBytes::LargeOffsets(c.as_string::<i64>().value_offsets())),
+                DataType::LargeBinary => columns.push(ValueBytes::LargeOffsets(c.as_binary::<i64>().value_offsets())),
+                DataType::Utf8View => columns.push(ValueBytes::Views(c.as_string_view().views())),
+                DataType::BinaryView => columns.push(ValueBytes::Views(c.as_binary_view().views())),
+                _ => other = other.saturating_add(c.to_data().get_slice_memory_size().unwrap_or_else(|_| c.get_array_memory_size())),
+            }
+        }
+        Self { other_per_row: other.div_ceil(rows), columns }
+    }
+
+    /// Arrow bytes of rows `at..at + len`.
+    fn bytes(&self, at: usize, len: usize) -> usize {
+        self.columns.iter().fold(self.other_per_row.saturating_mul(len), |sum, c| sum.saturating_add(c.range(at, len)).saturating_add(c.per_row() * len))
+    }
+
+    /// The most rows from `at`, at most `len` and at least 1, whose Arrow bytes stay within
+    /// `max_bytes` and whose values in each byte-array column stay within `max_values`.
+    fn fit(&self, at: usize, len: usize, max_bytes: usize, max_values: usize) -> usize {
+        if self.bytes(at, len) <= max_bytes && self.columns.iter().all(|c| c.range(at, len) <= max_values) {
+            return len;
+        }
+        let mut values = vec![0usize; self.columns.len()];
+        let mut bytes = 0usize;
+        for n in 0..len {
+            let i = at + n;
+            bytes = bytes.saturating_add(self.other_per_row);
+            for (c, v) in self.columns.iter().zip(values.iter_mut()) {
+                let row = c.row(i);
+                *v = v.saturating_add(row);
+                bytes = bytes.saturating_add(row).saturating_add(c.per_row());
+                if *v > max_values && n > 0 {
+                    return n;
+                }
+            }
+            if bytes > max_bytes && n > 0 {
+                return n;
+            }
+        }
+        len
+    }
+}
+
 /// What [`write_steps`] drives: `ArrowWriter` on one thread, or [`ParallelWriter`].
 trait BatchSink {
     /// Encodes `batch` into the open row group.
@@ -729,7 +843,8 @@ fn wait_for_room(opts: &WriteOptions, since: &mut Option<std::time::Instant>) ->
 /// (the writer's rows limit cuts by rows). `file` names the file in a cancellation's error.
 fn write_steps(w: &mut impl BatchSink, batch: &RecordBatch, opts: &WriteOptions, budget: &mut Budget, file: &Path) -> Result<(), StepError> {
     let max_rows = opts.row_group_rows.max(1);
-    let (step, per_row) = step_rows(batch, opts);
+    let (step, _) = step_rows(batch, opts);
+    let sizer = StepSizer::new(batch);
     let mut at = 0;
     while at < batch.num_rows() {
         // Between encoded batches (and so between row groups) a drop stops the write.
@@ -737,6 +852,11 @@ fn write_steps(w: &mut impl BatchSink, batch: &RecordBatch, opts: &WriteOptions,
         // A step never crosses a row group's end (`ArrowWriter::write` calls itself once
         // for every row group a batch crosses).
         let mut len = step.min(batch.num_rows() - at).min(max_rows.saturating_sub(w.in_progress_rows()).max(1));
+        // Nor holds more than a quarter of the row-group cut, or a data page's worth of one
+        // column's values, by its own rows ([`StepSizer`]): Parquet checks a page's size only
+        // after each mini-batch, and sizes a step's mini-batches by its first rows.
+        len = sizer.fit(at, len, opts.row_group_bytes / 4, DATA_PAGE_BYTES);
+        let mut step_bytes = sizer.bytes(at, len);
         // The step's buffers are budgeted before they are made: its Arrow bytes times what
         // steps of this file added ([`Budget::growth_pct`]), and for a row group's first step
         // the dictionary tables it opens ([`DICTIONARY_TABLE_BYTES`]). Under a tight limit
@@ -771,9 +891,9 @@ fn write_steps(w: &mut impl BatchSink, batch: &RecordBatch, opts: &WriteOptions,
                 (false, false) if !opts.count_past_limit => (0, MAX_GROWTH_PCT),
                 (false, false) => (0, budget.growth_pct()),
             };
-            let ahead = w.memory_size().saturating_add(len.saturating_mul(per_row).saturating_mul(pct) / 100).saturating_add(open);
+            let ahead = w.memory_size().saturating_add(step_bytes.saturating_mul(pct) / 100).saturating_add(open);
             let Err(e) = budget.buffers.try_resize(ahead) else { break };
-            let smallest = len == 1 || len.saturating_mul(per_row) <= MIN_STEP_BYTES;
+            let smallest = len == 1 || step_bytes <= MIN_STEP_BYTES;
             if w.in_progress_rows() > 0 && budget.worth_closing(w.memory_size()) {
                 budget.close(w)?;
             } else if budget.policy == WrittenMetadata::CountPastLimit
@@ -784,6 +904,7 @@ fn write_steps(w: &mut impl BatchSink, batch: &RecordBatch, opts: &WriteOptions,
                 break;
             } else if !smallest {
                 len /= 2;
+                step_bytes = sizer.bytes(at, len);
             } else if w.in_progress_rows() > 0 {
                 budget.close(w)?;
             } else if !bare && opts.count_past_limit && wait_for_room(opts, &mut waited_since) {
@@ -804,7 +925,7 @@ fn write_steps(w: &mut impl BatchSink, batch: &RecordBatch, opts: &WriteOptions,
         w.write(&batch.slice(at, len)).map_err(StepError::Parquet)?;
         // A step that closed its row group shows nothing of what it added.
         if w.in_progress_rows() > 0 {
-            budget.observe(len.saturating_mul(per_row), before, w.memory_size(), opened);
+            budget.observe(step_bytes, before, w.memory_size(), opened);
         }
         budget.update(&*w);
         at += len;

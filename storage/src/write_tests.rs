@@ -1027,3 +1027,53 @@ fn a_files_first_step_is_budgeted_at_what_earlier_files_learned() {
     write_data_file(&StdFs, dir.path(), "b.parquet", &batches()[..1], &shared, &ctl, None).unwrap();
     assert!(o.learned_growth.pct().unwrap() >= learned);
 }
+
+/// The most value bytes (the page index's `unencoded_byte_array_data_bytes`) any data page of
+/// any byte-array column chunk of the file at `path` holds.
+fn largest_page_values(path: &Path) -> i64 {
+    let f = fs::File::open(path).unwrap();
+    let md = ParquetMetaDataReader::new().with_offset_index_policy(PageIndexPolicy::Optional).parse_and_finish(&f).unwrap();
+    let index = md.offset_index().expect("the file has an offset index");
+    index.iter().flatten().filter_map(|c| c.unencoded_byte_array_data_bytes().map(|s| s.iter().copied().max().unwrap_or(0))).max().unwrap_or(0)
+}
+
+/// 60,000 rows of 14-byte strings with two clusters of 24 consecutive 512 KiB values in one
+/// input batch, as `Utf8`, `Binary` and `Utf8View`.
+fn clustered(kind: &DataType) -> RecordBatch {
+    let wide = |k: usize| (20_100..20_124).contains(&k) || (45_500..45_524).contains(&k);
+    let values: Vec<Vec<u8>> =
+        (0..60_000).map(|k| format!("{k:>10}").into_bytes().into_iter().cycle().take(if wide(k) { 512 << 10 } else { 14 }).collect()).collect();
+    let col: ArrayRef = match kind {
+        DataType::Utf8 => Arc::new(StringArray::from_iter_values(values.iter().map(|v| std::str::from_utf8(v).unwrap()))),
+        DataType::Binary => Arc::new(arrow_array::BinaryArray::from_iter_values(values.iter())),
+        _ => Arc::new(arrow_array::StringViewArray::from_iter_values(values.iter().map(|v| std::str::from_utf8(v).unwrap()))),
+    };
+    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("s", kind.clone(), false)]));
+    RecordBatch::try_new(schema, vec![Arc::new(Int64Array::from_iter_values(0..60_000)), col]).unwrap()
+}
+
+/// A data page holds at most two pages' worth of value bytes (`DATA_PAGE_BYTES` a step and a
+/// column, on top of a page not yet full), however the wide values cluster in the input
+/// batch: 1,650,368 bytes at most here, against 11,540,272 before. parquet 59.3 sizes a mini-batch from the first values of a chunk and writes
+/// the rest of the chunk in mini-batches of that many rows, so a step of 8,192 rows whose first
+/// rows are narrow put 22 values of 512 KiB (11.5 MB) in one page, which a reader must then
+/// decompress whole (`breaker_trial2::clusters_of_wide_values_among_narrow_ones_scan_at_16_mib`).
+#[test]
+fn clustered_wide_values_leave_no_page_past_two_page_sizes() {
+    let dir = tempfile::tempdir().unwrap();
+    let ctl = ctl();
+    for (i, kind) in [DataType::Utf8, DataType::Binary, DataType::Utf8View].iter().enumerate() {
+        let b = clustered(kind);
+        let name = format!("c{i}.parquet");
+        for threads in [1, 2] {
+            let o = WriteOptions { encode_threads: threads, ..WriteOptions::default() };
+            write_data_file(&StdFs, dir.path(), &name, std::slice::from_ref(&b), &o, &ctl, None).unwrap();
+            let path = dir.path().join(&name);
+            let largest = largest_page_values(&path);
+            assert!(largest <= 2 * DATA_PAGE_BYTES as i64, "{kind} on {threads} threads: a page of {largest} value bytes");
+            let got = arrow_select::concat::concat_batches(&b.schema(), &read_all(&path)).unwrap();
+            assert_eq!(got, b, "{kind} on {threads} threads");
+            fs::remove_file(&path).unwrap();
+        }
+    }
+}

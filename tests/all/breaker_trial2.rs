@@ -1076,10 +1076,13 @@ fn clusters_of_wide_values_among_narrow_ones_scan_exactly_or_refuse() {
     wide_case(&clusters(), 200_000, false);
 }
 
-/// As above, strict: no value is over 512 KiB, yet at 16 MiB the batch reaching a cluster
-/// asks for most of it at once.
+/// As above, strict: no value is over 512 KiB, and at 16 MiB every scan is exact. Before, the
+/// data file's writer put 22 of the wide values in one page (rows 150,102..152,748 held
+/// 11.57 MB, and rows 180,502..180,780 11.54 MB: parquet sizes a step's mini-batches by its
+/// first rows), which a reader decompresses whole: at 16 MiB the full scan asked 16 MiB of
+/// `scan_buffers` after 180,486 rows (`MemoryLimit`). Now a step holds at most a page's worth
+/// of a column's values (`gritdb_storage::DATA_PAGE_BYTES`), and no page passes twice that.
 #[test]
-#[ignore = "breaker: the page index shows page 7 of s = rows 150,102..152,748 holding 11.57 MB (22 of the 512 KiB values + 2,624 narrow rows) and page 10 = 278 rows holding 11.54 MB; the densest-page average (4.4 KB, 41 KB a row) still lets one batch take all 22 wide values: at 16 MiB the full scan asks 8.0 MiB of scan_buffers after 150,072 rows and the k >= 160,000 scan 16.0 MiB (MemoryLimit); 32 MiB passes"]
 fn clusters_of_wide_values_among_narrow_ones_scan_at_16_mib() {
     wide_case(&clusters(), 200_000, true);
 }

@@ -150,10 +150,10 @@ pub const DICTIONARY_PAGE_BYTES: usize = 256 << 10;
 
 /// Data page size of gritdb's data files, in bytes: 1 MiB, Parquet's default
 /// (`parquet::file::properties::DEFAULT_PAGE_SIZE`), set explicitly because the stepped writer
-/// bounds its steps by it ([`step_len`]). Best effort in Parquet: the writer checks a page's
-/// size after each mini-batch it encodes, so a page passes it by up to a mini-batch's values;
-/// with each step's values of a column bounded by this size, a page holds at most about twice
-/// it (or one value larger than that).
+/// bounds each column's Arrow bytes in a step by it ([`write_steps`]). Best effort in Parquet:
+/// the writer checks a page's size after each mini-batch it encodes, so a page passes it by up
+/// to a mini-batch's values; with a step's bytes of a column bounded by this size, a page
+/// holds at most about twice it (or one value larger than that).
 pub const DATA_PAGE_BYTES: usize = 1 << 20;
 
 /// Page compression of gritdb's own data files: `LZ4_RAW` (Parquet format 2.9, 2021; read by
@@ -501,108 +501,108 @@ fn step_rows(batch: &RecordBatch, opts: &WriteOptions) -> (usize, usize) {
     (opts.write_batch_rows.min((opts.row_group_bytes / 4 / per_row).max(1)).max(1), per_row)
 }
 
-/// The value bytes of one byte-array column of a batch, row by row ([`StepSizer`]).
-enum ValueBytes<'a> {
-    /// `Utf8` / `Binary`: a row's values are the difference of its offsets.
-    Offsets(&'a [i32]),
-    /// `LargeUtf8` / `LargeBinary`.
-    LargeOffsets(&'a [i64]),
-    /// `Utf8View` / `BinaryView`: a row's length is the low 32 bits of its view.
-    Views(&'a [u128]),
+/// Arrow bytes of the rows `at..at + len` of `data` (logical rows, after its offset), counted
+/// from what those rows use: a byte array's values between their offsets, a view array's views
+/// and the lengths they give, a list's (or map's) child values between its offsets, a struct's
+/// children and a fixed-size list's child rows over the same range, a fixed width times the
+/// rows, a validity bitmap at a bit a row. A dictionary counts its keys and its values' bytes
+/// a value on average; any other layout its share of the array's bytes. Unlike
+/// [`crate::batch_bytes`] (Arrow's `get_slice_memory_size`), a list's slice does not count its
+/// whole child array, nor a view slice its whole data buffers.
+fn range_bytes(data: &arrow_data::ArrayData, at: usize, len: usize) -> usize {
+    use arrow_schema::DataType;
+    let bitmap = if data.nulls().is_some() { len.div_ceil(8) } else { 0 };
+    let values = match data.data_type() {
+        DataType::Utf8 | DataType::Binary => {
+            let o = data.buffer::<i32>(0);
+            usize::try_from(o[at + len].wrapping_sub(o[at])).unwrap_or(0).saturating_add(4 * len)
+        }
+        DataType::LargeUtf8 | DataType::LargeBinary => {
+            let o = data.buffer::<i64>(0);
+            usize::try_from(o[at + len].wrapping_sub(o[at])).unwrap_or(0).saturating_add(8 * len)
+        }
+        // A view's low 32 bits are its value's length (inline values included: they are
+        // values all the same for a Parquet page).
+        DataType::Utf8View | DataType::BinaryView => {
+            data.buffer::<u128>(0)[at..at + len].iter().fold(16 * len, |sum, v| sum.saturating_add((*v as u32) as usize))
+        }
+        DataType::List(_) | DataType::Map(_, _) => {
+            let o = data.buffer::<i32>(0);
+            let (from, to) = (usize::try_from(o[at]).unwrap_or(0), usize::try_from(o[at + len]).unwrap_or(0));
+            range_bytes(&data.child_data()[0], from, to.saturating_sub(from)).saturating_add(4 * len)
+        }
+        DataType::LargeList(_) => {
+            let o = data.buffer::<i64>(0);
+            let (from, to) = (usize::try_from(o[at]).unwrap_or(0), usize::try_from(o[at + len]).unwrap_or(0));
+            range_bytes(&data.child_data()[0], from, to.saturating_sub(from)).saturating_add(8 * len)
+        }
+        DataType::FixedSizeList(_, size) => {
+            let size = usize::try_from(*size).unwrap_or(0);
+            range_bytes(&data.child_data()[0], (data.offset() + at) * size, len * size)
+        }
+        DataType::Struct(_) => data.child_data().iter().map(|c| range_bytes(c, at, len)).sum(),
+        DataType::Dictionary(key, _) => {
+            let dict = &data.child_data()[0];
+            let per_value = range_bytes(dict, 0, dict.len()).div_ceil(dict.len().max(1));
+            key.primitive_width().unwrap_or(8).saturating_add(per_value).saturating_mul(len)
+        }
+        DataType::Boolean => len.div_ceil(8),
+        t => match t.primitive_width() {
+            Some(w) => w.saturating_mul(len),
+            None => data.get_slice_memory_size().unwrap_or(0).saturating_mul(len) / data.len().max(1),
+        },
+    };
+    values.saturating_add(bitmap)
 }
 
-impl ValueBytes<'_> {
-    /// Bytes of row `i`'s value.
-    fn row(&self, i: usize) -> usize {
-        match self {
-            Self::Offsets(o) => usize::try_from(o[i + 1].wrapping_sub(o[i])).unwrap_or(0),
-            Self::LargeOffsets(o) => usize::try_from(o[i + 1].wrapping_sub(o[i])).unwrap_or(0),
-            Self::Views(v) => (v[i] as u32) as usize,
-        }
-    }
-
-    /// Bytes of the values of rows `at..at + len`.
-    fn range(&self, at: usize, len: usize) -> usize {
-        match self {
-            Self::Offsets(o) => usize::try_from(o[at + len].wrapping_sub(o[at])).unwrap_or(0),
-            Self::LargeOffsets(o) => usize::try_from(o[at + len].wrapping_sub(o[at])).unwrap_or(0),
-            Self::Views(v) => v[at..at + len].iter().map(|v| (*v as u32) as usize).sum(),
-        }
-    }
-
-    /// Arrow bytes a row takes besides its value: its offset or view.
-    fn per_row(&self) -> usize {
-        match self {
-            Self::Offsets(_) => 4,
-            Self::LargeOffsets(_) => 8,
-            Self::Views(_) => 16,
-        }
-    }
+/// The Arrow bytes of row ranges of one batch, column by column ([`range_bytes`]), for
+/// [`write_steps`]: a step is sized and budgeted by what its own rows hold, not by the batch's
+/// average row. A batch of narrow rows with a cluster of wide values put 11.5 MB of values in
+/// one 8,192-row step budgeted at the average, and in one Parquet page.
+struct StepSizer {
+    columns: Vec<arrow_data::ArrayData>,
 }
 
-/// The Arrow bytes of row ranges of one batch, for [`write_steps`]: a step is sized and
-/// budgeted by what its own rows hold, not by the batch's average row (a batch of narrow rows
-/// with a cluster of wide values put 12 MB of values in one 8,192-row step budgeted at the
-/// average, and in one Parquet page). Byte-array columns (`Utf8`, `Binary`, their `Large` and
-/// `View` forms) are measured row by row from their offsets or views; every other column counts
-/// its share of the batch's bytes per row (fixed widths are that exactly; a nested column's or
-/// a dictionary's values are averaged).
-struct StepSizer<'a> {
-    /// Bytes a row of the columns not measured row by row.
-    other_per_row: usize,
-    columns: Vec<ValueBytes<'a>>,
-}
-
-impl<'a> StepSizer<'a> {
-    fn new(batch: &'a RecordBatch) -> Self {
-        use arrow_array::cast::AsArray;
-        use arrow_schema::DataType;
-        let rows = batch.num_rows().max(1);
-        let mut other = 0usize;
-        let mut columns = Vec::new();
-        for c in batch.columns() {
-            match c.data_type() {
-                DataType::Utf8 => columns.push(ValueBytes::Offsets(c.as_string::<i32>().value_offsets())),
-                DataType::Binary => columns.push(ValueBytes::Offsets(c.as_binary::<i32>().value_offsets())),
-                DataType::LargeUtf8 => columns.push(ValueBytes::LargeOffsets(c.as_string::<i64>().value_offsets())),
-                DataType::LargeBinary => columns.push(ValueBytes::LargeOffsets(c.as_binary::<i64>().value_offsets())),
-                DataType::Utf8View => columns.push(ValueBytes::Views(c.as_string_view().views())),
-                DataType::BinaryView => columns.push(ValueBytes::Views(c.as_binary_view().views())),
-                _ => other = other.saturating_add(c.to_data().get_slice_memory_size().unwrap_or_else(|_| c.get_array_memory_size())),
-            }
-        }
-        Self { other_per_row: other.div_ceil(rows), columns }
+impl StepSizer {
+    fn new(batch: &RecordBatch) -> Self {
+        Self { columns: batch.columns().iter().map(|c| c.to_data()).collect() }
     }
 
     /// Arrow bytes of rows `at..at + len`.
     fn bytes(&self, at: usize, len: usize) -> usize {
-        self.columns.iter().fold(self.other_per_row.saturating_mul(len), |sum, c| sum.saturating_add(c.range(at, len)).saturating_add(c.per_row() * len))
+        self.columns.iter().map(|c| range_bytes(c, at, len)).fold(0, usize::saturating_add)
     }
 
-    /// The most rows from `at`, at most `len` and at least 1, whose Arrow bytes stay within
-    /// `max_bytes` and whose values in each byte-array column stay within `max_values`.
-    fn fit(&self, at: usize, len: usize, max_bytes: usize, max_values: usize) -> usize {
-        if self.bytes(at, len) <= max_bytes && self.columns.iter().all(|c| c.range(at, len) <= max_values) {
+    /// Whether rows `at..at + len` hold at most `max_bytes` in all and `max_column` in each
+    /// column.
+    fn fits(&self, at: usize, len: usize, max_bytes: usize, max_column: usize) -> bool {
+        let mut total = 0usize;
+        for c in &self.columns {
+            let b = range_bytes(c, at, len);
+            if b > max_column {
+                return false;
+            }
+            total = total.saturating_add(b);
+        }
+        total <= max_bytes
+    }
+
+    /// The most rows from `at`, at most `len` and at least 1, that [`Self::fits`] (the bytes
+    /// only grow with the rows, so a binary search finds it).
+    fn fit(&self, at: usize, len: usize, max_bytes: usize, max_column: usize) -> usize {
+        if self.fits(at, len, max_bytes, max_column) {
             return len;
         }
-        let mut values = vec![0usize; self.columns.len()];
-        let mut bytes = 0usize;
-        for n in 0..len {
-            let i = at + n;
-            bytes = bytes.saturating_add(self.other_per_row);
-            for (c, v) in self.columns.iter().zip(values.iter_mut()) {
-                let row = c.row(i);
-                *v = v.saturating_add(row);
-                bytes = bytes.saturating_add(row).saturating_add(c.per_row());
-                if *v > max_values && n > 0 {
-                    return n;
-                }
-            }
-            if bytes > max_bytes && n > 0 {
-                return n;
+        let (mut lo, mut hi) = (1, len);
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            if self.fits(at, mid, max_bytes, max_column) {
+                lo = mid;
+            } else {
+                hi = mid - 1;
             }
         }
-        len
+        lo
     }
 }
 
@@ -852,8 +852,8 @@ fn write_steps(w: &mut impl BatchSink, batch: &RecordBatch, opts: &WriteOptions,
         // A step never crosses a row group's end (`ArrowWriter::write` calls itself once
         // for every row group a batch crosses).
         let mut len = step.min(batch.num_rows() - at).min(max_rows.saturating_sub(w.in_progress_rows()).max(1));
-        // Nor holds more than a quarter of the row-group cut, or a data page's worth of one
-        // column's values, by its own rows ([`StepSizer`]): Parquet checks a page's size only
+        // Nor holds more than a quarter of the row-group cut, or a data page's worth of any
+        // one column, by its own rows ([`StepSizer`]): Parquet checks a page's size only
         // after each mini-batch, and sizes a step's mini-batches by its first rows.
         len = sizer.fit(at, len, opts.row_group_bytes / 4, DATA_PAGE_BYTES);
         let mut step_bytes = sizer.bytes(at, len);

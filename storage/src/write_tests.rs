@@ -1038,31 +1038,38 @@ fn largest_page_values(path: &Path) -> i64 {
 }
 
 /// 60,000 rows of 14-byte strings with two clusters of 24 consecutive 512 KiB values in one
-/// input batch, as `Utf8`, `Binary` and `Utf8View`.
-fn clustered(kind: &DataType) -> RecordBatch {
+/// input batch, as `Utf8`, `Binary`, `Utf8View`, `List<Utf8>` (one value a row) and a struct
+/// of one `Utf8` field.
+fn clustered(kind: &str) -> RecordBatch {
     let wide = |k: usize| (20_100..20_124).contains(&k) || (45_500..45_524).contains(&k);
-    let values: Vec<Vec<u8>> =
-        (0..60_000).map(|k| format!("{k:>10}").into_bytes().into_iter().cycle().take(if wide(k) { 512 << 10 } else { 14 }).collect()).collect();
+    let values: Vec<String> = (0..60_000).map(|k| format!("{k:>10}").chars().cycle().take(if wide(k) { 512 << 10 } else { 14 }).collect()).collect();
+    let utf8 = || Arc::new(StringArray::from_iter_values(values.iter())) as ArrayRef;
     let col: ArrayRef = match kind {
-        DataType::Utf8 => Arc::new(StringArray::from_iter_values(values.iter().map(|v| std::str::from_utf8(v).unwrap()))),
-        DataType::Binary => Arc::new(arrow_array::BinaryArray::from_iter_values(values.iter())),
-        _ => Arc::new(arrow_array::StringViewArray::from_iter_values(values.iter().map(|v| std::str::from_utf8(v).unwrap()))),
+        "Utf8" => utf8(),
+        "Binary" => Arc::new(arrow_array::BinaryArray::from_iter_values(values.iter())),
+        "Utf8View" => Arc::new(arrow_array::StringViewArray::from_iter_values(values.iter())),
+        "List<Utf8>" => {
+            let offsets = arrow_buffer::OffsetBuffer::from_lengths(std::iter::repeat_n(1, values.len()));
+            Arc::new(arrow_array::ListArray::new(Arc::new(Field::new("item", DataType::Utf8, false)), offsets, utf8(), None))
+        }
+        _ => Arc::new(StructArray::from(vec![(Arc::new(Field::new("s", DataType::Utf8, false)), utf8())])),
     };
-    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("s", kind.clone(), false)]));
+    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("s", col.data_type().clone(), false)]));
     RecordBatch::try_new(schema, vec![Arc::new(Int64Array::from_iter_values(0..60_000)), col]).unwrap()
 }
 
 /// A data page holds at most two pages' worth of value bytes (`DATA_PAGE_BYTES` a step and a
 /// column, on top of a page not yet full), however the wide values cluster in the input
-/// batch: 1,650,368 bytes at most here, against 11,540,272 before. parquet 59.3 sizes a mini-batch from the first values of a chunk and writes
-/// the rest of the chunk in mini-batches of that many rows, so a step of 8,192 rows whose first
-/// rows are narrow put 22 values of 512 KiB (11.5 MB) in one page, which a reader must then
-/// decompress whole (`breaker_trial2::clusters_of_wide_values_among_narrow_ones_scan_at_16_mib`).
+/// batch, in flat and nested columns: 1,650,368 bytes at most here, against 11,540,272 before.
+/// parquet 59.3 sizes a mini-batch from the first values of a chunk and writes the rest of the
+/// chunk in mini-batches of that many rows, so a step of 8,192 rows whose first rows are narrow
+/// put 22 values of 512 KiB in one page, which a reader must then decompress whole
+/// (`breaker_trial2::clusters_of_wide_values_among_narrow_ones_scan_at_16_mib`).
 #[test]
 fn clustered_wide_values_leave_no_page_past_two_page_sizes() {
     let dir = tempfile::tempdir().unwrap();
     let ctl = ctl();
-    for (i, kind) in [DataType::Utf8, DataType::Binary, DataType::Utf8View].iter().enumerate() {
+    for (i, kind) in ["Utf8", "Binary", "Utf8View", "List<Utf8>", "Struct<Utf8>"].iter().enumerate() {
         let b = clustered(kind);
         let name = format!("c{i}.parquet");
         for threads in [1, 2] {
@@ -1076,4 +1083,36 @@ fn clustered_wide_values_leave_no_page_past_two_page_sizes() {
             fs::remove_file(&path).unwrap();
         }
     }
+}
+
+/// `range_bytes` counts what a range of rows uses, on slices and inside nested columns: a list
+/// slice counts its own child values, not the whole child array as Arrow's
+/// `get_slice_memory_size` does, and a view array the lengths its views give.
+#[test]
+fn range_bytes_counts_the_rows_own_values() {
+    use arrow_array::Array;
+    let words: Vec<String> = (0..100).map(|i| "x".repeat(i)).collect();
+    let s = StringArray::from_iter_values(words.iter());
+    // Rows 10..20 of a slice starting at row 5: values of lengths 15..25, 4-byte offsets.
+    let sliced = s.slice(5, 50).to_data();
+    assert_eq!(range_bytes(&sliced, 10, 10), (15..25).sum::<usize>() + 40);
+    let views = arrow_array::StringViewArray::from_iter_values(words.iter()).slice(5, 50).to_data();
+    assert_eq!(range_bytes(&views, 10, 10), (15..25).sum::<usize>() + 160);
+    // A list of two strings a row (rows 2i, 2i+1 of `words`), sliced.
+    let offsets = arrow_buffer::OffsetBuffer::from_lengths(std::iter::repeat_n(2, 50));
+    let list = arrow_array::ListArray::new(Arc::new(Field::new("item", DataType::Utf8, false)), offsets, Arc::new(s.clone()), None);
+    let data = list.slice(10, 20).to_data();
+    // Rows 3..5 of the slice: list rows 13 and 14, strings 26..30.
+    assert_eq!(range_bytes(&data, 3, 2), (26..30).sum::<usize>() + 4 * 4 + 2 * 4);
+    assert!(crate::batch_bytes(&RecordBatch::try_from_iter([("l", Arc::new(list.slice(10, 2)) as ArrayRef)]).unwrap()) > 4_000, "Arrow counts the whole child");
+    // Fixed widths and nulls.
+    let ints = Int64Array::from(vec![Some(1), None, Some(3), Some(4)]).to_data();
+    assert_eq!(range_bytes(&ints, 1, 3), 24 + 1);
+    let st = StructArray::from(vec![
+        (Arc::new(Field::new("a", DataType::Int32, false)), Arc::new(Int32Array::from(vec![1, 2, 3, 4])) as ArrayRef),
+        (Arc::new(Field::new("b", DataType::Utf8, false)), Arc::new(StringArray::from(vec!["a", "bb", "ccc", "dddd"])) as ArrayRef),
+    ])
+    .slice(1, 3)
+    .to_data();
+    assert_eq!(range_bytes(&st, 1, 2), 8 + (3 + 4) + 8);
 }

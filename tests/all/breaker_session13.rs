@@ -765,4 +765,3 @@ fn one_big_insert_is_refused_or_flushable() {
         engine.close().unwrap();
     }
 }
-

@@ -501,61 +501,7 @@ fn step_rows(batch: &RecordBatch, opts: &WriteOptions) -> (usize, usize) {
     (opts.write_batch_rows.min((opts.row_group_bytes / 4 / per_row).max(1)).max(1), per_row)
 }
 
-/// Arrow bytes of the rows `at..at + len` of `data` (logical rows, after its offset), counted
-/// from what those rows use: a byte array's values between their offsets, a view array's views
-/// and the lengths they give, a list's (or map's) child values between its offsets, a struct's
-/// children and a fixed-size list's child rows over the same range, a fixed width times the
-/// rows, a validity bitmap at a bit a row. A dictionary counts its keys and its values' bytes
-/// a value on average; any other layout its share of the array's bytes. Unlike
-/// [`crate::batch_bytes`] (Arrow's `get_slice_memory_size`), a list's slice does not count its
-/// whole child array, nor a view slice its whole data buffers.
-fn range_bytes(data: &arrow_data::ArrayData, at: usize, len: usize) -> usize {
-    use arrow_schema::DataType;
-    let bitmap = if data.nulls().is_some() { len.div_ceil(8) } else { 0 };
-    let values = match data.data_type() {
-        DataType::Utf8 | DataType::Binary => {
-            let o = data.buffer::<i32>(0);
-            usize::try_from(o[at + len].wrapping_sub(o[at])).unwrap_or(0).saturating_add(4 * len)
-        }
-        DataType::LargeUtf8 | DataType::LargeBinary => {
-            let o = data.buffer::<i64>(0);
-            usize::try_from(o[at + len].wrapping_sub(o[at])).unwrap_or(0).saturating_add(8 * len)
-        }
-        // A view's low 32 bits are its value's length (inline values included: they are
-        // values all the same for a Parquet page).
-        DataType::Utf8View | DataType::BinaryView => {
-            data.buffer::<u128>(0)[at..at + len].iter().fold(16 * len, |sum, v| sum.saturating_add((*v as u32) as usize))
-        }
-        DataType::List(_) | DataType::Map(_, _) => {
-            let o = data.buffer::<i32>(0);
-            let (from, to) = (usize::try_from(o[at]).unwrap_or(0), usize::try_from(o[at + len]).unwrap_or(0));
-            range_bytes(&data.child_data()[0], from, to.saturating_sub(from)).saturating_add(4 * len)
-        }
-        DataType::LargeList(_) => {
-            let o = data.buffer::<i64>(0);
-            let (from, to) = (usize::try_from(o[at]).unwrap_or(0), usize::try_from(o[at + len]).unwrap_or(0));
-            range_bytes(&data.child_data()[0], from, to.saturating_sub(from)).saturating_add(8 * len)
-        }
-        DataType::FixedSizeList(_, size) => {
-            let size = usize::try_from(*size).unwrap_or(0);
-            range_bytes(&data.child_data()[0], (data.offset() + at) * size, len * size)
-        }
-        DataType::Struct(_) => data.child_data().iter().map(|c| range_bytes(c, at, len)).sum(),
-        DataType::Dictionary(key, _) => {
-            let dict = &data.child_data()[0];
-            let per_value = range_bytes(dict, 0, dict.len()).div_ceil(dict.len().max(1));
-            key.primitive_width().unwrap_or(8).saturating_add(per_value).saturating_mul(len)
-        }
-        DataType::Boolean => len.div_ceil(8),
-        t => match t.primitive_width() {
-            Some(w) => w.saturating_mul(len),
-            None => data.get_slice_memory_size().unwrap_or(0).saturating_mul(len) / data.len().max(1),
-        },
-    };
-    values.saturating_add(bitmap)
-}
-
-/// The Arrow bytes of row ranges of one batch, column by column ([`range_bytes`]), for
+/// The Arrow bytes of row ranges of one batch, column by column ([`crate::bytes::range_bytes`]), for
 /// [`write_steps`]: a step is sized and budgeted by what its own rows hold, not by the batch's
 /// average row. A batch of narrow rows with a cluster of wide values put 11.5 MB of values in
 /// one 8,192-row step budgeted at the average, and in one Parquet page.
@@ -570,7 +516,7 @@ impl StepSizer {
 
     /// Arrow bytes of rows `at..at + len`.
     fn bytes(&self, at: usize, len: usize) -> usize {
-        self.columns.iter().map(|c| range_bytes(c, at, len)).fold(0, usize::saturating_add)
+        self.columns.iter().map(|c| crate::bytes::range_bytes(c, at, len)).fold(0, usize::saturating_add)
     }
 
     /// Whether rows `at..at + len` hold at most `max_bytes` in all and `max_column` in each
@@ -578,7 +524,7 @@ impl StepSizer {
     fn fits(&self, at: usize, len: usize, max_bytes: usize, max_column: usize) -> bool {
         let mut total = 0usize;
         for c in &self.columns {
-            let b = range_bytes(c, at, len);
+            let b = crate::bytes::range_bytes(c, at, len);
             if b > max_column {
                 return false;
             }

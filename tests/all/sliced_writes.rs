@@ -89,3 +89,56 @@ fn a_slice_takes_write_buffers_for_its_own_rows() {
     drop(t);
     engine.close().unwrap();
 }
+
+/// The same for a view column (its slice's bytes are its views and the values they point to,
+/// `storage::batch_bytes`, not its parent's data buffers): at a 2 MiB limit, 1,000-row slices of a 200,000-row `Utf8View` batch (5.2 MB
+/// of out-of-line values) insert, upsert and delete, and read back exactly after a reopen that
+/// replays the WAL.
+#[test]
+fn slices_of_a_big_view_batch_write_at_a_small_limit() {
+    use arrow::array::StringViewArray;
+    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", DataType::Utf8View, false)]));
+    let n = 200_000i64;
+    let text = |k: i64, version: u32| format!("value {k:0>12} v{version}");
+    let batch = |version: u32| {
+        RecordBatch::try_new(
+            Arc::clone(&schema),
+            vec![Arc::new(Int64Array::from_iter_values(0..n)), Arc::new(StringViewArray::from_iter_values((0..n).map(|k| text(k, version))))],
+        )
+        .unwrap()
+    };
+    let (first, second) = (batch(1), batch(2));
+    assert!(first.get_array_memory_size() > 5 << 20);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = || EngineConfig::default().memory_limit(2 << 20).flush_age(Duration::from_secs(3600)).backpressure_timeout(Duration::from_secs(20));
+    // Keys 1,000..2,000 at version 1 but 1,500..1,510 deleted and 1,800..2,000 at version 2, and
+    // 150,000..151,000 at version 1.
+    let check = |t: &gritdb::Table| {
+        let mut rows = 0;
+        for b in t.scan(ScanOptions::default()).unwrap() {
+            let b = b.unwrap();
+            let (k, v) = (b.column(0).as_primitive::<Int64Type>(), b.column(1).as_string_view());
+            for i in 0..b.num_rows() {
+                let k = k.value(i);
+                assert!(((1_000..2_000).contains(&k) && !(1_500..1_510).contains(&k)) || (150_000..151_000).contains(&k), "key {k}");
+                assert_eq!(v.value(i), text(k, if (1_800..2_000).contains(&k) { 2 } else { 1 }));
+            }
+            rows += b.num_rows();
+        }
+        rows
+    };
+    {
+        let engine = Engine::open(dir.path(), cfg()).unwrap();
+        let t = engine.create_table("t", Arc::clone(&schema), &["k"]).unwrap();
+        assert_eq!(t.insert(&first.slice(1_000, 1_000)).unwrap(), 1_000);
+        assert_eq!(t.insert(&first.slice(150_000, 1_000)).unwrap(), 1_000);
+        assert_eq!(t.upsert(&second.slice(1_800, 200)).unwrap(), 200);
+        assert_eq!(t.delete(&first.project(&[0]).unwrap().slice(1_500, 10)).unwrap(), 10);
+        assert_eq!(check(&t), 1_990);
+        drop(t);
+        drop(engine); // no close: the reopen replays the WAL
+    }
+    let engine = Engine::open(dir.path(), cfg()).unwrap();
+    assert_eq!(check(&engine.table("t").unwrap()), 1_990);
+    engine.close().unwrap();
+}

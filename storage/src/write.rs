@@ -153,7 +153,7 @@ pub const DICTIONARY_PAGE_BYTES: usize = 256 << 10;
 /// bounds each column's Arrow bytes in a step by it ([`write_steps`]). Best effort in Parquet:
 /// the writer checks a page's size after each mini-batch it encodes, so a page passes it by up
 /// to a mini-batch's values; with a step's bytes of a column bounded by this size, a page
-/// holds at most about twice it (or one value larger than that).
+/// holds at most about this size plus the larger of this size and its widest value.
 pub const DATA_PAGE_BYTES: usize = 1 << 20;
 
 /// Page compression of gritdb's own data files: `LZ4_RAW` (Parquet format 2.9, 2021; read by

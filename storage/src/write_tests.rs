@@ -1059,9 +1059,9 @@ fn clustered(kind: &str) -> RecordBatch {
     RecordBatch::try_new(schema, vec![Arc::new(Int64Array::from_iter_values(0..60_000)), col]).unwrap()
 }
 
-/// A data page holds at most two pages' worth of value bytes (`DATA_PAGE_BYTES` a step and a
-/// column, on top of a page not yet full), however the wide values cluster in the input
-/// batch, in flat and nested columns: 1,650,368 bytes at most here, against 11,540,272 before.
+/// A data page holds at most two pages' worth of value bytes when no value is wider than a
+/// page (`DATA_PAGE_BYTES` a step and a column, on top of a page not yet full), however the
+/// wide values cluster in the input batch, in flat and nested columns: 1,650,368 bytes at most here, against 11,540,272 before.
 /// parquet 59.3 sizes a mini-batch from the first values of a chunk and writes the rest of the
 /// chunk in mini-batches of that many rows, so a step of 8,192 rows whose first rows are narrow
 /// put 22 values of 512 KiB in one page, which a reader must then decompress whole

@@ -1081,7 +1081,8 @@ fn clusters_of_wide_values_among_narrow_ones_scan_exactly_or_refuse() {
 /// 11.57 MB, and rows 180,502..180,780 11.54 MB: parquet sizes a step's mini-batches by its
 /// first rows), which a reader decompresses whole: at 16 MiB the full scan asked 16 MiB of
 /// `scan_buffers` after 180,486 rows (`MemoryLimit`). Now a step holds at most a page's worth
-/// of a column's values (`gritdb_storage::DATA_PAGE_BYTES`), and no page passes twice that.
+/// of a column's values (`gritdb_storage::DATA_PAGE_BYTES`), so a page holds at most about twice
+/// that when no value is wider.
 #[test]
 fn clusters_of_wide_values_among_narrow_ones_scan_at_16_mib() {
     wide_case(&clusters(), 200_000, true);

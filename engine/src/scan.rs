@@ -303,13 +303,13 @@ impl Scan {
                 let mut r = Reservation::new(&self.table.shared.ctl, Category::ScanBuffers, Some(&self.table.account));
                 let it = read_file_within(path, spec, &mut |total| {
                     if total > r.size() {
-                        self.waiting_for_memory_raw(total - r.size(), || r.try_resize(total))?;
+                        self.waiting_for_memory_raw(r.size(), total - r.size(), || r.try_resize(total))?;
                     }
                     Ok(())
                 })?;
                 let bytes = it.buffer_bytes();
                 if bytes > r.size() {
-                    self.waiting_for_memory(bytes - r.size(), || r.try_resize(bytes))?;
+                    self.waiting_for_memory(r.size(), bytes - r.size(), || r.try_resize(bytes))?;
                 } else {
                     r.shrink(r.size() - bytes);
                 }
@@ -523,7 +523,14 @@ impl Scan {
     /// waits for releases (flushes, or batches the caller drops) up to `backpressure_timeout`,
     /// then returns [`Error::MemoryLimit`].
     fn counted(&self, b: &RecordBatch) -> Result<RecordBatch> {
-        self.waiting_for_memory(b.get_array_memory_size(), || count_batch(b, &self.table.shared.ctl, Some(&self.table.account)))
+        self.counted_beside(0, b)
+    }
+
+    /// [`Self::counted`] for a batch that needs `own` bytes this scan holds beside it (the
+    /// open reader's buffers, for a batch it decoded): refused at once when the two together
+    /// are more than the limit ([`Self::waiting_for_memory`]).
+    fn counted_beside(&self, own: usize, b: &RecordBatch) -> Result<RecordBatch> {
+        self.waiting_for_memory(own, b.get_array_memory_size(), || count_batch(b, &self.table.shared.ctl, Some(&self.table.account)))
     }
 
     /// `attempt` (to count about `bytes`) until it does not fail for the limit, up to
@@ -542,13 +549,25 @@ impl Scan {
     /// flushed or the wait runs out, the hard limit alone decides, for the rest of the scan
     /// (a stalled flush cost a scan keeping its batches the whole timeout before every batch:
     /// `breaker_trial3::a_scan_beside_a_stalled_flush_waits_once_not_per_batch`).
-    fn waiting_for_memory<T>(&self, bytes: usize, attempt: impl FnMut() -> std::result::Result<T, MemoryError>) -> Result<T> {
-        self.waiting_for_memory_raw(bytes, attempt).map_err(Error::from)
+    ///
+    /// `own` is what this scan holds that the `bytes` are needed beside (its open reader's
+    /// buffers): when `own + bytes` is more than the limit, nothing another scan, write or
+    /// flush releases can make room, and the refusal comes at once, without the wait (a
+    /// reader of 2 MB values needs about 6 MB of pages beside each decoded batch: at 5 and
+    /// 6 MiB each refusal came after the whole `backpressure_timeout`;
+    /// `scan_memory::a_batch_bigger_than_the_limit_beside_its_own_reader_is_refused_at_once`).
+    fn waiting_for_memory<T>(&self, own: usize, bytes: usize, attempt: impl FnMut() -> std::result::Result<T, MemoryError>) -> Result<T> {
+        self.waiting_for_memory_raw(own, bytes, attempt).map_err(Error::from)
     }
 
     /// [`Self::waiting_for_memory`] with the allocator's error as it is (for the storage
     /// crate's reservation callback).
-    fn waiting_for_memory_raw<T>(&self, bytes: usize, mut attempt: impl FnMut() -> std::result::Result<T, MemoryError>) -> std::result::Result<T, MemoryError> {
+    fn waiting_for_memory_raw<T>(
+        &self,
+        own: usize,
+        bytes: usize,
+        mut attempt: impl FnMut() -> std::result::Result<T, MemoryError>,
+    ) -> std::result::Result<T, MemoryError> {
         use std::sync::atomic::Ordering::Relaxed;
         let deadline = crate::engine::deadline_after(self.table.shared.config.backpressure_timeout);
         // A scan of a table dropped meanwhile stops waiting at the next wake-up (at most
@@ -557,6 +576,10 @@ impl Scan {
         // scan and an export alike; fresh-clone trial of 2026-12-06,
         // `fair_admission::a_scan_waiting_for_memory_when_its_table_is_dropped_ends_with_table_not_found`).
         loop {
+            // Read again each time round: the limit may have been raised meanwhile.
+            if own.saturating_add(bytes) > self.table.shared.ctl.limit() {
+                return attempt();
+            }
             if !self.flush_room_given_up.load(Relaxed) && self.engine.scan_flush_room_short(bytes) {
                 if self.engine.relieve_pressure(true) && self.engine.wait_for_memory(deadline) && !self.table.is_dropped() {
                     continue;
@@ -645,7 +668,8 @@ impl Scan {
                 // closes the reader, its file to be reopened where the batch starts: the retry
                 // loses no row. A read error ends the scan (`next` lets go of everything).
                 if let Some(r) = it.next() {
-                    let counted = r.map_err(Error::from).and_then(compact_if_sparse).and_then(|b| self.counted(&b));
+                    let own = self.reader_buffers.as_ref().map_or(0, Reservation::size);
+                    let counted = r.map_err(Error::from).and_then(compact_if_sparse).and_then(|b| self.counted_beside(own, &b));
                     if matches!(counted, Err(Error::MemoryLimit { .. })) {
                         self.close_for_retry();
                     }

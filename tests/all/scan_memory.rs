@@ -624,3 +624,73 @@ fn a_files_footer_is_reserved_before_it_is_parsed() {
     drop(s);
     assert_eq!(scan_bytes(), 0);
 }
+
+/// A batch the scan can never hold — its file reader's own buffers (pages, the decompressed
+/// page) and the decoded batch together above the limit — is refused at once, not after the
+/// whole `backpressure_timeout`: nothing another scan, write or flush releases can make room
+/// for memory this scan must hold at the same time. Before, a scan of 2 MB values at 5 or
+/// 6 MiB waited out its timeout for each refusal (6 s each, as a fresh-clone trial of
+/// 2026-12-06 saw at 8 MiB before data pages were bounded). The refusal loses nothing: with
+/// the limit raised the same scan returns every row.
+#[test]
+fn a_batch_bigger_than_the_limit_beside_its_own_reader_is_refused_at_once() {
+    use arrow::array::StringArray;
+    use arrow::datatypes::{DataType, Field, Schema};
+    let dir = tempfile::tempdir().unwrap();
+    let timeout = std::time::Duration::from_secs(60);
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(256 << 20).backpressure_timeout(timeout)).unwrap();
+    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("c", DataType::Utf8, true)]));
+    let t = engine.create_table("wide", Arc::clone(&schema), &["k"]).unwrap();
+    // Eight rows of 2,000,000 bytes each, of letters that do not compress.
+    let value = |k: i64| -> String {
+        let mut x = (k as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..2_000_000)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (b'!' + (x % 90) as u8) as char
+            })
+            .collect()
+    };
+    let ks: Vec<i64> = (0..8).collect();
+    let batch = RecordBatch::try_new(
+        Arc::clone(&schema),
+        vec![Arc::new(Int64Array::from(ks.clone())), Arc::new(StringArray::from_iter(ks.iter().map(|&k| Some(value(k)))))],
+    )
+    .unwrap();
+    t.insert(&batch).unwrap();
+    t.flush().unwrap();
+    // At 6 MiB the reader's pages (about 6.0 MB for a 2 MB value: the page, read and
+    // decompressed) fit but a decoded batch beside them does not; at 5 MiB the pages alone
+    // do not.
+    let mut scans = Vec::new();
+    for limit in [6usize << 20, 5 << 20] {
+        engine.set_memory_limit(limit).unwrap();
+        let mut scan = t.scan(ScanOptions::default()).unwrap();
+        let started = std::time::Instant::now();
+        let e = scan.next().expect("a refusal, not the end").map(|b| b.num_rows()).expect_err("2 MB values do not decode here");
+        let waited = started.elapsed();
+        assert!(matches!(e, Error::MemoryLimit { .. }), "{e:?}");
+        assert!(waited < timeout / 2, "at {limit} B: refused after {waited:?} of a {timeout:?} timeout");
+        assert_eq!(engine.memory().category_bytes(Category::ScanBuffers), 0, "a refused scan holds nothing");
+        scans.push(scan);
+    }
+
+    // Nothing lost: at 64 MiB the same scan goes on and returns every row, each value whole.
+    engine.set_memory_limit(64 << 20).unwrap();
+    for scan in scans {
+        let mut seen = Vec::new();
+        for b in scan {
+            let b = b.unwrap();
+            let k = b.column(0).as_any().downcast_ref::<Int64Array>().unwrap();
+            let c = b.column(1).as_any().downcast_ref::<StringArray>().unwrap();
+            for i in 0..b.num_rows() {
+                assert_eq!(c.value(i), value(k.value(i)), "row {}", k.value(i));
+                seen.push(k.value(i));
+            }
+        }
+        assert_eq!(seen, ks);
+    }
+    assert_eq!(engine.memory().category_bytes(Category::ScanBuffers), 0);
+}

@@ -519,36 +519,37 @@ impl StepSizer {
         self.columns.iter().map(|c| crate::bytes::range_bytes(c, at, len)).fold(0, usize::saturating_add)
     }
 
-    /// Whether rows `at..at + len` hold at most `max_bytes` in all and `max_column` in each
-    /// column.
-    fn fits(&self, at: usize, len: usize, max_bytes: usize, max_column: usize) -> bool {
+    /// The Arrow bytes of rows `at..at + len` ([`Self::bytes`]) when they hold at most
+    /// `max_bytes` in all and `max_column` in each column; `None` otherwise.
+    fn fits(&self, at: usize, len: usize, max_bytes: usize, max_column: usize) -> Option<usize> {
         let mut total = 0usize;
         for c in &self.columns {
             let b = crate::bytes::range_bytes(c, at, len);
             if b > max_column {
-                return false;
+                return None;
             }
             total = total.saturating_add(b);
         }
-        total <= max_bytes
+        (total <= max_bytes).then_some(total)
     }
 
     /// The most rows from `at`, at most `len` and at least 1, that [`Self::fits`] (the bytes
-    /// only grow with the rows, so a binary search finds it).
-    fn fit(&self, at: usize, len: usize, max_bytes: usize, max_column: usize) -> usize {
-        if self.fits(at, len, max_bytes, max_column) {
-            return len;
+    /// only grow with the rows, so a binary search finds it), and their Arrow bytes.
+    fn fit(&self, at: usize, len: usize, max_bytes: usize, max_column: usize) -> (usize, usize) {
+        if let Some(bytes) = self.fits(at, len, max_bytes, max_column) {
+            return (len, bytes);
         }
         let (mut lo, mut hi) = (1, len);
         while lo < hi {
             let mid = lo + (hi - lo).div_ceil(2);
-            if self.fits(at, mid, max_bytes, max_column) {
+            if self.fits(at, mid, max_bytes, max_column).is_some() {
                 lo = mid;
             } else {
                 hi = mid - 1;
             }
         }
-        lo
+        // One row is taken whatever it holds.
+        (lo, self.bytes(at, lo))
     }
 }
 
@@ -797,12 +798,11 @@ fn write_steps(w: &mut impl BatchSink, batch: &RecordBatch, opts: &WriteOptions,
         opts.cancel.check().map_err(io(file))?;
         // A step never crosses a row group's end (`ArrowWriter::write` calls itself once
         // for every row group a batch crosses).
-        let mut len = step.min(batch.num_rows() - at).min(max_rows.saturating_sub(w.in_progress_rows()).max(1));
+        let len = step.min(batch.num_rows() - at).min(max_rows.saturating_sub(w.in_progress_rows()).max(1));
         // Nor holds more than a quarter of the row-group cut, or a data page's worth of any
         // one column, by its own rows ([`StepSizer`]): Parquet checks a page's size only
         // after each mini-batch, and sizes a step's mini-batches by its first rows.
-        len = sizer.fit(at, len, opts.row_group_bytes / 4, DATA_PAGE_BYTES);
-        let mut step_bytes = sizer.bytes(at, len);
+        let (mut len, mut step_bytes) = sizer.fit(at, len, opts.row_group_bytes / 4, DATA_PAGE_BYTES);
         // The step's buffers are budgeted before they are made: its Arrow bytes times what
         // steps of this file added ([`Budget::growth_pct`]), and for a row group's first step
         // the dictionary tables it opens ([`DICTIONARY_TABLE_BYTES`]). Under a tight limit

@@ -815,13 +815,15 @@ fn write_steps(w: &mut impl BatchSink, batch: &RecordBatch, opts: &WriteOptions,
         //   much: the memory is the same as when that metadata went uncounted, and is all
         //   freed when the file closes;
         // - otherwise the step is halved, down to one row or [`MIN_STEP_BYTES`];
-        // - at the smallest step, the open row group is closed whatever its size;
-        // - then, with [`WriteOptions::count_past_limit`] (flushes), while
+        // - at the smallest step, with [`WriteOptions::count_past_limit`] (flushes), while
         //   [`WriteOptions::memory_wait`] says another holder is about to give memory back,
         //   the write waits and asks again; after that the smallest step is budgeted bare:
         //   its Arrow bytes alone, without the growth and tables estimated for it (what it
         //   really adds is counted once it exists, below), so a write that fits by its
         //   values is not refused for an estimate;
+        // - then the open row group is closed whatever its size (before, this came first,
+        //   and a wide table's flush at a tight limit closed a row group at every row, each
+        //   keeping more metadata than it freed);
         // - the bare smallest step refused with no row group open (without
         //   `count_past_limit`: the smallest step refused) is the error.
         let mut bare = false;
@@ -851,13 +853,15 @@ fn write_steps(w: &mut impl BatchSink, batch: &RecordBatch, opts: &WriteOptions,
             } else if !smallest {
                 len /= 2;
                 step_bytes = sizer.bytes(at, len);
-            } else if w.in_progress_rows() > 0 {
-                budget.close(w)?;
             } else if !bare && opts.count_past_limit && wait_for_room(opts, &mut waited_since) {
                 // Memory another holder gives back soon (a write's WAL record, another
                 // flush): asked again at the estimate.
             } else if !bare && opts.count_past_limit {
                 bare = true;
+            } else if w.in_progress_rows() > 0 {
+                // Last: a row group not worth closing (closing keeps more of its metadata
+                // than it frees) is closed only when even the bare step does not fit.
+                budget.close(w)?;
             } else {
                 return Err(e.into());
             }
@@ -894,7 +898,10 @@ fn write_steps(w: &mut impl BatchSink, batch: &RecordBatch, opts: &WriteOptions,
         // The cut is at least twice the dictionary tables a row group opens with: closing
         // does not free those (the next row group opens them again), so a cut they alone
         // fill would close a row group at every step.
-        if buffered >= opts.row_group_bytes.max(2 * budget.opening) || (over && budget.worth_closing(buffered)) {
+        // Nor is a row group cut before it is worth closing: a row group of a wide table
+        // keeps `WRITTEN_CHUNK_BYTES` a column of metadata to the file's end, and cutting
+        // 200-column rows at 128 KiB kept 4.6 MB of it for a 20-row file at 2 MiB.
+        if (buffered >= opts.row_group_bytes.max(2 * budget.opening) || over) && budget.worth_closing(buffered) {
             budget.close(w)?;
         }
         budget.buffers.force_resize(w.memory_size());

@@ -1138,3 +1138,34 @@ fn batch_bytes_counts_a_view_columns_values() {
     let short = arrow_array::StringViewArray::from_iter_values((0..n).map(|k| format!("{k}")));
     assert_eq!(crate::batch_bytes(&RecordBatch::try_from_iter([("v", Arc::new(short) as ArrayRef)]).unwrap()), n * 16);
 }
+
+/// A flush of a wide table at a tight limit does not cut a row group that keeps more of its
+/// metadata to the file's end than it frees: 20 rows of 200 `Utf8` columns (100-byte values,
+/// 21 KB a row) written with 128 KiB of row-group cut and 2 MiB of room made a row group of
+/// every row, 4.63 MB of `write_buffers` held for their metadata (19 row groups × 200
+/// column chunks × ~1.2 KB) and a peak of 4.79 MB. Now a row group is cut only once it holds
+/// twice its metadata ([`Budget::worth_closing`]), and at the smallest step the writer goes
+/// bare before it closes a row group not worth closing. On one and two encode threads.
+#[test]
+fn a_wide_tables_flush_at_a_tight_limit_does_not_cut_row_groups_smaller_than_their_metadata() {
+    let fields: Vec<Field> = (0..200).map(|c| Field::new(format!("s{c}"), DataType::Utf8, true)).collect();
+    let cols: Vec<ArrayRef> = (0..200).map(|c| Arc::new(StringArray::from_iter_values((0..20).map(|k| format!("{:0100}", k * 200 + c)))) as ArrayRef).collect();
+    let b = RecordBatch::try_new(Arc::new(Schema::new(fields)), cols).unwrap();
+    let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(2 << 20), chunk_size: 64 << 10, ..ControllerConfig::default() }).unwrap();
+    for threads in [1, 2] {
+        ctl.reset_peaks();
+        let dir = tempfile::tempdir().unwrap();
+        let o = WriteOptions { row_group_bytes: 128 << 10, encode_threads: threads, ..WriteOptions::default() };
+        write_data_file(&StdFs, dir.path(), "w.parquet", std::slice::from_ref(&b), &o, &ctl, None).unwrap();
+        let path = dir.path().join("w.parquet");
+        let groups = row_groups(&path);
+        assert_eq!(groups.iter().sum::<i64>(), 20, "{threads} threads");
+        // Each row group holds at least twice its metadata (200 × `WRITTEN_CHUNK_BYTES`):
+        // about 10 of these rows.
+        assert!(groups.len() <= 3, "{threads} threads: {groups:?}");
+        assert_eq!(arrow_select::concat::concat_batches(&b.schema(), &read_all(&path)).unwrap(), b, "{threads} threads");
+        let peak = ctl.category_peak(Category::WriteBuffers);
+        assert!(peak <= 2 << 20, "{threads} threads: write_buffers peaked at {peak} B at a 2 MiB limit");
+        assert_eq!(ctl.used(), 0, "{threads} threads: released with the writer");
+    }
+}

@@ -798,10 +798,17 @@ impl Engine {
     /// another engine holds it, [`Error::Config`] for a bad configuration,
     /// [`Error::Storage`] for a corrupt table.
     pub fn open(dir: impl AsRef<Path>, config: EngineConfig) -> Result<Self> {
-        let dir = dir.as_ref().to_path_buf();
+        let dir = dir.as_ref();
         if dir.as_os_str().is_empty() {
             return Err(Error::Config("the data directory path is empty".into()));
         }
+        // A relative path is made absolute against the working directory once, here, as
+        // SQLite does with its database path: every later file operation joins paths onto
+        // it, and a process that changed directory afterwards (a daemon, a library calling
+        // `set_current_dir`) had its writes, creates and scans fail with `NotFound` under the
+        // new directory (`data_dir::a_relative_data_dir_survives_a_change_of_working_directory`).
+        // Symbolic links are left as they are (`std::path::absolute`, not `canonicalize`).
+        let dir = std::path::absolute(dir).map_err(|source| Error::Io { path: dir.to_path_buf(), source })?;
         // A bad configuration is refused before anything is created on disk.
         if config.max_row_bytes == 0 {
             return Err(Error::Config("max_row_bytes must be positive".into()));
@@ -1097,7 +1104,8 @@ impl Engine {
         Self::open(DEFAULT_DATA_DIR, EngineConfig::default())
     }
 
-    /// The data directory.
+    /// The data directory, as an absolute path (a relative one given to [`Engine::open`] is
+    /// joined onto the working directory of that moment).
     pub fn dir(&self) -> &Path {
         &self.inner.dir
     }

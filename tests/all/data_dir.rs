@@ -533,3 +533,53 @@ fn the_open_removes_only_files_gritdb_names() {
         assert_eq!(std::fs::read(dir.join(p)).unwrap(), b"someone's bytes", "{p} is kept");
     }
 }
+
+/// The child of [`a_relative_data_dir_survives_a_change_of_working_directory`]: opens
+/// `./app-data` relative to `GRITDB_CHDIR_A`, writes, then moves to `GRITDB_CHDIR_B` and
+/// writes, creates, scans, flushes and closes there. Without the variables (a plain
+/// `--ignored` run) it does nothing.
+#[test]
+#[ignore = "the child process of a_relative_data_dir_survives_a_change_of_working_directory"]
+fn relative_data_dir_child() {
+    let (Ok(a), Ok(b)) = (std::env::var("GRITDB_CHDIR_A"), std::env::var("GRITDB_CHDIR_B")) else { return };
+    std::env::set_current_dir(&a).unwrap();
+    let engine = Engine::open("./app-data", config()).unwrap();
+    assert_eq!(engine.dir(), Path::new(&a).join("app-data"), "made absolute at open");
+    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
+    t.insert(&composite_batch(&rows(0, 3))).unwrap();
+    t.flush().unwrap();
+    // The process changes its working directory (a daemon's start, a library's `chdir`).
+    std::env::set_current_dir(&b).unwrap();
+    t.insert(&composite_batch(&rows(3, 2))).unwrap();
+    let u = engine.create_table("u", composite_schema(), &["k1", "k2"]).unwrap();
+    u.insert(&composite_batch(&rows(100, 1))).unwrap();
+    let scanned: usize = t.scan(ScanOptions::default()).unwrap().map(|b| b.unwrap().num_rows()).sum();
+    assert_eq!(scanned, 5);
+    t.flush().unwrap();
+    drop((t, u));
+    engine.close().unwrap();
+}
+
+/// A data directory given as a relative path keeps working after the process changes its
+/// working directory: the path is made absolute once, at open, as SQLite does. Before, every
+/// later file operation resolved it against the new directory: the insert after the change
+/// failed (`Io NotFound` on `./app-data/wal/...`), as did `create_table`, the scan
+/// (`MissingFile`) and `close` (fresh-clone trial of 2026-12-06). Run in a child process: the
+/// working directory belongs to the whole process.
+#[test]
+fn a_relative_data_dir_survives_a_change_of_working_directory() {
+    let a = tempfile::tempdir().unwrap();
+    let b = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "data_dir::relative_data_dir_child", "--test-threads=1"])
+        .env("GRITDB_CHDIR_A", a.path())
+        .env("GRITDB_CHDIR_B", b.path())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && text.contains("1 passed"), "the child failed:\n{text}");
+    assert_eq!(std::fs::read_dir(b.path()).unwrap().count(), 0, "nothing is written under the new working directory");
+    let engine = Engine::open(a.path().join("app-data"), config()).unwrap();
+    let count = |name: &str| -> usize { engine.table(name).unwrap().scan(ScanOptions::default()).unwrap().map(|b| b.unwrap().num_rows()).sum() };
+    assert_eq!((count("t"), count("u")), (5, 1));
+}

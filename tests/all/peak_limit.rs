@@ -3,7 +3,7 @@
 //! limits by up to 124 KB: the flush's Parquet writer found the room taken by the WAL record of
 //! the insert beside it and counted its step past the limit).
 
-use arrow::array::{AsArray, Decimal128Array, Float64Array, Int32Array, Int64Array, LargeStringArray, RecordBatch, StringArray};
+use arrow::array::{Array, AsArray, Decimal128Array, Float64Array, Int32Array, Int64Array, LargeStringArray, RecordBatch, StringArray};
 use arrow::datatypes::{DataType, Field, Int32Type, Schema, SchemaRef};
 use gritdb::{Engine, EngineConfig, Error, ScanOptions};
 use std::sync::Arc;
@@ -305,4 +305,57 @@ fn a_wide_table_written_at_a_small_limit_stays_near_it_and_scans_back_at_it() {
         drop(t);
         engine.close().unwrap();
     }
+}
+
+/// The same for thousands of `Int64` columns (a fresh-clone trial of 2026-12-06): 2,000
+/// nullable columns, 400 rows in 50-row inserts at 16 MiB. Before, the flush went to 2.04
+/// times the limit (`write_buffers` 27.6 MB: 13 row groups a 100-row file, each keeping 2,000
+/// column chunks of metadata), and a full scan at 16 MiB was refused at every call (the
+/// reader asked 13.1 MiB beside 14.0 MiB it held itself); 5,000 columns at 8 MiB reached 6.26
+/// times the limit and the data directory then did not reopen at 8 MiB. Now the flush stays
+/// under the limit and the table reopens and scans whole at it.
+#[test]
+fn thousands_of_columns_flush_under_the_limit_and_reopen_and_scan_at_it() {
+    let cols = 2_000usize;
+    let schema = Arc::new(Schema::new(
+        std::iter::once(Field::new("k", DataType::Int64, false))
+            .chain((0..cols).map(|c| Field::new(format!("c{c}"), DataType::Int64, true)))
+            .collect::<Vec<_>>(),
+    ));
+    let cell = |k: i64, c: usize| ((k + c as i64) % 5 != 0).then_some(k * 7 + c as i64);
+    let rows = |from: i64, n: i64| {
+        let mut arrays: Vec<arrow::array::ArrayRef> = vec![Arc::new(Int64Array::from_iter_values(from..from + n))];
+        arrays.extend((0..cols).map(|c| Arc::new(Int64Array::from_iter((from..from + n).map(|k| cell(k, c)))) as arrow::array::ArrayRef));
+        RecordBatch::try_new(Arc::clone(&schema), arrays).unwrap()
+    };
+    let limit = 16 * MIB;
+    let config = || EngineConfig::default().memory_limit(limit).backpressure_timeout(Duration::from_secs(60));
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), config()).unwrap();
+    let t = engine.create_table("wide", Arc::clone(&schema), &["k"]).unwrap();
+    for from in (0..400).step_by(50) {
+        t.insert(&rows(from, 50)).unwrap();
+    }
+    t.flush().unwrap();
+    let peak = engine.memory().peak();
+    assert!(peak <= limit, "the high-water mark reached {peak} B of {limit}");
+    drop(t);
+    engine.close().unwrap();
+
+    let engine = Engine::open(dir.path(), config()).unwrap();
+    let t = engine.table("wide").unwrap();
+    let (mut seen, mut sum) = (0usize, 0i64);
+    for b in t.scan(ScanOptions::default().batch_rows(64)).unwrap() {
+        let b = b.unwrap();
+        let k = b.column(0).as_primitive::<arrow::datatypes::Int64Type>();
+        let last = b.column(cols).as_primitive::<arrow::datatypes::Int64Type>();
+        for i in 0..b.num_rows() {
+            assert_eq!(last.is_null(i), cell(k.value(i), cols - 1).is_none());
+            sum += last.value(i) * i64::from(!last.is_null(i));
+        }
+        seen += b.num_rows();
+    }
+    let want: i64 = (0..400).filter_map(|k| cell(k, cols - 1)).sum();
+    assert_eq!((seen, sum), (400, want));
+    assert!(engine.memory().peak() <= limit);
 }

@@ -788,7 +788,9 @@ impl Engine {
     /// gritdb's, and removes only names gritdb gives (`docs/architecture.md`, "On disk").
     ///
     /// Takes an exclusive lock on `dir/LOCK`, removes leftovers of interrupted drops and
-    /// creates, and opens every table (manifest, deletion vectors, key index).
+    /// creates, and opens every table (manifest, deletion vectors, key index). A relative
+    /// `dir` is made absolute against the working directory now ([`Engine::dir`]), so a
+    /// later change of the process's working directory does not move it.
     ///
     /// # Errors
     /// [`Error::NotADataDir`] when `dir` is missing and may not be created, is not a
@@ -1327,7 +1329,11 @@ impl Engine {
     /// [`crate::WalSync::PerBatch`] it was never acknowledged); so does damage to the last
     /// record, which recovery cannot tell apart, so an application that must know of every
     /// lost acknowledged write checks this after each open (the same tail is also logged at
-    /// `warn`). `None` once the engine is closed.
+    /// `warn`). `None` once the engine is closed. It reports bytes the log holds, not bytes
+    /// taken from it: a segment cut to a record boundary (to 0 bytes, say) by something other
+    /// than the engine reads as a shorter, whole log, and its cut records are lost with
+    /// nothing to report (segments have no header or length record of their own; a trial of
+    /// 2026-12-06 truncated the only segment after an fsynced insert).
     pub fn wal_torn_tail(&self) -> Option<crate::WalTornTail> {
         self.inner.shared.wal().ok().and_then(|w| w.torn_tail().cloned())
     }

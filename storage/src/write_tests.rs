@@ -340,7 +340,7 @@ fn reader_buffer_bytes_count_one_page_per_column_and_the_dictionary() {
         let pages = 3u64.max(unc.div_ceil(1 << 20));
         let stored = (c.data_page_offset() - c.dictionary_page_offset().expect("dictionary-encoded")) as u64;
         let dict = stored + dictionary_page_len(&path, leaf);
-        (usize::try_from(unc.div_ceil(pages) + dict).unwrap(), usize::try_from(comp.div_ceil(pages)).unwrap())
+        (usize::try_from(unc.div_ceil(pages) + dict + (4 << 10)).unwrap(), usize::try_from(comp.div_ceil(pages)).unwrap())
     };
     let expected = |leaf: usize| per_column(leaf).0 + per_column(leaf).1 + (8 << 10);
     assert_eq!(dictionary_page_len(&path, 1), 4 * (4 + 3_000));

@@ -1519,9 +1519,9 @@ const COLUMN_READER_BYTES: u64 = 4 << 10;
 /// 1 MiB), its dictionary page as stored (the bytes between the dictionary and the first
 /// data page offsets) and decoded (the page header's `uncompressed_page_size`, read by
 /// [`DictionaryPages::read`]; failing that, the stored bytes times the chunk's uncompressed /
-/// compressed ratio) and [`COLUMN_READER_BYTES`] of reader state; once, for the column that needs most, a data page's compressed copy
-/// while it is decompressed (the compressed bytes over the same count) and the 8 KiB header
-/// buffer; the largest row group's sum.
+/// compressed ratio) and [`COLUMN_READER_BYTES`] of reader state; once, for the column that
+/// needs most, a data page's compressed copy while it is decompressed (the compressed bytes
+/// over the same count) and the 8 KiB header buffer; the largest row group's sum.
 /// The page reader of parquet 59 (`SerializedPageReader` over a `File`) reads a chunk one
 /// page at a time, so this is what an open reader holds between batches; the compressed copy
 /// and the header buffer live only while one page is read (`get_read`, `get_bytes` and

@@ -281,16 +281,22 @@ impl Scan {
                 // A file loaded at open is checked against its manifest's checksum before
                 // its first read in this process (a mismatch ends the scan: CorruptFile).
                 f.guard.verify()?;
+                let free = self.table.shared.ctl.limit().saturating_sub(self.table.shared.ctl.used());
+                let batch_bytes = scan_batch_bytes(&self.table.shared);
                 let spec = ReadSpec {
                     projection: self.projection.clone(),
                     filter: self.filter.clone(),
                     deleted: Arc::clone(&f.deleted),
                     batch_rows: self.batch_rows,
-                    batch_bytes: scan_batch_bytes(&self.table.shared),
+                    batch_bytes,
                     // Page pruning is worth its column index only while it fits the memory
                     // free now: a 121-column file of 77 row groups keeps 3.1 MB of it, and a
                     // filtered scan at 8 MiB was refused for it (`breaker_trial3`).
-                    pruning_budget: self.table.shared.ctl.limit().saturating_sub(self.table.shared.ctl.used()),
+                    pruning_budget: free,
+                    // A reader of every column that would not fit beside a batch in the memory
+                    // free now decodes its columns in groups: a 500-column file written at
+                    // 2 MiB needed 3.4 MiB read whole, and every scan of it was refused.
+                    decode_budget: free.saturating_sub(batch_bytes),
                     counters: Some(Arc::clone(&self.counters)),
                     resume_at,
                     // Row group `g` of file `id` is this scan's when `(g + id) % n == i`: files of one

@@ -22,6 +22,7 @@ mod bytes;
 mod compact;
 mod error;
 mod filter;
+mod grouped_read;
 mod index;
 mod manifest;
 #[cfg(test)]

@@ -1,5 +1,6 @@
 use crate::error::{StorageError, io};
 use crate::filter::{BoundFilter, FilePlan, ScanCounters, keep_rows};
+use crate::grouped_read::GroupedReader;
 use crate::vfs::Vfs;
 use arrow_array::RecordBatch;
 use arrow_buffer::{BooleanBuffer, BooleanBufferBuilder};
@@ -1204,6 +1205,16 @@ pub struct ReadSpec {
     /// filter prunes row groups only; the rows returned are the same. `usize::MAX`: prune
     /// pages whenever the file has the index; 0: never.
     pub pruning_budget: usize,
+    /// Most bytes the reader may hold ([`FileReader::buffer_bytes`]) while its columns are
+    /// decoded together. When one reader of every column read would hold more, the columns
+    /// are decoded in groups instead, each group's Parquet reader built for one batch and
+    /// dropped before the next group's ([`reader_buffer_bytes`] of each group at most this
+    /// less the file's metadata, one column a group at least), and the groups' columns put
+    /// side by side. The rows returned are the same; each batch then reads the pages it needs
+    /// again, skipping the rows before it within them (the offset index, loaded for it, skips
+    /// whole pages). A 500-column file of mixed types written at a 2 MiB limit needs 3.4 MiB
+    /// read whole. `usize::MAX`: always whole.
+    pub decode_budget: usize,
     /// Where row groups read and pruned and rows decoded are counted.
     pub counters: Option<Arc<ScanCounters>>,
     /// Reopens a file a reader of the same spec already read part of: file rows before this
@@ -1231,6 +1242,7 @@ impl ReadSpec {
             batch_rows,
             batch_bytes: 0,
             pruning_budget: usize::MAX,
+            decode_budget: usize::MAX,
             counters: None,
             resume_at: None,
             partition: None,
@@ -1394,7 +1406,31 @@ fn open_reader(path: &Path, spec: ReadSpec, reserve: &mut dyn FnMut(usize) -> Re
         drop(md);
         md = with_index(ParquetMetaDataReader::new().parse_and_finish(&file)?, false, reserve)?;
     }
-    let metadata = ArrowReaderMetadata::try_new(Arc::new(md), ArrowReaderOptions::new())?;
+    let mut metadata = ArrowReaderMetadata::try_new(Arc::new(md), ArrowReaderOptions::new())?;
+    // One reader of every column read and a decoded batch would hold more than the budget: the
+    // columns are decoded in groups, each batch skipping the rows before it within the pages
+    // it reads again, so the offset index is loaded to skip whole pages
+    // (`ReadSpec::decode_budget`). Decided over every row group (the plan is made below).
+    let mut groups = None;
+    if spec.decode_budget != usize::MAX && read.len() > 1 {
+        let mut md = Arc::clone(metadata.metadata());
+        let dicts = dictionaries.get_or_insert_with(|| DictionaryPages::read(&file, &md, &all, &read));
+        let (_, batch) = batch_rows_for(&md, &all, &read, metadata.schema(), spec.batch_rows, spec.batch_bytes);
+        if md.memory_size().saturating_add(batch).saturating_add(reader_buffer_bytes(&md, &all, &read, dicts)) > spec.decode_budget {
+            if md.offset_index().is_none() && offsets > 0 {
+                drop(metadata);
+                reserve(md.memory_size().saturating_add(offsets.saturating_mul(OFFSET_INDEX_MEMORY_FACTOR)))?;
+                let mut reader = ParquetMetaDataReader::new_with_metadata(Arc::unwrap_or_clone(md))
+                    .with_column_index_policy(PageIndexPolicy::Skip)
+                    .with_offset_index_policy(PageIndexPolicy::Optional);
+                reader.read_page_indexes(&file)?;
+                metadata = ArrowReaderMetadata::try_new(Arc::new(reader.finish()?), ArrowReaderOptions::new())?;
+                md = Arc::clone(metadata.metadata());
+            }
+            let budget = spec.decode_budget.saturating_sub(md.memory_size()).saturating_sub(batch);
+            groups = Some(column_groups(&md, &all, &read, dicts, budget)).filter(|g| g.len() > 1);
+        }
+    }
     let mut position = vec![usize::MAX; width];
     for (at, &c) in read.iter().enumerate() {
         position[c] = at;
@@ -1454,13 +1490,14 @@ fn open_reader(path: &Path, spec: ReadSpec, reserve: &mut dyn FnMut(usize) -> Re
         inner: None,
         // The reader keeps the file's metadata (the page index too, when loaded) for as long
         // as it is open: parquet's own estimate of its heap bytes.
-        buffer_bytes: reader_buffer_bytes(
-            &md,
-            &plan.row_groups,
-            &read,
-            &dictionaries.unwrap_or_else(|| DictionaryPages::read(&file, &md, &plan.row_groups, &read)),
-        )
-        .saturating_add(md.memory_size()),
+        buffer_bytes: {
+            let dicts = dictionaries.unwrap_or_else(|| DictionaryPages::read(&file, &md, &plan.row_groups, &read));
+            match &groups {
+                Some(groups) => groups.iter().map(|g| reader_buffer_bytes(&md, &plan.row_groups, g, &dicts)).max().unwrap_or(0),
+                None => reader_buffer_bytes(&md, &plan.row_groups, &read, &dicts),
+            }
+            .saturating_add(md.memory_size())
+        },
         column_index: md.column_index().is_some(),
         cursor: Cursor { ranges: plan.ranges.clone(), at: 0, offset: 0 },
         returned_from: spec.resume_at.unwrap_or(0),
@@ -1484,7 +1521,20 @@ fn open_reader(path: &Path, spec: ReadSpec, reserve: &mut dyn FnMut(usize) -> Re
         selected_rows += n;
     }
     let kept: u64 = plan.ranges.iter().map(|r| r.end - r.start).sum();
-    let rows = batch_rows_for(&md, &plan.row_groups, &read, reader.spec.batch_rows, reader.spec.batch_bytes);
+    let (rows, _) = batch_rows_for(&md, &plan.row_groups, &read, metadata.schema(), reader.spec.batch_rows, reader.spec.batch_bytes);
+    if let Some(groups) = groups {
+        reader.inner = Some(Decode::Grouped(Box::new(GroupedReader {
+            path: path.to_path_buf(),
+            file,
+            metadata,
+            groups,
+            pending: Cursor { ranges: plan.ranges, at: 0, offset: 0 },
+            starts,
+            row_groups: plan.row_groups,
+            batch_rows: rows,
+        })));
+        return Ok(reader);
+    }
     let mut builder = ParquetRecordBatchReaderBuilder::new_with_metadata(file, metadata)
         .with_batch_size(rows)
         .with_projection(ProjectionMask::roots(md.file_metadata().schema_descr(), read.iter().copied()));
@@ -1494,7 +1544,7 @@ fn open_reader(path: &Path, spec: ReadSpec, reserve: &mut dyn FnMut(usize) -> Re
     if kept < selected_rows {
         builder = builder.with_row_selection(RowSelection::from_consecutive_ranges(relative.into_iter(), selected_rows as usize));
     }
-    reader.inner = Some(builder.build()?);
+    reader.inner = Some(Decode::Whole(builder.build()?));
     Ok(reader)
 }
 
@@ -1541,28 +1591,85 @@ pub(crate) fn reader_buffer_bytes(
         .iter()
         .map(|&g| {
             let rg = md.row_group(g);
-            let rows = u64::try_from(rg.num_rows()).unwrap_or(0).max(1);
-            let bytes = |v: i64| u64::try_from(v).unwrap_or(0);
-            let (held, transient) = (0..rg.num_columns())
-                .filter(|&leaf| read.binary_search(&descr.get_column_root_idx(leaf)).is_ok())
-                .map(|leaf| {
-                    let c = rg.column(leaf);
-                    let (unc, comp) = (bytes(c.uncompressed_size()), bytes(c.compressed_size()));
-                    let pages = (rows.div_ceil(PAGE_ROWS)).max(unc.div_ceil(PAGE_BYTES)).max(1);
-                    // The dictionary page as stored (the bytes before the first data page) and
-                    // decoded: its header's own uncompressed size when it was read, else the
-                    // stored size at the chunk's compression ratio; at most the whole chunk.
-                    let stored = c.dictionary_page_offset().map_or(0, |d| bytes(c.data_page_offset() - d));
-                    let decoded = dictionaries.uncompressed(g, leaf).unwrap_or_else(|| stored.saturating_mul(unc) / comp.max(1));
-                    let dict = if stored == 0 { 0 } else { (stored + decoded).min(unc + stored) };
-                    (unc.div_ceil(pages) + dict + COLUMN_READER_BYTES, comp.div_ceil(pages))
-                })
-                .fold((0u64, None), |(held, most): (u64, Option<u64>), (h, t)| (held.saturating_add(h), Some(most.map_or(t, |m| m.max(t)))));
+            let mut held = 0u64;
+            let mut transient = None;
+            for leaf in (0..rg.num_columns()).filter(|&leaf| read.binary_search(&descr.get_column_root_idx(leaf)).is_ok()) {
+                let (h, t) = leaf_reader_bytes(md, g, leaf, dictionaries);
+                held = held.saturating_add(h);
+                transient = Some(transient.map_or(t, |m: u64| m.max(t)));
+            }
             // A reader that reads no column of the group reads no page of it.
             transient.map_or(held, |t| held.saturating_add(t).saturating_add(PAGE_HEADER_BUFFER))
         })
         .max()
         .map_or(0, |b| usize::try_from(b).unwrap_or(usize::MAX))
+}
+
+/// What a reader of leaf column `leaf` of row group `g` holds, as [`reader_buffer_bytes`]
+/// counts it: `(held, transient)` bytes — held between batches (a decoded page, the
+/// dictionary page stored and decoded, [`COLUMN_READER_BYTES`]), and a page's compressed
+/// copy, held only while that page is read.
+fn leaf_reader_bytes(md: &parquet::file::metadata::ParquetMetaData, g: usize, leaf: usize, dictionaries: &DictionaryPages) -> (u64, u64) {
+    let rg = md.row_group(g);
+    let rows = u64::try_from(rg.num_rows()).unwrap_or(0).max(1);
+    let bytes = |v: i64| u64::try_from(v).unwrap_or(0);
+    let c = rg.column(leaf);
+    let (unc, comp) = (bytes(c.uncompressed_size()), bytes(c.compressed_size()));
+    let pages = (rows.div_ceil(PAGE_ROWS)).max(unc.div_ceil(PAGE_BYTES)).max(1);
+    // The dictionary page as stored (the bytes before the first data page) and decoded: its
+    // header's own uncompressed size when it was read, else the stored size at the chunk's
+    // compression ratio; at most the whole chunk.
+    let stored = c.dictionary_page_offset().map_or(0, |d| bytes(c.data_page_offset() - d));
+    let decoded = dictionaries.uncompressed(g, leaf).unwrap_or_else(|| stored.saturating_mul(unc) / comp.max(1));
+    let dict = if stored == 0 { 0 } else { (stored + decoded).min(unc + stored) };
+    (unc.div_ceil(pages) + dict + COLUMN_READER_BYTES, comp.div_ceil(pages))
+}
+
+/// `read` (root columns, ascending) cut into runs of consecutive columns, each of which a
+/// reader of `row_groups` holds at most `budget` bytes for ([`reader_buffer_bytes`]; a
+/// column that alone needs more is a run of its own). A run's figure is taken as the sum over
+/// its columns of each column's largest row group, plus the largest compressed page and the
+/// header buffer: never less than [`reader_buffer_bytes`] of the run, which takes the largest
+/// row group's sum.
+pub(crate) fn column_groups(
+    md: &parquet::file::metadata::ParquetMetaData,
+    row_groups: &[usize],
+    read: &[usize],
+    dictionaries: &DictionaryPages,
+    budget: usize,
+) -> Vec<Vec<usize>> {
+    let descr = md.file_metadata().schema_descr();
+    // (held, transient) of each column of `read`: the largest over the row groups.
+    let mut cost = vec![(0u64, 0u64); read.len()];
+    for &g in row_groups {
+        let mut in_group = vec![(0u64, 0u64); read.len()];
+        for leaf in 0..md.row_group(g).num_columns() {
+            if let Ok(at) = read.binary_search(&descr.get_column_root_idx(leaf)) {
+                let (h, t) = leaf_reader_bytes(md, g, leaf, dictionaries);
+                in_group[at] = (in_group[at].0.saturating_add(h), in_group[at].1.max(t));
+            }
+        }
+        for (c, (h, t)) in cost.iter_mut().zip(in_group) {
+            *c = (c.0.max(h), c.1.max(t));
+        }
+    }
+    let budget = u64::try_from(budget).unwrap_or(u64::MAX);
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let (mut held, mut transient) = (0u64, 0u64);
+    for (&column, &(h, t)) in read.iter().zip(&cost) {
+        let (with_held, with_transient) = (held.saturating_add(h), transient.max(t));
+        match groups.last_mut() {
+            Some(group) if with_held.saturating_add(with_transient).saturating_add(PAGE_HEADER_BUFFER) <= budget => {
+                group.push(column);
+                (held, transient) = (with_held, with_transient);
+            }
+            _ => {
+                groups.push(vec![column]);
+                (held, transient) = (h, t);
+            }
+        }
+    }
+    groups
 }
 
 /// The uncompressed sizes (bytes) of the dictionary pages of some column chunks of one file,
@@ -1651,15 +1758,30 @@ fn dictionary_page_uncompressed(head: &[u8], stored: u64) -> Option<u64> {
     (kind == DICTIONARY_PAGE && compressed.saturating_add(at as u64) <= stored).then_some(uncompressed)
 }
 
-/// Rows decoded per batch: `batch_rows`, fewer when `batch_bytes` (non-zero) over the read
-/// columns' bytes per row — per column the larger of the chunk's average and its densest page
-/// ([`densest_page`]), the largest row group's sum among `row_groups` — is fewer. At least 1.
-fn batch_rows_for(md: &parquet::file::metadata::ParquetMetaData, row_groups: &[usize], read: &[usize], batch_rows: usize, batch_bytes: usize) -> usize {
+/// Rows decoded per batch, and the bytes such a batch is estimated to take decoded:
+/// `batch_rows`, fewer when `batch_bytes` (non-zero) less [`ARRAY_FIXED_BYTES`] a column read
+/// over the read columns' bytes per row is fewer — per column the largest of the chunk's
+/// average, its densest page ([`densest_page`]) and its Arrow type's fixed width
+/// (`schema`: the file's Arrow schema), the largest row group's sum among `row_groups`. At
+/// least 1 row. The estimate is the rows times that figure plus the fixed bytes.
+fn batch_rows_for(
+    md: &parquet::file::metadata::ParquetMetaData,
+    row_groups: &[usize],
+    read: &[usize],
+    schema: &arrow_schema::Schema,
+    batch_rows: usize,
+    batch_bytes: usize,
+) -> (usize, usize) {
     let batch_rows = batch_rows.max(1);
-    if batch_bytes == 0 {
-        return batch_rows;
-    }
     let descr = md.file_metadata().schema_descr();
+    let width = |leaf: usize| {
+        let root = descr.get_column_root_idx(leaf);
+        // A value's decoded width whatever its encoding: a column of one repeated or null
+        // value is stored in a few bytes a page but decodes to its full width a row (5,000
+        // all-null `Int64` columns: 40 KB a row decoded, none stored). A boolean counts a
+        // byte, a validity bit is left in the rounding.
+        schema.fields().get(root).map_or(0, |f| f.data_type().primitive_width().unwrap_or(1))
+    };
     let per_row = row_groups
         .iter()
         .map(|&g| {
@@ -1676,14 +1798,22 @@ fn batch_rows_for(md: &parquet::file::metadata::ParquetMetaData, row_groups: &[u
                     let c = rg.column(leaf);
                     let values = c.unencoded_byte_array_data_bytes().map_or(0, |b| b.saturating_add(16 * rows));
                     let average = c.uncompressed_size().max(values).saturating_add(rows - 1) / rows;
-                    average.max(pages.and_then(|p| p.get(leaf)).map_or(0, |o| densest_page(o, rows)))
+                    let densest = pages.and_then(|p| p.get(leaf)).map_or(0, |o| densest_page(o, rows));
+                    average.max(densest).max(i64::try_from(width(leaf)).unwrap_or(i64::MAX))
                 })
                 .sum::<i64>()
         })
         .max()
         .map_or(1, |b| usize::try_from(b).unwrap_or(usize::MAX).max(1));
-    batch_rows.min((batch_bytes / per_row).max(1))
+    let fixed = ARRAY_FIXED_BYTES.saturating_mul(read.len());
+    let rows = if batch_bytes == 0 { batch_rows } else { batch_rows.min((batch_bytes.saturating_sub(fixed) / per_row).max(1)) };
+    (rows, rows.saturating_mul(per_row).saturating_add(fixed))
 }
+
+/// Bytes a decoded column takes whatever its row count: its value and validity buffers are
+/// each allocated in 64-byte multiples (Arrow's `MutableBuffer` alignment), so a batch of one
+/// row of 5,000 columns takes 640 KB, not 40 KB.
+const ARRAY_FIXED_BYTES: usize = 128;
 
 /// The largest unencoded value bytes per row (plus a 16-byte view) of any page of a byte-array
 /// column chunk, from its offset index (Parquet page index: `unencoded_byte_array_data_bytes`
@@ -1710,7 +1840,7 @@ fn densest_page(index: &parquet::file::page_index::offset_index::OffsetIndexMeta
 
 /// File row numbers of the rows a reader yields, in order.
 #[derive(Debug)]
-struct Cursor {
+pub(crate) struct Cursor {
     ranges: Vec<std::ops::Range<u64>>,
     at: usize,
     offset: u64,
@@ -1727,7 +1857,7 @@ impl Cursor {
     }
 
     /// The next `n` file rows as `(first row, count)` runs.
-    fn take(&mut self, mut n: u64, out: &mut Vec<(u64, u64)>) {
+    pub(crate) fn take(&mut self, mut n: u64, out: &mut Vec<(u64, u64)>) {
         out.clear();
         while n > 0 && self.at < self.ranges.len() {
             let r = &self.ranges[self.at];
@@ -1749,8 +1879,9 @@ impl Cursor {
 pub struct FileReader {
     /// The data file (named in errors).
     path: std::path::PathBuf,
-    inner: Option<ParquetRecordBatchReader>,
-    /// `reader_buffer_bytes` of what this reader reads.
+    inner: Option<Decode>,
+    /// `reader_buffer_bytes` of what this reader reads (of its largest column group, when
+    /// decoded in groups).
     buffer_bytes: usize,
     /// Whether the metadata kept holds the column index (page pruning).
     column_index: bool,
@@ -1762,6 +1893,23 @@ pub struct FileReader {
     /// Decoded columns in output order (`None`: the decoded order is the output order).
     out_positions: Option<Vec<usize>>,
     spec: ReadSpec,
+}
+
+/// How a [`FileReader`] decodes its columns.
+enum Decode {
+    /// One Parquet reader of every column read, open for as long as the file is read.
+    Whole(ParquetRecordBatchReader),
+    /// A reader per column group for each batch ([`ReadSpec::decode_budget`]).
+    Grouped(Box<GroupedReader>),
+}
+
+impl Decode {
+    fn next(&mut self) -> Option<Result<RecordBatch, StorageError>> {
+        match self {
+            Self::Whole(r) => r.next().map(|b| b.map_err(StorageError::Arrow)),
+            Self::Grouped(g) => g.next_batch().transpose(),
+        }
+    }
 }
 
 impl std::fmt::Debug for FileReader {
@@ -1853,7 +2001,7 @@ impl Iterator for FileReader {
             let b = match parquet_guard(&self.path, || Ok(inner.next())) {
                 Ok(None) => return None,
                 Ok(Some(Ok(b))) => b,
-                Ok(Some(Err(e))) => return Some(Err(StorageError::Arrow(e))),
+                Ok(Some(Err(e))) => return Some(Err(e)),
                 Err(e) => {
                     // A reader whose decoder panicked is in no state to go on.
                     self.inner = None;

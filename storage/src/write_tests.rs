@@ -263,12 +263,12 @@ fn read_batches_are_capped_by_bytes() {
         })
         .max()
         .unwrap();
-    assert_eq!(batch_rows_for(&md, &groups, &all, 8192, 0), 8192, "no cap");
+    assert_eq!(batch_rows_for(&md, &groups, &all, &schema(), 8192, 0).0, 8192, "no cap");
     // The string columns count their value bytes and a view per row when that is more than
     // their uncompressed size: at most 100 rows for 100 rows' uncompressed bytes.
-    let rows = batch_rows_for(&md, &groups, &all, 8192, 100 * per_row);
+    let rows = batch_rows_for(&md, &groups, &all, &schema(), 8192, 100 * per_row + 5 * ARRAY_FIXED_BYTES).0;
     assert!((40..=100).contains(&rows), "{rows}");
-    assert_eq!(batch_rows_for(&md, &groups, &all, 8192, 1), 1);
+    assert_eq!(batch_rows_for(&md, &groups, &all, &schema(), 8192, 1).0, 1);
     let spec = ReadSpec { batch_bytes: 100 * per_row, ..ReadSpec::plain(None, Arc::new(RoaringBitmap::new()), 8192) };
     let got: Vec<RecordBatch> = read_file_with(&path, spec).unwrap().collect::<Result<_, _>>().unwrap();
     assert!(got.iter().all(|b| b.num_rows() <= rows), "{:?}", got.iter().map(RecordBatch::num_rows).max());
@@ -294,7 +294,7 @@ fn read_cap_counts_dictionary_encoded_values_whole() {
     let md = ParquetRecordBatchReaderBuilder::try_new(fs::File::open(dir.path().join("d.parquet")).unwrap()).unwrap().metadata().clone();
     let col = md.row_group(0).column(1);
     assert!(col.uncompressed_size() < 20_000 * 100, "dictionary-encoded: {}", col.uncompressed_size());
-    let rows = batch_rows_for(&md, &[0], &[0, 1], 8192, 1 << 20);
+    let rows = batch_rows_for(&md, &[0], &[0, 1], &schema, 8192, 1 << 20).0;
     assert!(((1 << 20) / 3_100..=(1 << 20) / 3_000).contains(&rows), "{rows}");
 }
 
@@ -411,6 +411,7 @@ fn reader_buffer_bytes_count_one_page_per_column_and_the_dictionary() {
         batch_rows: 8192,
         batch_bytes: 0,
         pruning_budget: usize::MAX,
+        decode_budget: usize::MAX,
         counters: None,
         resume_at: None,
         partition: None,
@@ -490,6 +491,7 @@ fn a_reader_reopened_at_its_resume_row_returns_the_last_batch_and_the_rest() {
             batch_rows: 700,
             batch_bytes: 0,
             pruning_budget: usize::MAX,
+            decode_budget: usize::MAX,
             counters: Some(Arc::clone(&counters)),
             resume_at: None,
             partition: None,
@@ -548,6 +550,7 @@ fn partitioned_readers_return_each_row_once_between_them() {
             batch_rows: 1_000,
             batch_bytes: 0,
             pruning_budget: usize::MAX,
+            decode_budget: usize::MAX,
             counters: Some(Arc::clone(counters)),
             resume_at: None,
             partition,
@@ -591,6 +594,91 @@ fn partitioned_readers_return_each_row_once_between_them() {
         drop(r);
         let again = keys(read_file_with(&path, ReadSpec { resume_at: Some(at), ..spec(Some((1, 2)), &counters) }).unwrap());
         assert_eq!(again, share[before..].to_vec(), "share 1 of 2 reopened at row {at}: its third batch and the rest");
+    }
+}
+
+/// A reader whose columns would not fit its `decode_budget` together decodes them in groups
+/// and returns exactly what one reader of them all returns — every batch, with a deletion
+/// vector, a filter, a projection out of schema order (nested columns too), a share of the row
+/// groups, and reopened at its resume row — while holding less: its `buffer_bytes` is its
+/// largest group's, and at a budget of 0 bytes that is one column's.
+#[test]
+fn a_file_read_in_column_groups_returns_what_one_reader_returns() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = WriteOptions { row_group_rows: 5_000, ..WriteOptions::default() };
+    write_data_file(&StdFs, dir.path(), "g.parquet", &[batch(0, 20_000)], &o, &ctl(), None).unwrap();
+    let path = dir.path().join("g.parquet");
+    let deleted: RoaringBitmap = (0..20_000u32).filter(|r| r % 9 == 0 || (4_990..5_020).contains(r)).collect();
+    let band = crate::ScanFilter::and([
+        crate::ScanFilter::compare("k", crate::CompareOp::GtEq, Arc::new(Int64Array::from(vec![3_333]))),
+        crate::ScanFilter::compare("k", crate::CompareOp::Lt, Arc::new(Int64Array::from(vec![16_000]))),
+    ]);
+    let read = |spec: &ReadSpec| -> (Vec<RecordBatch>, usize) {
+        let r = read_file_with(&path, spec.clone()).unwrap();
+        let held = r.buffer_bytes();
+        (r.collect::<Result<_, _>>().unwrap(), held)
+    };
+    for filter in [None, Some(Arc::new(band.bind(&schema()).unwrap()))] {
+        for (projection, partition) in [(None, None), (Some(vec![4, 0, 3, 1]), None), (Some(vec![2, 1]), Some((1, 2)))] {
+            let whole = ReadSpec {
+                projection: projection.clone(),
+                filter: filter.clone(),
+                deleted: Arc::new(deleted.clone()),
+                batch_rows: 700,
+                batch_bytes: 0,
+                pruning_budget: usize::MAX,
+                decode_budget: usize::MAX,
+                counters: None,
+                resume_at: None,
+                partition,
+            };
+            let (want, whole_bytes) = read(&whole);
+            assert!(want.len() > 5, "{} batches", want.len());
+            let rows: usize = want.iter().map(RecordBatch::num_rows).sum();
+            assert!(rows > 2_000, "{rows} rows");
+            for budget in [0, whole_bytes / 2] {
+                let grouped = ReadSpec { decode_budget: budget, ..whole.clone() };
+                let (got, held) = read(&grouped);
+                assert_eq!(got, want, "budget {budget}, projection {projection:?}, filter {}", filter.is_some());
+                assert!(held < whole_bytes, "budget {budget}: holds {held} of one reader's {whole_bytes}");
+                // Reopened after its third batch: that batch again, then the rest.
+                let mut r = read_file_with(&path, grouped.clone()).unwrap();
+                for _ in 0..3 {
+                    r.next().unwrap().unwrap();
+                }
+                let at = r.resume_row();
+                let rest: Vec<RecordBatch> = read_file_with(&path, ReadSpec { resume_at: Some(at), ..grouped }).unwrap().collect::<Result<_, _>>().unwrap();
+                let want_rest = arrow_select::concat::concat_batches(&want[0].schema(), &want[2..]).unwrap();
+                assert_eq!(arrow_select::concat::concat_batches(&want[0].schema(), &rest).unwrap(), want_rest, "reopened at {at}");
+            }
+        }
+    }
+}
+
+/// `column_groups` cuts the columns read into runs in order: one run when the budget holds
+/// them all, one column a run at a budget of 0, and otherwise runs whose reader estimate each
+/// fits the budget.
+#[test]
+fn column_groups_fit_the_budget_in_column_order() {
+    let dir = tempfile::tempdir().unwrap();
+    write_data_file(&StdFs, dir.path(), "c.parquet", &batches(), &opts(1), &ctl(), None).unwrap();
+    let path = dir.path().join("c.parquet");
+    let file = fs::File::open(&path).unwrap();
+    let md = ParquetRecordBatchReaderBuilder::try_new(file.try_clone().unwrap()).unwrap().metadata().clone();
+    let all: Vec<usize> = (0..md.num_row_groups()).collect();
+    let read = vec![0, 1, 2, 3, 4];
+    let dicts = DictionaryPages::read(&file, &md, &all, &read);
+    assert_eq!(column_groups(&md, &all, &read, &dicts, usize::MAX), vec![read.clone()]);
+    assert_eq!(column_groups(&md, &all, &read, &dicts, 0), vec![vec![0], vec![1], vec![2], vec![3], vec![4]]);
+    let largest = read.iter().map(|&c| reader_buffer_bytes(&md, &all, &[c], &dicts)).max().unwrap();
+    let whole = reader_buffer_bytes(&md, &all, &read, &dicts);
+    for budget in [largest, usize::midpoint(largest, whole), whole - 1] {
+        let groups = column_groups(&md, &all, &read, &dicts, budget);
+        assert!(groups.len() > 1 && groups.len() < read.len() || budget == largest, "{budget}: {groups:?}");
+        assert_eq!(groups.concat(), read, "in order, each column once");
+        for g in &groups {
+            assert!(reader_buffer_bytes(&md, &all, g, &dicts) <= budget, "{budget}: {g:?}");
+        }
     }
 }
 
@@ -676,6 +764,7 @@ fn read_spec_plain() -> ReadSpec {
         batch_rows: 1_000,
         batch_bytes: 0,
         pruning_budget: usize::MAX,
+        decode_budget: usize::MAX,
         counters: None,
         resume_at: None,
         partition: None,

@@ -343,17 +343,18 @@ fn check_wide(batches: &[RecordBatch], cols: &[usize]) -> Vec<i64> {
     keys
 }
 
-/// Files written under 512 MiB scanned under 8 MiB: a full scan's first `next` is a
-/// `MemoryLimit` in `scan_buffers` (its reader's buffers, 10.9 MB, do not fit) and leaves every
-/// category exactly as before, twice in a row (12 MiB refused the reader too until data files
-/// capped their dictionary pages at 256 KiB; now the reader fits there and the first batch
-/// does not); after `set_memory_limit(256 MiB)` the same
-/// scan resumes and returns every row exactly once with every cell right, and ends at 0
-/// `scan_buffers`. A scan dropped mid-file also returns every category to its baseline.
-/// Then at 12 MiB, a projection of one column with a filter on the key (what the small
-/// limit can hold) returns exactly its rows.
+/// Files written under 512 MiB scanned under 8 MiB: one reader of all five columns needs
+/// 10.9 MB, so the scan decodes them in column groups (`ReadSpec::decode_budget`) and returns
+/// every row exactly, with every cell right, `scan_buffers` staying under the limit (before,
+/// every `next` was refused). Under 2 MiB not even one column's reader fits (a 1 MiB page of
+/// 500-byte strings, its compressed copy and its dictionary): a full scan's first `next` is a
+/// `MemoryLimit` in `scan_buffers` and leaves every category exactly as before, twice in a
+/// row; after `set_memory_limit(256 MiB)` the same scan resumes and returns every row exactly
+/// once with every cell right, and ends at 0 `scan_buffers`. A scan dropped mid-file also
+/// returns every category to its baseline. Then at 12 MiB, a projection of one column with a
+/// filter on the key returns exactly its rows.
 #[test]
-fn files_from_a_large_limit_refused_then_resumed_exactly() {
+fn files_from_a_large_limit_are_read_in_column_groups_or_refused_then_resumed_exactly() {
     let dir = tempfile::tempdir().unwrap();
     write_wide(dir.path());
     let config = EngineConfig::default().memory_limit(8 * MIB).backpressure_timeout(Duration::from_millis(200));
@@ -362,14 +363,25 @@ fn files_from_a_large_limit_refused_then_resumed_exactly() {
     assert_eq!(t.stats().unwrap().active_delta_bytes, 0);
     engine.release_cached_memory();
     let base = cats(&engine);
+    let mut got = Vec::new();
+    for b in t.scan(ScanOptions::default().batch_rows(1000)).unwrap() {
+        // Each batch is checked and dropped: 24,000 rows of 2 KB held would not fit 8 MiB.
+        let b = b.unwrap();
+        assert!(engine.memory().used() <= 8 * MIB);
+        got.extend(check_wide(&[b], &[0, 1, 2, 3]));
+    }
+    got.sort_unstable();
+    assert_eq!(got, (0..WIDE_ROWS).collect::<Vec<_>>(), "grouped scan at 8 MiB: every row once");
+    assert_eq!(cats(&engine), base, "after the grouped scan");
+    engine.set_memory_limit(2 * MIB).unwrap();
     let mut s = t.scan(ScanOptions::default().batch_rows(1000)).unwrap();
     for attempt in 0..2 {
         match s.next() {
             Some(Err(e)) => assert!(matches!(e, Error::MemoryLimit { category: Category::ScanBuffers, .. }), "attempt {attempt}: {e:?}"),
-            other => panic!("attempt {attempt}: the 8 MiB limit held the reader: {:?}", other.map(|r| r.map(|b| b.num_rows()))),
+            other => panic!("attempt {attempt}: the 2 MiB limit held a reader: {:?}", other.map(|r| r.map(|b| b.num_rows()))),
         }
         assert_eq!(cats(&engine), base, "attempt {attempt}: categories after the refusal");
-        assert!(engine.memory().used() <= 8 * MIB);
+        assert!(engine.memory().used() <= 2 * MIB);
     }
     engine.set_memory_limit(256 * MIB).unwrap();
     let mut peak = 0;
@@ -408,10 +420,9 @@ fn files_from_a_large_limit_refused_then_resumed_exactly() {
 /// `drop_table` while a scan of the table has an open reader (a batch held): the scan either
 /// goes on or fails with a typed error, and once the scan and its batches are dropped every
 /// category is back to the engine's baseline before the table existed (the dropped table's
-/// `scan_buffers` reservation included). Also for a scan refused its reader buffers (at 8
-/// MiB: they are 10.1 MB, a page and more of each of the four 500-byte-string columns; the
-/// scan fits at 12 MiB since the writer bounds its steps by a data page) when the table is
-/// dropped.
+/// `scan_buffers` reservation included). Also for a scan refused its reader buffers (at 2
+/// MiB: one column's reader needs more, a 1 MiB page of 500-byte strings, its compressed copy
+/// and its dictionary; at 8 MiB the columns are decoded in groups) when the table is dropped.
 #[test]
 fn drop_table_under_an_open_reader_returns_every_category() {
     let dir = tempfile::tempdir().unwrap();
@@ -452,7 +463,7 @@ fn drop_table_under_an_open_reader_returns_every_category() {
     // Refused reader, then drop_table, then the scan is retried and dropped.
     let dir = tempfile::tempdir().unwrap();
     write_wide(dir.path());
-    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(8 * MIB).backpressure_timeout(Duration::from_millis(200))).unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(2 * MIB).backpressure_timeout(Duration::from_millis(200))).unwrap();
     engine.release_cached_memory();
     let t = engine.table("w").unwrap();
     let mut s = t.scan(ScanOptions::default()).unwrap();

@@ -367,10 +367,12 @@ fn a_refused_batch_is_returned_by_the_retry_and_the_refused_scan_holds_nothing()
         let first = s.next().unwrap().unwrap();
         assert!(scan_bytes() > 0, "{name}: the reader and the first batch are counted");
         let mut counts = key_counts(&[first]);
-        // Memory filled to 1 KiB under the limit: no batch of 1,000 rows fits.
+        // Memory filled to 1 KiB under the limit before each attempt (the first refusal
+        // releases the reader's buffers, which a reopened reader of fewer columns at a time
+        // would fit in): no batch of 1,000 rows fits.
         let mut hold = Reservation::new(ctl, Category::Metadata, None);
-        hold.try_grow(LIMIT - ctl.used() - 1024).unwrap();
         for attempt in 0..2 {
+            hold.try_grow(LIMIT - ctl.used() - 1024).unwrap();
             match s.next() {
                 Some(Err(Error::MemoryLimit { category: Category::ScanBuffers, .. })) => {}
                 other => panic!("{name}, attempt {attempt}: {:?}", other.map(|b| b.map(|b| b.num_rows()))),

@@ -1205,15 +1205,16 @@ pub struct ReadSpec {
     /// filter prunes row groups only; the rows returned are the same. `usize::MAX`: prune
     /// pages whenever the file has the index; 0: never.
     pub pruning_budget: usize,
-    /// Most bytes the reader may hold ([`FileReader::buffer_bytes`]) while its columns are
-    /// decoded together. When one reader of every column read would hold more, the columns
-    /// are decoded in groups instead, each group's Parquet reader built for one batch and
-    /// dropped before the next group's ([`reader_buffer_bytes`] of each group at most this
-    /// less the file's metadata, one column a group at least), and the groups' columns put
-    /// side by side. The rows returned are the same; each batch then reads the pages it needs
-    /// again, skipping the rows before it within them (the offset index, loaded for it, skips
-    /// whole pages). A 500-column file of mixed types written at a 2 MiB limit needs 3.4 MiB
-    /// read whole. `usize::MAX`: always whole.
+    /// Most bytes the reader ([`FileReader::buffer_bytes`]: its column readers and the
+    /// file's metadata) and one decoded batch (as `batch_bytes` sizes it) may hold together.
+    /// When one reader of every column read would hold more, the columns are decoded in
+    /// groups instead, each group's Parquet reader built for one batch and dropped before the
+    /// next group's ([`reader_buffer_bytes`] of each group at most this less the metadata and
+    /// the batch, one column a group at least), and the groups' columns put side by side. The
+    /// rows returned are the same; each batch then reads the pages it needs again, skipping
+    /// the rows before it within them (the offset index, loaded for it, skips whole pages). A
+    /// 500-column file of mixed types written at a 2 MiB limit needs 3.4 MiB read whole.
+    /// `usize::MAX`: always whole.
     pub decode_budget: usize,
     /// Where row groups read and pruned and rows decoded are counted.
     pub counters: Option<Arc<ScanCounters>>,
@@ -1414,9 +1415,15 @@ fn open_reader(path: &Path, spec: ReadSpec, reserve: &mut dyn FnMut(usize) -> Re
     let mut groups = None;
     if spec.decode_budget != usize::MAX && read.len() > 1 {
         let mut md = Arc::clone(metadata.metadata());
-        let dicts = dictionaries.get_or_insert_with(|| DictionaryPages::read(&file, &md, &all, &read));
         let (_, batch) = batch_rows_for(&md, &all, &read, metadata.schema(), spec.batch_rows, spec.batch_bytes);
-        if md.memory_size().saturating_add(batch).saturating_add(reader_buffer_bytes(&md, &all, &read, dicts)) > spec.decode_budget {
+        let over =
+            |dicts: &DictionaryPages| md.memory_size().saturating_add(batch).saturating_add(reader_buffer_bytes(&md, &all, &read, dicts)) > spec.decode_budget;
+        // The dictionary pages' headers (a read per column chunk) only when the estimate from
+        // the chunks' compression ratios alone does not fit.
+        if dictionaries.is_some() || over(&DictionaryPages::default()) {
+            dictionaries.get_or_insert_with(|| DictionaryPages::read(&file, &md, &all, &read));
+        }
+        if let Some(dicts) = dictionaries.as_ref().filter(|d| over(d)) {
             if md.offset_index().is_none() && offsets > 0 {
                 drop(metadata);
                 reserve(md.memory_size().saturating_add(offsets.saturating_mul(OFFSET_INDEX_MEMORY_FACTOR)))?;
@@ -1922,11 +1929,13 @@ impl FileReader {
     /// Bytes this reader holds besides the batches it returns, estimated from the file's
     /// metadata (0 when no row group is read). Per leaf column read: one decoded data page
     /// (the chunk's uncompressed bytes over its page count, the larger of rows / 20,000 and
-    /// bytes / 1 MiB: parquet's default page limits, which [`WriteOptions`] keeps), its
-    /// compressed copy, the dictionary page as stored and decoded (scaled by the chunk's
-    /// compression ratio) and an 8 KiB header buffer; the largest row group's sum; plus the
-    /// file's metadata the reader keeps, with the page index when it was loaded
-    /// (`ParquetMetaData::memory_size`). Callers count it while the reader is open.
+    /// bytes / 1 MiB: parquet's default page limits, which [`WriteOptions`] keeps), the
+    /// dictionary page as stored and decoded, and 4 KiB of column reader state; once, the
+    /// largest compressed page and an 8 KiB header buffer; the largest row group's sum — of
+    /// the largest column group when the columns are decoded in groups
+    /// ([`ReadSpec::decode_budget`]); plus the file's metadata the reader keeps, with the page
+    /// index when it was loaded (`ParquetMetaData::memory_size`). Callers count it while the
+    /// reader is open.
     pub fn buffer_bytes(&self) -> usize {
         if self.inner.is_some() { self.buffer_bytes } else { 0 }
     }

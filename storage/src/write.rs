@@ -1770,7 +1770,8 @@ fn dictionary_page_uncompressed(head: &[u8], stored: u64) -> Option<u64> {
 /// over the read columns' bytes per row is fewer — per column the largest of the chunk's
 /// average, its densest page ([`densest_page`]) and its Arrow type's fixed width
 /// (`schema`: the file's Arrow schema), the largest row group's sum among `row_groups`. At
-/// least 1 row. The estimate is the rows times that figure plus the fixed bytes.
+/// least 1 row. The estimate is the rows (at most those of `row_groups` together) times that
+/// figure plus the fixed bytes.
 fn batch_rows_for(
     md: &parquet::file::metadata::ParquetMetaData,
     row_groups: &[usize],
@@ -1814,7 +1815,10 @@ fn batch_rows_for(
         .map_or(1, |b| usize::try_from(b).unwrap_or(usize::MAX).max(1));
     let fixed = ARRAY_FIXED_BYTES.saturating_mul(read.len());
     let rows = if batch_bytes == 0 { batch_rows } else { batch_rows.min((batch_bytes.saturating_sub(fixed) / per_row).max(1)) };
-    (rows, rows.saturating_mul(per_row).saturating_add(fixed))
+    // No batch holds more rows than the row groups read.
+    let most: u64 = row_groups.iter().map(|&g| u64::try_from(md.row_group(g).num_rows()).unwrap_or(0)).sum();
+    let decoded = rows.min(usize::try_from(most).unwrap_or(usize::MAX));
+    (rows, decoded.saturating_mul(per_row).saturating_add(fixed))
 }
 
 /// Bytes a decoded column takes whatever its row count: its value and validity buffers are

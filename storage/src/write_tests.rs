@@ -269,6 +269,10 @@ fn read_batches_are_capped_by_bytes() {
     let rows = batch_rows_for(&md, &groups, &all, &schema(), 8192, 100 * per_row + 5 * ARRAY_FIXED_BYTES).0;
     assert!((40..=100).contains(&rows), "{rows}");
     assert_eq!(batch_rows_for(&md, &groups, &all, &schema(), 8192, 1).0, 1);
+    // The estimate of a batch counts no more rows than the file holds (15,000).
+    let whole_file = batch_rows_for(&md, &groups, &all, &schema(), 15_000, 0).1;
+    assert_eq!(batch_rows_for(&md, &groups, &all, &schema(), 1 << 20, 0), (1 << 20, whole_file));
+    assert!(batch_rows_for(&md, &groups, &all, &schema(), 14_999, 0).1 < whole_file);
     let spec = ReadSpec { batch_bytes: 100 * per_row, ..ReadSpec::plain(None, Arc::new(RoaringBitmap::new()), 8192) };
     let got: Vec<RecordBatch> = read_file_with(&path, spec).unwrap().collect::<Result<_, _>>().unwrap();
     assert!(got.iter().all(|b| b.num_rows() <= rows), "{:?}", got.iter().map(RecordBatch::num_rows).max());

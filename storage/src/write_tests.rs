@@ -473,6 +473,15 @@ fn distinct_columns_leave_their_dictionary_at_the_data_file_limit() {
     }
 }
 
+/// A file of `batch(0, 20_000)` in 4 row groups of 5,000 rows in `dir`, and a deletion vector
+/// for it: every 9th row and 30 rows across the first row groups' boundary.
+fn four_row_groups(dir: &Path) -> (std::path::PathBuf, RoaringBitmap) {
+    let o = WriteOptions { row_group_rows: 5_000, ..WriteOptions::default() };
+    write_data_file(&StdFs, dir, "r.parquet", &[batch(0, 20_000)], &o, &ctl(), None).unwrap();
+    let deleted = (0..20_000u32).filter(|r| r % 9 == 0 || (4_990..5_020).contains(r)).collect();
+    (dir.join("r.parquet"), deleted)
+}
+
 /// A reader reopened at [`FileReader::resume_row`] after any batch returns that batch again
 /// and then exactly the rest: over 4 row groups, with a deletion vector, with and without a
 /// filter, batches of 700 rows. The reopened file is not counted again in the scan counters,
@@ -480,10 +489,7 @@ fn distinct_columns_leave_their_dictionary_at_the_data_file_limit() {
 #[test]
 fn a_reader_reopened_at_its_resume_row_returns_the_last_batch_and_the_rest() {
     let dir = tempfile::tempdir().unwrap();
-    let o = WriteOptions { row_group_rows: 5_000, ..WriteOptions::default() };
-    write_data_file(&StdFs, dir.path(), "r.parquet", &[batch(0, 20_000)], &o, &ctl(), None).unwrap();
-    let path = dir.path().join("r.parquet");
-    let deleted: RoaringBitmap = (0..20_000u32).filter(|r| r % 9 == 0 || (4_990..5_020).contains(r)).collect();
+    let (path, deleted) = four_row_groups(dir.path());
     let keys = |b: &RecordBatch| b.column(0).as_any().downcast_ref::<Int64Array>().unwrap().values().to_vec();
     let from = crate::ScanFilter::compare("k", crate::CompareOp::GtEq, Arc::new(Int64Array::from(vec![7_777])));
     for filter in [None, Some(Arc::new(from.bind(&schema()).unwrap()))] {
@@ -609,10 +615,7 @@ fn partitioned_readers_return_each_row_once_between_them() {
 #[test]
 fn a_file_read_in_column_groups_returns_what_one_reader_returns() {
     let dir = tempfile::tempdir().unwrap();
-    let o = WriteOptions { row_group_rows: 5_000, ..WriteOptions::default() };
-    write_data_file(&StdFs, dir.path(), "g.parquet", &[batch(0, 20_000)], &o, &ctl(), None).unwrap();
-    let path = dir.path().join("g.parquet");
-    let deleted: RoaringBitmap = (0..20_000u32).filter(|r| r % 9 == 0 || (4_990..5_020).contains(r)).collect();
+    let (path, deleted) = four_row_groups(dir.path());
     let band = crate::ScanFilter::and([
         crate::ScanFilter::compare("k", crate::CompareOp::GtEq, Arc::new(Int64Array::from(vec![3_333]))),
         crate::ScanFilter::compare("k", crate::CompareOp::Lt, Arc::new(Int64Array::from(vec![16_000]))),
@@ -624,18 +627,7 @@ fn a_file_read_in_column_groups_returns_what_one_reader_returns() {
     };
     for filter in [None, Some(Arc::new(band.bind(&schema()).unwrap()))] {
         for (projection, partition) in [(None, None), (Some(vec![4, 0, 3, 1]), None), (Some(vec![2, 1]), Some((1, 2)))] {
-            let whole = ReadSpec {
-                projection: projection.clone(),
-                filter: filter.clone(),
-                deleted: Arc::new(deleted.clone()),
-                batch_rows: 700,
-                batch_bytes: 0,
-                pruning_budget: usize::MAX,
-                decode_budget: usize::MAX,
-                counters: None,
-                resume_at: None,
-                partition,
-            };
+            let whole = ReadSpec { projection: projection.clone(), filter: filter.clone(), partition, ..ReadSpec::plain(None, Arc::new(deleted.clone()), 700) };
             let (want, whole_bytes) = read(&whole);
             assert!(want.len() > 5, "{} batches", want.len());
             let rows: usize = want.iter().map(RecordBatch::num_rows).sum();

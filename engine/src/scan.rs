@@ -296,7 +296,7 @@ impl Scan {
                     // A reader of every column that would not fit beside a batch in the memory
                     // free now decodes its columns in groups: a 500-column file written at
                     // 2 MiB needed 3.4 MiB read whole, and every scan of it was refused.
-                    decode_budget: free.saturating_sub(batch_bytes),
+                    decode_budget: free,
                     counters: Some(Arc::clone(&self.counters)),
                     resume_at,
                     // Row group `g` of file `id` is this scan's when `(g + id) % n == i`: files of one

@@ -1205,12 +1205,14 @@ pub struct ReadSpec {
     /// filter prunes row groups only; the rows returned are the same. `usize::MAX`: prune
     /// pages whenever the file has the index; 0: never.
     pub pruning_budget: usize,
-    /// Most bytes the reader ([`FileReader::buffer_bytes`]: its column readers and the
-    /// file's metadata) and one decoded batch (as `batch_bytes` sizes it) may hold together.
+    /// Twice the bytes the reader ([`FileReader::buffer_bytes`]: its column readers and the
+    /// file's metadata) and one decoded batch (as `batch_bytes` sizes it) may hold together:
+    /// the other half is left for the batches a caller holds, writers and other scans.
     /// When one reader of every column read would hold more, the columns are decoded in
     /// groups instead, each group's Parquet reader built for one batch and dropped before the
-    /// next group's ([`reader_buffer_bytes`] of each group at most this less the metadata and
-    /// the batch, one column a group at least), and the groups' columns put side by side. The
+    /// next group's ([`reader_buffer_bytes`] of each group at most half of this less the
+    /// metadata and the batch, one column a group at least), and the groups' columns put side
+    /// by side. The
     /// rows returned are the same; each batch then reads the pages it needs again, skipping
     /// the rows before it within them (the offset index, loaded for it, skips whole pages). A
     /// 500-column file of mixed types written at a 2 MiB limit needs 3.4 MiB read whole.
@@ -1416,8 +1418,12 @@ fn open_reader(path: &Path, spec: ReadSpec, reserve: &mut dyn FnMut(usize) -> Re
     if spec.decode_budget != usize::MAX && read.len() > 1 {
         let mut md = Arc::clone(metadata.metadata());
         let (_, batch) = batch_rows_for(&md, &all, &read, metadata.schema(), spec.batch_rows, spec.batch_bytes);
-        let over =
-            |dicts: &DictionaryPages| md.memory_size().saturating_add(batch).saturating_add(reader_buffer_bytes(&md, &all, &read, dicts)) > spec.decode_budget;
+        // One reader of every column only while it leaves half of the budget: taken to the
+        // edge, the file's batches found no room beside it (four 500-byte-string columns at
+        // 8 MiB: a 7.3 MB reader of 8.2 MB free, and the next 250 KiB batch was refused).
+        let over = |dicts: &DictionaryPages| {
+            md.memory_size().saturating_add(batch).saturating_add(reader_buffer_bytes(&md, &all, &read, dicts)) > spec.decode_budget / 2
+        };
         // The dictionary pages' headers (a read per column chunk) only when the estimate from
         // the chunks' compression ratios alone does not fit.
         if dictionaries.is_some() || over(&DictionaryPages::default()) {
@@ -1434,7 +1440,11 @@ fn open_reader(path: &Path, spec: ReadSpec, reserve: &mut dyn FnMut(usize) -> Re
                 metadata = ArrowReaderMetadata::try_new(Arc::new(reader.finish()?), ArrowReaderOptions::new())?;
                 md = Arc::clone(metadata.metadata());
             }
-            let budget = spec.decode_budget.saturating_sub(md.memory_size()).saturating_sub(batch);
+            // Groups take at most half of what is left beside the metadata and the batch: the
+            // rest stays for the batches the caller holds, writers and other scans (sized to
+            // all of it, an idle grouped scan at 2 MiB held 1.7 MB and a 1 MB insert beside it
+            // was refused; at 4 MiB a scan's groups left no room for its own next batch).
+            let budget = spec.decode_budget.saturating_sub(md.memory_size()).saturating_sub(batch) / 2;
             groups = Some(column_groups(&md, &all, &read, dicts, budget)).filter(|g| g.len() > 1);
         }
     }

@@ -293,9 +293,9 @@ impl Scan {
                     // free now: a 121-column file of 77 row groups keeps 3.1 MB of it, and a
                     // filtered scan at 8 MiB was refused for it (`breaker_trial3`).
                     pruning_budget: free,
-                    // A reader of every column that would not fit beside a batch in the memory
-                    // free now decodes its columns in groups: a 500-column file written at
-                    // 2 MiB needed 3.4 MiB read whole, and every scan of it was refused.
+                    // A reader of every column that would take more than half of the memory
+                    // free now (beside a batch) decodes its columns in groups: a 500-column file
+                    // written at 2 MiB needed 3.4 MiB read whole, and every scan of it was refused.
                     decode_budget: free,
                     counters: Some(Arc::clone(&self.counters)),
                     resume_at,

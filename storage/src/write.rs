@@ -1212,11 +1212,10 @@ pub struct ReadSpec {
     /// groups instead, each group's Parquet reader built for one batch and dropped before the
     /// next group's ([`reader_buffer_bytes`] of each group at most half of this less the
     /// metadata and the batch, one column a group at least), and the groups' columns put side
-    /// by side. The
-    /// rows returned are the same; each batch then reads the pages it needs again, skipping
-    /// the rows before it within them (the offset index, loaded for it, skips whole pages). A
-    /// 500-column file of mixed types written at a 2 MiB limit needs 3.4 MiB read whole.
-    /// `usize::MAX`: always whole.
+    /// by side. The rows returned are the same; each batch then reads the pages it needs
+    /// again, skipping the rows before it within them (the offset index, loaded for it, skips
+    /// whole pages). A 500-column file of mixed types written at a 2 MiB limit needs 3.4 MiB
+    /// read whole. `usize::MAX`: always whole.
     pub decode_budget: usize,
     /// Where row groups read and pruned and rows decoded are counted.
     pub counters: Option<Arc<ScanCounters>>,
@@ -1410,9 +1409,9 @@ fn open_reader(path: &Path, spec: ReadSpec, reserve: &mut dyn FnMut(usize) -> Re
         md = with_index(ParquetMetaDataReader::new().parse_and_finish(&file)?, false, reserve)?;
     }
     let mut metadata = ArrowReaderMetadata::try_new(Arc::new(md), ArrowReaderOptions::new())?;
-    // One reader of every column read and a decoded batch would hold more than the budget: the
-    // columns are decoded in groups, each batch skipping the rows before it within the pages
-    // it reads again, so the offset index is loaded to skip whole pages
+    // One reader of every column read and a decoded batch would take more than half of the
+    // budget: the columns are decoded in groups, each batch skipping the rows before it within
+    // the pages it reads again, so the offset index is loaded to skip whole pages
     // (`ReadSpec::decode_budget`). Decided over every row group (the plan is made below).
     let mut groups = None;
     if spec.decode_budget != usize::MAX && read.len() > 1 {

@@ -106,25 +106,11 @@ impl CompactionPlan {
             self.output = Some((None, 0, None));
             return Ok(());
         }
-        // A corrupt input must not be rewritten into a new file with a valid checksum. A file
-        // loaded at open is checked once before its first read (`FileGuard::verify`); one this
-        // process wrote is not checked before its scans, but a compaction would make damage
-        // done to it since (a flipped byte in a data page decodes as another value) permanent
-        // under a new, valid checksum, so every input is checked against its manifest entry
-        // (a read of the file the compaction decodes anyway).
-        for (id, path, _, guard) in &self.inputs {
-            guard.verify()?;
-            if let Some(expected) = self.manifest.files.iter().find(|f| f.id == *id).and_then(|f| f.crc32) {
-                let (got, len) = crate::write::file_crc32(path)?;
-                if got != expected {
-                    return Err(StorageError::CorruptFile {
-                        path: path.clone(),
-                        detail: crate::error::damaged_at_read(&format!(
-                            "checksum mismatch before compaction: the manifest recorded CRC-32 {expected}, the file's {len} bytes have {got}"
-                        )),
-                    });
-                }
-            }
+        // A corrupt input must not be rewritten into a new file with a valid checksum: every
+        // input is checked against its manifest entry, files this process wrote too (they are
+        // not checked before their scans, and damage done to one since would become permanent).
+        for (id, _, _, guard) in &self.inputs {
+            guard.verify_before_rewrite(self.manifest.files.iter().find(|f| f.id == *id).and_then(|f| f.crc32))?;
         }
         if self.inputs.len() == 1 {
             return self.execute_streaming(opts, ctl, table);

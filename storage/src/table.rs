@@ -60,13 +60,31 @@ impl FileGuard {
     pub fn verify(&self) -> Result<(), StorageError> {
         let expected = *self.unverified_crc32.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let Some(expected) = expected else { return Ok(()) };
+        self.check(expected, "checksum mismatch")
+    }
+
+    /// [`Self::verify`] before the file is rewritten (a compaction's input): `recorded`, its
+    /// manifest entry's CRC-32, is checked whether or not this process wrote the file or
+    /// checked it already — a rewrite would make damage done since permanent under a new,
+    /// valid checksum. Without `recorded` (an older manifest), as [`Self::verify`].
+    ///
+    /// # Errors
+    /// As [`Self::verify`]; the mismatch says "checksum mismatch before compaction".
+    pub(crate) fn verify_before_rewrite(&self, recorded: Option<u32>) -> Result<(), StorageError> {
+        match recorded {
+            Some(expected) => self.check(expected, "checksum mismatch before compaction"),
+            None => self.verify(),
+        }
+    }
+
+    /// Reads the whole file and compares its CRC-32 with `expected`; a match marks the file
+    /// checked, a mismatch is [`StorageError::CorruptFile`] whose detail begins with `what`.
+    fn check(&self, expected: u32, what: &str) -> Result<(), StorageError> {
         let (got, len) = crate::write::file_crc32(&self.path)?;
         if got != expected {
             return Err(StorageError::CorruptFile {
                 path: self.path.clone(),
-                detail: crate::error::damaged_at_read(&format!(
-                    "checksum mismatch: the manifest recorded CRC-32 {expected}, the file's {len} bytes have {got}"
-                )),
+                detail: crate::error::damaged_at_read(&format!("{what}: the manifest recorded CRC-32 {expected}, the file's {len} bytes have {got}")),
             });
         }
         *self.unverified_crc32.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;

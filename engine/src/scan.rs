@@ -247,9 +247,10 @@ impl Scan {
             Ok(()) => Ok(true),
             Err(e) => {
                 self.memory.truncate(queued);
-                // A committed file removed outside the engine is named with its table.
+                // A committed file removed outside the engine is named with its table; one
+                // whose footer no longer decodes is checked against its manifest's checksum.
                 let e = match (e, &f.source) {
-                    (Error::Storage(e), ScanSource::File(path)) => Error::Storage(e.or_missing_file(path, &self.table.name)),
+                    (Error::Storage(e), ScanSource::File(path)) => Error::Storage(f.guard.explain_read_error(e.or_missing_file(path, &self.table.name))),
                     (e, _) => e,
                 };
                 self.files.push_front(f);
@@ -669,12 +670,15 @@ impl Scan {
                 }
                 return Some(r);
             }
-            if let Some((it, _)) = self.current.as_mut() {
+            if let Some((it, f)) = self.current.as_mut() {
                 // Decoded batches are always counted (they were on the heap). A refused one
                 // closes the reader, its file to be reopened where the batch starts: the retry
                 // loses no row. A read error ends the scan (`next` lets go of everything).
                 if let Some(r) = it.next() {
                     let own = self.reader_buffers.as_ref().map_or(0, Reservation::size);
+                    // A decode error of a damaged file says so, naming the file (a truncated or
+                    // zeroed file this process wrote is not checked before its reads).
+                    let r = r.map_err(|e| f.guard.explain_read_error(e));
                     let counted = r.map_err(Error::from).and_then(compact_if_sparse).and_then(|b| self.counted_beside(own, &b));
                     if matches!(counted, Err(Error::MemoryLimit { .. })) {
                         self.close_for_retry();

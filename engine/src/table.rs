@@ -447,6 +447,27 @@ impl TableInner {
     /// Runs up to `max` compactions of this table (caller holds the flush lock). The state
     /// lock is held only for planning and the in-memory swaps, never while reading or writing.
     fn compact(&self, max: usize, threads: usize) -> Result<()> {
+        // Files found damaged are checked again first, off the table's lock: one changed on
+        // disk since (restored from a backup) and matching its checksum compacts again; the
+        // others are read no more and left out of the plans.
+        let damaged = match self.state()?.as_ref() {
+            Some(st) => st.store.damaged_files(),
+            None => return Ok(()),
+        };
+        for guard in damaged {
+            let _ = guard.verify_if_changed();
+        }
+        self.compact_readable(max, threads)?;
+        // Compactions of the other files went on; a damaged file left out keeps the table
+        // degraded (`degraded_tables`), with the error a read of the file returns.
+        match self.state()?.as_ref().and_then(|st| st.store.damage()) {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
+    }
+
+    /// Up to `max` compactions of the table's files not found damaged, one after another.
+    fn compact_readable(&self, max: usize, threads: usize) -> Result<()> {
         let opts = gritdb_storage::CompactionOptions::default();
         for _ in 0..max {
             let (mut plan, ctl, account, wopts) = {

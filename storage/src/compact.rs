@@ -109,8 +109,8 @@ impl CompactionPlan {
         // A corrupt input must not be rewritten into a new file with a valid checksum: every
         // input is checked against its manifest entry, files this process wrote too (they are
         // not checked before their scans, and damage done to one since would become permanent).
-        for (id, _, _, guard) in &self.inputs {
-            guard.verify_before_rewrite(self.manifest.files.iter().find(|f| f.id == *id).and_then(|f| f.crc32))?;
+        for (_, _, _, guard) in &self.inputs {
+            guard.verify_before_rewrite()?;
         }
         if self.inputs.len() == 1 {
             return self.execute_streaming(opts, ctl, table);
@@ -235,6 +235,20 @@ fn output_meta(id: u32, rows: u64, written: &crate::write::WrittenFile) -> FileM
 }
 
 impl TableStore {
+    /// The files found damaged (their bytes did not match their manifest's CRC-32), which
+    /// [`Self::plan_compaction`] leaves out. [`FileGuard::verify_if_changed`] on each, off the
+    /// table's lock, checks again those changed on disk since (one read of a file restored from a
+    /// backup, none while it stays as it was), so a restored file compacts again.
+    pub fn damaged_files(&self) -> Vec<Arc<FileGuard>> {
+        self.files.values().filter(|f| f.guard.is_damaged()).map(|f| Arc::clone(&f.guard)).collect()
+    }
+
+    /// The damage of the first damaged file (by id) as the [`StorageError::CorruptFile`] a
+    /// read of it returns; `None` when no file is known damaged.
+    pub fn damage(&self) -> Option<StorageError> {
+        self.files.values().find_map(|f| f.guard.damage())
+    }
+
     /// Picks files to compact: every file with no live row (dropped without a new file), else
     /// the file with the largest deleted fraction above the threshold, else (when there are
     /// enough) the smallest small files, by live rows, up to limit / 10 of their live rows'
@@ -247,6 +261,11 @@ impl TableStore {
         let max_rows = opts.max_rows.min(crate::MAX_FILE_ROWS as u64);
         let live = |f: &DataFile| f.meta.rows - f.dv_live.len();
         let committed: Vec<&DataFile> = self.files.values().filter(|f| f.pending.is_none()).collect();
+        // A file found damaged is left out of every rewrite until it matches its checksum
+        // again (restored from a backup: `Self::damaged_files`): before, each compaction
+        // picked it again and failed, and the table gained a file a flush (41 files after 40
+        // flushes). Files whose rows are all deleted are dropped unread, damaged or not.
+        let readable: Vec<&DataFile> = committed.iter().copied().filter(|f| !f.guard.is_damaged()).collect();
         // Files whose every row is deleted (or that have none) go first, all at once: dropping
         // them reads and writes nothing. Before, such a file was rewritten as an empty file,
         // one for one, so under steady upserts of a bounded key set at 8 MiB (2 KB rows, where
@@ -254,7 +273,7 @@ impl TableStore {
         // without bound (11,000 files and 3.4 MiB after 90 s).
         let dead: Vec<u32> = committed.iter().filter(|f| live(f) == 0).map(|f| f.meta.id).collect();
         let mut inputs: Vec<u32> = Vec::new();
-        let worst = committed
+        let worst = readable
             .iter()
             .filter(|f| f.meta.rows > 0 && live(f) <= max_rows && f.dv_live.len() as f64 >= opts.deleted_fraction * f.meta.rows as f64)
             .max_by(|a, b| {
@@ -267,7 +286,7 @@ impl TableStore {
             inputs.push(w.meta.id);
             total += live(w);
         }
-        let mut small: Vec<&DataFile> = committed.iter().copied().filter(|f| f.meta.rows < opts.small_file_rows && !inputs.contains(&f.meta.id)).collect();
+        let mut small: Vec<&DataFile> = readable.iter().copied().filter(|f| f.meta.rows < opts.small_file_rows && !inputs.contains(&f.meta.id)).collect();
         if !dead.is_empty() {
             inputs = dead;
         } else if small.len() + usize::from(!inputs.is_empty()) >= opts.small_files_trigger {
@@ -391,6 +410,7 @@ impl TableStore {
             let meta = output_meta(plan.new_id, rows, &bytes);
             // Written by this process: its bytes are the ones checksummed.
             let guard = FileGuard::new(plan.dir.join(&meta.name), &self.vfs, None);
+            guard.written(bytes.crc32);
             self.files.insert(plan.new_id, DataFile { meta, pending: None, dv_live: RoaringBitmap::new(), dv_committed: RoaringBitmap::new(), guard });
         }
         self.version = plan.manifest.version;

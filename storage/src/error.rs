@@ -35,8 +35,8 @@ pub enum StorageError {
     /// A data file or deletion vector cannot be read as the manifest says it should (or, at
     /// a flush or compaction, a file about to be written has keys out of order). For damage
     /// found on disk `detail` ends with what it means and what to do: found when the engine
-    /// opens, the data directory does not open; found by a read, that table's reads and
-    /// compactions of the file fail and other tables are unaffected; either way, restore the
+    /// opens, the data directory does not open; found by a read, that table's reads of the
+    /// file fail, compactions leave it out, and other tables are unaffected; either way, restore the
     /// file from a backup.
     #[error("corrupt data file {}: {detail}", path.display())]
     CorruptFile {
@@ -129,8 +129,8 @@ pub(crate) fn damaged_at_open(table: &str, detail: &str) -> String {
 /// read (a scan, or a compaction's), with what that means and what to do.
 pub(crate) fn damaged_at_read(detail: &str) -> String {
     format!(
-        "{detail}. Scans of this table that reach the file fail, and so do the compactions that read it (Engine::degraded_tables then \
-         lists the table); other tables are unaffected. To read it whole again, {RESTORE}"
+        "{detail}. Scans of this table that reach the file fail, and compactions leave the file as it is (Engine::degraded_tables \
+         lists the table until the file matches again); other tables are unaffected. To read it whole again, {RESTORE}"
     )
 }
 

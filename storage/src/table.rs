@@ -28,72 +28,168 @@ pub(crate) struct DataFile {
 }
 
 /// Keeps a data file on disk while scans may read it. Once compaction replaced the file it is
-/// marked obsolete and removed when the last holder (table or scan) lets go. It also checks
-/// the file against the checksum its manifest recorded, once per process
-/// ([`Self::verify`]).
+/// marked obsolete and removed when the last holder (table or scan) lets go. It also knows
+/// the file's bytes against the CRC-32 its manifest recorded: a file loaded at open is checked
+/// before its first read ([`Self::verify`]); a file found damaged by any check or read is
+/// checked before every read (scans of it fail) and left out of compactions until it matches
+/// again (restored from a backup).
 #[derive(Debug)]
 pub struct FileGuard {
     path: PathBuf,
     obsolete: std::sync::atomic::AtomicBool,
     vfs: Arc<dyn Vfs>,
-    /// The manifest's CRC-32 of a file loaded at open, until [`Self::verify`] found the file
-    /// matches it; `None` for a file this process wrote, or one already checked, or one whose
-    /// manifest recorded none.
-    unverified_crc32: std::sync::Mutex<Option<u32>>,
+    /// The CRC-32 the manifest records for the file: set at open for a loaded file, at the
+    /// commit for a file this process wrote ([`Self::written`]); unset before the commit and
+    /// for manifests older than the checksums.
+    crc32: std::sync::OnceLock<u32>,
+    /// What is known of the file's bytes against `crc32`.
+    state: std::sync::Mutex<Checked>,
+}
+
+/// A [`FileGuard`]'s knowledge of its file's bytes.
+#[derive(Debug)]
+enum Checked {
+    /// Loaded at open and not read yet: checked before its first read.
+    Unverified,
+    /// Matched its manifest's CRC-32, or written by this process (not checked before reads).
+    Trusted,
+    /// Did not match: the error's detail, and the file's length and modification time when it
+    /// was read (`None` when they could not be read), by which
+    /// [`FileGuard::verify_if_changed`] skips reading an unchanged file again.
+    Damaged { detail: String, stamp: Option<(u64, std::time::SystemTime)> },
 }
 
 impl FileGuard {
     /// `crc32`: the checksum to verify the file against before its first read (a file loaded
-    /// from a manifest); `None` for a file this process writes.
+    /// from a manifest); `None` for a file this process writes (then [`Self::written`] records
+    /// its checksum once committed).
     pub(crate) fn new(path: PathBuf, vfs: &Arc<dyn Vfs>, crc32: Option<u32>) -> Arc<Self> {
-        Arc::new(Self { path, obsolete: std::sync::atomic::AtomicBool::new(false), vfs: Arc::clone(vfs), unverified_crc32: std::sync::Mutex::new(crc32) })
+        let recorded = std::sync::OnceLock::new();
+        let state = match crc32 {
+            Some(c) => {
+                let _ = recorded.set(c);
+                Checked::Unverified
+            }
+            None => Checked::Trusted,
+        };
+        Arc::new(Self { path, obsolete: std::sync::atomic::AtomicBool::new(false), vfs: Arc::clone(vfs), crc32: recorded, state: std::sync::Mutex::new(state) })
     }
 
-    /// Checks the file against its manifest's CRC-32 the first time it is called for a file
-    /// loaded at open (reading the whole file, 16 KiB at a time on the stack); later calls,
-    /// and files this process wrote, return at once. Concurrent first calls may both read.
+    /// Records the CRC-32 of a file this process wrote, as its manifest commits it.
+    pub(crate) fn written(&self, crc32: u32) {
+        let _ = self.crc32.set(crc32);
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, Checked> {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Checks the file before a read: a file loaded at open against its manifest's CRC-32 the
+    /// first time (reading the whole file, 16 KiB at a time on the stack), and a file found
+    /// damaged every time until it matches again (restored); other files return at once.
+    /// Concurrent first calls may both read.
     ///
     /// # Errors
     /// [`StorageError::CorruptFile`] when the file's bytes do not match (a flipped or lost
     /// byte, a truncated or replaced file: nothing of it is read then); [`StorageError::Io`]
     /// when it cannot be read.
     pub fn verify(&self) -> Result<(), StorageError> {
-        let expected = *self.unverified_crc32.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let Some(expected) = expected else { return Ok(()) };
-        self.check(expected, "checksum mismatch")
+        if matches!(*self.state(), Checked::Trusted) {
+            return Ok(());
+        }
+        match self.crc32.get() {
+            Some(&expected) => self.check(expected, "checksum mismatch"),
+            None => Ok(()),
+        }
     }
 
-    /// [`Self::verify`] before the file is rewritten (a compaction's input): `recorded`, its
-    /// manifest entry's CRC-32, is checked whether or not this process wrote the file or
-    /// checked it already — a rewrite would make damage done since permanent under a new,
-    /// valid checksum. Without `recorded` (an older manifest), as [`Self::verify`].
+    /// [`Self::verify`], but a file found damaged is read again only when its length or
+    /// modification time has changed since (for the check before each compaction, so a
+    /// damaged file is not read at every flush). A file restored within the same tick of the
+    /// file system's clock as the damage was found is missed here, not by [`Self::verify`].
+    ///
+    /// # Errors
+    /// As [`Self::verify`]; the damage found before while the file is unchanged.
+    pub fn verify_if_changed(&self) -> Result<(), StorageError> {
+        if let Checked::Damaged { detail, stamp } = &*self.state()
+            && stamp.is_some()
+            && *stamp == file_stamp(&self.path)
+        {
+            return Err(StorageError::CorruptFile { path: self.path.clone(), detail: detail.clone() });
+        }
+        self.verify()
+    }
+
+    /// [`Self::verify`] before the file is rewritten (a compaction's input): the manifest's
+    /// CRC-32 is checked whether or not this process wrote the file or checked it already — a
+    /// rewrite would make damage done since permanent under a new, valid checksum. Without a
+    /// recorded checksum (an older manifest), as [`Self::verify`].
     ///
     /// # Errors
     /// As [`Self::verify`]; the mismatch says "checksum mismatch before compaction".
-    pub(crate) fn verify_before_rewrite(&self, recorded: Option<u32>) -> Result<(), StorageError> {
-        match recorded {
-            Some(expected) => self.check(expected, "checksum mismatch before compaction"),
+    pub(crate) fn verify_before_rewrite(&self) -> Result<(), StorageError> {
+        match self.crc32.get() {
+            Some(&expected) => self.check(expected, "checksum mismatch before compaction"),
             None => self.verify(),
         }
     }
 
+    /// `e`, an error reading this file, as [`StorageError::CorruptFile`] when the file's bytes
+    /// no longer match its manifest's CRC-32 (the file was damaged after the check before its
+    /// first read, or this process wrote it and it is not checked before reads): a truncated
+    /// or zeroed file gave a bare Parquet or Arrow error that named no file. Missing files,
+    /// refused memory, and errors of a file that still matches are returned as they are.
+    pub fn explain_read_error(&self, e: StorageError) -> StorageError {
+        let decoding = matches!(e, StorageError::Parquet(_) | StorageError::Arrow(_) | StorageError::CorruptFile { .. });
+        let Some(&expected) = self.crc32.get() else { return e };
+        if !decoding || matches!(*self.state(), Checked::Damaged { .. }) {
+            return e;
+        }
+        match self.check(expected, "checksum mismatch") {
+            Err(damage @ StorageError::CorruptFile { .. }) => damage,
+            _ => e,
+        }
+    }
+
+    /// Whether the file was found damaged and has not matched since.
+    pub(crate) fn is_damaged(&self) -> bool {
+        matches!(*self.state(), Checked::Damaged { .. })
+    }
+
+    /// The damage found, as the error a read of the file returns; `None` for a file not
+    /// found damaged.
+    pub(crate) fn damage(&self) -> Option<StorageError> {
+        match &*self.state() {
+            Checked::Damaged { detail, .. } => Some(StorageError::CorruptFile { path: self.path.clone(), detail: detail.clone() }),
+            _ => None,
+        }
+    }
+
     /// Reads the whole file and compares its CRC-32 with `expected`; a match marks the file
-    /// checked, a mismatch is [`StorageError::CorruptFile`] whose detail begins with `what`.
+    /// trusted, a mismatch damaged ([`StorageError::CorruptFile`] whose detail begins with
+    /// `what`). The stamp is taken before the read, so a file changed while it is read is
+    /// read again by the next check.
     fn check(&self, expected: u32, what: &str) -> Result<(), StorageError> {
+        let stamp = file_stamp(&self.path);
         let (got, len) = crate::write::file_crc32(&self.path)?;
         if got != expected {
-            return Err(StorageError::CorruptFile {
-                path: self.path.clone(),
-                detail: crate::error::damaged_at_read(&format!("{what}: the manifest recorded CRC-32 {expected}, the file's {len} bytes have {got}")),
-            });
+            let detail = crate::error::damaged_at_read(&format!("{what}: the manifest recorded CRC-32 {expected}, the file's {len} bytes have {got}"));
+            *self.state() = Checked::Damaged { detail: detail.clone(), stamp };
+            return Err(StorageError::CorruptFile { path: self.path.clone(), detail });
         }
-        *self.unverified_crc32.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+        *self.state() = Checked::Trusted;
         Ok(())
     }
 
     pub(crate) fn mark_obsolete(&self) {
         self.obsolete.store(true, std::sync::atomic::Ordering::Release);
     }
+}
+
+/// `path`'s length and modification time, `None` when they cannot be read.
+fn file_stamp(path: &Path) -> Option<(u64, std::time::SystemTime)> {
+    let m = fs::metadata(path).ok()?;
+    Some((m.len(), m.modified().ok()?))
 }
 
 impl Drop for FileGuard {
@@ -733,6 +829,9 @@ impl TableStore {
             f.pending = None;
             f.meta.bytes = plan.written.map_or(0, |w| w.bytes);
             f.meta.crc32 = plan.written.map(|w| w.crc32);
+            if let Some(w) = plan.written {
+                f.guard.written(w.crc32);
+            }
             f.meta.decoded_bytes = plan.written.map(|w| w.decoded_bytes);
         }
         self.version = plan.manifest.version;

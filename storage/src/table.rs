@@ -186,6 +186,17 @@ impl FileGuard {
     }
 }
 
+/// `detail`, a data file's read error, or the file's checksum mismatch against `crc32` (its
+/// manifest's) when there is one: the mismatch is the cause, the decode error its symptom.
+fn checksum_or(path: &Path, crc32: Option<u32>, detail: String) -> String {
+    match (crc32, crate::write::file_crc32(path)) {
+        (Some(expected), Ok((got, len))) if got != expected => {
+            format!("checksum mismatch: the manifest recorded CRC-32 {expected}, the file's {len} bytes have {got} (reading its keys: {detail})")
+        }
+        _ => detail,
+    }
+}
+
 /// `path`'s length and modification time, `None` when they cannot be read.
 fn file_stamp(path: &Path) -> Option<(u64, std::time::SystemTime)> {
     let m = fs::metadata(path).ok()?;
@@ -507,13 +518,19 @@ impl TableStore {
                 None => RoaringBitmap::new(),
             };
             let path = dir.join(&f.name);
+            // The keys are read before the file's checksum is verified (that waits for its
+            // first scan); when they do not decode, or decode out of order, the checksum says
+            // whether the file was damaged (before, a flipped byte in a key column was refused
+            // as "keys are not strictly ascending", which reads as the engine's own fault).
+            let damaged = |detail: String| damaged_at_open(&s.name, &checksum_or(&path, f.crc32, detail));
             let built = s.index_keys_of(&path, f.rows).map_err(|e| match e {
-                StorageError::CorruptFile { path, detail } => StorageError::CorruptFile { detail: damaged_at_open(&s.name, &detail), path },
+                StorageError::CorruptFile { path, detail } => StorageError::CorruptFile { detail: damaged(detail), path },
+                StorageError::Parquet(_) | StorageError::Arrow(_) => StorageError::CorruptFile { detail: damaged(e.to_string()), path: path.clone() },
                 e => e.or_missing_file(&path, &s.name),
             })?;
             match built {
                 Ok(built) => s.index.install(f.id, built),
-                Err(detail) => return Err(StorageError::CorruptFile { detail: damaged_at_open(&s.name, &detail), path }),
+                Err(detail) => return Err(StorageError::CorruptFile { detail: damaged(detail), path }),
             }
             let guard = FileGuard::new(path, &s.vfs, f.crc32);
             s.files.insert(f.id, DataFile { meta: f.clone(), pending: None, dv_live: dv.clone(), dv_committed: dv, guard });

@@ -348,6 +348,19 @@ impl Summary {
         ] {
             let _ = writeln!(s, "{name:<22} {:>12} {:>12} {:>16}", b(first), b(last), sl(slope));
         }
+        // The slopes are fitted either way; say which of them the verdict reads, so a short
+        // run's warm-up growth is not read as a leak (a 5-round run showed RSS rising 21 MiB a
+        // round with no word that no check looks at it).
+        let _ = if self.slope_checked {
+            writeln!(s, "(checked: the VmHWM and outside-engine slopes; RSS moves with pages the allocator has not returned yet, and is shown only)")
+        } else {
+            writeln!(
+                s,
+                "(slopes not checked: {} after the warm-up, {} needed; too few to tell a trend from the warm-up)",
+                plural(u64::from(self.rounds.saturating_sub(self.warmup_rounds)), "round"),
+                self.thresholds.min_rounds_for_slopes
+            )
+        };
         let _ = writeln!(
             s,
             "files {}  flushes/round {:.1}  key index {} ({}/round)  empty table {}  outside-engine share {:.1}%",

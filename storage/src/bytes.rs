@@ -81,3 +81,65 @@ pub(crate) fn range_bytes(data: &arrow_data::ArrayData, at: usize, len: usize) -
     };
     values.saturating_add(bitmap)
 }
+
+/// The bytes jemalloc hands out for a request of `n` bytes (its size class): 8, 16, then four
+/// classes to each doubling, at least its 16-byte quantum apart (32, 48, 64, 80, 96, 112, 128,
+/// 160, 192, …; jemalloc 5's `sz_size2index`). The engine's bookkeeping allocations are small,
+/// so their class, not their size, is what a held batch keeps allocated (an `Arc` of 72 bytes
+/// takes 80). glibc's malloc rounds such requests to no more than a class above.
+pub const fn alloc_size_class(n: usize) -> usize {
+    if n <= 8 {
+        return 8;
+    }
+    if n <= 16 {
+        return 16;
+    }
+    let spacing = n.next_power_of_two() / 8;
+    let spacing = if spacing < 16 { 16 } else { spacing };
+    n.div_ceil(spacing) * spacing
+}
+
+/// Bytes of an `Arc`'s header (its strong and weak counts) in front of the value.
+const ARC_HEADER_BYTES: usize = 2 * size_of::<usize>();
+
+/// Bytes of Arrow's `Bytes` (private to `arrow-buffer`, which every `Buffer` points at through
+/// an `Arc`): a pointer, a length and a `Deallocation`, whose largest variant is `Custom` (an
+/// `Arc<dyn Allocation>` and a length). 40 bytes on 64-bit targets (Arrow's `pool` feature,
+/// not enabled here, would add a mutex).
+const ARROW_BYTES_STRUCT: usize = size_of::<(std::ptr::NonNull<u8>, usize, std::sync::Arc<dyn arrow_buffer::alloc::Allocation>, usize)>();
+
+/// Bytes one buffer of a batch the engine hands out keeps allocated beside its data, for each
+/// buffer handle of each array (the engine's `count_batch` reserves this per buffer it
+/// re-points): the `Arc<Bytes>` that `Buffer::from_custom_allocation` allocates (40 bytes,
+/// 56 with the `Arc` header, allocated as 64). Measured:
+/// `process::held_batches_of_a_wide_table_are_counted_as_allocated`.
+pub const HELD_BUFFER_BYTES: usize = alloc_size_class(ARC_HEADER_BYTES + ARROW_BYTES_STRUCT);
+
+/// Bytes the owner of one distinct allocation of a batch the engine hands out keeps allocated
+/// beside the allocation's data (the engine's `count_batch` reserves this once per
+/// allocation, with its capacity): the owner's `Arc` (header, the original `Buffer` and a
+/// memctl `Reservation`: 16 + 24 + 32 = 72 bytes, allocated as 80) and the original buffer's
+/// own `Arc<Bytes>` that the owner keeps alive (allocated as 64, as [`HELD_BUFFER_BYTES`]).
+/// Measured: `process::held_batches_of_a_wide_table_are_counted_as_allocated`.
+pub const HELD_ALLOCATION_BYTES: usize = alloc_size_class(ARC_HEADER_BYTES + size_of::<arrow_buffer::Buffer>() + size_of::<gritdb_memctl::Reservation>())
+    + alloc_size_class(ARC_HEADER_BYTES + ARROW_BYTES_STRUCT);
+
+/// Bytes one array of a batch the engine hands out keeps allocated beside its buffers, with
+/// `array_struct` the size of its array struct (`size_of_val` of the `dyn Array`: 96 bytes for
+/// a `PrimitiveArray`, 120 for a `StringArray`): the `Arc` that holds the struct, and its
+/// `ArrayRef` (a fat pointer, 16 bytes) in the batch's column vector. The engine's
+/// `count_batch` reserves this per column, with [`HELD_BUFFER_BYTES`] for each of its buffers.
+pub const fn held_array_bytes(array_struct: usize) -> usize {
+    size_of::<arrow_array::ArrayRef>() + alloc_size_class(ARC_HEADER_BYTES + array_struct)
+}
+
+/// The largest array struct of the types a table may hold (a byte array's: its type, offsets,
+/// values and validity; a view array's: its type, views, data buffers and validity), in bytes:
+/// what a reader estimates a decoded column's array costs before it knows which it is.
+pub const MAX_ARRAY_STRUCT_BYTES: usize = {
+    let byte = size_of::<arrow_array::StringArray>();
+    let view = size_of::<arrow_array::StringViewArray>();
+    let large = size_of::<arrow_array::LargeStringArray>();
+    let m = if byte > view { byte } else { view };
+    if m > large { m } else { large }
+};

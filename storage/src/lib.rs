@@ -32,7 +32,7 @@ mod vfs;
 mod wal;
 mod write;
 
-pub use bytes::batch_bytes;
+pub use bytes::{HELD_ALLOCATION_BYTES, HELD_BUFFER_BYTES, MAX_ARRAY_STRUCT_BYTES, alloc_size_class, batch_bytes, held_array_bytes};
 
 /// The id an on-disk name spells in `digits`, when it is spelled exactly as gritdb writes it:
 /// decimal, zero-padded to `width` digits and no further (`canonical_id("000007", 6)` is 7;

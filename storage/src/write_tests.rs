@@ -266,7 +266,9 @@ fn read_batches_are_capped_by_bytes() {
     assert_eq!(batch_rows_for(&md, &groups, &all, &schema(), 8192, 0).0, 8192, "no cap");
     // The string columns count their value bytes and a view per row when that is more than
     // their uncompressed size: at most 100 rows for 100 rows' uncompressed bytes.
-    let rows = batch_rows_for(&md, &groups, &all, &schema(), 8192, 100 * per_row + 5 * ARRAY_FIXED_BYTES).0;
+    let rows =
+        batch_rows_for(&md, &groups, &all, &schema(), 8192, 100 * per_row + schema().fields().iter().map(|f| column_fixed_bytes(f.data_type())).sum::<usize>())
+            .0;
     assert!((40..=100).contains(&rows), "{rows}");
     assert_eq!(batch_rows_for(&md, &groups, &all, &schema(), 8192, 1).0, 1);
     // The estimate of a batch counts no more rows than the file holds (15,000).

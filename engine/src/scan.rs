@@ -420,7 +420,7 @@ fn rewrap(
         let key = b.data_ptr().as_ptr() as usize;
         let extra = std::mem::take(&mut pending);
         let ptr = std::ptr::NonNull::new(b.as_ptr().cast_mut()).unwrap_or(std::ptr::NonNull::dangling());
-        let owned = |buffer: Buffer, bytes: usize| -> Result<Arc<Counted>, MemoryError> {
+        let new_owner = |buffer: Buffer, bytes: usize| -> Result<Arc<Counted>, MemoryError> {
             let mut r = Reservation::new(ctl, Category::ScanBuffers, table);
             r.try_grow(bytes)?;
             Ok(Arc::new(Counted { _buffer: buffer, _reservation: r }))
@@ -434,11 +434,11 @@ fn rewrap(
                 // SAFETY: as for the buffer returned below: `o`'s owner holds a clone of a
                 // buffer of this allocation, which `ptr..ptr + b.len()` lies inside.
                 let through = unsafe { Buffer::from_custom_allocation(ptr, b.len(), Arc::clone(o.get()) as Arc<dyn arrow_buffer::alloc::Allocation>) };
-                owned(through, extra + gritdb_storage::HELD_ALLOCATION_BYTES)?
+                new_owner(through, extra + gritdb_storage::HELD_ALLOCATION_BYTES)?
             }
             std::collections::hash_map::Entry::Occupied(o) => Arc::clone(o.get()),
             std::collections::hash_map::Entry::Vacant(v) => {
-                Arc::clone(v.insert(owned(b.clone(), b.capacity() + gritdb_storage::HELD_ALLOCATION_BYTES + extra)?))
+                Arc::clone(v.insert(new_owner(b.clone(), b.capacity() + gritdb_storage::HELD_ALLOCATION_BYTES + extra)?))
             }
         };
         // SAFETY: `ptr..ptr + b.len()` lies inside the allocation `b` points at, which the owner

@@ -313,7 +313,7 @@ fn held_batches_of_a_wide_table_are_counted_as_allocated() {
         for c in 0..cols {
             arrays.push(match dt {
                 DataType::Int64 => Arc::new(Int64Array::new_null(rows as usize)),
-                _ => Arc::new(StringArray::from_iter((0..rows).map(|r| (r % 3 != 0).then(|| format!("v{r}-{c}"))))),
+                _ => Arc::new((0..rows).map(|r| (r % 3 != 0).then(|| format!("v{r}-{c}"))).collect::<StringArray>()),
             });
         }
         t.insert(&RecordBatch::try_new(Arc::clone(&schema), arrays).unwrap()).unwrap();

@@ -460,20 +460,21 @@ pub fn write_data_file_from(
         let writer = ArrowWriter::try_new(file, Arc::clone(schema), Some(props)).map_err(pq)?;
         // One thread too: `ParallelWriter` runs its tasks on the calling thread then, and
         // appends a row group's fields as they close (`ArrowWriter::flush` closes every column
-        // first, holding the row group's pages beside its metadata).
-        let file = if !schema.fields().is_empty() {
+        // first, holding the row group's pages beside its metadata). A schema of no field
+        // (no column writer to run) goes through `ArrowWriter`.
+        let file = if schema.fields().is_empty() {
+            let mut w = SingleWriter { w: writer, max_rows: opts.row_group_rows.max(1) };
+            for batch in batches {
+                write_steps(&mut w, &batch?, opts, &mut budget, &tmp).map_err(|e| e.into_storage(&pq))?;
+            }
+            w.w.into_inner().map_err(pq)?
+        } else {
             let (fw, factory) = writer.into_serialized_writer().map_err(pq)?;
             let mut w = ParallelWriter::new(fw, factory, schema, opts.encode_threads);
             for batch in batches {
                 write_steps(&mut w, &batch?, opts, &mut budget, &tmp).map_err(|e| e.into_storage(&pq))?;
             }
             w.finish().map_err(pq)?
-        } else {
-            let mut w = SingleWriter { w: writer, max_rows: opts.row_group_rows.max(1) };
-            for batch in batches {
-                write_steps(&mut w, &batch?, opts, &mut budget, &tmp).map_err(|e| e.into_storage(&pq))?;
-            }
-            w.w.into_inner().map_err(pq)?
         };
         // The written row groups' metadata is freed with the writer, at the file's close.
         drop(budget);

@@ -1276,16 +1276,18 @@ impl Engine {
 
     /// Tables whose last flush failed, or whose compaction after a committed flush failed
     /// (the text then begins with [`crate::COMPACTION_FAILED`]; the flush returned `Ok` and
-    /// its rows are durable), with the error text: the engine is degraded while this is not
-    /// empty (rows not yet committed stay in memory and are served; flushes and compactions
-    /// are retried by the next flush).
+    /// its rows are durable), or that have a data file found damaged by a read (the
+    /// `CorruptFile` error's text, from the read that found it until a read finds the file
+    /// matching its checksum again), with the error text: the engine is degraded while this
+    /// is not empty (rows not yet committed stay in memory and are served; flushes and
+    /// compactions are retried by the next flush, compactions leaving damaged files out).
     pub fn degraded_tables(&self) -> Vec<(String, String)> {
         self.inner
             .all_tables()
             .iter()
             .filter_map(|t| {
                 let g = lock(&t.state);
-                let err = g.as_ref()?.last_flush_error.clone()?;
+                let err = crate::table::TableInner::degraded(g.as_ref()?)?;
                 Some((t.name.clone(), err))
             })
             .collect()

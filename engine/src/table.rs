@@ -457,13 +457,25 @@ impl TableInner {
         for guard in damaged {
             let _ = guard.verify_if_changed();
         }
-        self.compact_readable(max, threads)?;
-        // Compactions of the other files went on; a damaged file left out keeps the table
-        // degraded (`degraded_tables`), with the error a read of the file returns.
-        match self.state()?.as_ref().and_then(|st| st.store.damage()) {
-            Some(e) => Err(e.into()),
-            None => Ok(()),
+        match self.compact_readable(max, threads) {
+            // The compaction found an input damaged (its check before the rewrite): the file
+            // is known damaged now, left out of the next plans, and `degraded_tables` shows
+            // it for as long as it is ([`TableInner::degraded`]), not as this flush's record.
+            Err(Error::Storage(gritdb_storage::StorageError::CorruptFile { .. })) if self.state()?.as_ref().is_some_and(|st| st.store.damage().is_some()) => {
+                Ok(())
+            }
+            other => other,
         }
+    }
+
+    /// Why the table is degraded, `None` when it is not: its last flush's error, or its
+    /// compaction's after a committed flush ([`TableState::last_flush_error`]), else the
+    /// damage of a data file found damaged by any read (a scan's, a compaction's), for as
+    /// long as the file does not match its checksum: from the read that found it (before, a
+    /// scan's finding showed only after the next flush) until the read that finds the file
+    /// restored (before, until the next flush after it).
+    pub(crate) fn degraded(st: &TableState) -> Option<String> {
+        st.last_flush_error.clone().or_else(|| st.store.damage().map(|e| e.to_string()))
     }
 
     /// Up to `max` compactions of the table's files not found damaged, one after another.

@@ -53,10 +53,10 @@ enum Checked {
     Unverified,
     /// Matched its manifest's CRC-32, or written by this process (not checked before reads).
     Trusted,
-    /// Did not match: the error's detail, and the file's length and modification time when it
-    /// was read (`None` when they could not be read), by which
-    /// [`FileGuard::verify_if_changed`] skips reading an unchanged file again.
-    Damaged { detail: String, stamp: Option<(u64, std::time::SystemTime)> },
+    /// Did not match: the error's detail, and the file's [`FileStamp`] when it was read
+    /// (`None` when it could not be read), by which [`FileGuard::verify_if_changed`] skips
+    /// reading an unchanged file again.
+    Damaged { detail: String, stamp: Option<FileStamp> },
 }
 
 impl FileGuard {
@@ -103,10 +103,12 @@ impl FileGuard {
         }
     }
 
-    /// [`Self::verify`], but a file found damaged is read again only when its length or
-    /// modification time has changed since (for the check before each compaction, so a
-    /// damaged file is not read at every flush). A file restored within the same tick of the
-    /// file system's clock as the damage was found is missed here, not by [`Self::verify`].
+    /// [`Self::verify`], but a file found damaged is read again only when it has changed on
+    /// disk since ([`FileStamp`]: length, modification time, inode, status-change time; for
+    /// the check before each compaction, so a damaged file is not read at every flush). A
+    /// file restored within the same tick of the file system's clock as the damage was found
+    /// is missed here (at the kernel's timestamp granularity, a few ms), not by
+    /// [`Self::verify`].
     ///
     /// # Errors
     /// As [`Self::verify`]; the damage found before while the file is unchanged.
@@ -197,10 +199,23 @@ fn checksum_or(path: &Path, crc32: Option<u32>, detail: String) -> String {
     }
 }
 
-/// `path`'s length and modification time, `None` when they cannot be read.
-fn file_stamp(path: &Path) -> Option<(u64, std::time::SystemTime)> {
+/// What tells a file changed on disk without reading it: its length and modification time
+/// and, on Unix, its inode and status-change time (ctime), which a restore changes even when
+/// it keeps the backup's modification time (`cp -p`, `rsync -a`, `tar x`: a trial restored a
+/// file so, and flushes never read it again). `None` when its metadata cannot be read.
+type FileStamp = (u64, std::time::SystemTime, u64, i64, i64);
+
+/// `path`'s [`FileStamp`].
+fn file_stamp(path: &Path) -> Option<FileStamp> {
     let m = fs::metadata(path).ok()?;
-    Some((m.len(), m.modified().ok()?))
+    #[cfg(unix)]
+    let (ino, ctime, ctime_ns) = {
+        use std::os::unix::fs::MetadataExt as _;
+        (m.ino(), m.ctime(), m.ctime_nsec())
+    };
+    #[cfg(not(unix))]
+    let (ino, ctime, ctime_ns) = (0, 0, 0);
+    Some((m.len(), m.modified().ok()?, ino, ctime, ctime_ns))
 }
 
 impl Drop for FileGuard {

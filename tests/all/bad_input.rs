@@ -661,8 +661,15 @@ fn a_damaged_file_is_left_out_of_compactions_until_restored_and_the_others_still
         }
         other => panic!("a scan reaching the damaged file: {:?}", other.map(|b| b.len())),
     }
-    // Restored, it compacts with the others and every row reads back.
+    // Restored in place with the backup's modification time, which is the damaged file's
+    // too (as `cp -p` over it restores a file whose damage left its time, as bit rot does;
+    // a restore by rename also gets a new inode). Before, no flush read the file again: it
+    // stayed left out and the table degraded (trial of 2026-12-06).
+    let mtime = std::fs::metadata(&first).unwrap().modified().unwrap();
     std::fs::write(&first, &good).unwrap();
+    std::fs::File::options().write(true).open(&first).unwrap().set_modified(mtime).unwrap();
+    assert_eq!(std::fs::metadata(&first).unwrap().modified().unwrap(), mtime);
+    // Restored, it compacts with the others and every row reads back.
     let mut flushes = 41;
     while first.exists() && flushes < 48 {
         t.insert(&composite_batch(&rows(flushes * 500))).unwrap();
@@ -1010,6 +1017,9 @@ fn a_damaged_data_file_found_by_a_read_says_what_still_works_and_what_to_do() {
         Err(Error::Storage(e)) => check(&e, "scan"),
         other => panic!("scan: expected CorruptFile, got {:?}", other.map(|b| b.len())),
     }
+    // Listed from the scan that found it (before, only after the next flush).
+    let degraded = engine.degraded_tables();
+    assert!(degraded.len() == 1 && degraded[0].0 == "t" && degraded[0].1.contains("checksum mismatch"), "{degraded:?}");
     // Other tables are unaffected: read, written, flushed.
     let u = engine.table("u").unwrap();
     assert_eq!(snapshot(&u).len(), 2_000);
@@ -1017,14 +1027,15 @@ fn a_damaged_data_file_found_by_a_read_says_what_still_works_and_what_to_do() {
     u.flush().unwrap();
     assert_eq!(snapshot(&u).len(), 4_000);
     // This table still takes writes; a flush commits them (its deletes, a fifth of the
-    // file's rows) and returns Ok, and the compaction after it, which reads the file, fails
-    // with the same error: the table shows as degraded, with that error.
+    // file's rows) and returns Ok, and the compaction after it leaves the damaged file as it
+    // is: the table still shows as degraded, with the damage.
     t.delete(&composite_keys(&(0..400).map(|k| (k, 0)).collect::<Vec<_>>())).unwrap();
     t.flush().unwrap();
     let degraded = engine.degraded_tables();
     assert!(degraded.len() == 1 && degraded[0].0 == "t", "{degraded:?}");
     let recorded = &degraded[0].1;
-    assert!(recorded.starts_with(gritdb::COMPACTION_FAILED), "{recorded}");
+    assert!(recorded.starts_with(&format!("corrupt data file {}", file.display())), "{recorded}");
+    assert!(t.stats().unwrap().last_flush_error.is_none(), "the flush and its compaction did not fail");
     for part in [
         "checksum mismatch",
         "Scans of this table that reach the file fail, and compactions leave the file as it is (Engine::degraded_tables lists the table until the file matches again); other tables are unaffected",
@@ -1033,10 +1044,14 @@ fn a_damaged_data_file_found_by_a_read_says_what_still_works_and_what_to_do() {
         assert!(recorded.contains(part), "{part:?} not in {recorded}");
     }
     assert!(engine.degraded_tables().iter().all(|(n, _)| n != "u"));
-    // Restored from the backup (the bytes as written), it reads and compacts again.
+    // Restored from the backup (the bytes as written), it reads and compacts again; the
+    // first read that finds it matching ends the degraded state (before, the next flush).
     std::fs::write(&file, &good).unwrap();
+    assert_eq!(snapshot(&t).len(), 1_600);
+    assert!(engine.degraded_tables().is_empty(), "{:?}", engine.degraded_tables());
     t.flush().unwrap();
     assert!(engine.degraded_tables().is_empty());
+    assert!(!file.exists(), "a fifth of its rows deleted: the restored file is rewritten");
     assert_eq!(snapshot(&t).len(), 1_600);
     engine.close().unwrap();
 }

@@ -175,7 +175,7 @@ impl FileGuard {
         let stamp = file_stamp(&self.path);
         let (got, len) = crate::write::file_crc32(&self.path)?;
         if got != expected {
-            let detail = crate::error::damaged_at_read(&format!("{what}: the manifest recorded CRC-32 {expected}, the file's {len} bytes have {got}"));
+            let detail = crate::error::damaged_at_read(&crc_mismatch(what, expected, len, got));
             *self.state() = Checked::Damaged { detail: detail.clone(), stamp };
             return Err(StorageError::CorruptFile { path: self.path.clone(), detail });
         }
@@ -188,12 +188,18 @@ impl FileGuard {
     }
 }
 
+/// What a data file's CRC-32 mismatch says, beginning with `what`: the manifest's checksum,
+/// the file's length in bytes and its checksum.
+fn crc_mismatch(what: &str, expected: u32, len: u64, got: u32) -> String {
+    format!("{what}: the manifest recorded CRC-32 {expected}, the file's {len} bytes have {got}")
+}
+
 /// `detail`, a data file's read error, or the file's checksum mismatch against `crc32` (its
 /// manifest's) when there is one: the mismatch is the cause, the decode error its symptom.
 fn checksum_or(path: &Path, crc32: Option<u32>, detail: String) -> String {
     match (crc32, crate::write::file_crc32(path)) {
         (Some(expected), Ok((got, len))) if got != expected => {
-            format!("checksum mismatch: the manifest recorded CRC-32 {expected}, the file's {len} bytes have {got} (reading its keys: {detail})")
+            format!("{} (reading its keys: {detail})", crc_mismatch("checksum mismatch", expected, len, got))
         }
         _ => detail,
     }

@@ -766,7 +766,7 @@ impl Budget {
             self.before_close()?;
         }
         w.flush().map_err(StepError::Parquet)?;
-        self.update(&*w);
+        self.update(&*w, w.memory_size());
         Ok(())
     }
 
@@ -774,8 +774,9 @@ impl Budget {
     /// if need be: the memory exists), after releasing what its buffers no longer hold: a
     /// closed row group's pages are in the file and dropped as each field is appended
     /// ([`ParallelWriter::close_row_group`]), so they are not counted beside its metadata.
-    fn update(&mut self, w: &(impl BatchSink + ?Sized)) {
-        let now = w.memory_size();
+    /// `now`: the writer's `memory_size` (the caller has it; for a wide table it is a sum over
+    /// thousands of column writers).
+    fn update(&mut self, w: &(impl BatchSink + ?Sized), now: usize) {
         if now < self.buffers.size() {
             self.buffers.shrink(self.buffers.size() - now);
         }
@@ -884,11 +885,12 @@ fn write_steps(w: &mut impl BatchSink, batch: &RecordBatch, opts: &WriteOptions,
         budget.note_peak();
         let (before, opened) = (w.memory_size(), w.in_progress_rows() == 0);
         w.write(&batch.slice(at, len)).map_err(StepError::Parquet)?;
+        let buffered = w.memory_size();
         // A step that closed its row group shows nothing of what it added.
         if w.in_progress_rows() > 0 {
-            budget.observe(step_bytes, before, w.memory_size(), opened);
+            budget.observe(step_bytes, before, buffered, opened);
         }
-        budget.update(&*w);
+        budget.update(&*w, buffered);
         at += len;
         // Cut by the writer's whole buffered size (encoders and dictionaries included),
         // so its memory is bounded by about `row_group_bytes` + one step. When encoding
@@ -896,7 +898,6 @@ fn write_steps(w: &mut impl BatchSink, batch: &RecordBatch, opts: &WriteOptions,
         // are counted past the limit first (so the high-water mark shows them), then a row
         // group worth closing is closed; a smaller one stays open (the next step's budget
         // then closes or shrinks).
-        let buffered = w.memory_size();
         let refused = budget.buffers.try_resize(buffered).err();
         let over = refused.is_some();
         if let Some(e) = refused {

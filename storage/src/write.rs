@@ -37,7 +37,7 @@ pub struct WriteOptions {
     pub cancel: CancelToken,
     /// Threads that encode a data file's columns, the calling thread included (scoped
     /// threads, started per encoded batch and joined before it returns). 1 = the calling
-    /// thread alone, through `ArrowWriter`. Default [`default_encode_threads`]: min(2, the
+    /// thread alone. Default [`default_encode_threads`]: min(2, the
     /// machine's available parallelism). The file is the same whatever the count.
     pub encode_threads: usize,
     /// What a data-file write does when the limit leaves no room for its writer's buffers.
@@ -1043,20 +1043,11 @@ impl ParallelWriter {
     }
 
     /// Runs `task` for every field of `writers` on up to `threads` threads (scoped; the
-    /// calling thread is one of them), costliest field first by `cost` (or in field order,
-    /// `in_field_order`), to which each task's time is added. Returns the first error; the
-    /// other threads then take no new task.
-    fn run(
-        writers: &[Mutex<Vec<ArrowColumnWriter>>],
-        cost: &mut [u64],
-        threads: usize,
-        in_field_order: bool,
-        task: &FieldTask<'_>,
-    ) -> Result<(), ParquetError> {
-        let mut order: Vec<usize> = (0..writers.len()).collect();
-        if !in_field_order {
-            order.sort_by_key(|&f| std::cmp::Reverse(cost[f]));
-        }
+    /// calling thread is one of them), taking the fields in `order` (each field once), and
+    /// adds each task's time to `cost`. Returns the first error; the other threads then take
+    /// no new task.
+    fn run(writers: &[Mutex<Vec<ArrowColumnWriter>>], cost: &mut [u64], threads: usize, order: &[usize], task: &FieldTask<'_>) -> Result<(), ParquetError> {
+        debug_assert_eq!(order.len(), writers.len());
         let next = AtomicUsize::new(0);
         let failed = AtomicBool::new(false);
         let spent: Vec<AtomicU64> = order.iter().map(|_| AtomicU64::new(0)).collect();
@@ -1101,7 +1092,10 @@ impl ParallelWriter {
             self.open_row_group()?;
         }
         let schema = &self.schema;
-        Self::run(&self.writers, &mut self.cost, self.threads, false, &|f, ws| {
+        // Costliest first, so the longest task does not start last and run alone.
+        let mut order: Vec<usize> = (0..self.writers.len()).collect();
+        order.sort_by_key(|&f| std::cmp::Reverse(self.cost[f]));
+        Self::run(&self.writers, &mut self.cost, self.threads, &order, &|f, ws| {
             let leaves = compute_leaves(schema.field(f), batch.column(f))?;
             for (w, leaf) in ws.iter_mut().zip(&leaves) {
                 w.write(leaf)?;
@@ -1113,7 +1107,7 @@ impl ParallelWriter {
     }
 
     /// Closes the open row group's column writers (each its last page and dictionary, in
-    /// parallel, taken in column order) and appends each field's chunks to the file as soon as
+    /// parallel, taken in field order) and appends each field's chunks to the file as soon as
     /// every field before it is appended; an appended chunk's pages are dropped at once. So
     /// only the chunks closed ahead of the next one to append (about one a thread) wait beside
     /// the metadata the file keeps of those appended. Before, every chunk was closed first and
@@ -1130,7 +1124,10 @@ impl ParallelWriter {
         }
         let writers = std::mem::take(&mut self.writers);
         let appender = Mutex::new(Appender { rg: self.file.next_row_group()?, next: 0, waiting: std::collections::BTreeMap::new() });
-        Self::run(&writers, &mut self.cost, self.threads, true, &|f, ws| {
+        // Field order: a closed chunk waits only for those before it. (Costliest first, as
+        // `encode` takes them, measured no faster: docs/performance.md, thirty-seventh pass.)
+        let order: Vec<usize> = (0..writers.len()).collect();
+        Self::run(&writers, &mut self.cost, self.threads, &order, &|f, ws| {
             let closed = ws.drain(..).map(ArrowColumnWriter::close).collect::<Result<Vec<_>, _>>()?;
             let mut a = appender.lock().unwrap_or_else(PoisonError::into_inner);
             a.waiting.insert(f, closed);

@@ -280,7 +280,9 @@ impl Scan {
             }
             ScanSource::File(path) => {
                 // A file loaded at open is checked against its manifest's checksum before
-                // its first read in this process (a mismatch ends the scan: CorruptFile).
+                // its first read in this process, and any file again once it has changed on
+                // disk since it was committed or matched (a mismatch ends the scan:
+                // CorruptFile).
                 f.guard.verify()?;
                 let free = self.table.shared.ctl.limit().saturating_sub(self.table.shared.ctl.used());
                 let batch_bytes = scan_batch_bytes(&self.table.shared);
@@ -738,8 +740,8 @@ impl Scan {
                 // loses no row. A read error ends the scan (`next` lets go of everything).
                 if let Some(r) = it.next() {
                     let own = self.reader_buffers.as_ref().map_or(0, Reservation::size);
-                    // A decode error of a damaged file says so, naming the file (a truncated or
-                    // zeroed file this process wrote is not checked before its reads).
+                    // A decode error of a damaged file says so, naming the file (a file
+                    // changed while it is read, or in the clock tick of its last check).
                     let r = r.map_err(|e| f.guard.explain_read_error(e));
                     let counted = r.map_err(Error::from).and_then(compact_if_sparse).and_then(|b| self.counted_beside(own, &b));
                     if matches!(counted, Err(Error::MemoryLimit { .. })) {

@@ -107,8 +107,9 @@ impl CompactionPlan {
             return Ok(());
         }
         // A corrupt input must not be rewritten into a new file with a valid checksum: every
-        // input is checked against its manifest entry, files this process wrote too (they are
-        // not checked before their scans, and damage done to one since would become permanent).
+        // input is checked against its manifest entry, files this process wrote too (a change
+        // within the clock tick of their last check is not seen by their stamp, and damage
+        // done to one since would become permanent).
         for (_, _, _, guard) in &self.inputs {
             guard.verify_before_rewrite()?;
         }

@@ -1085,6 +1085,8 @@ impl Table {
             accounted_bytes: self.inner.account.total_bytes(),
             manifest_version: st.store.version(),
             last_flush_error: st.last_flush_error.clone(),
+            damaged_files: st.store.damaged_files().iter().map(|g| g.path().to_path_buf()).collect(),
+            damage: st.store.damage().map(|e| e.to_string()),
         })
     }
 }
@@ -1114,6 +1116,15 @@ pub struct TableStats {
     /// [`COMPACTION_FAILED`]; the flush returned `Ok`, its rows are durable). Cleared by the
     /// next flush that commits and compacts without error.
     pub last_flush_error: Option<String>,
+    /// Data files found damaged (their bytes do not match the CRC-32 the manifest records) by
+    /// a read or the check before a compaction, and not found matching since, by file id:
+    /// scans reaching them fail with `CorruptFile` and compactions leave them out until they
+    /// are restored (docs/architecture.md, "damaged files"). Empty when none is known.
+    pub damaged_files: Vec<std::path::PathBuf>,
+    /// The first damaged file's error, as a read of it returns it and
+    /// [`crate::Engine::degraded_tables`] shows it (which names the file and what to do);
+    /// `None` when [`Self::damaged_files`] is empty.
+    pub damage: Option<String>,
 }
 
 /// Walks the keys in order and calls `seen_before(first, row)` for every row whose key an

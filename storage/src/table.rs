@@ -176,6 +176,11 @@ impl FileGuard {
         }
     }
 
+    /// The data file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
     /// Whether the file was found damaged and has not matched since.
     pub(crate) fn is_damaged(&self) -> bool {
         matches!(*self.state(), Checked::Damaged { .. })

@@ -760,11 +760,21 @@ fn a_file_changed_on_disk_after_it_was_written_or_checked_is_checked_again_befor
                 }
                 other => panic!("{what}, byte {at} of {n}: expected CorruptFile, got {:?}", other.map(|b| b.iter().map(RecordBatch::num_rows).sum::<usize>())),
             }
+            // The table's figures name the file until a read finds it matching again.
+            let st = t.stats().unwrap();
+            assert_eq!(st.damaged_files, vec![file.clone()], "{what}, byte {at}");
+            assert!(
+                st.damage.as_deref().is_some_and(|d| d.contains("checksum mismatch") && d.contains(&file.display().to_string())),
+                "{what}: {:?}",
+                st.damage
+            );
             tick();
             std::fs::write(&file, &good).unwrap();
             let back = snapshot(t);
             assert_eq!(back.len(), 4_000, "{what}, byte {at}: restored");
             assert_eq!(back.values().map(|r| r.0.unwrap()).sum::<i64>(), want_sum, "{what}, byte {at}: restored");
+            let st = t.stats().unwrap();
+            assert!(st.damaged_files.is_empty() && st.damage.is_none(), "{what}, byte {at}: restored: {:?}", st.damage);
         }
     };
     {
@@ -1095,6 +1105,24 @@ fn a_damaged_data_file_found_by_a_read_says_what_still_works_and_what_to_do() {
     let recorded = &degraded[0].1;
     assert!(recorded.starts_with(&format!("corrupt data file {}", file.display())), "{recorded}");
     assert!(t.stats().unwrap().last_flush_error.is_none(), "the flush and its compaction did not fail");
+    // The table's figures show the damage beside the last flush's error (before, only
+    // `degraded_tables` did), and so does SQL's `gritdb_tables`.
+    assert_eq!(t.stats().unwrap().damaged_files, vec![file.clone()]);
+    assert_eq!(t.stats().unwrap().damage.as_ref(), Some(recorded));
+    #[cfg(feature = "sql")]
+    {
+        use arrow::array::AsArray as _;
+        // Before, the whole query failed: its `rows` count scans the damaged file. Now that
+        // table's count is null and the others are listed as they are.
+        let b = engine.sql("SELECT name, last_flush_error, damage, rows FROM gritdb_tables ORDER BY name").unwrap();
+        let b = arrow::compute::concat_batches(&b[0].schema(), &b).unwrap();
+        assert_eq!(b.num_rows(), 2);
+        assert!(b.column(1).is_null(0) && b.column(1).is_null(1));
+        assert_eq!(b.column(2).as_string::<i32>().value(0), recorded.as_str());
+        assert!(b.column(2).is_null(1), "table u is not damaged");
+        assert!(b.column(3).is_null(0), "t's count reads the damaged file");
+        assert_eq!(b.column(3).as_primitive::<arrow::datatypes::UInt64Type>().value(1), 4_000);
+    }
     for part in [
         "checksum mismatch",
         "Scans of this table that reach the file fail, and compactions leave the file as it is (Engine::degraded_tables lists the table until the file matches again); other tables are unaffected",
@@ -1108,6 +1136,7 @@ fn a_damaged_data_file_found_by_a_read_says_what_still_works_and_what_to_do() {
     std::fs::write(&file, &good).unwrap();
     assert_eq!(snapshot(&t).len(), 1_600);
     assert!(engine.degraded_tables().is_empty(), "{:?}", engine.degraded_tables());
+    assert!(t.stats().unwrap().damaged_files.is_empty() && t.stats().unwrap().damage.is_none());
     t.flush().unwrap();
     assert!(engine.degraded_tables().is_empty());
     assert!(!file.exists(), "a fifth of its rows deleted: the restored file is rewritten");

@@ -298,7 +298,7 @@ fn system_tables_show_tables_and_memory() {
     let t = layered_table(&engine);
     let empty = engine.create_table("empty", schema(), &["id"]).unwrap();
     let b = engine
-        .sql("SELECT name, primary_key, rows, files, file_rows, delta_bytes, sealed_deltas, index_bytes, accounted_bytes, manifest_version, last_flush_error FROM gritdb_tables ORDER BY name")
+        .sql("SELECT name, primary_key, rows, files, file_rows, delta_bytes, sealed_deltas, index_bytes, accounted_bytes, manifest_version, last_flush_error, damage FROM gritdb_tables ORDER BY name")
         .unwrap();
     let b = arrow::compute::concat_batches(&b[0].schema(), &b).unwrap();
     assert_eq!(b.num_rows(), 2);
@@ -319,6 +319,8 @@ fn system_tables_show_tables_and_memory() {
     assert_eq!(u(8, 1), st.accounted_bytes as u64);
     assert_eq!(u(9, 1), st.manifest_version);
     assert!(b.column(10).is_null(1));
+    assert!(b.column(11).is_null(0) && b.column(11).is_null(1), "no file is damaged");
+    assert!(st.damaged_files.is_empty() && st.damage.is_none());
     let es = empty.stats().unwrap();
     assert_eq!((u(2, 0), u(3, 0), u(5, 0), u(8, 0)), (0, 0, 0, es.accounted_bytes as u64));
 

@@ -53,7 +53,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 /// `peak_bytes`, `allocs`, `frees`, `failures`; the columns of
 /// [`Engine::memory_report_batch`]) and `gritdb_tables` (one row per table: `name`,
 /// `primary_key`, `rows`, `files`, `file_rows`, `delta_bytes`, `sealed_deltas`, `index_bytes`,
-/// `accounted_bytes`, `manifest_version`, `last_flush_error`). They take precedence over
+/// `accounted_bytes`, `manifest_version`, `last_flush_error`, `damage`). They take precedence over
 /// engine tables of the same name.
 pub const SYSTEM_TABLES: [&str; 2] = system::NAMES;
 

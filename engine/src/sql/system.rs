@@ -36,7 +36,7 @@ fn tables_schema() -> SchemaRef {
     Arc::new(Schema::new(vec![
         Field::new("name", DataType::Utf8, false),
         Field::new("primary_key", DataType::Utf8, false),
-        Field::new("rows", DataType::UInt64, false),
+        Field::new("rows", DataType::UInt64, true),
         Field::new("files", DataType::UInt64, false),
         Field::new("file_rows", DataType::UInt64, false),
         Field::new("delta_bytes", DataType::UInt64, false),
@@ -45,31 +45,45 @@ fn tables_schema() -> SchemaRef {
         Field::new("accounted_bytes", DataType::UInt64, false),
         Field::new("manifest_version", DataType::UInt64, false),
         Field::new("last_flush_error", DataType::Utf8, true),
+        Field::new("damage", DataType::Utf8, true),
     ]))
 }
 
-/// One row per live table: live rows (an exact count: a key-column scan), data files, live
+/// One row per live table: live rows (an exact count: a key-column scan; null when a file it
+/// reads is damaged or missing, which `damage` or `last_flush_error` then says), data files, live
 /// rows in files, delta bytes (active + sealed), sealed deltas, key-index bytes, all bytes
-/// accounted to the table, manifest version, last flush error.
+/// accounted to the table, manifest version, last flush error, and the damage of the first data
+/// file found damaged (`TableStats::damage`; null when none).
 fn tables_batch(engine: &Weak<EngineInner>) -> Result<RecordBatch> {
     let engine = engine.upgrade().ok_or_else(|| Error::Closed("the engine".into()))?;
     let mut name = Vec::new();
     let mut pk = Vec::new();
-    let mut cols: [Vec<u64>; 8] = Default::default();
+    let mut cols: [Vec<u64>; 7] = Default::default();
+    let mut live: Vec<Option<u64>> = Vec::new();
     let mut err: Vec<Option<String>> = Vec::new();
+    let mut damage: Vec<Option<String>> = Vec::new();
     for inner in engine.all_tables() {
         let t = Table { inner, engine: Arc::clone(&engine) };
-        // A table dropped meanwhile is simply not listed.
-        let figures = t.stats().and_then(|s| t.row_count().map(|rows| (s, rows)));
+        // A table dropped meanwhile is simply not listed. A table whose count reads a damaged
+        // or missing file is listed with no count: before, one damaged table failed the
+        // whole query, the one that would show its damage.
+        let figures = t.stats().and_then(|s| match t.row_count() {
+            Ok(rows) => Ok((s, Some(rows))),
+            Err(Error::Storage(e)) => {
+                tracing::warn!(table = %t.name(), error = %e, "gritdb_tables: rows not counted");
+                Ok((s, None))
+            }
+            Err(e) => Err(e),
+        });
         let (stats, rows) = match figures {
             Ok(x) => x,
             Err(Error::TableNotFound { .. }) => continue,
             Err(e) => return Err(e),
         };
+        live.push(rows);
         name.push(t.name().to_owned());
         pk.push(t.primary_key().join(","));
         let values = [
-            rows,
             stats.files as u64,
             stats.file_rows,
             (stats.active_delta_bytes + stats.sealed_delta_bytes) as u64,
@@ -82,9 +96,11 @@ fn tables_batch(engine: &Weak<EngineInner>) -> Result<RecordBatch> {
             c.push(v);
         }
         err.push(stats.last_flush_error);
+        damage.push(stats.damage);
     }
-    let mut arrays: Vec<ArrayRef> = vec![Arc::new(StringArray::from(name)), Arc::new(StringArray::from(pk))];
+    let mut arrays: Vec<ArrayRef> = vec![Arc::new(StringArray::from(name)), Arc::new(StringArray::from(pk)), Arc::new(UInt64Array::from(live))];
     arrays.extend(cols.into_iter().map(|c| Arc::new(UInt64Array::from(c)) as ArrayRef));
     arrays.push(Arc::new(StringArray::from(err)));
+    arrays.push(Arc::new(StringArray::from(damage)));
     Ok(RecordBatch::try_new(tables_schema(), arrays)?)
 }

@@ -461,7 +461,12 @@ impl TableInner {
             // The compaction found an input damaged (its check before the rewrite): the file
             // is known damaged now, left out of the next plans, and `degraded_tables` shows
             // it for as long as it is ([`TableInner::degraded`]), not as this flush's record.
-            Err(Error::Storage(gritdb_storage::StorageError::CorruptFile { .. })) if self.state()?.as_ref().is_some_and(|st| st.store.damage().is_some()) => {
+            // Another `CorruptFile` (of a file not known damaged: one whose keys decode out of
+            // order under a matching checksum) is the flush's error as any other; before, any
+            // `CorruptFile` was taken for the damage while some file was known damaged.
+            Err(Error::Storage(gritdb_storage::StorageError::CorruptFile { path, .. }))
+                if self.state()?.as_ref().is_some_and(|st| st.store.damaged_files().iter().any(|g| g.path() == path)) =>
+            {
                 Ok(())
             }
             other => other,

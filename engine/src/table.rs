@@ -461,10 +461,12 @@ impl TableInner {
             // The compaction found an input damaged (its check before the rewrite): the file
             // is known damaged now, left out of the next plans, and `degraded_tables` shows
             // it for as long as it is ([`TableInner::degraded`]), not as this flush's record.
-            // Another `CorruptFile` (of a file not known damaged: one whose keys decode out of
-            // order under a matching checksum) is the flush's error as any other; before, any
-            // `CorruptFile` was taken for the damage while some file was known damaged.
-            Err(Error::Storage(gritdb_storage::StorageError::CorruptFile { path, .. }))
+            // So is a missing input (`MissingFile`: before, each flush's compaction picked it
+            // again and failed, as for damaged files). Another `CorruptFile` (of a file not
+            // known damaged: one whose keys decode out of order under a matching checksum) is
+            // the flush's error as any other; before, any `CorruptFile` was taken for the
+            // damage while some file was known damaged.
+            Err(Error::Storage(gritdb_storage::StorageError::CorruptFile { path, .. } | gritdb_storage::StorageError::MissingFile { path, .. }))
                 if self.state()?.as_ref().is_some_and(|st| st.store.damaged_files().iter().any(|g| g.path() == path)) =>
             {
                 Ok(())
@@ -1121,12 +1123,13 @@ pub struct TableStats {
     /// [`COMPACTION_FAILED`]; the flush returned `Ok`, its rows are durable). Cleared by the
     /// next flush that commits and compacts without error.
     pub last_flush_error: Option<String>,
-    /// Data files found damaged (their bytes do not match the CRC-32 the manifest records) by
-    /// a read or the check before a compaction, and not found matching since, by file id:
-    /// scans reaching them fail with `CorruptFile` and compactions leave them out until they
-    /// are restored (docs/architecture.md, "damaged files"). Empty when none is known.
+    /// Data files found damaged (their bytes do not match the CRC-32 the manifest records) or
+    /// missing (not at their path) by a read or the check before a compaction, and not found
+    /// matching since, by file id: scans reaching them fail with `CorruptFile` or
+    /// `MissingFile` and compactions leave them out until they are restored
+    /// (docs/architecture.md, "damaged files"). Empty when none is known.
     pub damaged_files: Vec<std::path::PathBuf>,
-    /// The first damaged file's error, as a read of it returns it and
+    /// The first damaged or missing file's error, as a read of it returns it and
     /// [`crate::Engine::degraded_tables`] shows it (which names the file and what to do);
     /// `None` when [`Self::damaged_files`] is empty.
     pub damage: Option<String>,

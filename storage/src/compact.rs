@@ -236,18 +236,25 @@ fn output_meta(id: u32, rows: u64, written: &crate::write::WrittenFile) -> FileM
 }
 
 impl TableStore {
-    /// The files found damaged (their bytes did not match their manifest's CRC-32), which
-    /// [`Self::plan_compaction`] leaves out. [`FileGuard::verify_if_changed`] on each, off the
+    /// The files found damaged (their bytes did not match their manifest's CRC-32) or missing
+    /// (not at their path), which [`Self::plan_compaction`] leaves out. [`FileGuard::verify_if_changed`] on each, off the
     /// table's lock, checks again those changed on disk since (one read of a file restored from a
     /// backup, none while it stays as it was), so a restored file compacts again.
     pub fn damaged_files(&self) -> Vec<Arc<FileGuard>> {
         self.files.values().filter(|f| f.guard.is_damaged()).map(|f| Arc::clone(&f.guard)).collect()
     }
 
-    /// The damage of the first damaged file (by id) as the [`StorageError::CorruptFile`] a
-    /// read of it returns; `None` when no file is known damaged.
+    /// The damage of the first damaged or missing file (by id) as the error a read of it
+    /// returns ([`StorageError::CorruptFile`], [`StorageError::MissingFile`]); `None` when no
+    /// file is known damaged or missing.
     pub fn damage(&self) -> Option<StorageError> {
-        self.files.values().find_map(|f| f.guard.damage())
+        self.files.values().find_map(|f| f.guard.damage()).map(|e| match &e {
+            StorageError::Io { path, .. } => {
+                let path = path.clone();
+                e.or_missing_file(&path, &self.name)
+            }
+            _ => e,
+        })
     }
 
     /// Picks files to compact: every file with no live row (dropped without a new file), else

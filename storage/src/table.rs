@@ -60,6 +60,9 @@ enum Checked {
     /// (`None` when it could not be read), by which [`FileGuard::verify_if_changed`] skips
     /// reading an unchanged file again.
     Damaged { detail: String, stamp: Option<FileStamp> },
+    /// Not found at its path by the last check (deleted or moved outside the engine):
+    /// checked before every read (a failed open, no read) until it is back and matches.
+    Missing,
 }
 
 impl FileGuard {
@@ -167,7 +170,7 @@ impl FileGuard {
     pub fn explain_read_error(&self, e: StorageError) -> StorageError {
         let decoding = matches!(e, StorageError::Parquet(_) | StorageError::Arrow(_) | StorageError::CorruptFile { .. });
         let Some(&expected) = self.crc32.get() else { return e };
-        if !decoding || matches!(*self.state(), Checked::Damaged { .. }) {
+        if !decoding || matches!(*self.state(), Checked::Damaged { .. } | Checked::Missing) {
             return e;
         }
         match self.check(expected, "checksum mismatch") {
@@ -181,27 +184,38 @@ impl FileGuard {
         &self.path
     }
 
-    /// Whether the file was found damaged and has not matched since.
+    /// Whether the file was found damaged or missing and has not matched since.
     pub(crate) fn is_damaged(&self) -> bool {
-        matches!(*self.state(), Checked::Damaged { .. })
+        matches!(*self.state(), Checked::Damaged { .. } | Checked::Missing)
     }
 
-    /// The damage found, as the error a read of the file returns; `None` for a file not
-    /// found damaged.
+    /// The damage found, as the error a read of the file returns (for a missing file the
+    /// `NotFound` [`StorageError::Io`] naming it, which [`crate::TableStore::damage`] names
+    /// [`StorageError::MissingFile`]); `None` for a file not found damaged or missing.
     pub(crate) fn damage(&self) -> Option<StorageError> {
         match &*self.state() {
             Checked::Damaged { detail, .. } => Some(StorageError::CorruptFile { path: self.path.clone(), detail: detail.clone() }),
+            Checked::Missing => Some(StorageError::Io { path: self.path.clone(), source: std::io::ErrorKind::NotFound.into() }),
             _ => None,
         }
     }
 
     /// Reads the whole file and compares its CRC-32 with `expected`; a match marks the file
     /// trusted, a mismatch damaged ([`StorageError::CorruptFile`] whose detail begins with
-    /// `what`). The stamp is taken before the read, so a file changed while it is read is
-    /// read again by the next check.
+    /// `what`), a file not found missing (the `NotFound` [`StorageError::Io`] naming it,
+    /// which callers name [`StorageError::MissingFile`] with the table). The stamp is taken
+    /// before the read, so a file changed while it is read is read again by the next check.
     fn check(&self, expected: u32, what: &str) -> Result<(), StorageError> {
         let stamp = file_stamp(&self.path);
-        let (got, len) = crate::write::file_crc32(&self.path)?;
+        let (got, len) = match crate::write::file_crc32(&self.path) {
+            Ok(x) => x,
+            Err(e) => {
+                if matches!(&e, StorageError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound) {
+                    *self.state() = Checked::Missing;
+                }
+                return Err(e);
+            }
+        };
         if got != expected {
             let detail = crate::error::damaged_at_read(&crc_mismatch(what, expected, len, got));
             *self.state() = Checked::Damaged { detail: detail.clone(), stamp };

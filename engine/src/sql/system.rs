@@ -49,11 +49,12 @@ fn tables_schema() -> SchemaRef {
     ]))
 }
 
-/// One row per live table: live rows (an exact count: a key-column scan; null when a file it
-/// reads is damaged or missing, which `damage` or `last_flush_error` then says), data files, live
+/// One row per live table: live rows (an exact count: a key-column scan; null when it fails on
+/// a file, whose error `damage` then shows), data files, live
 /// rows in files, delta bytes (active + sealed), sealed deltas, key-index bytes, all bytes
 /// accounted to the table, manifest version, last flush error, and the damage of the first data
-/// file found damaged (`TableStats::damage`; null when none).
+/// file found damaged or missing (`TableStats::damage`), else the error the count failed with;
+/// null when neither.
 fn tables_batch(engine: &Weak<EngineInner>) -> Result<RecordBatch> {
     let engine = engine.upgrade().ok_or_else(|| Error::Closed("the engine".into()))?;
     let mut name = Vec::new();
@@ -65,16 +66,20 @@ fn tables_batch(engine: &Weak<EngineInner>) -> Result<RecordBatch> {
     for inner in engine.all_tables() {
         let t = Table { inner, engine: Arc::clone(&engine) };
         // A table dropped meanwhile is simply not listed. A table whose count reads a damaged
-        // or missing file is listed with no count: before, one damaged table failed the
-        // whole query, the one that would show its damage.
-        let figures = t.stats().and_then(|s| match t.row_count() {
-            Ok(rows) => Ok((s, Some(rows))),
+        // or missing file is listed with no count and that error in `damage`: before, one
+        // damaged table failed the whole query, the one that would show its damage. The
+        // count runs first, so the damage it finds is in the figures read after it.
+        let figures = match t.row_count() {
+            Ok(rows) => t.stats().map(|s| (s, Some(rows))),
             Err(Error::Storage(e)) => {
                 tracing::warn!(table = %t.name(), error = %e, "gritdb_tables: rows not counted");
-                Ok((s, None))
+                t.stats().map(|mut s| {
+                    s.damage = s.damage.or_else(|| Some(e.to_string()));
+                    (s, None)
+                })
             }
             Err(e) => Err(e),
-        });
+        };
         let (stats, rows) = match figures {
             Ok(x) => x,
             Err(Error::TableNotFound { .. }) => continue,

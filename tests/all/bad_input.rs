@@ -1020,17 +1020,6 @@ fn a_reformatted_unsealed_or_unchecksummed_manifest_is_refused_saying_which() {
     assert_eq!(engine.table("t").unwrap().row_count().unwrap(), 1);
 }
 
-/// The directory of table `name` (the one whose manifest names it).
-fn dir_of_table(root: &std::path::Path, name: &str) -> std::path::PathBuf {
-    let want = format!("\"table\": \"{name}\"");
-    std::fs::read_dir(root.join("tables"))
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .find(|d| std::fs::read_to_string(d.join("manifest.json")).is_ok_and(|m| m.contains(&want)))
-        .unwrap_or_else(|| panic!("no manifest names table {name}"))
-}
-
 /// The one file of `dir` with extension `ext` (`parquet`, `dv<version>` by prefix).
 fn file_with_ext(dir: &std::path::Path, ext: &str) -> std::path::PathBuf {
     let found: Vec<_> =

@@ -33,15 +33,17 @@ fn sum_of(r: &[((i64, i32), Row)]) -> i64 {
     r.iter().map(|x| x.1.0.unwrap()).sum()
 }
 
-/// The directory of table `name` (the one whose manifest names it).
-fn dir_of(root: &Path, name: &str) -> PathBuf {
-    let want = format!("\"table\": \"{name}\"");
-    std::fs::read_dir(root.join("tables"))
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .find(|d| std::fs::read_to_string(d.join("manifest.json")).is_ok_and(|m| m.contains(&want)))
-        .unwrap_or_else(|| panic!("no manifest names table {name}"))
+/// Table `t` of `n` rows in two files of `n / 2` rows each: the table, its files (sorted) and
+/// the outcome a whole scan must have.
+fn two_file_table(engine: &Engine, root: &Path, n: usize) -> (gritdb::Table, Vec<PathBuf>, Outcome) {
+    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
+    let all = rows(0, n as i64);
+    t.insert(&composite_batch(&all[..n / 2])).unwrap();
+    t.flush().unwrap();
+    t.insert(&composite_batch(&all[n / 2..])).unwrap();
+    t.flush().unwrap();
+    let files = parquet_files(&dir_of_table(root, "t"));
+    (t, files, Outcome::Rows(n, sum_of(&all), 0))
 }
 
 fn parquet_files(dir: &Path) -> Vec<PathBuf> {
@@ -242,28 +244,21 @@ fn run_changes(engine: &Engine, t: &gritdb::Table, files: [&Path; 2], want: &Out
 #[test]
 fn p39_a_every_change_is_corrupt_file_and_restore_reads_exact() {
     let dir = tempfile::tempdir().unwrap();
-    let all = rows(0, 4_000);
-    let want = Outcome::Rows(4_000, sum_of(&all), 0);
     let mut failures = Vec::new();
-    {
+    let want = {
         let engine = Engine::open(dir.path(), cfg()).unwrap();
-        let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
-        t.insert(&composite_batch(&all[..2_000])).unwrap();
-        t.flush().unwrap();
-        t.insert(&composite_batch(&all[2_000..])).unwrap();
-        t.flush().unwrap();
-        let tdir = dir_of(dir.path(), "t");
-        let files = parquet_files(&tdir);
+        let (t, files, want) = two_file_table(&engine, dir.path(), 4_000);
         assert_eq!(files.len(), 2, "{files:?}");
         assert_eq!(scan_outcome(&t), want);
         run_changes(&engine, &t, [files[0].as_path(), files[1].as_path()], &want, "written in process", &mut failures);
         drop(t);
         engine.close().unwrap();
-    }
+        want
+    };
     {
         let engine = Engine::open(dir.path(), cfg()).unwrap();
         let t = engine.table("t").unwrap();
-        let files = parquet_files(&dir_of(dir.path(), "t"));
+        let files = parquet_files(&dir_of_table(dir.path(), "t"));
         assert_eq!(scan_outcome(&t), want);
         run_changes(&engine, &t, [files[0].as_path(), files[1].as_path()], &want, "loaded at open, read once", &mut failures);
         drop(t);
@@ -271,7 +266,7 @@ fn p39_a_every_change_is_corrupt_file_and_restore_reads_exact() {
     }
     {
         // Loaded at open and changed before its first read.
-        let files = parquet_files(&dir_of(dir.path(), "t"));
+        let files = parquet_files(&dir_of_table(dir.path(), "t"));
         let engine = Engine::open(dir.path(), cfg()).unwrap();
         let t = engine.table("t").unwrap();
         let good = std::fs::read(&files[1]).unwrap();
@@ -300,14 +295,7 @@ fn p39_a_every_change_is_corrupt_file_and_restore_reads_exact() {
 fn p39_a2_damage_ahead_of_and_under_an_open_scan() {
     let dir = tempfile::tempdir().unwrap();
     let engine = Engine::open(dir.path(), cfg()).unwrap();
-    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
-    let all = rows(0, 40_000);
-    let want = Outcome::Rows(40_000, sum_of(&all), 0);
-    t.insert(&composite_batch(&all[..20_000])).unwrap();
-    t.flush().unwrap();
-    t.insert(&composite_batch(&all[20_000..])).unwrap();
-    t.flush().unwrap();
-    let files = parquet_files(&dir_of(dir.path(), "t"));
+    let (t, files, want) = two_file_table(&engine, dir.path(), 40_000);
     assert_eq!(files.len(), 2);
     let good: Vec<Vec<u8>> = files.iter().map(|f| std::fs::read(f).unwrap()).collect();
     assert_eq!(scan_outcome(&t), want);
@@ -372,8 +360,8 @@ fn p39_b_stats_and_gritdb_tables_through_damage_drop_reopen() {
             t.insert(&composite_batch(&rows(i as i64 * 10_000, 2_000))).unwrap();
             t.flush().unwrap();
         }
-        fa = parquet_files(&dir_of(dir.path(), "a")).remove(0);
-        fb = parquet_files(&dir_of(dir.path(), "b")).remove(0);
+        fa = parquet_files(&dir_of_table(dir.path(), "a")).remove(0);
+        fb = parquet_files(&dir_of_table(dir.path(), "b")).remove(0);
         ga = std::fs::read(&fa).unwrap();
         gb = std::fs::read(&fb).unwrap();
         tick();
@@ -531,7 +519,7 @@ fn p39_c_writes_flushes_and_compactions_while_damaged() {
     t.insert(&composite_batch(&base)).unwrap();
     t.flush().unwrap();
     put(&mut model, &base);
-    let f1 = parquet_files(&dir_of(dir.path(), "t")).remove(0);
+    let f1 = parquet_files(&dir_of_table(dir.path(), "t")).remove(0);
     let good = std::fs::read(&f1).unwrap();
     let bad = flip_at(&good, good.len() / 2);
     tick();
@@ -592,7 +580,7 @@ fn p39_c_writes_flushes_and_compactions_while_damaged() {
     let ur = rows(0, 2_000);
     u.insert(&composite_batch(&ur)).unwrap();
     u.flush().unwrap();
-    let uf = parquet_files(&dir_of(dir.path(), "u")).remove(0);
+    let uf = parquet_files(&dir_of_table(dir.path(), "u")).remove(0);
     let ugood = std::fs::read(&uf).unwrap();
     tick();
     std::fs::write(&uf, flip_at(&ugood, ugood.len() / 2)).unwrap();
@@ -627,7 +615,7 @@ fn p39_c_writes_flushes_and_compactions_while_damaged() {
         w.flush().unwrap();
         w.insert(&composite_batch(&r2)).unwrap();
         w.flush().unwrap();
-        let wf = parquet_files(&dir_of(dir.path(), name));
+        let wf = parquet_files(&dir_of_table(dir.path(), name));
         let wgood = std::fs::read(&wf[0]).unwrap();
         tick();
         std::fs::write(&wf[0], flip_at(&wgood, wgood.len() / 2)).unwrap();
@@ -675,14 +663,7 @@ fn p39_d_concurrent_scans_while_a_file_is_swapped() {
     use std::sync::atomic::{AtomicBool, Ordering};
     let dir = tempfile::tempdir().unwrap();
     let engine = Engine::open(dir.path(), cfg()).unwrap();
-    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
-    let all = rows(0, 4_000);
-    let want = Outcome::Rows(4_000, sum_of(&all), 0);
-    t.insert(&composite_batch(&all[..2_000])).unwrap();
-    t.flush().unwrap();
-    t.insert(&composite_batch(&all[2_000..])).unwrap();
-    t.flush().unwrap();
-    let files = parquet_files(&dir_of(dir.path(), "t"));
+    let (t, files, want) = two_file_table(&engine, dir.path(), 4_000);
     let f = files[1].clone();
     let good = std::fs::read(&f).unwrap();
     let bad = flip_at(&good, good.len() / 2);
@@ -765,7 +746,7 @@ fn p39_d2_scan_partitions_bounds_and_damage() {
         Err(Error::Config(_)) => {}
         other => failures.push(format!("MAX_THREADS+1: {:?}", other.map(|v| v.len()))),
     }
-    let files = parquet_files(&dir_of(dir.path(), "t"));
+    let files = parquet_files(&dir_of_table(dir.path(), "t"));
     let good = std::fs::read(&files[1]).unwrap();
     tick();
     std::fs::write(&files[1], flip_at(&good, good.len() / 2)).unwrap();
@@ -937,7 +918,7 @@ fn p39_f_runtime_limit_and_memory_back_to_baseline() {
     }
     engine.set_memory_limit(48 << 20).unwrap();
     // Damage one table's file, scan it a few times (errors), concurrently scan the others.
-    let f = parquet_files(&dir_of(dir.path(), "m1")).remove(0);
+    let f = parquet_files(&dir_of_table(dir.path(), "m1")).remove(0);
     let good = std::fs::read(&f).unwrap();
     tick();
     std::fs::write(&f, flip_at(&good, good.len() / 2)).unwrap();
@@ -986,7 +967,7 @@ fn p39_b2_gritdb_tables_with_a_missing_file() {
     let t = engine.create_table("m", composite_schema(), &["k1", "k2"]).unwrap();
     t.insert(&composite_batch(&rows(0, 1_000))).unwrap();
     t.flush().unwrap();
-    let f = parquet_files(&dir_of(dir.path(), "m")).remove(0);
+    let f = parquet_files(&dir_of_table(dir.path(), "m")).remove(0);
     let aside = f.with_extension("aside");
     std::fs::rename(&f, &aside).unwrap();
     let mut failures = Vec::new();

@@ -110,3 +110,15 @@ pub fn settled(engine: &gritdb::Engine) -> Vec<(gritdb::memory::Category, usize)
     engine.release_cached_memory();
     Category::ALL.iter().map(|&c| (c, ctl.category_bytes(c))).collect()
 }
+
+/// The directory of table `name` under data directory `root` (the `tables/t<N>` whose
+/// manifest names it). Panics when none does.
+pub fn dir_of_table(root: &std::path::Path, name: &str) -> std::path::PathBuf {
+    let want = format!("\"table\": \"{name}\"");
+    std::fs::read_dir(root.join("tables"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|d| std::fs::read_to_string(d.join("manifest.json")).is_ok_and(|m| m.contains(&want)))
+        .unwrap_or_else(|| panic!("no manifest names table {name}"))
+}

@@ -424,7 +424,11 @@ fn p39_b_stats_and_gritdb_tables_through_damage_drop_reopen() {
         let out = dir.path().parent().unwrap().join(format!("probe39-export-{}.parquet", std::process::id()));
         match a.export_parquet(&out) {
             Ok(s) => failures.push(format!("export of damaged a returned Ok: {s:?}")),
-            Err(e) => eprintln!("probe39 b: export over damaged table: {e:?}"),
+            Err(e) => {
+                if !e.to_string().contains(&fa.display().to_string()) {
+                    failures.push(format!("export over damaged a: the error does not name the file: {e}"));
+                }
+            }
         }
         if out.exists() {
             failures.push(format!("a failed export left {}", out.display()));
@@ -739,7 +743,7 @@ fn p39_d2_scan_partitions_bounds_and_damage() {
                     failures.push(format!("partitions {n}: {rows_seen} rows, expected {total}"));
                 }
             }
-            Err(e) => eprintln!("probe39 d2: scan_partitions({n}): {e:?}"),
+            Err(e) => failures.push(format!("scan_partitions({n}): {e:?}")),
         }
     }
     match t.scan_partitions(ScanOptions::default(), gritdb::MAX_THREADS + 1) {

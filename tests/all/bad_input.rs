@@ -1111,6 +1111,22 @@ fn a_damaged_data_file_found_by_a_read_says_what_still_works_and_what_to_do() {
         assert!(b.column(2).is_null(1), "table u is not damaged");
         assert!(b.column(3).is_null(0), "t's count reads the damaged file");
         assert_eq!(b.column(3).as_primitive::<arrow::datatypes::UInt64Type>().value(1), 4_000);
+        // A query of the table itself is the storage error a scan returns, not `Error::Sql`
+        // wrapping it (before: `Sql { kind: Execution }` whenever the error was shared by
+        // several of DataFusion's partitions), whatever the plan's shape.
+        for q in [
+            "SELECT count(*) FROM t",
+            "SELECT * FROM t",
+            "SELECT k2, sum(v) FROM t GROUP BY k2 ORDER BY k2",
+            "SELECT * FROM t ORDER BY s DESC LIMIT 3",
+            "SELECT t.k1 FROM t JOIN u ON t.v = u.v",
+            "SELECT count(*) FROM (SELECT k1 FROM t UNION ALL SELECT k1 FROM u)",
+        ] {
+            match engine.sql(q) {
+                Err(Error::Storage(e)) => check(&e, q),
+                other => panic!("{q}: expected Error::Storage(CorruptFile), got {:?}", other.map(|b| b.len())),
+            }
+        }
     }
     for part in [
         "checksum mismatch",
@@ -1192,6 +1208,14 @@ fn a_file_the_manifest_lists_but_missing_is_missing_file_naming_it_and_its_table
         assert_eq!(b.num_rows(), 1);
         assert!(b.column(0).is_null(0));
         assert!(b.column(1).as_string::<i32>().value(0).contains(&missing), "{:?}", b.column(1));
+        // A query of the table is the scan's `MissingFile` (before: `Error::Sql` wrapping it
+        // when the plan shared the error among its partitions).
+        for q in ["SELECT count(*) FROM t", "SELECT k2, sum(v) FROM t GROUP BY k2 ORDER BY k2"] {
+            match engine.sql(q) {
+                Err(Error::Storage(e)) => check(&e, &data, q),
+                other => panic!("{q}: expected Error::Storage(MissingFile), got {:?}", other.map(|b| b.len())),
+            }
+        }
     }
     match t.scan(ScanOptions::default()).unwrap().collect::<gritdb::Result<Vec<RecordBatch>>>() {
         Err(Error::Storage(e)) => check(&e, &data, "scan"),

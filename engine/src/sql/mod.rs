@@ -45,6 +45,7 @@ use datafusion::prelude::{SessionConfig, SessionContext};
 use datafusion::sql::parser::Statement as DfStatement;
 use datafusion::sql::sqlparser::ast::Statement as SqlStatement;
 use datafusion::sql::sqlparser::parser::ParserError;
+use gritdb_storage::StorageError;
 use pool::{GritMemoryPool, LastRefusal};
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -482,10 +483,14 @@ fn take_ours(e: DataFusionError) -> std::result::Result<Error, DataFusionError> 
     }
 }
 
-/// A copy of a gritdb error found by reference (shared by several `DataFusion` consumers),
-/// for the variants that can be rebuilt.
+/// A copy of a gritdb error found by reference (shared by several `DataFusion` consumers:
+/// a scan's error reaches every partition of a repartition, sort or join as one `Arc`), for
+/// the variants that can be rebuilt. An I/O error is rebuilt from its kind and text.
 fn rebuild(e: &Error) -> Option<Error> {
     Some(match e {
+        Error::Storage(s) => Error::Storage(rebuild_storage(s)?),
+        Error::Memory(m) => Error::Memory(m.clone()),
+        Error::Io { path, source } => Error::Io { path: path.clone(), source: copy_io(source) },
         Error::MemoryLimit { requested, used, limit, category, top } => {
             Error::MemoryLimit { requested: *requested, used: *used, limit: *limit, category: *category, top: top.clone() }
         }
@@ -495,6 +500,31 @@ fn rebuild(e: &Error) -> Option<Error> {
         Error::Config(s) => Error::Config(s.clone()),
         _ => return None,
     })
+}
+
+/// A copy of a storage error (see [`rebuild`]); `None` for Parquet and Arrow errors, which
+/// stay [`Error::Sql`] with the shared error as source.
+fn rebuild_storage(e: &StorageError) -> Option<StorageError> {
+    Some(match e {
+        StorageError::Io { path, source } => StorageError::Io { path: path.clone(), source: copy_io(source) },
+        StorageError::CorruptManifest { path, detail } => StorageError::CorruptManifest { path: path.clone(), detail: detail.clone() },
+        StorageError::CorruptFile { path, detail } => StorageError::CorruptFile { path: path.clone(), detail: detail.clone() },
+        StorageError::MissingFile { path, table } => StorageError::MissingFile { path: path.clone(), table: table.clone() },
+        StorageError::CorruptWal { path, offset, detail } => StorageError::CorruptWal { path: path.clone(), offset: *offset, detail: detail.clone() },
+        StorageError::FileTooLarge { rows, max_rows } => StorageError::FileTooLarge { rows: *rows, max_rows: *max_rows },
+        StorageError::FileIdsExhausted { table } => StorageError::FileIdsExhausted { table: table.clone() },
+        StorageError::Memory(m) => StorageError::Memory(m.clone()),
+        _ => return None,
+    })
+}
+
+/// An I/O error of the same OS code, or else of the same kind and text (`std::io::Error` is
+/// not `Clone`).
+fn copy_io(e: &std::io::Error) -> std::io::Error {
+    match e.raw_os_error() {
+        Some(code) => std::io::Error::from_raw_os_error(code),
+        None => std::io::Error::new(e.kind(), e.to_string()),
+    }
 }
 
 /// Every error in `e`'s source chain, `e` first.

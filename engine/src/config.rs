@@ -72,7 +72,10 @@ pub struct EngineConfig {
     /// (`PostgreSQL`'s `statement_timeout`). `None` (default): no limit, as there. The clock is
     /// checked where the statement waits (reading, between batches); planning runs without
     /// waiting and is bounded by the depth checks instead (docs/sql.md). A cancelled statement
-    /// stops its scans at their next batch and gives back its memory.
+    /// stops its scans at their next batch and gives back its memory. Joins and unnests, which
+    /// emit many batches for each they read, give their thread back at least every 128 batches
+    /// they emit (before, on one SQL thread a cross join never did and its statement was never
+    /// cancelled); a single batch's work still runs to its end first.
     pub sql_statement_timeout: Option<Duration>,
     /// The file layer data files, deletion vectors and manifests are written through.
     /// Default: the real file system ([`StdFs`]). Tests pass a [`gritdb_storage::FaultFs`].

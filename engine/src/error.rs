@@ -269,8 +269,10 @@ impl std::fmt::Display for MarkerProblem {
 fn less_of(category: Category) -> &'static str {
     match category {
         Category::ScanBuffers => {
-            "scans: drop the batches held, project fewer columns, or use a smaller batch_rows; an open file's reader \
-             holds a page and a dictionary per projected column of a row group, however small the batch"
+            "scans: drop the batches held, project fewer columns, use a smaller batch_rows, or raise the limit \
+             (Engine::set_memory_limit); an open file's reader holds a page and a dictionary per projected column of a row group, \
+             however small the batch, stored and decoded: a column holding one value of a quarter of the limit or more does not \
+             read under it"
         }
         Category::KeyIndex => "the tables' key indexes must fit, at open and as files are added",
         Category::Query => "a SQL query: fewer groups, joins or sorts at once",

@@ -29,6 +29,7 @@ mod grouping;
 mod pool;
 mod provider;
 mod system;
+mod yields;
 
 pub use datafusion;
 pub use depth::{JOIN_LEVELS, MAX_DEPTH, MAX_EXPANDED_RELATIONS, MAX_SUBQUERY_DEPTH, MAX_TOKEN_DEPTH, PARSER_RECURSION_LIMIT, STACK_BYTES};
@@ -408,7 +409,14 @@ fn new_context(
     // by casting the column to DECIMAL (which fails on NaN, infinities and values ≥ 1e15).
     let mut rules: Vec<Arc<dyn datafusion::optimizer::AnalyzerRule + Send + Sync>> = vec![Arc::new(coerce::FloatComparedWithDecimal)];
     rules.extend(datafusion::optimizer::Analyzer::new().rules);
-    let state = SessionStateBuilder::new().with_config(config).with_runtime_env(env).with_default_features().with_analyzer_rules(rules).build();
+    let state = SessionStateBuilder::new()
+        .with_config(config)
+        .with_runtime_env(env)
+        .with_default_features()
+        .with_analyzer_rules(rules)
+        // Yield points above joins, for `sql_statement_timeout` (`yields`).
+        .with_physical_optimizer_rule(Arc::new(yields::JoinYields))
+        .build();
     let ctx = SessionContext::new_with_state(state);
     // Functions whose result size an argument sets reserve it in the query pool first.
     bounded::register(&ctx, &ctx.runtime_env().memory_pool);

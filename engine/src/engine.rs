@@ -1364,10 +1364,9 @@ impl Engine {
     /// begins applies nothing.
     ///
     /// # Errors
-    /// [`Error::Config`] when `bytes` is below two chunks; [`Error::MemoryLimit`] when memory
-    /// in use is still above the new value after the wait, at once when the key index alone
-    /// is (no flush frees it) — the old limit then stays in force, and the error's `limit` is
-    /// the value asked for, `requested` the bytes short of it, `category` the largest holder; [`Error::LimitSuperseded`] when a later call began while
+    /// [`Error::Config`] when `bytes` is below two chunks; [`Error::MemoryLimit`] (with the
+    /// figures reached) when memory in use is still above the new value after the wait — the
+    /// old limit then stays in force; [`Error::LimitSuperseded`] when a later call began while
     /// this lowering waited (the later call's value is the one in force).
     pub fn set_memory_limit(&self, bytes: usize) -> Result<()> {
         let bytes = clamp_to_ram(bytes);
@@ -1405,15 +1404,7 @@ impl Engine {
             if superseded() {
                 return Err(superseded_error());
             }
-            // The key index of the tables' files is memory no flush and no wait gives back (it
-            // shrinks only as tables are dropped or compactions drop deleted keys): above the
-            // new value, the lowering is refused now. Before, it waited the whole
-            // `backpressure_timeout` with every write held to the value it could never reach
-            // (helper-41: 45 one-row upserts in 5 s against 18,000).
             ctl.trim_free_chunks(0);
-            if ctl.category_bytes(Category::KeyIndex) > bytes {
-                break false;
-            }
             // Done when what is in use, plus what the sealed deltas still need to be turned
             // into batches, fits the new limit (a staged file needs only the disk: a stuck
             // disk does not hold this call).
@@ -1437,14 +1428,9 @@ impl Engine {
             if !reached {
                 // Name the category that holds the most, not the one a write would have needed.
                 let holder = Category::ALL.into_iter().max_by_key(|c| ctl.category_bytes(*c)).unwrap_or(Category::RowBlocks);
-                let mut e: Error = ctl.limit_error(holder, (ctl.used() + self.inner.sealed_bytes()).saturating_sub(bytes)).into();
-                // The figures against the value asked for (before: the old limit, and the
-                // message never named the value the call could not reach).
-                if let Error::MemoryLimit { limit, .. } = &mut e {
-                    *limit = bytes;
-                }
+                let e = ctl.limit_error(holder, (ctl.used() + self.inner.sealed_bytes()).saturating_sub(bytes));
                 tracing::warn!(target_limit = bytes, used = ctl.used(), "lowered limit not reached; the old limit stays");
-                return Err(e);
+                return Err(e.into());
             }
             ctl.set_limit(bytes)?;
             drop(calls);

@@ -258,7 +258,26 @@ impl Shared {
     /// at once). Writes wait (backpressure) while the memory in use, cached free chunks not
     /// counted, is above `min(limit, write target) - flush_headroom` and the writer has work.
     pub(crate) fn flush_headroom(&self) -> usize {
-        (self.ctl.limit() / 4).max(2 * self.table_flush_bytes()).min(self.ctl.limit() / 2)
+        self.headroom_under(self.ctl.limit())
+    }
+
+    /// [`Self::flush_headroom`] under a limit of `limit` bytes.
+    fn headroom_under(&self, limit: usize) -> usize {
+        (limit / 4).max(2 * self.flush_bytes_under(limit)).min(limit / 2)
+    }
+
+    /// Whether a limit of `limit` bytes leaves writes room beside the memory no flush gives
+    /// back: `fixed` bytes (the key index of the tables' files) plus one chunk must fit under the write soft limit that value would have (`limit` less its
+    /// [`Self::flush_headroom`]). Returns the bytes short when it does not.
+    ///
+    /// Below that every write would be refused or would wait for a flush that cannot free
+    /// anything: a lowering to the key index + 64 KiB was accepted and then refused 20 of 20
+    /// one-row upserts; at + 256 KiB each upsert took 110-175 ms instead of 4 (helper-42,
+    /// 2026-12-07).
+    pub(crate) fn limit_floor_short(&self, limit: usize, fixed: usize) -> Option<usize> {
+        let soft = limit.saturating_sub(self.headroom_under(limit));
+        let need = fixed.saturating_add(self.ctl.chunk_size());
+        (need > soft).then(|| need - soft)
     }
 
     /// Accounted bytes that flushing can matter for: `used` without cached free chunks
@@ -555,6 +574,14 @@ impl EngineInner {
     /// Bytes of the largest sealed delta of any table (see [`Shared::flush_room_short`]).
     pub(crate) fn largest_sealed_delta(&self) -> usize {
         self.tables_read().values().map(|t| t.largest_sealed.load(Ordering::Acquire)).max().unwrap_or(0)
+    }
+
+    /// Memory no flush gives back, for [`Engine::set_memory_limit`]: the key index of the
+    /// tables' files, in bytes (part of the `key_index` category, which also holds the
+    /// deltas' key maps, which a flush turns into file index, and the key sets flushes and
+    /// compactions are building).
+    pub(crate) fn file_index_bytes(&self) -> usize {
+        self.all_tables().iter().map(|t| lock(&t.state).as_ref().map_or(0, |st| st.store.index().bytes())).sum()
     }
 
     /// Bytes of sealed deltas not yet turned into flush batches (what flushing them will
@@ -1363,11 +1390,18 @@ impl Engine {
     /// raise ends a lowering still waiting, and a lowering still waiting when another call
     /// begins applies nothing.
     ///
+    /// A lowering must leave writes room beside the memory no flush gives back: the key index
+    /// of the tables' files plus one chunk must fit under the new value less its flush
+    /// headroom (a quarter to a half of it, `docs/memory.md`). A value below
+    /// that is refused at once, before anything is sealed or flushed.
+    ///
     /// # Errors
-    /// [`Error::Config`] when `bytes` is below two chunks; [`Error::MemoryLimit`] (with the
-    /// figures reached) when memory in use is still above the new value after the wait — the
-    /// old limit then stays in force; [`Error::LimitSuperseded`] when a later call began while
-    /// this lowering waited (the later call's value is the one in force).
+    /// [`Error::Config`] when `bytes` is below two chunks; [`Error::MemoryLimit`] with `limit`
+    /// the value asked for and `requested` the bytes short of it — at once, with `category`
+    /// `KeyIndex`, when the rule above refuses the value; after the wait, with
+    /// the category holding the most, when memory in use is still above the new value — the
+    /// old limit stays in force either way; [`Error::LimitSuperseded`] when a later call began
+    /// while this lowering waited (the later call's value is the one in force).
     pub fn set_memory_limit(&self, bytes: usize) -> Result<()> {
         let bytes = clamp_to_ram(bytes);
         let shared = &self.inner.shared;
@@ -1385,6 +1419,15 @@ impl Engine {
             // Lowering: writes respect the new limit at once; the writer flushes down while
             // the old limit still lets it build its batches; then the new limit takes over.
             gritdb_memctl::MemoryController::check_limit_value(bytes, ctl.chunk_size())?;
+            // A value that leaves no room for writes beside what no flush frees is refused
+            // now, before anything is sealed or held to it: before, such a lowering waited the
+            // whole `backpressure_timeout` with every write held to it (helper-41: 45 one-row
+            // upserts in 5 s against 18,000), or was accepted and then refused every write
+            // (helper-42); a refusal decided after the sealing returned while the flushes it
+            // had started went on (30a59e8, reverted).
+            if let Some(short) = shared.limit_floor_short(bytes, self.inner.file_index_bytes()) {
+                return Err(self.lowering_refused(bytes, Category::KeyIndex, short));
+            }
             *calls += 1;
             shared.write_target.store(bytes, Ordering::Release);
             *calls
@@ -1409,7 +1452,12 @@ impl Engine {
             // into batches, fits the new limit (a staged file needs only the disk: a stuck
             // disk does not hold this call).
             if ctl.used() + self.inner.sealed_bytes() <= bytes {
-                break true;
+                // Unless the flushes grew the files' key index past what leaves room for
+                // writes: no wait helps then.
+                break shared.limit_floor_short(bytes, self.inner.file_index_bytes()).is_none();
+            }
+            if shared.limit_floor_short(bytes, self.inner.file_index_bytes()).is_some() {
+                break false;
             }
             // Nothing left to flush still leaves memory a caller may give back (held scan
             // batches): wait for releases until the deadline either way.
@@ -1426,11 +1474,12 @@ impl Engine {
             }
             shared.write_target.store(0, Ordering::Release);
             if !reached {
+                if let Some(short) = shared.limit_floor_short(bytes, self.inner.file_index_bytes()) {
+                    return Err(self.lowering_refused(bytes, Category::KeyIndex, short));
+                }
                 // Name the category that holds the most, not the one a write would have needed.
                 let holder = Category::ALL.into_iter().max_by_key(|c| ctl.category_bytes(*c)).unwrap_or(Category::RowBlocks);
-                let e = ctl.limit_error(holder, (ctl.used() + self.inner.sealed_bytes()).saturating_sub(bytes));
-                tracing::warn!(target_limit = bytes, used = ctl.used(), "lowered limit not reached; the old limit stays");
-                return Err(e.into());
+                return Err(self.lowering_refused(bytes, holder, (ctl.used() + self.inner.sealed_bytes()).saturating_sub(bytes)));
             }
             ctl.set_limit(bytes)?;
             drop(calls);
@@ -1446,6 +1495,19 @@ impl Engine {
             }
         }
         Ok(())
+    }
+
+    /// The [`Error::MemoryLimit`] of a lowering to `bytes` that is refused: `requested` the
+    /// bytes short, `limit` the value asked for (the old limit stays in force), `category` the
+    /// holder named.
+    fn lowering_refused(&self, bytes: usize, category: Category, short: usize) -> Error {
+        let ctl = &self.inner.shared.ctl;
+        let mut e: Error = ctl.limit_error(category, short.max(1)).into();
+        if let Error::MemoryLimit { limit, .. } = &mut e {
+            *limit = bytes;
+        }
+        tracing::warn!(target_limit = bytes, used = ctl.used(), error = %e, "lowered limit refused; the old limit stays");
+        e
     }
 
     /// Flushes every table (all of them, even after one fails).

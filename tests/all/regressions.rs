@@ -50,12 +50,14 @@ fn lowering_the_limit_below_use_flushes_down() {
 }
 
 /// Lowering the limit below memory no flush frees (the key index of the written files) is
-/// `MemoryLimit` after the wait, and the old limit stays in force, with every row readable
-/// and writes going on under it.
+/// `MemoryLimit` at once — naming the value asked for, the key index as the holder — and
+/// the old limit stays in force, with every row readable and writes going on under it.
+/// Before, the call waited the whole `backpressure_timeout` (here 120 s) with writes held to
+/// the value it could not reach, and its error showed the old limit (helper-41).
 #[test]
 fn lowering_the_limit_below_the_key_index_is_refused_and_keeps_the_old_limit() {
     let dir = tempfile::tempdir().unwrap();
-    let config = EngineConfig::default().memory_limit(64 << 20).backpressure_timeout(std::time::Duration::from_secs(2));
+    let config = EngineConfig::default().memory_limit(64 << 20).backpressure_timeout(std::time::Duration::from_secs(120));
     let engine = Engine::open(dir.path(), config).unwrap();
     let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
     let mut b = 0;
@@ -67,13 +69,82 @@ fn lowering_the_limit_below_the_key_index_is_refused_and_keeps_the_old_limit() {
     // The key index of the written files (the deltas' key maps are gone with the flush).
     let index = engine.memory().category_bytes(gritdb::memory::Category::KeyIndex);
     assert!(index >= 2 << 20, "{index}");
+    let started = std::time::Instant::now();
     match engine.set_memory_limit(index / 2) {
-        Err(e) => assert!(e.is_memory_limit(), "{e}"),
-        Ok(()) => panic!("a limit under the key index's {index} bytes was taken"),
+        Err(Error::MemoryLimit { limit, category, requested, .. }) => {
+            assert_eq!(limit, index / 2);
+            assert_eq!(category, gritdb::memory::Category::KeyIndex);
+            assert!(requested >= index - index / 2, "{requested}");
+        }
+        other => panic!("a limit under the key index's {index} bytes: expected MemoryLimit, got {other:?}"),
     }
+    // Not the 120 s wait (a bound a loaded machine keeps: no flush or wait is involved).
+    assert!(started.elapsed() < std::time::Duration::from_secs(60), "{:?}", started.elapsed());
     assert_eq!(engine.memory().limit(), 64 << 20);
     t.upsert(&composite_batch(&wide_rows(b * 2000, 10))).unwrap();
     assert_eq!(t.row_count().unwrap(), b as u64 * 2000 + 10);
+}
+
+/// A lowering must leave room for writes beside what no flush frees: just above the files'
+/// key index (+ 64 KiB) it is refused at once — before any delta is sealed, so the unflushed
+/// rows stay in their active delta and no flush starts — where before it was accepted and
+/// then refused every write (helper-42: 20 of 20 one-row upserts). A value with room (twice
+/// the index plus 4 MiB) is taken, and writes and reads go on under it.
+#[test]
+fn a_lowering_must_leave_room_for_writes_beside_the_key_index() {
+    use gritdb::memory::Category;
+    let dir = tempfile::tempdir().unwrap();
+    let config = EngineConfig::default().memory_limit(64 << 20).backpressure_timeout(std::time::Duration::from_secs(120));
+    let engine = Engine::open(dir.path(), config).unwrap();
+    let t = engine.create_table("t", composite_schema(), &["k1", "k2"]).unwrap();
+    let mut b = 0;
+    while engine.memory().category_bytes(Category::KeyIndex) < 3 << 20 {
+        t.upsert(&composite_batch(&wide_rows(b * 2000, 2000))).unwrap();
+        b += 1;
+    }
+    t.flush().unwrap();
+    // The compactions the flushes started end first (they change the files).
+    let quiet = std::time::Instant::now();
+    while engine.flushes_in_flight() > 0 && quiet.elapsed() < std::time::Duration::from_secs(60) {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_eq!(engine.flushes_in_flight(), 0);
+    let files = t.stats().unwrap().files;
+    // Unflushed rows beside the files (their key map is not the files' index).
+    t.upsert(&composite_batch(&wide_rows(b * 2000, 100))).unwrap();
+    let index = engine.memory().category_bytes(Category::KeyIndex);
+    let fixed = t.stats().unwrap().key_index_bytes;
+    assert!(fixed >= 1 << 20 && fixed < index, "{fixed} of {index}");
+    let started = std::time::Instant::now();
+    match engine.set_memory_limit(fixed + (64 << 10)) {
+        Err(Error::MemoryLimit { limit, category, requested, .. }) => {
+            assert_eq!(limit, fixed + (64 << 10));
+            assert_eq!(category, Category::KeyIndex);
+            // Short by the value's flush headroom (the index and a chunk fill the value, and
+            // writes must leave the headroom free): a quarter to a half of it.
+            let asked = fixed + (64 << 10);
+            assert!(requested >= asked / 4 && requested <= asked / 2, "{requested} of {asked}");
+        }
+        other => panic!("index {index} + 64 KiB: expected MemoryLimit, got {other:?}"),
+    }
+    assert!(started.elapsed() < std::time::Duration::from_secs(60), "{:?}", started.elapsed());
+    assert_eq!(engine.memory().limit(), 64 << 20);
+    let st = t.stats().unwrap();
+    assert_eq!((st.files, st.sealed_deltas), (files, 0), "the refused call sealed or flushed: {st:?}");
+    assert!(st.active_delta_bytes > 0, "{st:?}");
+    assert_eq!(engine.flushes_in_flight(), 0);
+    for i in 0..20 {
+        t.upsert(&composite_batch(&wide_rows(b * 2000 + 100 + i, 1))).unwrap();
+    }
+    // With room: taken, and writes and reads go on under it.
+    let roomy = 2 * fixed + (4 << 20);
+    engine.set_memory_limit(roomy).unwrap();
+    assert_eq!(engine.memory().limit(), roomy);
+    for i in 0..20 {
+        t.upsert(&composite_batch(&wide_rows(b * 2000 + 200 + i, 1))).unwrap();
+    }
+    assert!(engine.memory().used() <= roomy, "{} > {roomy}", engine.memory().used());
+    assert_eq!(t.row_count().unwrap(), b as u64 * 2000 + 140);
 }
 
 #[test]

@@ -120,6 +120,30 @@ pub enum Error {
         /// The repeating row.
         row: usize,
     },
+    /// A value of the batch is longer than a scan could read back under the memory limit in
+    /// force ([`crate::largest_readable_value`]: `(limit - 64 KiB) / 5` bytes, a
+    /// reader holding such a value about five times). Nothing of the batch was applied;
+    /// raising the limit (`Engine::set_memory_limit`) admits it.
+    #[error(
+        "table `{table}`: row {row}'s value in column `{column}` is {} bytes; a scan could not read it back under the memory \
+         limit of {} (at most {} a value: a reader holds a value about five times, docs/memory.md). Raise the limit \
+         (EngineConfig::memory_limit / Engine::set_memory_limit) or store the value in smaller parts",
+        format_bytes(*bytes), format_bytes(*limit), format_bytes(*max)
+    )]
+    ValueTooLarge {
+        /// Table name.
+        table: String,
+        /// Column name.
+        column: String,
+        /// Row index within the batch.
+        row: usize,
+        /// The value's length in bytes.
+        bytes: usize,
+        /// The largest value accepted under `limit`, in bytes.
+        max: usize,
+        /// The memory limit (or the lower value a lowering in progress heads for), in bytes.
+        limit: usize,
+    },
     /// The batch or row does not fit the table (schema, nulls, types, size).
     #[error(transparent)]
     Input(UnifyError),
@@ -271,8 +295,8 @@ fn less_of(category: Category) -> &'static str {
         Category::ScanBuffers => {
             "scans: drop the batches held, project fewer columns, use a smaller batch_rows, or raise the limit \
              (Engine::set_memory_limit); an open file's reader holds a page and a dictionary per projected column of a row group, \
-             however small the batch, stored and decoded: a column holding one value of a quarter of the limit or more does not \
-             read under it"
+             however small the batch, stored and decoded: one value is held about five times over (writes refuse one above \
+             gritdb::largest_readable_value of the limit; one written under a larger limit needs a raised one)"
         }
         Category::KeyIndex => "the tables' key indexes must fit, at open and as files are added",
         Category::Query => "a SQL query: fewer groups, joins or sorts at once",

@@ -48,6 +48,9 @@ pub use gritdb_storage::TornTail as WalTornTail;
 /// What a flush or an export counts, under `write_buffers`, for each column chunk a Parquet
 /// writer has written and keeps in its footer until the file is closed (docs/memory.md).
 pub use gritdb_storage::WRITTEN_CHUNK_BYTES;
+/// The largest string or binary value a write accepts under a memory limit (bytes in, bytes
+/// out): larger ones no scan could read back under it ([`Error::ValueTooLarge`]).
+pub use gritdb_storage::largest_readable_value;
 pub use gritdb_storage::{CompareOp, FilterError, MAX_FILTER_DEPTH, ScanFilter, ScanMetrics, WalSync};
 /// The Parquet writer settings of gritdb's data files and exports, for a caller that writes
 /// files to compare with or load into gritdb's (the bench's raw-writer baseline does).

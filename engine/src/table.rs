@@ -632,7 +632,9 @@ impl Table {
     /// # Errors
     /// [`Error::KeyExists`] when a key is already in the table, [`Error::DuplicateKey`] for a
     /// key repeated inside the batch, [`Error::Input`] for schema mismatches or nulls in key
-    /// or non-nullable columns, [`Error::MemoryLimit`] when memory cannot be had after
+    /// or non-nullable columns and rows above `max_row_bytes`, [`Error::ValueTooLarge`] for a
+    /// value no scan could read back under the memory limit (about a fifth of it),
+    /// [`Error::MemoryLimit`] when memory cannot be had after
     /// backpressure (at once, without waiting, for a batch no flush could make room for:
     /// `docs/memory.md`, "Enforcement"). On any error nothing of the batch is applied.
     pub fn insert(&self, batch: &RecordBatch) -> Result<usize> {
@@ -722,6 +724,7 @@ impl Table {
         let keys = codec.keys().encode_batch(batch)?;
         // Before the memory wait: a row above `max_row_bytes` fits under no limit.
         codec.check_row_sizes(batch, &keys)?;
+        self.check_value_sizes(batch)?;
         let hashes = gritdb_unify::hash_keys(&keys);
         if let Some((first, row)) = first_duplicate(&keys, &hashes) {
             return Err(Error::DuplicateKey { table: self.inner.name.clone(), first, row });
@@ -762,6 +765,34 @@ impl Table {
             })?;
             Ok(n)
         })
+    }
+
+    /// Refuses a batch with a value no scan could read back under the limit in force (the
+    /// lower value a lowering heads for, if one is in progress):
+    /// [`crate::largest_readable_value`]. Cheap for usual batches: when the batch's
+    /// whole Arrow memory (at least every value's bytes) is within that, no value is measured.
+    ///
+    /// # Errors
+    /// [`Error::ValueTooLarge`] naming the first largest value.
+    fn check_value_sizes(&self, batch: &RecordBatch) -> Result<()> {
+        let shared = &self.inner.shared;
+        let target = shared.write_target.load(Ordering::Acquire);
+        let limit = if target == 0 { shared.ctl.limit() } else { target.min(shared.ctl.limit()) };
+        let max = gritdb_storage::largest_readable_value(limit);
+        if batch.get_array_memory_size() <= max {
+            return Ok(());
+        }
+        match self.inner.codec.largest_value(batch) {
+            Some((column, row, bytes)) if bytes > max => Err(Error::ValueTooLarge {
+                table: self.inner.name.clone(),
+                column: self.inner.codec.schema().field(column).name().clone(),
+                row,
+                bytes,
+                max,
+                limit,
+            }),
+            _ => Ok(()),
+        }
     }
 
     /// Insert: no key may exist in any layer; update: every key must exist.

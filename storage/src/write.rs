@@ -1610,6 +1610,23 @@ const PAGE_HEADER_BUFFER: u64 = 8 << 10;
 /// reader instead of once a column (it had covered this state before).
 const COLUMN_READER_BYTES: u64 = 4 << 10;
 
+/// The largest single string or binary value a scan reads back under a memory limit of
+/// `limit` bytes when nothing else holds memory: `(limit - 64 KiB) / 5` bytes. A value of `v`
+/// bytes is a column chunk of one page at least `v` long, which [`reader_buffer_bytes`]
+/// counts held decoded (`v`, the dictionary page included), its dictionary page stored and
+/// decoded (`2v`: parquet's writer puts the first values of a chunk in a dictionary, however
+/// long), and the page compressed while it is read (up to `v`: incompressible text gains
+/// nothing from LZ4); the batch the scan hands out holds `v` more: `5v`. The 64 KiB covers
+/// the column readers, header buffers and the key column. Measured (2026-12-07, one row of
+/// random letters, the smallest limit a scan read it under, found by bisection): 100 KB needed
+/// 5.23 × its size, 300 KB 5.12 ×, 1 MB 5.03 × (5v + 23–35 KiB); a value of one repeated letter
+/// 3.0–3.3 ×, and values above 1 MiB less (split into pages). Writes refuse a larger value
+/// (`gritdb::Error::ValueTooLarge`): before, a 300 KB string was written and flushed at 1 MiB
+/// and then read by no scan, export or SQL query under that limit (helper-41).
+pub fn largest_readable_value(limit: usize) -> usize {
+    limit.saturating_sub(64 << 10) / 5
+}
+
 /// Bytes a Parquet reader of the columns `read` of `row_groups` holds besides the batches it
 /// returns, estimated from the file's metadata: per leaf column, one decoded data page (the
 /// chunk's uncompressed bytes over its page count, the larger of rows / 20,000 and bytes /

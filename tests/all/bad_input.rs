@@ -1370,3 +1370,88 @@ fn a_deeply_nested_column_type_is_refused_typed() {
     assert_eq!(snapshot(&t), before);
     on_stack(256 << 20, move || drop(deep));
 }
+
+/// A value no scan could read back under the limit is `ValueTooLarge` at the write, nothing
+/// applied — by insert, upsert and update, in a `Utf8`, `LargeBinary` and `Utf8View` column —
+/// and one of the largest size accepted (`largest_readable_value`: (1 MiB − 64 KiB) / 5 bytes
+/// at 1 MiB, random letters LZ4 does not shrink) is written, flushed, and read back whole by a
+/// scan under the same limit, before and after a reopen with it. Before, a 300 KB string was
+/// accepted and flushed at 1 MiB and then read by no scan, export or SQL query (helper-41: the
+/// reader holds such a value about five times). Raising the limit admits the refused value.
+#[test]
+fn a_value_no_scan_could_read_back_under_the_limit_is_refused_at_the_write() {
+    use arrow::array::{Array, LargeBinaryArray, StringViewArray};
+    const LIMIT: usize = 1 << 20;
+    let max = gritdb::largest_readable_value(LIMIT);
+    assert_eq!(max, (LIMIT - (64 << 10)) / 5);
+    let text = |len: usize, seed: u64| -> String {
+        let mut x = seed | 1;
+        (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (b'a' + (x % 26) as u8) as char
+            })
+            .collect()
+    };
+    for ty in [DataType::Utf8, DataType::LargeBinary, DataType::Utf8View] {
+        let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", ty.clone(), true)]));
+        let batch = |keys: &[i64], lens: &[usize]| {
+            let vals: Vec<Option<String>> = keys.iter().zip(lens).map(|(k, &l)| if l == 0 { None } else { Some(text(l, *k as u64 + 7)) }).collect();
+            let col: ArrayRef = match ty {
+                DataType::Utf8 => Arc::new(StringArray::from(vals)),
+                DataType::LargeBinary => Arc::new(LargeBinaryArray::from_iter(vals.iter().map(|v| v.as_ref().map(String::as_bytes)))),
+                _ => Arc::new(StringViewArray::from_iter(vals)),
+            };
+            RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int64Array::from(keys.to_vec())) as ArrayRef, col]).unwrap()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let config = || EngineConfig::default().memory_limit(LIMIT).backpressure_timeout(std::time::Duration::from_secs(30));
+        let engine = Engine::open(dir.path(), config()).unwrap();
+        let t = engine.create_table("t", Arc::clone(&schema), &["k"]).unwrap();
+        t.insert(&batch(&[2], &[10])).unwrap();
+        let writes: [(&str, Box<dyn Fn(&RecordBatch) -> gritdb::Result<usize>>); 3] =
+            [("insert", Box::new(|b| t.insert(b))), ("upsert", Box::new(|b| t.upsert(b))), ("update", Box::new(|b| t.update(b)))];
+        for (name, write) in &writes {
+            // The big value third, after a null and a small one: the error names it.
+            let b = if *name == "update" { batch(&[2], &[max + 1]) } else { batch(&[1, 3, 2], &[0, 100, max + 1]) };
+            let row = if *name == "update" { 0 } else { 2 };
+            match write(&b) {
+                Err(Error::ValueTooLarge { table, column, row: r, bytes, max: m, limit }) => {
+                    assert_eq!((table.as_str(), column.as_str(), r, bytes, m, limit), ("t", "v", row, max + 1, max, LIMIT), "{name} {ty}");
+                }
+                other => panic!("{name} {ty}: {other:?}"),
+            }
+            assert_eq!(t.row_count().unwrap(), 1, "{name} {ty}: nothing applied");
+        }
+        // The largest accepted: written, flushed, read back whole under the same limit.
+        assert_eq!(t.upsert(&batch(&[1, 2], &[max, 0])).unwrap(), 2);
+        t.flush().unwrap();
+        let read = |t: &gritdb::Table| {
+            let mut got = Vec::new();
+            for b in t.scan(ScanOptions::default().batch_rows(1)).unwrap() {
+                let b = b.unwrap();
+                let k = b.column(0).as_any().downcast_ref::<Int64Array>().unwrap();
+                let v = arrow::compute::cast(b.column(1), &DataType::LargeBinary).unwrap();
+                let v = v.as_any().downcast_ref::<LargeBinaryArray>().unwrap();
+                for i in 0..b.num_rows() {
+                    got.push((k.value(i), v.is_valid(i).then(|| v.value(i).to_vec())));
+                }
+            }
+            got
+        };
+        let want = vec![(1, Some(text(max, 8).into_bytes())), (2, None)];
+        assert_eq!(read(&t), want, "{ty}");
+        drop(writes);
+        drop(t);
+        engine.close().unwrap();
+        let engine = Engine::open(dir.path(), config()).unwrap();
+        let t = engine.table("t").unwrap();
+        assert_eq!(read(&t), want, "{ty} after reopen");
+        // A raised limit admits the refused value.
+        engine.set_memory_limit(8 * LIMIT).unwrap();
+        assert_eq!(t.upsert(&batch(&[3], &[max + 1])).unwrap(), 1);
+        assert_eq!(t.row_count().unwrap(), 3);
+    }
+}

@@ -291,6 +291,26 @@ impl RowCodec {
         self.row_sizes(keys, &readers).map(|_| ())
     }
 
+    /// The largest single value of `batch` (a string or binary value's bytes; nulls and
+    /// fixed-width values count nothing): `(column, row, bytes)` of the first largest, `None`
+    /// when the batch has no variable-width value. For a check a caller makes only when
+    /// `batch.get_array_memory_size()` (at least every value's bytes) is above its bound:
+    /// it reads every row's length.
+    pub fn largest_value(&self, batch: &RecordBatch) -> Option<(usize, usize, usize)> {
+        let mut best: Option<(usize, usize, usize)> = None;
+        let mut sizes = vec![0usize; batch.num_rows()];
+        for (c, (a, k)) in batch.columns().iter().zip(self.kinds()).enumerate().filter(|(_, (_, k))| k.is_var()) {
+            sizes.fill(0);
+            ColReader::new(a, *k).add_var_lens(&mut sizes);
+            // The first row of the largest length (`max_by_key` keeps the last).
+            let Some((row, &bytes)) = sizes.iter().enumerate().rev().max_by_key(|(_, b)| **b) else { continue };
+            if best.is_none_or(|(_, _, b)| bytes > b) {
+                best = Some((c, row, bytes));
+            }
+        }
+        best
+    }
+
     /// Encoded size in bytes of each row of `batch` whose key bytes are `keys`.
     ///
     /// # Errors
@@ -742,6 +762,37 @@ mod tests {
     use super::*;
     use arrow_array::Decimal128Array;
     use arrow_schema::Field;
+
+    /// `largest_value` finds the first longest value over the variable-width columns of a
+    /// sliced batch (offsets not from 0, a null whose offsets span bytes, views), and `None`
+    /// for fixed-width columns only.
+    #[test]
+    fn largest_value_of_sliced_batches_with_nulls_and_views() {
+        use arrow_array::{ArrayRef, BinaryArray, Int64Array, LargeStringArray, StringViewArray};
+        use arrow_schema::Schema;
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("k", DataType::Int64, false),
+            Field::new("a", DataType::Binary, true),
+            Field::new("b", DataType::LargeUtf8, true),
+            Field::new("c", DataType::Utf8View, true),
+        ]));
+        let codec = RowCodec::new(Arc::clone(&schema), &[0], 1 << 20).unwrap();
+        let a = BinaryArray::from(vec![Some(&[0u8; 900][..]), Some(&[1; 5][..]), Some(&[2; 40][..]), None, Some(&[3; 40][..])]);
+        let b = LargeStringArray::from(vec![Some("x".repeat(800)), None, Some("y".repeat(30)), Some("z".repeat(41)), None]);
+        let c = StringViewArray::from(vec![None, Some("v".repeat(41)), Some("w".repeat(20)), None, Some("u".repeat(39))]);
+        let cols: Vec<ArrayRef> = vec![Arc::new(Int64Array::from(vec![0, 1, 2, 3, 4])), Arc::new(a), Arc::new(b), Arc::new(c)];
+        let batch = RecordBatch::try_new(Arc::clone(&schema), cols).unwrap();
+        // Whole: the 900-byte binary at row 0.
+        assert_eq!(codec.largest_value(&batch), Some((1, 0, 900)));
+        // Rows 1..5: 41 bytes in `b` (row 2 of the slice) and in `c` (row 0): `b` is the
+        // earlier column to reach it, and later columns must be longer to win.
+        assert_eq!(codec.largest_value(&batch.slice(1, 4)), Some((2, 2, 41)));
+        // Rows 3..5: `a` has a null then 40; `b` 41 then a null; `c` a null then 39.
+        assert_eq!(codec.largest_value(&batch.slice(3, 2)), Some((2, 0, 41)));
+        let fixed = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false)]));
+        let only = RecordBatch::try_new(Arc::clone(&fixed), vec![Arc::new(Int64Array::from(vec![1, 2]))]).unwrap();
+        assert_eq!(RowCodec::new(fixed, &[0], 1 << 20).unwrap().largest_value(&only), None);
+    }
 
     /// Every length from 0 to 70 bytes (each branch of `copy_short` and both sides of its
     /// boundaries) copies exactly those bytes, at every alignment of source and target, and

@@ -23,6 +23,7 @@
 mod bounded;
 mod catalog;
 mod coerce;
+mod deadline;
 mod depth;
 mod filter;
 mod grouping;
@@ -94,7 +95,8 @@ pub enum SqlErrorKind {
     /// [`MAX_SUBQUERY_DEPTH`] subqueries or more than [`MAX_EXPANDED_RELATIONS`] relations.
     TooDeep,
     /// The statement ran past [`crate::EngineConfig::sql_statement_timeout`] and was cancelled
-    /// (its scans stopped, its memory given back).
+    /// (returned at the deadline; its work stops at its next yield, and its scans and memory
+    /// are given back then).
     Timeout,
 }
 
@@ -147,6 +149,9 @@ pub(crate) struct SqlState {
     last_refusal: Arc<LastRefusal>,
     /// The runtime blocking [`Engine::sql`] calls run on, built at the first one.
     runtime: Mutex<Option<tokio::runtime::Runtime>>,
+    /// The deadlines of statements with a timeout, kept outside `runtime` (its thread ends
+    /// when this state is dropped).
+    watchdog: deadline::Watchdog,
 }
 
 impl SqlState {
@@ -158,7 +163,7 @@ impl SqlState {
         // `Engine::sql` bounds depth itself and runs on `STACK_BYTES` stacks: its session
         // parses deeper than DataFusion's default (`PARSER_RECURSION_LIMIT`).
         let ctx = new_context(&weak, engine.shared.ctl.limit(), Arc::clone(&env), Some(PARSER_RECURSION_LIMIT)).map_err(|e| sql_error(e, &last_refusal))?;
-        Ok(Self { engine: weak, env, ctx, last_refusal, runtime: Mutex::new(None) })
+        Ok(Self { engine: weak, env, ctx, last_refusal, runtime: Mutex::new(None), watchdog: deadline::Watchdog::default() })
     }
 
     fn runtime(&self) -> Result<tokio::runtime::Handle> {
@@ -184,25 +189,28 @@ impl SqlState {
     /// Runs one statement as a task on the engine's SQL runtime ([`Self::run`] on its
     /// threads, which have the stack deep statements need), aborted when the returned future
     /// is dropped.
+    ///
+    /// With a `sql_statement_timeout`, the returned future is `Timeout` at the deadline
+    /// (counted from now) even while the task holds its worker: the watchdog's thread marks it
+    /// and aborts the task, which stops at its next yield. The task keeps a tokio timer too,
+    /// which stops it at a yield point past the deadline whatever the watchdog does.
     fn spawn(self: &Arc<Self>, query: &str) -> Result<QueryTask> {
         let handle = self.runtime()?;
         let (state, query) = (Arc::clone(self), query.to_owned());
         let timeout = self.engine.upgrade().and_then(|e| e.shared.config.sql_statement_timeout);
+        let start = std::time::Instant::now();
         // The runtime is the engine's own, shut down with it (clippy.toml); the task is
-        // aborted when its `QueryTask` is dropped.
+        // aborted when its `QueryTask` is dropped, or at its deadline.
         #[allow(clippy::disallowed_methods)]
         let task = handle.spawn(async move {
             let Some(limit) = timeout else { return state.run(&query).await };
             // Dropping `run`'s future at the deadline drops the plan's streams: scans stop at
             // their next batch and the operators' reservations are released.
-            tokio::time::timeout(limit, state.run(&query)).await.unwrap_or_else(|_| {
-                Err(Error::Sql {
-                    kind: SqlErrorKind::Timeout,
-                    source: Box::new(DataFusionError::Execution(format!("statement cancelled after {limit:?} (EngineConfig::sql_statement_timeout)"))),
-                })
-            })
+            tokio::time::timeout(limit, state.run(&query)).await.unwrap_or_else(|_| Err(timed_out(limit)))
         });
-        Ok(QueryTask(task))
+        // A deadline past what `Instant` holds never comes.
+        let deadline = timeout.and_then(|limit| Some((limit, self.watchdog.register(start.checked_add(limit)?, task.abort_handle())?)));
+        Ok(QueryTask { task, deadline })
     }
 
     /// Plans and runs one read-only statement on the current tokio runtime (the engine's SQL
@@ -284,17 +292,35 @@ impl SqlState {
     }
 }
 
-/// A running [`SqlState::spawn`]ed statement: its answer, or a typed error when it panicked
-/// or the engine shut its runtime down. Dropping it aborts the statement.
-struct QueryTask(tokio::task::JoinHandle<Result<Vec<RecordBatch>>>);
+/// `Error::Sql { kind: Timeout }` for a statement cancelled after `limit`.
+fn timed_out(limit: std::time::Duration) -> Error {
+    Error::Sql {
+        kind: SqlErrorKind::Timeout,
+        source: Box::new(DataFusionError::Execution(format!("statement cancelled after {limit:?} (EngineConfig::sql_statement_timeout)"))),
+    }
+}
+
+/// A running [`SqlState::spawn`]ed statement: its answer, `Timeout` once its deadline has
+/// passed (without waiting for its task), or a typed error when it panicked or the engine
+/// shut its runtime down. Dropping it aborts the statement and removes its deadline.
+struct QueryTask {
+    task: tokio::task::JoinHandle<Result<Vec<RecordBatch>>>,
+    /// The timeout and its deadline on the watchdog (`None`: no timeout, or no watchdog
+    /// thread could be started, and then only the task's own timer).
+    deadline: Option<(std::time::Duration, deadline::Deadline)>,
+}
 
 impl std::future::Future for QueryTask {
     type Output = Result<Vec<RecordBatch>>;
 
     fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
-        std::pin::Pin::new(&mut self.0).poll(cx).map(|joined| match joined {
-            Ok(answer) => answer,
-            Err(e) if e.is_panic() => {
+        let this = &mut *self;
+        let joined = std::pin::Pin::new(&mut this.task).poll(cx);
+        // Asked after the task: a task the watchdog cancelled is seen as passed here.
+        let passed = this.deadline.as_ref().and_then(|(limit, d)| d.passed(cx).then_some(*limit));
+        std::task::Poll::Ready(match (joined, passed) {
+            (std::task::Poll::Ready(Ok(answer)), _) => answer,
+            (std::task::Poll::Ready(Err(e)), _) if e.is_panic() => {
                 let panic = e.into_panic();
                 let what = panic.downcast_ref::<&str>().map(|s| (*s).to_owned()).or_else(|| panic.downcast_ref::<String>().cloned());
                 Err(Error::Sql {
@@ -302,14 +328,20 @@ impl std::future::Future for QueryTask {
                     source: Box::new(DataFusionError::Internal(format!("the query panicked: {}", what.as_deref().unwrap_or("(no message)")))),
                 })
             }
-            Err(_) => Err(Error::Closed("engine (the query was stopped by its shutdown)".into())),
+            // Still running (its worker busy, or not yet at a yield): it stops at its next one.
+            (_, Some(limit)) => {
+                this.task.abort();
+                Err(timed_out(limit))
+            }
+            (std::task::Poll::Ready(Err(_)), None) => Err(Error::Closed("engine (the query was stopped by its shutdown)".into())),
+            (std::task::Poll::Pending, None) => return std::task::Poll::Pending,
         })
     }
 }
 
 impl Drop for QueryTask {
     fn drop(&mut self) {
-        self.0.abort();
+        self.task.abort();
     }
 }
 
@@ -619,9 +651,11 @@ impl Engine {
     /// [`Error::Sql`] with [`SqlErrorKind`] `Syntax` (not SQL, several statements),
     /// `UnknownColumn`, `Plan`, `NotSupported` (statements that write or change settings),
     /// `TooDeep` (nested past [`MAX_DEPTH`]), `Execution`, `Internal` (also a panic while the
-    /// statement ran); [`Error::TableNotFound`] for an unknown table; [`Error::MemoryLimit`]
-    /// when the query's operators cannot get memory and cannot spill; [`Error::Storage`]
-    /// and other engine errors from the scans; [`Error::Closed`].
+    /// statement ran), `Timeout` (past [`crate::EngineConfig::sql_statement_timeout`]: at the
+    /// deadline, while the work runs on to its next yield); [`Error::TableNotFound`] for an
+    /// unknown table; [`Error::MemoryLimit`] when the query's operators cannot get memory and
+    /// cannot spill; [`Error::Storage`] and other engine errors from the scans;
+    /// [`Error::Closed`].
     pub fn sql(&self, query: &str) -> Result<Vec<RecordBatch>> {
         let state = self.inner.sql_state()?;
         // The statement runs on the engine's runtime; this thread only waits (also a tokio
@@ -669,17 +703,20 @@ mod tests {
     #[allow(clippy::disallowed_methods)] // a runtime of the test's own
     fn a_panicking_or_stopped_query_is_a_typed_error() {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).build().unwrap();
-        let task = QueryTask(rt.spawn(async {
-            assert!(std::hint::black_box(false), "boom in the planner");
-            Ok(Vec::new())
-        }));
+        let task = QueryTask {
+            task: rt.spawn(async {
+                assert!(std::hint::black_box(false), "boom in the planner");
+                Ok(Vec::new())
+            }),
+            deadline: None,
+        };
         match futures::executor::block_on(task) {
             Err(Error::Sql { kind: SqlErrorKind::Internal, source }) => {
                 assert!(source.to_string().contains("the query panicked: boom in the planner"), "{source}");
             }
             other => panic!("expected Internal, got {other:?}"),
         }
-        let task = QueryTask(rt.spawn(std::future::pending::<Result<Vec<RecordBatch>>>()));
+        let task = QueryTask { task: rt.spawn(std::future::pending::<Result<Vec<RecordBatch>>>()), deadline: None };
         rt.shutdown_background();
         assert!(matches!(futures::executor::block_on(task), Err(Error::Closed(_))));
     }

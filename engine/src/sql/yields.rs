@@ -1,8 +1,9 @@
-//! Yield points above the operators that can emit far more than they read, so that a
-//! statement past [`crate::EngineConfig::sql_statement_timeout`] is cancelled.
+//! Yield points above the operators that can emit far more than they read, so that the work
+//! of a statement past [`crate::EngineConfig::sql_statement_timeout`] stops (its caller has
+//! `Timeout` at the deadline already: `deadline`).
 //!
-//! A `DataFusion` stream runs on a tokio worker until it returns `Pending`, and the statement's
-//! deadline (a tokio timer) and the abort of its tasks take effect only then. Scans and
+//! A `DataFusion` stream runs on a tokio worker until it returns `Pending`, and the abort of
+//! its task (and the tokio timer inside it) takes effect only then. Scans and
 //! exchanges yield (`DataFusion`'s `EnsureCooperative` rule wraps them), but a join emits many
 //! batches for each batch it reads without polling its input: a cross join, a whole left side
 //! for each batch of the right. Above such an operator the aggregate that counts it polled

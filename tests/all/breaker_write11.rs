@@ -890,13 +890,22 @@ fn a_hint_never_turns_a_fitting_write_into_a_memory_error() {
     let ctl = engine.memory();
     let free = ctl.limit() - (ctl.used() - ctl.category_bytes(Category::FreeChunks));
     let hint_map = table_bytes(capacity_for(20_000));
-    // One row whose value is S bytes: it needs S in row blocks and ~S in the WAL record
-    // (inline path); leave 160 KiB of slack beyond 2 S: enough without the hint, not with it.
+    // Values of S bytes in all: they need S in row blocks and ~S in the WAL record (inline
+    // path); leave 160 KiB of slack beyond 2 S: enough without the hint, not with it. S is cut
+    // into a few rows, each value at most what a scan reads back under the limit
+    // (`largest_readable_value`; a larger one is `ValueTooLarge`).
     let slack = 160 << 10;
     assert!(hint_map > slack + (32 << 10), "hint map {hint_map}");
     let s = (free - slack) / 2;
-    let b = RecordBatch::try_new(kv_schema(), vec![Arc::new(Int64Array::from(vec![1_000_000])) as ArrayRef, Arc::new(StringArray::from(vec!["y".repeat(s)]))])
-        .unwrap();
+    let parts = s.div_ceil(gritdb::largest_readable_value(ctl.limit()));
+    let b = RecordBatch::try_new(
+        kv_schema(),
+        vec![
+            Arc::new(Int64Array::from_iter_values(1_000_000..1_000_000 + parts as i64)) as ArrayRef,
+            Arc::new(StringArray::from_iter_values((0..parts).map(|_| "y".repeat(s / parts)))),
+        ],
+    )
+    .unwrap();
     let first = t.insert(&b);
     let second = if first.is_err() { Some(t.insert(&b)) } else { None };
     assert!(first.is_ok(), "first attempt (hinted map {hint_map} B, free {free} B, value {s} B): {first:?}; identical retry: {second:?}");

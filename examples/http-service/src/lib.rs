@@ -97,6 +97,8 @@ impl From<gritdb::Error> for ApiError {
             E::InvalidTableName { .. } => (StatusCode::BAD_REQUEST, "invalid_table_name"),
             E::InvalidPrimaryKey(_) => (StatusCode::BAD_REQUEST, "invalid_primary_key"),
             E::Input(_) => (StatusCode::BAD_REQUEST, "invalid_input"),
+            // Too large for the memory limit to read back: a larger limit admits it.
+            E::ValueTooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, "value_too_large"),
             E::MemoryLimit { .. } => (StatusCode::SERVICE_UNAVAILABLE, "memory_limit"),
             E::Closed(_) => (StatusCode::SERVICE_UNAVAILABLE, "closed"),
             _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),

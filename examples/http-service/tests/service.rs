@@ -260,3 +260,22 @@ async fn graceful_shutdown_closes_the_engine() {
     assert!(s.files >= 1 && s.active_delta_bytes == 0 && s.file_rows == 250, "{s:?}");
     e.close().unwrap();
 }
+
+/// A value no scan could read back under the memory limit is 413 `value_too_large`, and the
+/// request applies nothing: a 300 KB name at a 1 MiB limit (at most 196,608 bytes a value).
+#[tokio::test]
+async fn a_value_too_large_for_the_limit_is_413_and_applies_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Arc::new(Engine::open(dir.path(), EngineConfig::default().memory_limit(1 << 20)).unwrap());
+    let app = gritdb_http_service::router(Arc::clone(&engine));
+    let (status, body) = post_json(&app, "/tables", &events_table()).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    let big = json!([{"id": 1, "name": "n", "amount": 1.0}, {"id": 2, "name": "x".repeat(300_000), "amount": 2.0}]);
+    let (status, body) = post_json(&app, "/tables/events/rows?op=insert", &big).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{body}");
+    assert_eq!(body["kind"], "value_too_large");
+    assert!(body["error"].as_str().unwrap().contains("column `name`"), "{body}");
+    assert_eq!(engine.table("events").unwrap().row_count().unwrap(), 0);
+    let (status, body) = post_json(&app, "/tables/events/rows?op=insert", &rows(0..3)).await;
+    assert_eq!((status, body["rows"].clone()), (StatusCode::OK, json!(3)));
+}

@@ -243,9 +243,14 @@ impl Shared {
     /// limit can read: a reader holds a page and a dictionary per column, up to about the
     /// column's share of a row group (`docs/memory.md`, "Scans").
     pub(crate) fn target_flush_bytes(&self) -> usize {
+        self.flush_bytes_under(self.target_limit())
+    }
+
+    /// The limit writes are held to: the limit, or the lower value a lowering in progress
+    /// heads for ([`Engine::set_memory_limit`]'s write target).
+    pub(crate) fn target_limit(&self) -> usize {
         let target = self.write_target.load(Ordering::Acquire);
-        let limit = if target == 0 { self.ctl.limit() } else { target.min(self.ctl.limit()) };
-        self.flush_bytes_under(limit)
+        if target == 0 { self.ctl.limit() } else { target.min(self.ctl.limit()) }
     }
 
     fn flush_bytes_under(&self, limit: usize) -> usize {
@@ -416,9 +421,7 @@ impl Shared {
 
     /// The soft limit writes respect (see [`Self::flush_headroom`]).
     pub(crate) fn write_soft_limit(&self) -> usize {
-        let target = self.write_target.load(Ordering::Acquire);
-        let limit = if target == 0 { self.ctl.limit() } else { target.min(self.ctl.limit()) };
-        limit.saturating_sub(self.flush_headroom())
+        self.target_limit().saturating_sub(self.flush_headroom())
     }
 }
 

@@ -775,9 +775,7 @@ impl Table {
     /// # Errors
     /// [`Error::ValueTooLarge`] naming the first largest value.
     fn check_value_sizes(&self, batch: &RecordBatch) -> Result<()> {
-        let shared = &self.inner.shared;
-        let target = shared.write_target.load(Ordering::Acquire);
-        let limit = if target == 0 { shared.ctl.limit() } else { target.min(shared.ctl.limit()) };
+        let limit = self.inner.shared.target_limit();
         let max = gritdb_storage::largest_readable_value(limit);
         if batch.get_array_memory_size() <= max {
             return Ok(());

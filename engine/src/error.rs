@@ -120,29 +120,37 @@ pub enum Error {
         /// The repeating row.
         row: usize,
     },
-    /// A value of the batch is longer than a scan could read back under the memory limit in
-    /// force ([`crate::largest_readable_value`]: `(limit - 64 KiB) / 5` bytes, a
-    /// reader holding such a value about five times). Nothing of the batch was applied;
-    /// raising the limit (`Engine::set_memory_limit`) admits it.
+    /// A row of the batch holds a string or binary value too long for a scan to read the row
+    /// back, or a flush to write it, under the memory limit in force beside the key indexes
+    /// the tables' files hold ([`gritdb_storage::row_memory_bytes`]: about five times the
+    /// row's largest value, plus its other values and its key; six to seven times for a string
+    /// key, which the key index holds too; [`crate::largest_readable_value`] is `(limit − 64
+    /// KiB) / 5` bytes for a row of one value in an empty engine). Nothing of the batch was
+    /// applied; raising the limit (`Engine::set_memory_limit`) admits it.
     #[error(
-        "table `{table}`: row {row}'s value in column `{column}` is {} bytes; a scan could not read it back under the memory \
-         limit of {} (at most {} a value: a reader holds a value about five times, docs/memory.md). Raise the limit \
-         (EngineConfig::memory_limit / Engine::set_memory_limit) or store the value in smaller parts",
-        format_bytes(*bytes), format_bytes(*limit), format_bytes(*max)
+        "table `{table}`: row {row}'s value in column `{column}` is {} bytes; a scan could not read the row back (nor a flush \
+         write it) under the memory limit of {} beside its other values, its key and the tables' key indexes ({}): at most {} \
+         here (a reader holds a value about five times, docs/memory.md). Raise the limit (EngineConfig::memory_limit / \
+         Engine::set_memory_limit) or store the value in smaller parts",
+        format_bytes(*bytes), format_bytes(*limit), format_bytes(*key_index), format_bytes(*max)
     )]
     ValueTooLarge {
         /// Table name.
         table: String,
-        /// Column name.
+        /// Column name of the row's largest value.
         column: String,
         /// Row index within the batch.
         row: usize,
         /// The value's length in bytes.
         bytes: usize,
-        /// The largest value accepted under `limit`, in bytes.
+        /// The largest value this row could hold under `limit` (its other values, its key and
+        /// `key_index` unchanged), in bytes; 0 when none fits.
         max: usize,
         /// The memory limit (or the lower value a lowering in progress heads for), in bytes.
         limit: usize,
+        /// Bytes of the key indexes of every table's files when the write was checked (held
+        /// while the tables are open, so left out of what a scan may use).
+        key_index: usize,
     },
     /// The batch or row does not fit the table (schema, nulls, types, size).
     #[error(transparent)]
@@ -295,8 +303,8 @@ fn less_of(category: Category) -> &'static str {
         Category::ScanBuffers => {
             "scans: drop the batches held, project fewer columns, use a smaller batch_rows, or raise the limit \
              (Engine::set_memory_limit); an open file's reader holds a page and a dictionary per projected column of a row group, \
-             however small the batch, stored and decoded: one value is held about five times over (writes refuse one above \
-             gritdb::largest_readable_value of the limit; one written under a larger limit needs a raised one)"
+             however small the batch, stored and decoded: one value is held about five times over (writes refuse a row whose \
+             gritdb::row_memory_bytes do not fit beside the key indexes; one written under a larger limit needs a raised one)"
         }
         Category::KeyIndex => "the tables' key indexes must fit, at open and as files are added",
         Category::Query => "a SQL query: fewer groups, joins or sorts at once",

@@ -48,9 +48,6 @@ pub use gritdb_storage::TornTail as WalTornTail;
 /// What a flush or an export counts, under `write_buffers`, for each column chunk a Parquet
 /// writer has written and keeps in its footer until the file is closed (docs/memory.md).
 pub use gritdb_storage::WRITTEN_CHUNK_BYTES;
-/// The largest string or binary value a write accepts under a memory limit (bytes in, bytes
-/// out): larger ones no scan could read back under it ([`Error::ValueTooLarge`]).
-pub use gritdb_storage::largest_readable_value;
 pub use gritdb_storage::{CompareOp, FilterError, MAX_FILTER_DEPTH, ScanFilter, ScanMetrics, WalSync};
 /// The Parquet writer settings of gritdb's data files and exports, for a caller that writes
 /// files to compare with or load into gritdb's (the bench's raw-writer baseline does).
@@ -58,6 +55,12 @@ pub use gritdb_storage::{DATA_FILE_COMPRESSION, DICTIONARY_PAGE_BYTES, EXPORT_CO
 /// What a scan reserves for a data file's metadata before parsing it, per encoded byte
 /// (docs/memory.md, "Not accounted").
 pub use gritdb_storage::{FOOTER_MEMORY_FACTOR, OFFSET_INDEX_MEMORY_FACTOR, PAGE_INDEX_MEMORY_FACTOR};
+/// What a write checks a row against ([`Error::ValueTooLarge`]), in bytes:
+/// `row_memory_bytes(largest, values, key)` is the memory a row needs for a scan to read it
+/// back and a flush to write it; `largest_value_within(budget, rest, key)` the largest value a
+/// row fits in `budget`; `largest_readable_value(limit)` that of a lone value in an empty
+/// engine, `(limit − 64 KiB) / 5`.
+pub use gritdb_storage::{largest_readable_value, largest_value_within, row_memory_bytes};
 pub use gritdb_unify::UnifyError;
 pub use scan::{RETAIN_RATIO, Scan, ScanOptions, compact_if_sparse, retained_bytes};
 pub use table::{COMPACTION_FAILED, Table, TableStats};

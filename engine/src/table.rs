@@ -633,7 +633,7 @@ impl Table {
     /// [`Error::KeyExists`] when a key is already in the table, [`Error::DuplicateKey`] for a
     /// key repeated inside the batch, [`Error::Input`] for schema mismatches or nulls in key
     /// or non-nullable columns and rows above `max_row_bytes`, [`Error::ValueTooLarge`] for a
-    /// value no scan could read back under the memory limit (about a fifth of it),
+    /// row no scan could read back under the memory limit (a value above about a fifth of it),
     /// [`Error::MemoryLimit`] when memory cannot be had after
     /// backpressure (at once, without waiting, for a batch no flush could make room for:
     /// `docs/memory.md`, "Enforcement"). On any error nothing of the batch is applied.
@@ -724,7 +724,7 @@ impl Table {
         let keys = codec.keys().encode_batch(batch)?;
         // Before the memory wait: a row above `max_row_bytes` fits under no limit.
         codec.check_row_sizes(batch, &keys)?;
-        self.check_value_sizes(batch)?;
+        self.check_value_sizes(batch, &keys)?;
         let hashes = gritdb_unify::hash_keys(&keys);
         if let Some((first, row)) = first_duplicate(&keys, &hashes) {
             return Err(Error::DuplicateKey { table: self.inner.name.clone(), first, row });
@@ -767,30 +767,43 @@ impl Table {
         })
     }
 
-    /// Refuses a batch with a value no scan could read back under the limit in force (the
-    /// lower value a lowering heads for, if one is in progress):
-    /// [`crate::largest_readable_value`]. Cheap for usual batches: when the batch's
-    /// whole Arrow memory (at least every value's bytes) is within that, no value is measured.
+    /// Refuses a batch with a row no scan could read back, or no flush write, under the limit
+    /// in force (the lower value a lowering heads for, if one is in progress) beside the key
+    /// indexes of every table's files, which stay held: the row's
+    /// [`gritdb_storage::row_memory_bytes`] (from its largest string or binary value, all of
+    /// them, and its encoded key) plus those indexes must be within the limit. Cheap for usual
+    /// batches: when the batch's whole Arrow memory (at least every row's values) and its keys
+    /// pass with the `key_index` category (at least the files' indexes) beside them, no row
+    /// is measured.
     ///
     /// # Errors
-    /// [`Error::ValueTooLarge`] naming the first largest value.
-    fn check_value_sizes(&self, batch: &RecordBatch) -> Result<()> {
-        let limit = self.inner.shared.target_limit();
-        let max = gritdb_storage::largest_readable_value(limit);
-        if batch.get_array_memory_size() <= max {
+    /// [`Error::ValueTooLarge`] naming the first row's largest value where it does not fit.
+    fn check_value_sizes(&self, batch: &RecordBatch, keys: &arrow_row::Rows) -> Result<()> {
+        let shared = &self.inner.shared;
+        let limit = shared.target_limit();
+        let batch_bytes = batch.get_array_memory_size();
+        let key_bytes = keys.size();
+        let held = shared.ctl.category_bytes(Category::KeyIndex);
+        if gritdb_storage::row_memory_bytes(batch_bytes, batch_bytes, key_bytes).saturating_add(held) <= limit {
             return Ok(());
         }
-        match self.inner.codec.largest_value(batch) {
-            Some((column, row, bytes)) if bytes > max => Err(Error::ValueTooLarge {
-                table: self.inner.name.clone(),
-                column: self.inner.codec.schema().field(column).name().clone(),
-                row,
-                bytes,
-                max,
-                limit,
-            }),
-            _ => Ok(()),
+        let key_index = self.engine.file_index_bytes();
+        let budget = limit.saturating_sub(key_index);
+        for (row, v) in self.inner.codec.value_bytes_by_row(batch).into_iter().enumerate() {
+            let max = gritdb_storage::largest_value_within(budget, v.values - v.largest, keys.row(row).as_ref().len());
+            if v.largest > max {
+                return Err(Error::ValueTooLarge {
+                    table: self.inner.name.clone(),
+                    column: self.inner.codec.schema().field(v.column).name().clone(),
+                    row,
+                    bytes: v.largest,
+                    max,
+                    limit,
+                    key_index,
+                });
+            }
         }
+        Ok(())
     }
 
     /// Insert: no key may exist in any layer; update: every key must exist.

@@ -59,5 +59,6 @@ pub use write::{
     CancelToken, DATA_FILE_COMPRESSION, DATA_PAGE_BYTES, DICTIONARY_PAGE_BYTES, DICTIONARY_TABLE_BYTES, EXPORT_COMPRESSION, FOOTER_MEMORY_FACTOR, FileReader,
     FooterTally, LearnedGrowth, MemoryWait, OFFSET_INDEX_MEMORY_FACTOR, PAGE_INDEX_MEMORY_FACTOR, ReadSpec, StepError, StepStats, StepWriter,
     WRITTEN_CHUNK_BYTES, WriteOptions, WrittenFile, WrittenMetadata, data_file_properties, default_encode_threads, file_crc32, fit_dictionaries,
-    largest_readable_value, read_file, read_file_reserved, read_file_with, read_file_within, write_data_file, write_data_file_from,
+    largest_readable_value, largest_value_within, read_file, read_file_reserved, read_file_with, read_file_within, row_memory_bytes, write_data_file,
+    write_data_file_from,
 };

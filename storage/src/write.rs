@@ -1610,21 +1610,60 @@ const PAGE_HEADER_BUFFER: u64 = 8 << 10;
 /// reader instead of once a column (it had covered this state before).
 const COLUMN_READER_BYTES: u64 = 4 << 10;
 
+/// Bytes [`row_memory_bytes`] adds to a row's own figures: the column readers, page header
+/// buffers and fixed-width columns of a scan, and the writer's state in a flush (64 KiB;
+/// the measurements below needed 19–64 KiB).
+const ROW_MEMORY_SLACK: usize = 64 << 10;
+
+/// Bytes of memory a row needs for a full scan to read it back and a flush to write it, when
+/// the largest of its string and binary values is `largest` bytes, all of them together
+/// `values` bytes (the largest included), and its primary key encodes to `key` bytes (Arrow's
+/// row format, as the key index holds it): the larger of
+/// - a scan: `4 × largest + values + key`. The reader holds the column with the largest value
+///   about four times (a decoded page; the dictionary page stored and decoded, as parquet's
+///   writer puts a chunk's first values in a dictionary however long; the page compressed
+///   while it is read, incompressible text gaining nothing from LZ4) and reads the other
+///   columns one after another; the batch it hands out holds every value once; the key index
+///   holds the key;
+/// - a flush: `2 × values + 3 × key`. The row (its values and its encoded key) is in a row
+///   block and again in the Arrow batch being written, and the key enters the file's key
+///   index;
+///
+/// plus 64 KiB. Measured (2026-12-07, rows of random letters of 20 KB – 5 MB, the smallest
+/// limit under which the row was written, flushed, read by a full scan, flushed beside another
+/// write, and read again after a reopen, by bisection to 4 KiB): one value 5.03–5.20 × +
+/// 19–29 KiB up to 1 MB, less above 1 MiB (split into pages); two values `v` each 6.0–6.2 `v`
+/// up to 1 MB (the scan: `4v + 2v`); a string key alone 6.1–6.2 × (the scan, `5k + k`) up to
+/// 1 MB and 5.09 × from 2 MB (the flush, `2k + 3 × 1.03k`: the row format spends one byte in 32
+/// on a string); a string key and a value of its size 7.1 × (the flush, `4v + 3 × 1.03v`) at
+/// every size from 300 KB. Before, a 300 KB string was written and flushed at 1 MiB and read
+/// by no scan under that limit (helper-41), and a 406 KB key at 2 MiB broke the table's scans,
+/// flushes and reopens at that limit (helper-44).
+pub fn row_memory_bytes(largest: usize, values: usize, key: usize) -> usize {
+    let scan = largest.saturating_mul(4).saturating_add(values).saturating_add(key);
+    let flush = values.saturating_mul(2).saturating_add(key.saturating_mul(3));
+    scan.max(flush).saturating_add(ROW_MEMORY_SLACK)
+}
+
+/// The largest string or binary value a row may hold for [`row_memory_bytes`] to stay within
+/// `budget` bytes, when its other such values are `rest` bytes together and its key encodes to
+/// `key` bytes: the smaller of `(budget − 64 KiB − rest − key) / 5` and `(budget − 64 KiB −
+/// 2 × rest − 3 × key) / 2`, 0 when nothing fits.
+pub fn largest_value_within(budget: usize, rest: usize, key: usize) -> usize {
+    let b = budget.saturating_sub(ROW_MEMORY_SLACK);
+    let scan = b.saturating_sub(rest.saturating_add(key)) / 5;
+    let flush = b.saturating_sub(rest.saturating_mul(2).saturating_add(key.saturating_mul(3))) / 2;
+    scan.min(flush)
+}
+
 /// The largest single string or binary value a scan reads back under a memory limit of
-/// `limit` bytes when nothing else holds memory: `(limit - 64 KiB) / 5` bytes. A value of `v`
-/// bytes is a column chunk of one page at least `v` long, which [`reader_buffer_bytes`]
-/// counts held decoded (`v`, the dictionary page included), its dictionary page stored and
-/// decoded (`2v`: parquet's writer puts the first values of a chunk in a dictionary, however
-/// long), and the page compressed while it is read (up to `v`: incompressible text gains
-/// nothing from LZ4); the batch the scan hands out holds `v` more: `5v`. The 64 KiB covers
-/// the column readers, header buffers and the key column. Measured (2026-12-07, one row of
-/// random letters, the smallest limit a scan read it under, found by bisection): 100 KB needed
-/// 5.23 × its size, 300 KB 5.12 ×, 1 MB 5.03 × (5v + 23–35 KiB); a value of one repeated letter
-/// 3.0–3.3 ×, and values above 1 MiB less (split into pages). Writes refuse a larger value
-/// (`gritdb::Error::ValueTooLarge`): before, a 300 KB string was written and flushed at 1 MiB
-/// and then read by no scan, export or SQL query under that limit (helper-41).
+/// `limit` bytes when nothing else holds memory and the row has no other such value (its key
+/// counted as no bytes): `(limit − 64 KiB) / 5` bytes ([`largest_value_within`]`(limit, 0,
+/// 0)`; 196,608 B at 1 MiB). A write refuses a row whose [`row_memory_bytes`] do not fit
+/// beside the tables' key indexes, which for one value and an 8-byte key is a few bytes less
+/// (`gritdb::Error::ValueTooLarge`).
 pub fn largest_readable_value(limit: usize) -> usize {
-    limit.saturating_sub(64 << 10) / 5
+    largest_value_within(limit, 0, 0)
 }
 
 /// Bytes a Parquet reader of the columns `read` of `row_groups` holds besides the batches it

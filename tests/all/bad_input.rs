@@ -1413,18 +1413,27 @@ fn a_value_no_scan_could_read_back_under_the_limit_is_refused_at_the_write() {
         t.insert(&batch(&[2], &[10])).unwrap();
         let writes: [(&str, Box<dyn Fn(&RecordBatch) -> gritdb::Result<usize>>); 3] =
             [("insert", Box::new(|b| t.insert(b))), ("upsert", Box::new(|b| t.upsert(b))), ("update", Box::new(|b| t.update(b)))];
+        // The row's bound: the lone value beside an `Int64` key (9 bytes in Arrow's row
+        // format) and the key index of the table's files (none flushed yet: its empty index).
+        let key_index = t.stats().unwrap().key_index_bytes;
+        let row_max = gritdb::largest_value_within(LIMIT - key_index, 0, 9);
+        assert_eq!(row_max, gritdb::largest_readable_value(LIMIT - key_index - 9));
+        assert!(max - row_max < 500, "{max} {row_max}");
         for (name, write) in &writes {
             // The big value third, after a null and a small one: the error names it.
             let b = if *name == "update" { batch(&[2], &[max + 1]) } else { batch(&[1, 3, 2], &[0, 100, max + 1]) };
             let row = if *name == "update" { 0 } else { 2 };
             match write(&b) {
-                Err(Error::ValueTooLarge { table, column, row: r, bytes, max: m, limit }) => {
-                    assert_eq!((table.as_str(), column.as_str(), r, bytes, m, limit), ("t", "v", row, max + 1, max, LIMIT), "{name} {ty}");
+                Err(Error::ValueTooLarge { table, column, row: r, bytes, max: m, limit, key_index: held }) => {
+                    assert_eq!((table.as_str(), column.as_str(), r, bytes, m, limit, held), ("t", "v", row, max + 1, row_max, LIMIT, key_index), "{name} {ty}");
                 }
                 other => panic!("{name} {ty}: {other:?}"),
             }
             assert_eq!(t.row_count().unwrap(), 1, "{name} {ty}: nothing applied");
         }
+        // One byte more than the row's bound is refused too.
+        assert!(matches!(t.upsert(&batch(&[1], &[row_max + 1])), Err(Error::ValueTooLarge { bytes, .. }) if bytes == row_max + 1));
+        let max = row_max;
         // The largest accepted: written, flushed, read back whole under the same limit.
         assert_eq!(t.upsert(&batch(&[1, 2], &[max, 0])).unwrap(), 2);
         t.flush().unwrap();
@@ -1453,5 +1462,167 @@ fn a_value_no_scan_could_read_back_under_the_limit_is_refused_at_the_write() {
         engine.set_memory_limit(8 * LIMIT).unwrap();
         assert_eq!(t.upsert(&batch(&[3], &[max + 1])).unwrap(), 1);
         assert_eq!(t.row_count().unwrap(), 3);
+    }
+}
+
+/// The row bound counts what else the row and the engine hold beside its largest value
+/// (helper-44's three findings past the per-value bound, 2026-12-07), at 2 MiB:
+/// - a string **key** of the per-value bound (the key index holds it too) was accepted, and
+///   then the table's scans, flushes, `close` and reopens at that limit were `MemoryLimit`;
+/// - a row of **two values** each at the bound was accepted and read by no full scan;
+/// - a value at the bound beside **another table's key index** was read by no scan.
+///
+/// Each is now `ValueTooLarge` naming the row's largest value, with the row's own bound as
+/// `max` and the files' key indexes as `key_index`; a row at that bound is written, flushed,
+/// read back whole by a full scan, flushed again beside another write, and read back whole
+/// after a reopen at the same limit.
+#[test]
+fn a_row_is_bounded_with_its_key_its_other_values_and_the_key_indexes_held() {
+    use arrow::array::{Array, UInt64Array};
+    const LIMIT: usize = 2 << 20;
+    let text = |len: usize, seed: u64| -> String {
+        let mut x = seed | 1;
+        (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (b'a' + (x % 26) as u8) as char
+            })
+            .collect()
+    };
+    let config = || EngineConfig::default().memory_limit(LIMIT).backpressure_timeout(std::time::Duration::from_secs(30));
+    // Every row of a full scan as (column → value as text), sorted.
+    let read = |t: &gritdb::Table| -> Vec<Vec<Option<String>>> {
+        let mut rows = Vec::new();
+        for b in t.scan(ScanOptions::default().batch_rows(1)).unwrap() {
+            let b = b.unwrap();
+            for i in 0..b.num_rows() {
+                rows.push(
+                    b.columns()
+                        .iter()
+                        .map(|c| {
+                            let c = arrow::compute::cast(c, &DataType::Utf8).unwrap();
+                            let c = c.as_any().downcast_ref::<StringArray>().unwrap();
+                            c.is_valid(i).then(|| c.value(i).to_string())
+                        })
+                        .collect(),
+                );
+            }
+        }
+        rows.sort();
+        rows
+    };
+    let old_bound = gritdb::largest_readable_value(LIMIT);
+    // (case, schema, key columns, a row for key seed `i` with its big values of `len` bytes)
+    type Make = Box<dyn Fn(u64, usize) -> Vec<ArrayRef>>;
+    let cases: Vec<(&str, Arc<Schema>, Vec<&str>, Make, &str)> = vec![
+        (
+            "string key",
+            Arc::new(Schema::new(vec![Field::new("k", DataType::Utf8, false), Field::new("v", DataType::Int64, true)])),
+            vec!["k"],
+            Box::new(move |i, len| vec![Arc::new(StringArray::from(vec![text(len, i)])) as ArrayRef, Arc::new(Int64Array::from(vec![i as i64]))]),
+            "k",
+        ),
+        (
+            "two values",
+            Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("a", DataType::Utf8, true), Field::new("b", DataType::Utf8, true)])),
+            vec!["k"],
+            // `b` one byte longer: the error names the row's largest value.
+            Box::new(move |i, len| {
+                vec![
+                    Arc::new(Int64Array::from(vec![i as i64])) as ArrayRef,
+                    Arc::new(StringArray::from(vec![text(len, i)])),
+                    Arc::new(StringArray::from(vec![text(len + 1, i + 50)])),
+                ]
+            }),
+            "b",
+        ),
+        (
+            "beside another table's key index",
+            Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", DataType::Utf8, true)])),
+            vec!["k"],
+            Box::new(move |i, len| vec![Arc::new(Int64Array::from(vec![i as i64])) as ArrayRef, Arc::new(StringArray::from(vec![text(len, i)]))]),
+            "v",
+        ),
+    ];
+    for (case, schema, keys, make, column) in &cases {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = Engine::open(dir.path(), config()).unwrap();
+        if *case == "beside another table's key index" {
+            // 20,000 keys in four files: about a tenth of the limit held by `other`'s index.
+            let other = engine.create_table("other", Arc::new(Schema::new(vec![Field::new("id", DataType::UInt64, false)])), &["id"]).unwrap();
+            for f in 0..4u64 {
+                let ids = UInt64Array::from_iter_values(f * 5_000..(f + 1) * 5_000);
+                other.insert(&RecordBatch::try_new(other.schema(), vec![Arc::new(ids) as ArrayRef]).unwrap()).unwrap();
+                other.flush().unwrap();
+            }
+            let held = other.stats().unwrap().key_index_bytes;
+            assert!(held > LIMIT / 20, "{held}");
+        }
+        let t = engine.create_table("t", Arc::clone(schema), keys).unwrap();
+        let batch = |i: u64, len: usize| RecordBatch::try_new(Arc::clone(schema), make(i, len)).unwrap();
+        let tables_index = || ["other", "t"].iter().filter_map(|n| engine.table(n).ok()).map(|t| t.stats().unwrap().key_index_bytes).sum::<usize>();
+        // At the per-value bound of an empty engine: refused, nothing applied.
+        let (max, key_index) = match t.insert(&batch(1, old_bound)) {
+            Err(Error::ValueTooLarge { table, column: c, row, bytes, max, limit, key_index }) => {
+                let big = if *case == "two values" { old_bound + 1 } else { old_bound };
+                assert_eq!((table.as_str(), c.as_str(), row, bytes, limit, key_index), ("t", *column, 0, big, LIMIT, tables_index()), "{case}");
+                assert!(max + key_index / 6 < old_bound, "{case}: {max} of {old_bound}");
+                (max, key_index)
+            }
+            other => panic!("{case}: {other:?}"),
+        };
+        assert_eq!(t.row_count().unwrap(), 0, "{case}");
+        // The error's bound is the row's, from its figures: its other values, its key in
+        // Arrow's row format (as the key index holds it), and the files' key indexes.
+        let key_len = |len: usize| -> usize {
+            if *case != "string key" {
+                return 9;
+            }
+            let conv = arrow::row::RowConverter::new(vec![arrow::row::SortField::new(DataType::Utf8)]).unwrap();
+            conv.convert_columns(&[Arc::new(StringArray::from(vec!["x".repeat(len)])) as ArrayRef]).unwrap().row(0).as_ref().len()
+        };
+        let rest = |len: usize| if *case == "two values" { len - 1 } else { 0 };
+        let big = |len: usize| if *case == "two values" { len + 1 } else { len };
+        assert_eq!(max, gritdb::largest_value_within(LIMIT - key_index, rest(big(old_bound)), key_len(old_bound)), "{case}");
+        // The largest row of this shape that fits (its largest value `len`), by the public
+        // figures; one byte more is refused.
+        let fits = |len: usize| len <= gritdb::largest_value_within(LIMIT - key_index, rest(len), key_len(len));
+        let mut len = max / 2;
+        while fits(len + 1) {
+            len += 1;
+        }
+        assert!(len >= max * 9 / 10 && len <= max + max / 5, "{case}: {len} {max}");
+        // The batch's `len` is its first value's; the largest is `big(len)` in "two values".
+        let len = if *case == "two values" { len - 1 } else { len };
+        assert!(matches!(t.insert(&batch(1, len + 1)), Err(Error::ValueTooLarge { .. })), "{case}");
+        assert_eq!(t.insert(&batch(1, len)).unwrap(), 1, "{case}");
+        t.flush().unwrap();
+        let want_one = read(&t);
+        assert_eq!(want_one.len(), 1, "{case}");
+        assert_eq!(
+            want_one[0],
+            make(1, len)
+                .iter()
+                .map(|c| {
+                    let c = arrow::compute::cast(c, &DataType::Utf8).unwrap();
+                    Some(c.as_any().downcast_ref::<StringArray>().unwrap().value(0).to_string())
+                })
+                .collect::<Vec<_>>(),
+            "{case}"
+        );
+        t.upsert(&batch(2, 10)).unwrap();
+        t.flush().unwrap();
+        let want = read(&t);
+        assert_eq!(want.len(), 2, "{case}");
+        drop(t);
+        engine.close().unwrap();
+        let engine = Engine::open(dir.path(), config()).unwrap();
+        let t = engine.table("t").unwrap();
+        assert_eq!(read(&t), want, "{case} after reopen");
+        t.upsert(&batch(4, 10)).unwrap();
+        t.flush().unwrap();
+        assert_eq!(read(&t).len(), 3, "{case} after reopen");
     }
 }

@@ -892,12 +892,13 @@ fn a_hint_never_turns_a_fitting_write_into_a_memory_error() {
     let hint_map = table_bytes(capacity_for(20_000));
     // Values of S bytes in all: they need S in row blocks and ~S in the WAL record (inline
     // path); leave 160 KiB of slack beyond 2 S: enough without the hint, not with it. S is cut
-    // into a few rows, each value at most what a scan reads back under the limit
-    // (`largest_readable_value`; a larger one is `ValueTooLarge`).
+    // into a few rows, each value at most what a scan reads back under the limit beside the
+    // table's key index and the row's 9-byte key (`largest_value_within`; a larger one is
+    // `ValueTooLarge`).
     let slack = 160 << 10;
     assert!(hint_map > slack + (32 << 10), "hint map {hint_map}");
     let s = (free - slack) / 2;
-    let parts = s.div_ceil(gritdb::largest_readable_value(ctl.limit()));
+    let parts = s.div_ceil(gritdb::largest_value_within(ctl.limit() - t.stats().unwrap().key_index_bytes, 0, 9));
     let b = RecordBatch::try_new(
         kv_schema(),
         vec![

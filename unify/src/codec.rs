@@ -168,6 +168,17 @@ pub struct RowCodec {
     max_row_bytes: usize,
 }
 
+/// One row's string and binary values, from [`RowCodec::value_bytes_by_row`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RowValueBytes {
+    /// Index in the schema of the column holding the largest value (0 when the row has none).
+    pub column: usize,
+    /// The largest value's length in bytes (0 when the row has none).
+    pub largest: usize,
+    /// All the row's string and binary values together, in bytes.
+    pub values: usize,
+}
+
 impl RowCodec {
     /// A codec for `schema` with primary-key columns `key_columns` (indices), refusing rows
     /// that encode to more than `max_row_bytes` (at most [`MAX_ROW_BYTES`]: a larger value is
@@ -291,24 +302,27 @@ impl RowCodec {
         self.row_sizes(keys, &readers).map(|_| ())
     }
 
-    /// The largest single value of `batch` (a string or binary value's bytes; nulls and
-    /// fixed-width values count nothing): `(column, row, bytes)` of the first largest, `None`
-    /// when the batch has no variable-width value. For a check a caller makes only when
-    /// `batch.get_array_memory_size()` (at least every value's bytes) is above its bound:
-    /// it reads every row's length.
-    pub fn largest_value(&self, batch: &RecordBatch) -> Option<(usize, usize, usize)> {
-        let mut best: Option<(usize, usize, usize)> = None;
-        let mut sizes = vec![0usize; batch.num_rows()];
+    /// Each row's string and binary values (nulls and fixed-width values count nothing), one
+    /// [`RowValueBytes`] a row of `batch`: the largest value's column and bytes, and all of
+    /// them together in bytes. For a check a caller makes only when
+    /// `batch.get_array_memory_size()` (at least every value's bytes) is above its bound: it
+    /// reads every row's length.
+    pub fn value_bytes_by_row(&self, batch: &RecordBatch) -> Vec<RowValueBytes> {
+        let mut out = vec![RowValueBytes::default(); batch.num_rows()];
+        let mut lens = vec![0usize; batch.num_rows()];
         for (c, (a, k)) in batch.columns().iter().zip(self.kinds()).enumerate().filter(|(_, (_, k))| k.is_var()) {
-            sizes.fill(0);
-            ColReader::new(a, *k).add_var_lens(&mut sizes);
-            // The first row of the largest length (`max_by_key` keeps the last).
-            let Some((row, &bytes)) = sizes.iter().enumerate().rev().max_by_key(|(_, b)| **b) else { continue };
-            if best.is_none_or(|(_, _, b)| bytes > b) {
-                best = Some((c, row, bytes));
+            lens.fill(0);
+            ColReader::new(a, *k).add_var_lens(&mut lens);
+            for (o, &len) in out.iter_mut().zip(&lens) {
+                o.values += len;
+                // The first column of the largest length: later columns must be longer.
+                if len > o.largest {
+                    o.largest = len;
+                    o.column = c;
+                }
             }
         }
-        best
+        out
     }
 
     /// Encoded size in bytes of each row of `batch` whose key bytes are `keys`.
@@ -763,11 +777,11 @@ mod tests {
     use arrow_array::Decimal128Array;
     use arrow_schema::Field;
 
-    /// `largest_value` finds the first longest value over the variable-width columns of a
-    /// sliced batch (offsets not from 0, a null whose offsets span bytes, views), and `None`
-    /// for fixed-width columns only.
+    /// `value_bytes_by_row` finds each row's first longest value and the sum of its values
+    /// over the variable-width columns of a sliced batch (offsets not from 0, a null whose
+    /// offsets span bytes, views), and nothing for fixed-width columns only.
     #[test]
-    fn largest_value_of_sliced_batches_with_nulls_and_views() {
+    fn value_bytes_by_row_of_sliced_batches_with_nulls_and_views() {
         use arrow_array::{ArrayRef, BinaryArray, Int64Array, LargeStringArray, StringViewArray};
         use arrow_schema::Schema;
         let schema = Arc::new(Schema::new(vec![
@@ -782,16 +796,25 @@ mod tests {
         let c = StringViewArray::from(vec![None, Some("v".repeat(41)), Some("w".repeat(20)), None, Some("u".repeat(39))]);
         let cols: Vec<ArrayRef> = vec![Arc::new(Int64Array::from(vec![0, 1, 2, 3, 4])), Arc::new(a), Arc::new(b), Arc::new(c)];
         let batch = RecordBatch::try_new(Arc::clone(&schema), cols).unwrap();
-        // Whole: the 900-byte binary at row 0.
-        assert_eq!(codec.largest_value(&batch), Some((1, 0, 900)));
-        // Rows 1..5: 41 bytes in `b` (row 2 of the slice) and in `c` (row 0): `b` is the
-        // earlier column to reach it, and later columns must be longer to win.
-        assert_eq!(codec.largest_value(&batch.slice(1, 4)), Some((2, 2, 41)));
-        // Rows 3..5: `a` has a null then 40; `b` 41 then a null; `c` a null then 39.
-        assert_eq!(codec.largest_value(&batch.slice(3, 2)), Some((2, 0, 41)));
+        let row = |column, largest, values| RowValueBytes { column, largest, values };
+        // Row 0: 900 + 800; row 1: 5 + 41 (the view); row 2: 40 + 30 + 20; row 3: 41 (`b`,
+        // beside a null in `a` and `c`); row 4: 40 in `a` before 39 in `c`.
+        let whole = vec![row(1, 900, 1700), row(3, 41, 46), row(1, 40, 90), row(2, 41, 41), row(1, 40, 79)];
+        assert_eq!(codec.value_bytes_by_row(&batch), whole);
+        assert_eq!(codec.value_bytes_by_row(&batch.slice(1, 4)), whole[1..5].to_vec());
+        assert_eq!(codec.value_bytes_by_row(&batch.slice(3, 2)), whole[3..5].to_vec());
+        // A tie goes to the earlier column: 41 in `b` then 41 in `c`.
+        let tie = LargeStringArray::from(vec![Some("t".repeat(41))]);
+        let cols: Vec<ArrayRef> = vec![
+            Arc::new(Int64Array::from(vec![9])),
+            Arc::new(BinaryArray::from(vec![None::<&[u8]>])),
+            Arc::new(tie),
+            Arc::new(StringViewArray::from(vec![Some("s".repeat(41))])),
+        ];
+        assert_eq!(codec.value_bytes_by_row(&RecordBatch::try_new(Arc::clone(&schema), cols).unwrap()), vec![row(2, 41, 82)]);
         let fixed = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false)]));
         let only = RecordBatch::try_new(Arc::clone(&fixed), vec![Arc::new(Int64Array::from(vec![1, 2]))]).unwrap();
-        assert_eq!(RowCodec::new(fixed, &[0], 1 << 20).unwrap().largest_value(&only), None);
+        assert_eq!(RowCodec::new(fixed, &[0], 1 << 20).unwrap().value_bytes_by_row(&only), vec![RowValueBytes::default(); 2]);
     }
 
     /// Every length from 0 to 70 bytes (each branch of `copy_short` and both sides of its

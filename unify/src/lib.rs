@@ -27,6 +27,6 @@ mod codec;
 mod delta;
 mod error;
 
-pub use codec::{KeyEncoder, MAX_ROW_BYTES, MAX_TYPE_DEPTH, RowCodec, type_depth};
+pub use codec::{KeyEncoder, MAX_ROW_BYTES, MAX_TYPE_DEPTH, RowCodec, RowValueBytes, type_depth};
 pub use delta::{DeltaBatches, DeltaStore, Lookup, hash_keys, key_hash};
 pub use error::UnifyError;

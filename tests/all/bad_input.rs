@@ -1384,17 +1384,7 @@ fn a_value_no_scan_could_read_back_under_the_limit_is_refused_at_the_write() {
     const LIMIT: usize = 1 << 20;
     let max = gritdb::largest_readable_value(LIMIT);
     assert_eq!(max, (LIMIT - (64 << 10)) / 5);
-    let text = |len: usize, seed: u64| -> String {
-        let mut x = seed | 1;
-        (0..len)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (b'a' + (x % 26) as u8) as char
-            })
-            .collect()
-    };
+    let text = |len: usize, seed: u64| random_text(len, seed, b'a', 26);
     for ty in [DataType::Utf8, DataType::LargeBinary, DataType::Utf8View] {
         let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", ty.clone(), true)]));
         let batch = |keys: &[i64], lens: &[usize]| {
@@ -1480,17 +1470,7 @@ fn a_value_no_scan_could_read_back_under_the_limit_is_refused_at_the_write() {
 fn a_row_is_bounded_with_its_key_its_other_values_and_the_key_indexes_held() {
     use arrow::array::{Array, UInt64Array};
     const LIMIT: usize = 2 << 20;
-    let text = |len: usize, seed: u64| -> String {
-        let mut x = seed | 1;
-        (0..len)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (b'a' + (x % 26) as u8) as char
-            })
-            .collect()
-    };
+    let text = |len: usize, seed: u64| random_text(len, seed, b'a', 26);
     let config = || EngineConfig::default().memory_limit(LIMIT).backpressure_timeout(std::time::Duration::from_secs(30));
     // Every row of a full scan as (column → value as text), sorted.
     let read = |t: &gritdb::Table| -> Vec<Vec<Option<String>>> {

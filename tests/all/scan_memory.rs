@@ -644,17 +644,7 @@ fn a_batch_bigger_than_the_limit_beside_its_own_reader_is_refused_at_once() {
     let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("c", DataType::Utf8, true)]));
     let t = engine.create_table("wide", Arc::clone(&schema), &["k"]).unwrap();
     // Eight rows of 2,000,000 bytes each, of letters that do not compress.
-    let value = |k: i64| -> String {
-        let mut x = (k as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..2_000_000)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (b'!' + (x % 90) as u8) as char
-            })
-            .collect()
-    };
+    let value = |k: i64| random_text(2_000_000, (k as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15), b'!', 90);
     let ks: Vec<i64> = (0..8).collect();
     let batch = RecordBatch::try_new(
         Arc::clone(&schema),

@@ -19,6 +19,21 @@ pub fn mix(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
+/// `len` characters drawn from the `count` consecutive ASCII characters from `first`, by
+/// Marsaglia's xorshift64 (13, 7, 17; "Xorshift RNGs", 2003) from `seed | 1`: text that LZ4
+/// and dictionaries do not shrink, the same for the same arguments.
+pub fn random_text(len: usize, seed: u64, first: u8, count: u8) -> String {
+    let mut x = seed | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (first + (x % u64::from(count)) as u8) as char
+        })
+        .collect()
+}
+
 /// One thread's scheduling as Linux shows it in `/proc/<pid>/task/<tid>/stat` (`proc(5)`:
 /// field 1 the thread id, field 2 the name in parentheses, field 19 the nice value, field 41
 /// the policy: 0 `SCHED_OTHER`, 3 `SCHED_BATCH`, 5 `SCHED_IDLE`).

@@ -1266,7 +1266,30 @@ fn a_join_that_never_yields_returns_timeout_on_time_on_one_sql_thread() {
         let returned = start.elapsed();
         // Generous: the deadline is 300 ms; a loaded machine delays the wake-up, not the work.
         assert!(returned < std::time::Duration::from_secs(3), "{q}: Timeout after {returned:?}");
+        // The statements after it do not wait behind it: they run on a new runtime while the
+        // join holds the old one's only worker (before: 13 trivial statements timed out, the
+        // first answer 3.98 s later, helper-44).
+        for i in 0..3 {
+            let start = std::time::Instant::now();
+            let answer = engine.sql("SELECT count(*) FROM t WHERE id > 10");
+            assert_eq!(
+                answer.as_ref().map(|b| scalar(b)).ok(),
+                Some(49_990),
+                "statement {i} after the timeout: {:?} after {:?}",
+                answer.err(),
+                start.elapsed()
+            );
+        }
+        let sql_threads = || gritdb_tests::process_threads().iter().filter(|t| t.name == "gritdb-sql").count();
         let freed = query_memory_comes_back(&engine, std::time::Duration::from_mins(1), q);
         eprintln!("{q}: Timeout after {returned:?}, query memory back to 0 {freed:?} later");
+        // Once the join has ended, the next statement shuts its old runtime down: one SQL
+        // thread again.
+        assert_eq!(scalar(&engine.sql("SELECT count(*) FROM t").unwrap()), 50_000);
+        let waited = std::time::Instant::now();
+        while sql_threads() != 1 && waited.elapsed() < std::time::Duration::from_secs(30) {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(sql_threads(), 1, "gritdb-sql threads after the old runtime's last task ended");
     }
 }

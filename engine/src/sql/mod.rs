@@ -133,9 +133,60 @@ impl SqlSlot {
     /// Stops the SQL runtime without blocking (safe inside another runtime).
     pub(crate) fn shutdown(&self) {
         let state = self.0.lock().unwrap_or_else(PoisonError::into_inner).take();
-        if let Some(s) = state
-            && let Some(rt) = s.runtime.lock().unwrap_or_else(PoisonError::into_inner).take()
-        {
+        if let Some(s) = state {
+            // Dropping a `Pool` shuts its runtime down in the background.
+            drop(s.runtime.lock().unwrap_or_else(PoisonError::into_inner).take());
+            s.retired.lock().unwrap_or_else(PoisonError::into_inner).clear();
+        }
+    }
+}
+
+/// One SQL runtime and what tells whether it may still take statements and when it has no
+/// more tasks. Dropped, it shuts its runtime down without blocking (`shutdown_background`:
+/// a worker busy in a statement that does not yield ends when it next does).
+struct Pool {
+    rt: Option<tokio::runtime::Runtime>,
+    /// One clone in each task spawned on `rt` (dropped with the task's future): the tasks
+    /// still alive are the strong count less this one.
+    tasks: Arc<()>,
+    /// The tasks of `rt` that passed their deadline still running, with when: each was
+    /// aborted and ends at its next yield, but one that does not yield for long holds a
+    /// worker, and statements after it would wait behind it (helper-44: on one SQL thread,
+    /// 13 trivial statements after a timed-out join timed out too, the first answer 3.98 s
+    /// later).
+    overdue: Overdue,
+}
+
+/// Tasks past their deadline, still running when their caller returned `Timeout`.
+type Overdue = Arc<Mutex<Vec<(std::time::Instant, tokio::task::AbortHandle)>>>;
+
+/// How long a task past its deadline may take to reach its next yield before its runtime is
+/// taken as held by it ([`SqlState::runtime`]): tasks that yield end within microseconds of
+/// their abort.
+const OVERDUE_GRACE: std::time::Duration = std::time::Duration::from_millis(10);
+
+impl Pool {
+    /// Whether a task past its deadline still runs [`OVERDUE_GRACE`] after its caller
+    /// returned, waiting (1 ms at a time) until one has or all have ended: a task that yields
+    /// ends within it. Tasks that have ended leave the list.
+    fn held(&self) -> bool {
+        let mut overdue = self.overdue.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            overdue.retain(|(_, task)| !task.is_finished());
+            if overdue.is_empty() {
+                return false;
+            }
+            if overdue.iter().any(|(at, _)| at.elapsed() >= OVERDUE_GRACE) {
+                return true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        if let Some(rt) = self.rt.take() {
             rt.shutdown_background();
         }
     }
@@ -147,8 +198,13 @@ pub(crate) struct SqlState {
     /// The session of [`Engine::sql`] (users' `session_context()`s are separate).
     ctx: SessionContext,
     last_refusal: Arc<LastRefusal>,
-    /// The runtime blocking [`Engine::sql`] calls run on, built at the first one.
-    runtime: Mutex<Option<tokio::runtime::Runtime>>,
+    /// The runtime blocking [`Engine::sql`] calls run on, built at the first one, and again
+    /// after a statement passed its deadline while still holding a worker.
+    runtime: Mutex<Option<Pool>>,
+    /// Runtimes replaced while their tasks (a statement past its deadline that has not yet
+    /// reached a yield, and any others still running there) go on; each is shut down once
+    /// it has none left, or with the engine.
+    retired: Mutex<Vec<Pool>>,
     /// The deadlines of statements with a timeout, kept outside `runtime` (its thread ends
     /// when this state is dropped).
     watchdog: deadline::Watchdog,
@@ -163,13 +219,28 @@ impl SqlState {
         // `Engine::sql` bounds depth itself and runs on `STACK_BYTES` stacks: its session
         // parses deeper than DataFusion's default (`PARSER_RECURSION_LIMIT`).
         let ctx = new_context(&weak, engine.shared.ctl.limit(), Arc::clone(&env), Some(PARSER_RECURSION_LIMIT)).map_err(|e| sql_error(e, &last_refusal))?;
-        Ok(Self { engine: weak, env, ctx, last_refusal, runtime: Mutex::new(None), watchdog: deadline::Watchdog::default() })
+        Ok(Self { engine: weak, env, ctx, last_refusal, runtime: Mutex::new(None), retired: Mutex::new(Vec::new()), watchdog: deadline::Watchdog::default() })
     }
 
-    fn runtime(&self) -> Result<tokio::runtime::Handle> {
+    /// The runtime to spawn a statement on, with its task counter and overdue list. A
+    /// runtime with a task past its deadline that has not reached a yield [`OVERDUE_GRACE`]
+    /// after its caller returned (this call waits out the rest of that grace) is replaced by
+    /// a new one, and retired: shut down once its tasks are gone, so a statement that does not
+    /// yield holds no later one up. Retired runtimes without tasks are shut down here.
+    fn runtime(&self) -> Result<(tokio::runtime::Handle, Arc<()>, Overdue)> {
         let mut g = self.runtime.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(rt) = g.as_ref() {
-            return Ok(rt.handle().clone());
+        {
+            let mut retired = self.retired.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(pool) = g.take_if(|p| p.held()) {
+                tracing::warn!("a SQL statement past its deadline still holds a gritdb-sql worker; later statements run on a new runtime");
+                retired.push(pool);
+            }
+            retired.retain(|p| Arc::strong_count(&p.tasks) > 1);
+        }
+        if let Some(p) = g.as_ref()
+            && let Some(rt) = p.rt.as_ref()
+        {
+            return Ok((rt.handle().clone(), Arc::clone(&p.tasks), Arc::clone(&p.overdue)));
         }
         let threads = std::thread::available_parallelism().map_or(2, std::num::NonZero::get);
         // Planning, optimizing and evaluating recurse once per level of a statement: every
@@ -181,9 +252,13 @@ impl SqlState {
             .enable_all()
             .build()
             .map_err(|e| Error::Io { path: "tokio runtime (gritdb-sql)".into(), source: e })?;
-        let handle = rt.handle().clone();
-        *g = Some(rt);
-        Ok(handle)
+        let pool = Pool { rt: Some(rt), tasks: Arc::new(()), overdue: Overdue::default() };
+        let out = (pool.rt.as_ref().map(|rt| rt.handle().clone()), Arc::clone(&pool.tasks), Arc::clone(&pool.overdue));
+        *g = Some(pool);
+        match out {
+            (Some(handle), tasks, overdue) => Ok((handle, tasks, overdue)),
+            (None, ..) => Err(Error::Closed("engine (its SQL runtime)".into())),
+        }
     }
 
     /// Runs one statement as a task on the engine's SQL runtime ([`Self::run`] on its
@@ -195,7 +270,7 @@ impl SqlState {
     /// and aborts the task, which stops at its next yield. The task keeps a tokio timer too,
     /// which stops it at a yield point past the deadline whatever the watchdog does.
     fn spawn(self: &Arc<Self>, query: &str) -> Result<QueryTask> {
-        let handle = self.runtime()?;
+        let (handle, tasks, overdue) = self.runtime()?;
         let (state, query) = (Arc::clone(self), query.to_owned());
         let timeout = self.engine.upgrade().and_then(|e| e.shared.config.sql_statement_timeout);
         let start = std::time::Instant::now();
@@ -203,6 +278,10 @@ impl SqlState {
         // aborted when its `QueryTask` is dropped, or at its deadline.
         #[allow(clippy::disallowed_methods)]
         let task = handle.spawn(async move {
+            // Counts this task on its runtime until its future is dropped (ended or aborted):
+            // the binding's effect is that it is held, by the future, until then.
+            #[allow(clippy::no_effect_underscore_binding)]
+            let _alive = tasks;
             let Some(limit) = timeout else { return state.run(&query).await };
             // Dropping `run`'s future at the deadline drops the plan's streams: scans stop at
             // their next batch and the operators' reservations are released.
@@ -210,7 +289,7 @@ impl SqlState {
         });
         // A deadline past what `Instant` holds never comes.
         let deadline = timeout.and_then(|limit| Some((limit, self.watchdog.register(start.checked_add(limit)?, task.abort_handle())?)));
-        Ok(QueryTask { task, deadline })
+        Ok(QueryTask { task, deadline, overdue })
     }
 
     /// Plans and runs one read-only statement on the current tokio runtime (the engine's SQL
@@ -308,6 +387,8 @@ struct QueryTask {
     /// The timeout and its deadline on the watchdog (`None`: no timeout, or no watchdog
     /// thread could be started, and then only the task's own timer).
     deadline: Option<(std::time::Duration, deadline::Deadline)>,
+    /// The overdue list of the runtime the task runs on ([`Pool::overdue`]).
+    overdue: Overdue,
 }
 
 impl std::future::Future for QueryTask {
@@ -328,8 +409,12 @@ impl std::future::Future for QueryTask {
                     source: Box::new(DataFusionError::Internal(format!("the query panicked: {}", what.as_deref().unwrap_or("(no message)")))),
                 })
             }
-            // Still running (its worker busy, or not yet at a yield): it stops at its next one.
-            (_, Some(limit)) => {
+            // Still running (its worker busy, or not yet at a yield): it stops at its next one,
+            // and the next statement goes to a new runtime in case that is far off.
+            (joined, Some(limit)) => {
+                if joined.is_pending() {
+                    this.overdue.lock().unwrap_or_else(PoisonError::into_inner).push((std::time::Instant::now(), this.task.abort_handle()));
+                }
                 this.task.abort();
                 Err(timed_out(limit))
             }
@@ -704,6 +789,7 @@ mod tests {
     fn a_panicking_or_stopped_query_is_a_typed_error() {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).build().unwrap();
         let task = QueryTask {
+            overdue: Overdue::default(),
             task: rt.spawn(async {
                 assert!(std::hint::black_box(false), "boom in the planner");
                 Ok(Vec::new())
@@ -716,7 +802,7 @@ mod tests {
             }
             other => panic!("expected Internal, got {other:?}"),
         }
-        let task = QueryTask { task: rt.spawn(std::future::pending::<Result<Vec<RecordBatch>>>()), deadline: None };
+        let task = QueryTask { task: rt.spawn(std::future::pending::<Result<Vec<RecordBatch>>>()), deadline: None, overdue: Overdue::default() };
         rt.shutdown_background();
         assert!(matches!(futures::executor::block_on(task), Err(Error::Closed(_))));
     }

@@ -121,18 +121,19 @@ pub enum Error {
         row: usize,
     },
     /// A row of the batch holds a string or binary value too long for a scan to read the row
-    /// back, or a flush to write it, under the memory limit in force beside the key indexes
-    /// the tables' files hold ([`gritdb_storage::row_memory_bytes`]: about five times the
-    /// row's largest value, plus its other values and its key; six to seven times for a string
-    /// key, which the key index holds too; [`crate::largest_readable_value`] is `(limit − 64
+    /// back, a flush to write it or an open to rebuild its key, under the memory limit in
+    /// force beside the key indexes the tables' files hold
+    /// ([`gritdb_storage::row_memory_bytes`]: about five times the row's largest value, plus
+    /// its other values and its key; six to seven times for a string key, which the key index
+    /// holds too, and about six times a key of several string columns; [`crate::largest_readable_value`] is `(limit − 64
     /// KiB) / 5` bytes for a row of one value in an empty engine). Nothing of the batch was
     /// applied; raising the limit (`Engine::set_memory_limit`) admits it.
     #[error(
-        "table `{table}`: row {row}'s value in column `{column}` is {} bytes; a scan could not read the row back (nor a flush \
-         write it) under the memory limit of {} beside its other values, its key and the tables' key indexes ({}): at most {} \
-         here (a reader holds a value about five times, docs/memory.md). Raise the limit (EngineConfig::memory_limit / \
-         Engine::set_memory_limit) or store the value in smaller parts",
-        format_bytes(*bytes), format_bytes(*limit), format_bytes(*key_index), format_bytes(*max)
+        "table `{table}`: row {row}'s value in column `{column}` is {bytes} bytes; a scan could not read the row back (nor a \
+         flush write it, nor an open rebuild its key) under the memory limit of {} beside its other values, its key and the \
+         tables' key indexes ({}): at most {max} bytes here (a reader holds a value about five times, docs/memory.md). Raise \
+         the limit (EngineConfig::memory_limit / Engine::set_memory_limit) or store the value in smaller parts",
+        format_bytes(*limit), format_bytes(*key_index)
     )]
     ValueTooLarge {
         /// Table name.
@@ -143,8 +144,9 @@ pub enum Error {
         row: usize,
         /// The value's length in bytes.
         bytes: usize,
-        /// The largest value this row could hold under `limit` (its other values, its key and
-        /// `key_index` unchanged), in bytes; 0 when none fits.
+        /// The largest value this row could hold under `limit` (its other values, its encoded
+        /// key and `key_index` unchanged: for a value of the key, a little more fits, as its
+        /// key shrinks with it), in bytes; 0 when none fits.
         max: usize,
         /// The memory limit (or the lower value a lowering in progress heads for), in bytes.
         limit: usize,

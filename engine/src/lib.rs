@@ -56,8 +56,9 @@ pub use gritdb_storage::{DATA_FILE_COMPRESSION, DICTIONARY_PAGE_BYTES, EXPORT_CO
 /// (docs/memory.md, "Not accounted").
 pub use gritdb_storage::{FOOTER_MEMORY_FACTOR, OFFSET_INDEX_MEMORY_FACTOR, PAGE_INDEX_MEMORY_FACTOR};
 /// What a write checks a row against ([`Error::ValueTooLarge`]), in bytes:
-/// `row_memory_bytes(largest, values, key)` is the memory a row needs for a scan to read it
-/// back and a flush to write it; `largest_value_within(budget, rest, key)` the largest value a
+/// `row_memory_bytes(largest, values, key_values, key)` is the memory a row needs for a scan
+/// to read it back, a flush to write it and an open to rebuild its key;
+/// `largest_value_within(budget, rest, key_values, key)` the largest value outside the key a
 /// row fits in `budget`; `largest_readable_value(limit)` that of a lone value in an empty
 /// engine, `(limit − 64 KiB) / 5`.
 pub use gritdb_storage::{largest_readable_value, largest_value_within, row_memory_bytes};

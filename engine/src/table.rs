@@ -784,24 +784,41 @@ impl Table {
         let batch_bytes = batch.get_array_memory_size();
         let key_bytes = keys.size();
         let held = shared.ctl.category_bytes(Category::KeyIndex);
-        if gritdb_storage::row_memory_bytes(batch_bytes, batch_bytes, key_bytes).saturating_add(held) <= limit {
+        if gritdb_storage::row_memory_bytes(batch_bytes, batch_bytes, batch_bytes, key_bytes).saturating_add(held) <= limit {
             return Ok(());
         }
         let key_index = self.engine.file_index_bytes();
         let budget = limit.saturating_sub(key_index);
+        let key_columns = self.inner.codec.keys().columns();
         for (row, v) in self.inner.codec.value_bytes_by_row(batch).into_iter().enumerate() {
-            let max = gritdb_storage::largest_value_within(budget, v.values - v.largest, keys.row(row).as_ref().len());
-            if v.largest > max {
-                return Err(Error::ValueTooLarge {
-                    table: self.inner.name.clone(),
-                    column: self.inner.codec.schema().field(v.column).name().clone(),
-                    row,
-                    bytes: v.largest,
-                    max,
-                    limit,
-                    key_index,
-                });
+            let key = keys.row(row).as_ref().len();
+            // A row without a string or binary value has no value to blame: only a full key
+            // index leaves it no room, which its flush reports (`MemoryLimit`, `key_index`).
+            if v.largest == 0 || gritdb_storage::row_memory_bytes(v.largest, v.values, v.key_values, key) <= budget {
+                continue;
             }
+            let max = if key_columns.contains(&v.column) {
+                // The largest value is part of the key: the largest `len` for which the row
+                // fits with that value cut to `len` (its encoded key left as it is).
+                let fits = |len: usize| gritdb_storage::row_memory_bytes(len, v.values - v.largest + len, v.key_values - v.largest + len, key) <= budget;
+                let (mut lo, mut hi) = (0, v.largest);
+                while lo < hi {
+                    let mid = lo + (hi - lo).div_ceil(2);
+                    if fits(mid) { lo = mid } else { hi = mid - 1 }
+                }
+                if fits(lo) { lo } else { 0 }
+            } else {
+                gritdb_storage::largest_value_within(budget, v.values - v.largest, v.key_values, key)
+            };
+            return Err(Error::ValueTooLarge {
+                table: self.inner.name.clone(),
+                column: self.inner.codec.schema().field(v.column).name().clone(),
+                row,
+                bytes: v.largest,
+                max,
+                limit,
+                key_index,
+            });
         }
         Ok(())
     }

@@ -1615,10 +1615,11 @@ const COLUMN_READER_BYTES: u64 = 4 << 10;
 /// the measurements below needed 19–64 KiB).
 const ROW_MEMORY_SLACK: usize = 64 << 10;
 
-/// Bytes of memory a row needs for a full scan to read it back and a flush to write it, when
-/// the largest of its string and binary values is `largest` bytes, all of them together
-/// `values` bytes (the largest included), and its primary key encodes to `key` bytes (Arrow's
-/// row format, as the key index holds it): the larger of
+/// Bytes of memory a row needs for a full scan to read it back, a flush to write it and an
+/// open to rebuild its key index, when the largest of its string and binary values is
+/// `largest` bytes, all of them together `values` bytes (the largest included), those of its
+/// key columns `key_values` bytes, and its primary key encodes to `key` bytes (Arrow's row
+/// format, as the key index holds it): the largest of
 /// - a scan: `4 × largest + values + key`. The reader holds the column with the largest value
 ///   about four times (a decoded page; the dictionary page stored and decoded, as parquet's
 ///   writer puts a chunk's first values in a dictionary however long; the page compressed
@@ -1628,6 +1629,12 @@ const ROW_MEMORY_SLACK: usize = 64 << 10;
 /// - a flush: `2 × values + 3 × key`. The row (its values and its encoded key) is in a row
 ///   block and again in the Arrow batch being written, and the key enters the file's key
 ///   index;
+/// - an open: `4 × key_values + 2 × key`. Rebuilding a file's key index reads its key
+///   columns (pages and dictionaries of each, the batch out), encodes the keys and holds
+///   the index being built. Measured (helper-45): a key of two or three string columns at
+///   the bound of the first two terms was written and read back, but the data directory did
+///   not reopen at the same limit: its rebuild needed about 5.4 × the encoded key (11.1 ×
+///   each of two columns' values; this term gives 12.1 ×);
 ///
 /// plus 64 KiB. Measured (2026-12-07, rows of random letters of 20 KB – 5 MB, the smallest
 /// limit under which the row was written, flushed, read by a full scan, flushed beside another
@@ -1639,18 +1646,23 @@ const ROW_MEMORY_SLACK: usize = 64 << 10;
 /// every size from 300 KB. Before, a 300 KB string was written and flushed at 1 MiB and read
 /// by no scan under that limit (helper-41), and a 406 KB key at 2 MiB broke the table's scans,
 /// flushes and reopens at that limit (helper-44).
-pub fn row_memory_bytes(largest: usize, values: usize, key: usize) -> usize {
+pub fn row_memory_bytes(largest: usize, values: usize, key_values: usize, key: usize) -> usize {
     let scan = largest.saturating_mul(4).saturating_add(values).saturating_add(key);
     let flush = values.saturating_mul(2).saturating_add(key.saturating_mul(3));
-    scan.max(flush).saturating_add(ROW_MEMORY_SLACK)
+    let open = key_values.saturating_mul(4).saturating_add(key.saturating_mul(2));
+    scan.max(flush).max(open).saturating_add(ROW_MEMORY_SLACK)
 }
 
-/// The largest string or binary value a row may hold for [`row_memory_bytes`] to stay within
-/// `budget` bytes, when its other such values are `rest` bytes together and its key encodes to
-/// `key` bytes: the smaller of `(budget − 64 KiB − rest − key) / 5` and `(budget − 64 KiB −
-/// 2 × rest − 3 × key) / 2`, 0 when nothing fits.
-pub fn largest_value_within(budget: usize, rest: usize, key: usize) -> usize {
+/// The largest string or binary value outside the key a row may hold for
+/// [`row_memory_bytes`] to stay within `budget` bytes, when its other such values are `rest`
+/// bytes together, those of its key columns `key_values`, and its key encodes to `key` bytes:
+/// the smaller of `(budget − 64 KiB − rest − key) / 5` and `(budget − 64 KiB − 2 × rest − 3 ×
+/// key) / 2`; 0 when nothing fits, the open's `4 × key_values + 2 × key` included.
+pub fn largest_value_within(budget: usize, rest: usize, key_values: usize, key: usize) -> usize {
     let b = budget.saturating_sub(ROW_MEMORY_SLACK);
+    if key_values.saturating_mul(4).saturating_add(key.saturating_mul(2)) > b {
+        return 0;
+    }
     let scan = b.saturating_sub(rest.saturating_add(key)) / 5;
     let flush = b.saturating_sub(rest.saturating_mul(2).saturating_add(key.saturating_mul(3))) / 2;
     scan.min(flush)
@@ -1659,11 +1671,11 @@ pub fn largest_value_within(budget: usize, rest: usize, key: usize) -> usize {
 /// The largest single string or binary value a scan reads back under a memory limit of
 /// `limit` bytes when nothing else holds memory and the row has no other such value (its key
 /// counted as no bytes): `(limit − 64 KiB) / 5` bytes ([`largest_value_within`]`(limit, 0,
-/// 0)`; 196,608 B at 1 MiB). A write refuses a row whose [`row_memory_bytes`] do not fit
+/// 0, 0)`; 196,608 B at 1 MiB; 196,606 B beside an `Int64` key, 9 bytes encoded). A write refuses a row whose [`row_memory_bytes`] do not fit
 /// beside the tables' key indexes, which for one value and an 8-byte key is a few bytes less
 /// (`gritdb::Error::ValueTooLarge`).
 pub fn largest_readable_value(limit: usize) -> usize {
-    largest_value_within(limit, 0, 0)
+    largest_value_within(limit, 0, 0, 0)
 }
 
 /// Bytes a Parquet reader of the columns `read` of `row_groups` holds besides the batches it

@@ -898,7 +898,7 @@ fn a_hint_never_turns_a_fitting_write_into_a_memory_error() {
     let slack = 160 << 10;
     assert!(hint_map > slack + (32 << 10), "hint map {hint_map}");
     let s = (free - slack) / 2;
-    let parts = s.div_ceil(gritdb::largest_value_within(ctl.limit() - t.stats().unwrap().key_index_bytes, 0, 9));
+    let parts = s.div_ceil(gritdb::largest_value_within(ctl.limit() - t.stats().unwrap().key_index_bytes, 0, 0, 9));
     let b = RecordBatch::try_new(
         kv_schema(),
         vec![

@@ -177,6 +177,8 @@ pub struct RowValueBytes {
     pub largest: usize,
     /// All the row's string and binary values together, in bytes.
     pub values: usize,
+    /// Those of them in key columns, in bytes.
+    pub key_values: usize,
 }
 
 impl RowCodec {
@@ -303,8 +305,8 @@ impl RowCodec {
     }
 
     /// Each row's string and binary values (nulls and fixed-width values count nothing), one
-    /// [`RowValueBytes`] a row of `batch`: the largest value's column and bytes, and all of
-    /// them together in bytes. For a check a caller makes only when
+    /// [`RowValueBytes`] a row of `batch`: the largest value's column and bytes, all of them
+    /// together and those in key columns, in bytes. For a check a caller makes only when
     /// `batch.get_array_memory_size()` (at least every value's bytes) is above its bound: it
     /// reads every row's length.
     pub fn value_bytes_by_row(&self, batch: &RecordBatch) -> Vec<RowValueBytes> {
@@ -313,8 +315,12 @@ impl RowCodec {
         for (c, (a, k)) in batch.columns().iter().zip(self.kinds()).enumerate().filter(|(_, (_, k))| k.is_var()) {
             lens.fill(0);
             ColReader::new(a, *k).add_var_lens(&mut lens);
+            let in_key = self.keys().columns().contains(&c);
             for (o, &len) in out.iter_mut().zip(&lens) {
                 o.values += len;
+                if in_key {
+                    o.key_values += len;
+                }
                 // The first column of the largest length: later columns must be longer.
                 if len > o.largest {
                     o.largest = len;
@@ -796,7 +802,7 @@ mod tests {
         let c = StringViewArray::from(vec![None, Some("v".repeat(41)), Some("w".repeat(20)), None, Some("u".repeat(39))]);
         let cols: Vec<ArrayRef> = vec![Arc::new(Int64Array::from(vec![0, 1, 2, 3, 4])), Arc::new(a), Arc::new(b), Arc::new(c)];
         let batch = RecordBatch::try_new(Arc::clone(&schema), cols).unwrap();
-        let row = |column, largest, values| RowValueBytes { column, largest, values };
+        let row = |column, largest, values| RowValueBytes { column, largest, values, key_values: 0 };
         // Row 0: 900 + 800; row 1: 5 + 41 (the view); row 2: 40 + 30 + 20; row 3: 41 (`b`,
         // beside a null in `a` and `c`); row 4: 40 in `a` before 39 in `c`.
         let whole = vec![row(1, 900, 1700), row(3, 41, 46), row(1, 40, 90), row(2, 41, 41), row(1, 40, 79)];
@@ -815,6 +821,19 @@ mod tests {
         let fixed = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false)]));
         let only = RecordBatch::try_new(Arc::clone(&fixed), vec![Arc::new(Int64Array::from(vec![1, 2]))]).unwrap();
         assert_eq!(RowCodec::new(fixed, &[0], 1 << 20).unwrap().value_bytes_by_row(&only), vec![RowValueBytes::default(); 2]);
+        // Values of key columns count in `key_values` too: key (k, s), value t.
+        let keyed =
+            Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("s", DataType::Utf8, false), Field::new("t", DataType::Utf8, true)]));
+        let cols: Vec<ArrayRef> = vec![
+            Arc::new(Int64Array::from(vec![1, 2])),
+            Arc::new(arrow_array::StringArray::from(vec!["abc", "de"])),
+            Arc::new(arrow_array::StringArray::from(vec![Some("wxyz"), None])),
+        ];
+        let b = RecordBatch::try_new(Arc::clone(&keyed), cols).unwrap();
+        assert_eq!(
+            RowCodec::new(keyed, &[0, 1], 1 << 20).unwrap().value_bytes_by_row(&b),
+            vec![RowValueBytes { column: 2, largest: 4, values: 7, key_values: 3 }, RowValueBytes { column: 1, largest: 2, values: 2, key_values: 2 }]
+        );
     }
 
     /// Every length from 0 to 70 bytes (each branch of `copy_short` and both sides of its

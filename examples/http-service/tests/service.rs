@@ -262,7 +262,8 @@ async fn graceful_shutdown_closes_the_engine() {
 }
 
 /// A value no scan could read back under the memory limit is 413 `value_too_large`, and the
-/// request applies nothing: a 300 KB name at a 1 MiB limit (at most 196,608 bytes a value).
+/// request applies nothing: a 300 KB name at a 1 MiB limit (a row of one value beside an
+/// integer key holds at most about 196 KB: `gritdb::row_memory_bytes`).
 #[tokio::test]
 async fn a_value_too_large_for_the_limit_is_413_and_applies_nothing() {
     let dir = tempfile::tempdir().unwrap();

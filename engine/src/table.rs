@@ -767,11 +767,12 @@ impl Table {
         })
     }
 
-    /// Refuses a batch with a row no scan could read back, or no flush write, under the limit
-    /// in force (the lower value a lowering heads for, if one is in progress) beside the key
-    /// indexes of every table's files, which stay held: the row's
+    /// Refuses a batch with a row no scan could read back, no flush write or no open rebuild
+    /// the key of, under the limit in force (the lower value a lowering heads for, if one is
+    /// in progress) beside the key indexes of every table's files, which stay held: the row's
     /// [`gritdb_storage::row_memory_bytes`] (from its largest string or binary value, all of
-    /// them, and its encoded key) plus those indexes must be within the limit. Cheap for usual
+    /// them, those of its key columns, and its encoded key) plus those indexes must be within
+    /// the limit. Cheap for usual
     /// batches: when the batch's whole Arrow memory (at least every row's values) and its keys
     /// pass with the `key_index` category (at least the files' indexes) beside them, no row
     /// is measured.

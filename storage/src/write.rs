@@ -1671,9 +1671,9 @@ pub fn largest_value_within(budget: usize, rest: usize, key_values: usize, key: 
 /// The largest single string or binary value a scan reads back under a memory limit of
 /// `limit` bytes when nothing else holds memory and the row has no other such value (its key
 /// counted as no bytes): `(limit − 64 KiB) / 5` bytes ([`largest_value_within`]`(limit, 0,
-/// 0, 0)`; 196,608 B at 1 MiB; 196,606 B beside an `Int64` key, 9 bytes encoded). A write refuses a row whose [`row_memory_bytes`] do not fit
-/// beside the tables' key indexes, which for one value and an 8-byte key is a few bytes less
-/// (`gritdb::Error::ValueTooLarge`).
+/// 0, 0)`; 196,608 B at 1 MiB). A write refuses a row whose [`row_memory_bytes`] do not fit
+/// beside the tables' key indexes, which for one value beside an `Int64` key (9 bytes
+/// encoded) is 2 bytes less: 196,606 B at 1 MiB (`gritdb::Error::ValueTooLarge`).
 pub fn largest_readable_value(limit: usize) -> usize {
     largest_value_within(limit, 0, 0, 0)
 }

@@ -11,6 +11,7 @@ use gritdb_storage::{
 use std::collections::HashMap;
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::Instant;
 
 /// What a scan reads: columns, a predicate, batch size.
 #[derive(Debug, Clone)]
@@ -594,14 +595,73 @@ impl Scan {
     /// waits for releases (flushes, or batches the caller drops) up to `backpressure_timeout`,
     /// then returns [`Error::MemoryLimit`].
     fn counted(&self, b: &RecordBatch) -> Result<RecordBatch> {
-        self.counted_beside(0, b)
+        self.waiting_for_memory(0, b.get_array_memory_size(), || count_batch(b, &self.table.shared.ctl, Some(&self.table.account)))
     }
 
-    /// [`Self::counted`] for a batch that needs `own` bytes this scan holds beside it (the
-    /// open reader's buffers, for a batch it decoded): refused at once when the two together
-    /// are more than the limit ([`Self::waiting_for_memory`]).
-    fn counted_beside(&self, own: usize, b: &RecordBatch) -> Result<RecordBatch> {
-        self.waiting_for_memory(own, b.get_array_memory_size(), || count_batch(b, &self.table.shared.ctl, Some(&self.table.account)))
+    /// A batch the open reader decoded (its buffers, `own` bytes, held beside it), counted as
+    /// [`Self::counted`] counts, but never waited for with the reader open: when the batch
+    /// cannot be counted now (or the scan leaves room for a flush first, as
+    /// [`Self::waiting_for_memory`] does), the reader is closed ([`Self::close_for_retry`]:
+    /// its buffers released, its file to be reopened where this batch starts) and the scan
+    /// waits holding nothing of the file until `own` plus the batch's bytes are free; `None`
+    /// then tells the caller to reopen and decode again. The flush the scan waits for may
+    /// need exactly the reader's buffers: at 2 MiB a flush of a row near the bound, its
+    /// batches converted, was refused its write buffers while a scan's reader of the same
+    /// size row held 1.6 MiB and waited for the flush's 395 KiB — each retry of the flush
+    /// refused again, the scan refused after the whole `backpressure_timeout`, 4 scans of 12
+    /// (helper-45's F2; `scan_memory::a_scan_waiting_for_memory_lets_go_of_its_reader_so_a_flush_can_finish`).
+    /// `deadline` is the wait's end, set at the first wait of the caller's `next`.
+    ///
+    /// # Errors
+    /// [`Error::MemoryLimit`] at once when `own` plus the batch is more than the limit, or
+    /// when the memory is not free by the deadline (the reader closed, or kept for the caller
+    /// to close).
+    fn counted_decoded(&mut self, own: usize, b: &RecordBatch, deadline: &mut Option<Instant>) -> Result<Option<RecordBatch>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let table = Arc::clone(&self.table);
+        let ctl = &table.shared.ctl;
+        let count = || count_batch(b, ctl, Some(&table.account));
+        let bytes = b.get_array_memory_size();
+        if own.saturating_add(bytes) > ctl.limit() {
+            return count().map(Some).map_err(Error::from);
+        }
+        let deadline = *deadline.get_or_insert_with(|| crate::engine::deadline_after(table.shared.config.backpressure_timeout));
+        let over = || Instant::now() >= deadline || table.is_dropped();
+        let mut short = !self.flush_room_given_up.load(Relaxed) && self.engine.scan_flush_room_short(bytes);
+        if short && (over() || !self.engine.relieve_pressure(true)) {
+            // Nothing to flush, or the wait ran out: the hard limit alone decides, for the
+            // rest of the scan.
+            self.flush_room_given_up.store(true, Relaxed);
+            short = false;
+        }
+        let refused = if short {
+            None
+        } else {
+            match count() {
+                Ok(c) => return Ok(Some(c)),
+                Err(e @ MemoryError::Limit { .. }) if over() => return Err(e.into()),
+                Err(e @ MemoryError::Limit { .. }) => Some(e),
+                Err(e) => return Err(e.into()),
+            }
+        };
+        self.close_for_retry();
+        let need = own.saturating_add(bytes);
+        loop {
+            self.engine.relieve_pressure(true);
+            if !self.engine.wait_for_memory(deadline) || table.is_dropped() {
+                // The refusal, the reader already closed; or, waiting for a flush's room,
+                // the hard limit alone decides from now on.
+                if let Some(e) = refused {
+                    return Err(e.into());
+                }
+                self.flush_room_given_up.store(true, Relaxed);
+                return Ok(None);
+            }
+            let free = ctl.limit().saturating_sub(ctl.used()) >= need;
+            if free && !(short && self.engine.scan_flush_room_short(bytes)) {
+                return Ok(None);
+            }
+        }
     }
 
     /// `attempt` (to count about `bytes`) until it does not fail for the limit, up to
@@ -627,6 +687,9 @@ impl Scan {
     /// reader of 2 MB values needs about 6 MB of pages beside each decoded batch: at 5 and
     /// 6 MiB each refusal came after the whole `backpressure_timeout`;
     /// `scan_memory::a_batch_bigger_than_the_limit_beside_its_own_reader_is_refused_at_once`).
+    /// After a refused try the scan's other holdings join `own` ([`Self::held_bytes`]: batches
+    /// queued, staged files' rows not yet reached), which only it can give back: waiting for
+    /// them is waiting for itself.
     fn waiting_for_memory<T>(&self, own: usize, bytes: usize, attempt: impl FnMut() -> std::result::Result<T, MemoryError>) -> Result<T> {
         self.waiting_for_memory_raw(own, bytes, attempt).map_err(Error::from)
     }
@@ -641,6 +704,8 @@ impl Scan {
     ) -> std::result::Result<T, MemoryError> {
         use std::sync::atomic::Ordering::Relaxed;
         let deadline = crate::engine::deadline_after(self.table.shared.config.backpressure_timeout);
+        // What else this scan holds, computed at the first refusal (a walk of its queue).
+        let mut held: Option<usize> = None;
         // A scan of a table dropped meanwhile stops waiting at the next wake-up (at most
         // 100 ms): its refusal then reads as `TableNotFound` ([`Self::explain`]) and ends the
         // scan. Before, it waited out the whole timeout (9.3 s of 10 s after the drop, for a
@@ -660,6 +725,10 @@ impl Scan {
             match attempt() {
                 Ok(v) => return Ok(v),
                 Err(e @ MemoryError::Limit { .. }) => {
+                    let held = *held.get_or_insert_with(|| self.held_bytes());
+                    if own.saturating_add(held).saturating_add(bytes) > self.table.shared.ctl.limit() {
+                        return Err(e);
+                    }
                     // Waits even when nothing is left to flush: other scans' batches may be
                     // dropped.
                     self.engine.relieve_pressure(true);
@@ -670,6 +739,25 @@ impl Scan {
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// Bytes this scan holds besides its open reader and has not handed out: the batches of
+    /// its queue and of the staged files ([`ScanSource::Memory`]) at the front of its file
+    /// queue (snapshots keep them first), each distinct buffer's capacity once. The caller
+    /// holds the rest.
+    fn held_bytes(&self) -> usize {
+        let staged = self.files.iter().map_while(|f| match &f.source {
+            ScanSource::Memory(batches) => Some(batches.iter()),
+            ScanSource::File(_) => None,
+        });
+        let mut seen = std::collections::HashSet::new();
+        let mut total = 0;
+        for b in self.memory.iter().chain(staged.flatten()) {
+            for c in b.columns() {
+                walk_buffers(&c.to_data(), &mut seen, &mut total);
+            }
+        }
+        total
     }
 
     /// Closes the open file reader, releasing its buffers, and puts its file back at the
@@ -720,6 +808,8 @@ impl Scan {
     }
 
     fn next_inner(&mut self) -> Option<Result<RecordBatch>> {
+        // The end of this call's wait for a decoded batch's memory (set at its first wait).
+        let mut deadline = None;
         loop {
             if let Some(b) = self.memory.pop_front() {
                 // Queued batches are counted already; only a compact copy needs its own count.
@@ -743,11 +833,18 @@ impl Scan {
                     // A decode error of a damaged file says so, naming the file (a file
                     // changed while it is read, or in the clock tick of its last check).
                     let r = r.map_err(|e| f.guard.explain_read_error(e));
-                    let counted = r.map_err(Error::from).and_then(compact_if_sparse).and_then(|b| self.counted_beside(own, &b));
-                    if matches!(counted, Err(Error::MemoryLimit { .. })) {
-                        self.close_for_retry();
+                    let counted = r.map_err(Error::from).and_then(compact_if_sparse).and_then(|b| self.counted_decoded(own, &b, &mut deadline));
+                    match counted {
+                        // The reader was let go for a wait: reopen and decode the batch again.
+                        Ok(None) => continue,
+                        Ok(Some(b)) => return Some(Ok(b)),
+                        Err(e) => {
+                            if e.is_memory_limit() {
+                                self.close_for_retry();
+                            }
+                            return Some(Err(e));
+                        }
                     }
-                    return Some(counted);
                 }
                 self.current = None;
                 self.reader_buffers = None;

@@ -686,3 +686,150 @@ fn a_batch_bigger_than_the_limit_beside_its_own_reader_is_refused_at_once() {
     }
     assert_eq!(engine.memory().category_bytes(Category::ScanBuffers), 0);
 }
+
+/// A scan whose snapshot holds a staged file (a flush's rows still in memory) reads those
+/// rows before it opens a committed file. Behind the committed files, at 2 MiB, the scan held
+/// the staged row's 395 KiB (`batch_blocks`, kept by the scan after the flush committed and let
+/// go) while its reader of a committed row at the bound (1.6 MiB) waited for 395 KiB more,
+/// memory only the scan itself could give back: refused with `MemoryLimit` after the whole
+/// `backpressure_timeout`, 11 scans of 12 beside a flush of the same rows (helper-45's F2).
+#[test]
+fn a_scan_beside_a_flush_reads_its_staged_rows_before_opening_a_file() {
+    use arrow::array::{ArrayRef, StringArray};
+    use arrow::datatypes::{DataType, Field, Schema};
+    use gritdb::vfs::FaultFs;
+    const LIMIT: usize = 2 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let fs = FaultFs::new();
+    let config = EngineConfig::default()
+        .memory_limit(LIMIT)
+        .writer_threads(1)
+        .flush_age(std::time::Duration::from_secs(3600))
+        .backpressure_timeout(std::time::Duration::from_secs(3))
+        .vfs(Arc::new(fs.clone()));
+    let engine = Engine::open(dir.path(), config).unwrap();
+    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", DataType::Utf8, true)]));
+    let t = engine.create_table("t", Arc::clone(&schema), &["k"]).unwrap();
+    // 2,000 bytes under the row bound beside the 8-byte key.
+    let len = gritdb::largest_readable_value(LIMIT) - 8 - 2_000;
+    let row = |k: i64| {
+        let v = random_text(len, k as u64, b'a', 26);
+        RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int64Array::from(vec![k])) as ArrayRef, Arc::new(StringArray::from(vec![v]))]).unwrap()
+    };
+    let settle = || {
+        while engine.flushes_in_flight() > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    };
+    t.insert(&row(0)).unwrap();
+    t.flush().unwrap();
+    settle();
+    assert_eq!((t.stats().unwrap().files, t.stats().unwrap().file_rows), (1, 1));
+    // Row 1's flush (the one called here, or one the insert's pressure queued) stages its
+    // file and hangs writing it.
+    fs.stall_paths(".parquet");
+    t.insert(&row(1)).unwrap();
+    let flushing = {
+        let t = t.clone();
+        std::thread::spawn(move || t.flush())
+    };
+    while !fs.is_stalled() {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert_eq!(t.stats().unwrap().files, 2, "one committed file and one staged");
+    let scan = t.scan(ScanOptions::default()).unwrap();
+    // The flush commits and lets go of its batches; the scan's snapshot still holds them.
+    fs.heal();
+    flushing.join().unwrap().unwrap();
+    settle();
+    assert_eq!((t.stats().unwrap().files, t.stats().unwrap().file_rows), (2, 2));
+    let mut keys = Vec::new();
+    for b in scan {
+        let b = b.unwrap_or_else(|e| panic!("keys read before the refusal {keys:?}: {e}"));
+        let v = b.column(1).as_any().downcast_ref::<StringArray>().unwrap();
+        for i in 0..b.num_rows() {
+            let k = b.column(0).as_any().downcast_ref::<Int64Array>().unwrap().value(i);
+            assert_eq!(v.value(i), random_text(len, k as u64, b'a', 26), "key {k}");
+            keys.push(k);
+        }
+    }
+    // The staged row first.
+    assert_eq!(keys, [1, 0]);
+    assert_eq!(engine.memory().category_bytes(Category::ScanBuffers), 0);
+    assert_eq!(engine.memory().category_bytes(Category::BatchBlocks), 0);
+}
+
+/// A scan that waits for memory for a batch it decoded lets go of its reader while it waits:
+/// the flush it waits for may need exactly those buffers. At 2 MiB, a flush of a 300 KB row
+/// failed (ENOSPC) and kept its converted batches for the retry; the scan's reader of a row
+/// near the bound (1.6 MiB) decoded it and waited for 395 KiB with the reader open, the
+/// flush's retry (the disk healed) was refused its write buffers beside that reader, and the
+/// scan was refused after its whole `backpressure_timeout` (helper-45's F2: 4 of 12 scans
+/// beside a flush of the same rows, after the staged rows were read first).
+#[test]
+fn a_scan_waiting_for_memory_lets_go_of_its_reader_so_a_flush_can_finish() {
+    use arrow::array::{ArrayRef, StringArray};
+    use arrow::datatypes::{DataType, Field, Schema};
+    use gritdb::vfs::FaultFs;
+    const LIMIT: usize = 2 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let fs = FaultFs::new();
+    let config = EngineConfig::default()
+        .memory_limit(LIMIT)
+        .writer_threads(1)
+        .flush_age(std::time::Duration::from_secs(3600))
+        .backpressure_timeout(std::time::Duration::from_secs(5))
+        .vfs(Arc::new(fs.clone()));
+    let engine = Engine::open(dir.path(), config).unwrap();
+    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", DataType::Utf8, true)]));
+    let t = engine.create_table("t", Arc::clone(&schema), &["k"]).unwrap();
+    // Row 0 2,000 bytes under the row bound beside the 8-byte key; row 1 of 300 KB.
+    let len = |k: i64| if k == 0 { gritdb::largest_readable_value(LIMIT) - 8 - 2_000 } else { 300_000 };
+    let row = |k: i64| {
+        let v = random_text(len(k), k as u64, b'a', 26);
+        RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int64Array::from(vec![k])) as ArrayRef, Arc::new(StringArray::from(vec![v]))]).unwrap()
+    };
+    let settle = || {
+        while engine.flushes_in_flight() > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    };
+    t.insert(&row(0)).unwrap();
+    t.flush().unwrap();
+    settle();
+    // Row 1's flush fails and keeps its batches (the row's memory) for the retry.
+    fs.fail_paths(".parquet", 28);
+    t.insert(&row(1)).unwrap();
+    assert!(matches!(t.flush(), Err(Error::Storage(_))));
+    settle();
+    assert!(engine.memory().category_bytes(Category::BatchBlocks) >= 300_000);
+    let mut scan = t.scan(ScanOptions::default().batch_rows(1)).unwrap();
+    let mut keys = Vec::new();
+    let mut check = |b: RecordBatch| {
+        let v = b.column(1).as_any().downcast_ref::<StringArray>().unwrap();
+        for i in 0..b.num_rows() {
+            let k = b.column(0).as_any().downcast_ref::<Int64Array>().unwrap().value(i);
+            assert_eq!(v.value(i), random_text(len(k), k as u64, b'a', 26), "key {k}");
+            keys.push(k);
+        }
+    };
+    // Row 1 first (the rows in memory), then row 0 from its file, while the disk heals.
+    check(scan.next().unwrap().unwrap());
+    let healer = {
+        let fs = fs.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            fs.heal();
+        })
+    };
+    for b in scan {
+        check(b.unwrap());
+    }
+    healer.join().unwrap();
+    assert_eq!(keys, [1, 0]);
+    // The retried flush committed row 1.
+    settle();
+    assert_eq!((t.stats().unwrap().files, t.stats().unwrap().file_rows), (2, 2));
+    assert_eq!(engine.memory().category_bytes(Category::ScanBuffers), 0);
+    assert_eq!(engine.memory().category_bytes(Category::BatchBlocks), 0);
+}

@@ -28,11 +28,11 @@ pub(crate) fn range_bytes(data: &arrow_data::ArrayData, at: usize, len: usize) -
     let values = match data.data_type() {
         DataType::Utf8 | DataType::Binary => {
             let o = data.buffer::<i32>(0);
-            usize::try_from(o[at + len].wrapping_sub(o[at])).unwrap_or(0).saturating_add(4 * len)
+            valid_runs(data, at, len, |s, e| usize::try_from(o[e].wrapping_sub(o[s])).unwrap_or(0)).saturating_add(4 * len)
         }
         DataType::LargeUtf8 | DataType::LargeBinary => {
             let o = data.buffer::<i64>(0);
-            usize::try_from(o[at + len].wrapping_sub(o[at])).unwrap_or(0).saturating_add(8 * len)
+            valid_runs(data, at, len, |s, e| usize::try_from(o[e].wrapping_sub(o[s])).unwrap_or(0)).saturating_add(8 * len)
         }
         // A view's low 32 bits are its value's length; a value of at most 12 bytes is inside
         // its view. (For a Parquet page's bound this still counts at least the values' bytes.)
@@ -55,13 +55,19 @@ pub(crate) fn range_bytes(data: &arrow_data::ArrayData, at: usize, len: usize) -
         }
         DataType::List(_) | DataType::Map(_, _) => {
             let o = data.buffer::<i32>(0);
-            let (from, to) = (usize::try_from(o[at]).unwrap_or(0), usize::try_from(o[at + len]).unwrap_or(0));
-            range_bytes(&data.child_data()[0], from, to.saturating_sub(from)).saturating_add(4 * len)
+            let child = |s: usize, e: usize| {
+                let (from, to) = (usize::try_from(o[s]).unwrap_or(0), usize::try_from(o[e]).unwrap_or(0));
+                range_bytes(&data.child_data()[0], from, to.saturating_sub(from))
+            };
+            valid_runs(data, at, len, child).saturating_add(4 * len)
         }
         DataType::LargeList(_) => {
             let o = data.buffer::<i64>(0);
-            let (from, to) = (usize::try_from(o[at]).unwrap_or(0), usize::try_from(o[at + len]).unwrap_or(0));
-            range_bytes(&data.child_data()[0], from, to.saturating_sub(from)).saturating_add(8 * len)
+            let child = |s: usize, e: usize| {
+                let (from, to) = (usize::try_from(o[s]).unwrap_or(0), usize::try_from(o[e]).unwrap_or(0));
+                range_bytes(&data.child_data()[0], from, to.saturating_sub(from))
+            };
+            valid_runs(data, at, len, child).saturating_add(8 * len)
         }
         DataType::FixedSizeList(_, size) => {
             let size = usize::try_from(*size).unwrap_or(0);
@@ -80,6 +86,50 @@ pub(crate) fn range_bytes(data: &arrow_data::ArrayData, at: usize, len: usize) -
         },
     };
     values.saturating_add(bitmap)
+}
+
+/// Bytes of values that the null slots of a top-level byte array (`Utf8`, `Binary` and their
+/// `Large` forms) span: its offsets' whole span less its valid rows' ([`valid_runs`]); 0 for
+/// an array of another type or without nulls. The WAL copies such a column out without them
+/// once they reach [`NULL_SPAN_COPY_BYTES`].
+pub(crate) fn null_span_bytes(array: &dyn Array) -> usize {
+    use arrow_schema::DataType;
+    if array.null_count() == 0 {
+        return 0;
+    }
+    let data = array.to_data();
+    let len = data.len();
+    match data.data_type() {
+        DataType::Utf8 | DataType::Binary => {
+            let o = data.buffer::<i32>(0);
+            let span = |s: usize, e: usize| usize::try_from(o[e].wrapping_sub(o[s])).unwrap_or(0);
+            span(0, len).saturating_sub(valid_runs(&data, 0, len, span))
+        }
+        DataType::LargeUtf8 | DataType::LargeBinary => {
+            let o = data.buffer::<i64>(0);
+            let span = |s: usize, e: usize| usize::try_from(o[e].wrapping_sub(o[s])).unwrap_or(0);
+            span(0, len).saturating_sub(valid_runs(&data, 0, len, span))
+        }
+        _ => 0,
+    }
+}
+
+/// Null-spanned bytes ([`null_span_bytes`]) from which a column is copied out without them
+/// before it is logged: below, the copy costs more than the bytes it saves.
+pub(crate) const NULL_SPAN_COPY_BYTES: usize = 64 << 10;
+
+/// The sum of `span(s, e)` over the runs `s..e` of valid rows of `data` in `at..at + len`
+/// (logical rows), one call for the whole range when `data` has no null. A null's offsets may
+/// span values — `arrow::compute::nullif` keeps them, and Arrow's format allows any span for a
+/// null slot — which neither a delta's rows nor a data file hold: counted, a 2-row batch
+/// whose null spanned 4 MiB was refused at 2 MiB as a write of 8 MiB (helper-45's F8;
+/// `bytes::tests::a_nulls_span_of_values_is_not_counted`). The walk is over runs of the validity
+/// bitmap, a word at a time.
+fn valid_runs(data: &arrow_data::ArrayData, at: usize, len: usize, span: impl Fn(usize, usize) -> usize) -> usize {
+    match data.nulls() {
+        Some(n) if n.null_count() > 0 => n.inner().slice(at, len).set_slices().map(|(s, e)| span(at + s, at + e)).fold(0, usize::saturating_add),
+        _ => span(at, at + len),
+    }
 }
 
 /// The bytes jemalloc hands out for a request of `n` bytes (its size class): 8, 16, then four
@@ -143,3 +193,47 @@ pub const MAX_ARRAY_STRUCT_BYTES: usize = {
     let m = if byte > view { byte } else { view };
     if m > large { m } else { large }
 };
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow_array::{ArrayRef, BooleanArray, Int32Array, LargeStringArray, ListArray, StringArray};
+    use std::sync::Arc;
+
+    /// Row 0 made null by `nullif`, its 4,000,000-byte value still between its offsets.
+    fn nulled(a: &dyn Array) -> ArrayRef {
+        arrow_select::nullif::nullif(a, &BooleanArray::from(vec![true, false])).unwrap()
+    }
+
+    fn batch(a: ArrayRef) -> RecordBatch {
+        RecordBatch::try_from_iter([("c", a)]).unwrap()
+    }
+
+    #[test]
+    fn a_nulls_span_of_values_is_not_counted() {
+        let long = "x".repeat(4_000_000);
+        // Two offsets of 4 bytes, a bitmap byte, "hello".
+        let s = nulled(&StringArray::from(vec![long.as_str(), "hello"]));
+        assert!(batch(Arc::clone(&s)).get_array_memory_size() > 4_000_000);
+        assert_eq!(batch_bytes(&batch(Arc::clone(&s))), 2 * 4 + 1 + 5);
+        assert_eq!(null_span_bytes(s.as_ref()), 4_000_000);
+        // Slices: the null alone, the value alone.
+        assert_eq!(batch_bytes(&batch(s.slice(0, 1))), 4 + 1);
+        // (A slice without nulls has no bitmap in its `ArrayData`.)
+        assert_eq!(batch_bytes(&batch(s.slice(1, 1))), 4 + 5);
+        assert_eq!(null_span_bytes(s.slice(1, 1).as_ref()), 0);
+        let l = nulled(&LargeStringArray::from(vec![long.as_str(), "hello"]));
+        assert_eq!(batch_bytes(&batch(Arc::clone(&l))), 2 * 8 + 1 + 5);
+        assert_eq!(null_span_bytes(l.as_ref()), 4_000_000);
+        // A null list over 1,000,000 child values; the valid list holds two.
+        let child = Int32Array::from_iter_values(0..1_000_002);
+        let offsets = arrow_buffer::OffsetBuffer::new(vec![0, 1_000_000, 1_000_002].into());
+        let field = Arc::new(arrow_schema::Field::new("item", arrow_schema::DataType::Int32, false));
+        let list = nulled(&ListArray::new(field, offsets, Arc::new(child), None));
+        assert_eq!(batch_bytes(&batch(list)), 2 * 4 + 1 + 2 * 4);
+        // Without nulls, the whole span, as before.
+        let plain: ArrayRef = Arc::new(StringArray::from(vec!["ab", "cde"]));
+        assert_eq!(batch_bytes(&batch(Arc::clone(&plain))), 2 * 4 + 5);
+        assert_eq!(null_span_bytes(plain.as_ref()), 0);
+    }
+}

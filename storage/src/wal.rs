@@ -634,7 +634,12 @@ fn narrowable(t: &arrow_schema::DataType) -> bool {
 /// - top-level view columns (`Utf8View`, `BinaryView`) become `Binary` offset columns
 ///   ([`views_to_binary`]); when a batch's strings exceed `i32` offsets its views stay views;
 /// - `Decimal128` columns of precision ≤ 18 become `Decimal64` of the same precision and
-///   scale ([`narrow_decimal`]).
+///   scale ([`narrow_decimal`]);
+/// - byte columns whose null slots span at least [`crate::bytes::NULL_SPAN_COPY_BYTES`] of
+///   values (`arrow::compute::nullif` keeps them) are copied without those values: the IPC
+///   encoder writes an array's values from its first offset to its last, and a 2-row batch
+///   whose null spanned 4 MiB was a 4 MiB record, refused at a 2 MiB limit (helper-45's F8;
+///   `tests::a_nulls_span_of_values_is_not_logged`).
 ///
 /// A view costs 16 bytes per value in Arrow IPC (plus the bytes of values over 12 bytes), an
 /// offset 4 plus the value's bytes; such a decimal 16 bytes against 8. TPC-H lineitem records
@@ -657,7 +662,8 @@ fn compact_for_log(batch: &RecordBatch, res: &mut Reservation) -> Result<Option<
     use arrow_schema::{DataType, Field, Schema};
     let schema = batch.schema();
     let views = |t: &DataType| matches!(t, DataType::Utf8View | DataType::BinaryView);
-    if !schema.fields().iter().any(|f| views(f.data_type()) || narrowable(f.data_type())) {
+    let nulls_span = |c: &arrow_array::ArrayRef| crate::bytes::null_span_bytes(c.as_ref()) >= crate::bytes::NULL_SPAN_COPY_BYTES;
+    if !schema.fields().iter().zip(batch.columns()).any(|(f, c)| views(f.data_type()) || narrowable(f.data_type()) || nulls_span(c)) {
         return Ok(None);
     }
     let mut fields = Vec::with_capacity(schema.fields().len());
@@ -678,6 +684,14 @@ fn compact_for_log(batch: &RecordBatch, res: &mut Reservation) -> Result<Option<
             t if narrowable(t) => {
                 res.try_grow(8 * n + bitmap)?;
                 narrow_decimal(c.as_primitive())?.map(|d| Arc::new(d) as _)
+            }
+            // Values its nulls span are not logged: `take` copies the valid ones alone (its
+            // indices, offsets, bitmap and values reserved first).
+            t if nulls_span(c) => {
+                let width = if matches!(t, DataType::LargeUtf8 | DataType::LargeBinary) { 8 } else { 4 };
+                res.try_grow(8 * n + width * (n + 1) + bitmap + crate::bytes::range_bytes(&c.to_data(), 0, n))?;
+                let all = arrow_array::UInt64Array::from_iter_values(0..n as u64);
+                Some(arrow_select::take::take(c.as_ref(), &all, None)?)
             }
             _ => None,
         };
@@ -1450,6 +1464,70 @@ mod tests {
     }
 
     /// Every record a reopen of the log in `dir` replays, in order.
+    /// A byte column whose null spans 4,000,000 bytes of values (`nullif`) is logged without
+    /// them: the record of its two rows is under 4 KiB at a 2 MiB limit (it was 4 MB, refused),
+    /// the write buffers come back to 0, and replay gives the same rows. A null spanning less
+    /// than `NULL_SPAN_COPY_BYTES` is logged as it is.
+    #[test]
+    fn a_nulls_span_of_values_is_not_logged() {
+        use arrow_array::{BooleanArray, Int64Array, LargeStringArray, StringArray};
+        let dir = tempfile::tempdir().unwrap();
+        let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(2 << 20), ..ControllerConfig::default() }).unwrap();
+        let long = "x".repeat(4_000_000);
+        let nullif = |a: &dyn Array| arrow_select::nullif::nullif(a, &BooleanArray::from(vec![true, false])).unwrap();
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("k", DataType::Int64, false),
+            Field::new("s", DataType::Utf8, true),
+            Field::new("l", DataType::LargeUtf8, true),
+        ]));
+        let batch = RecordBatch::try_new(
+            Arc::clone(&schema),
+            vec![
+                Arc::new(Int64Array::from(vec![1, 2])),
+                nullif(&StringArray::from(vec![long.as_str(), "hello"])),
+                nullif(&LargeStringArray::from(vec![long.as_str(), "world"])),
+            ],
+        )
+        .unwrap();
+        let wal = Wal::open(dir.path(), Arc::new(StdFs), WalSync::PerBatch, &ctl, |_| Ok::<(), StorageError>(())).unwrap();
+        wal.append(WalOp::Put, 7, 1, 2, &batch).unwrap();
+        assert!(wal.bytes() < 4096, "record of {} bytes", wal.bytes());
+        assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0);
+        // Under the copy's threshold: logged as it is, the short null span in the record.
+        let short = "y".repeat(1000);
+        let small = RecordBatch::try_new(
+            Arc::clone(&schema),
+            vec![
+                Arc::new(Int64Array::from(vec![3, 4])),
+                nullif(&StringArray::from(vec![short.as_str(), "a"])),
+                nullif(&LargeStringArray::from(vec![short.as_str(), "b"])),
+            ],
+        )
+        .unwrap();
+        let before = wal.bytes();
+        wal.append(WalOp::Put, 7, 3, 4, &small).unwrap();
+        assert!(wal.bytes() - before > 2000, "record of {} bytes", wal.bytes() - before);
+        drop(wal);
+        let recs = replayed(dir.path(), &ctl);
+        assert_eq!(recs.len(), 2);
+        for (rec, want) in recs.iter().zip([&batch, &small]) {
+            let back = rec.batch_as(&schema).unwrap();
+            assert_eq!(back.num_rows(), 2);
+            for c in 0..3 {
+                assert_eq!(back.column(c).logical_nulls(), want.column(c).logical_nulls(), "column {c}");
+            }
+            assert_eq!(
+                back.column(1).as_any().downcast_ref::<StringArray>().unwrap().value(1),
+                want.column(1).as_any().downcast_ref::<StringArray>().unwrap().value(1)
+            );
+            assert_eq!(
+                back.column(2).as_any().downcast_ref::<LargeStringArray>().unwrap().value(1),
+                want.column(2).as_any().downcast_ref::<LargeStringArray>().unwrap().value(1)
+            );
+        }
+        assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0);
+    }
+
     fn replayed(dir: &Path, ctl: &Arc<MemoryController>) -> Vec<WalRecord> {
         let mut recs = Vec::new();
         Wal::open(dir, Arc::new(StdFs), WalSync::PerBatch, ctl, |r| {

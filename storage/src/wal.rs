@@ -1480,30 +1480,19 @@ mod tests {
             Field::new("s", DataType::Utf8, true),
             Field::new("l", DataType::LargeUtf8, true),
         ]));
-        let batch = RecordBatch::try_new(
-            Arc::clone(&schema),
-            vec![
-                Arc::new(Int64Array::from(vec![1, 2])),
-                nullif(&StringArray::from(vec![long.as_str(), "hello"])),
-                nullif(&LargeStringArray::from(vec![long.as_str(), "world"])),
-            ],
-        )
-        .unwrap();
+        // Keys `k, k + 1`; row 0 nulled over `nulled` in both columns, row 1 `s` and `l`.
+        let rows = |k: i64, nulled: &str, s: &str, l: &str| {
+            let cols: Vec<Arc<dyn Array>> =
+                vec![Arc::new(Int64Array::from(vec![k, k + 1])), nullif(&StringArray::from(vec![nulled, s])), nullif(&LargeStringArray::from(vec![nulled, l]))];
+            RecordBatch::try_new(Arc::clone(&schema), cols).unwrap()
+        };
+        let batch = rows(1, &long, "hello", "world");
         let wal = Wal::open(dir.path(), Arc::new(StdFs), WalSync::PerBatch, &ctl, |_| Ok::<(), StorageError>(())).unwrap();
         wal.append(WalOp::Put, 7, 1, 2, &batch).unwrap();
         assert!(wal.bytes() < 4096, "record of {} bytes", wal.bytes());
         assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0);
         // Under the copy's threshold: logged as it is, the short null span in the record.
-        let short = "y".repeat(1000);
-        let small = RecordBatch::try_new(
-            Arc::clone(&schema),
-            vec![
-                Arc::new(Int64Array::from(vec![3, 4])),
-                nullif(&StringArray::from(vec![short.as_str(), "a"])),
-                nullif(&LargeStringArray::from(vec![short.as_str(), "b"])),
-            ],
-        )
-        .unwrap();
+        let small = rows(3, &"y".repeat(1000), "a", "b");
         let before = wal.bytes();
         wal.append(WalOp::Put, 7, 3, 4, &small).unwrap();
         assert!(wal.bytes() - before > 2000, "record of {} bytes", wal.bytes() - before);

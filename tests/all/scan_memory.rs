@@ -687,6 +687,78 @@ fn a_batch_bigger_than_the_limit_beside_its_own_reader_is_refused_at_once() {
     assert_eq!(engine.memory().category_bytes(Category::ScanBuffers), 0);
 }
 
+/// A 2 MiB engine over a [`gritdb::vfs::FaultFs`] (one writer thread, no flush by age, a
+/// `timeout` for backpressure) with table `t` (`k Int64` key, `v Utf8`), for the scan-beside-
+/// a-flush tests below: rows of `len(k)` random letters, checked when read back.
+struct FlushBeside {
+    _dir: tempfile::TempDir,
+    engine: Engine,
+    fs: gritdb::vfs::FaultFs,
+    t: gritdb::Table,
+    len: fn(i64) -> usize,
+}
+
+impl FlushBeside {
+    const LIMIT: usize = 2 << 20;
+
+    fn new(timeout: std::time::Duration, len: fn(i64) -> usize) -> Self {
+        use arrow::datatypes::{DataType, Field, Schema};
+        let dir = tempfile::tempdir().unwrap();
+        let fs = gritdb::vfs::FaultFs::new();
+        let config = EngineConfig::default()
+            .memory_limit(Self::LIMIT)
+            .writer_threads(1)
+            .flush_age(std::time::Duration::from_secs(3600))
+            .backpressure_timeout(timeout)
+            .vfs(Arc::new(fs.clone()));
+        let engine = Engine::open(dir.path(), config).unwrap();
+        let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", DataType::Utf8, true)]));
+        let t = engine.create_table("t", schema, &["k"]).unwrap();
+        Self { _dir: dir, engine, fs, t, len }
+    }
+
+    /// A value 2,000 bytes under the row bound beside the 8-byte key.
+    fn near_the_bound() -> usize {
+        gritdb::largest_readable_value(Self::LIMIT) - 8 - 2_000
+    }
+
+    fn value(&self, k: i64) -> String {
+        random_text((self.len)(k), k as u64, b'a', 26)
+    }
+
+    fn insert(&self, k: i64) {
+        let b =
+            RecordBatch::try_new(self.t.schema(), vec![Arc::new(Int64Array::from(vec![k])), Arc::new(arrow::array::StringArray::from(vec![self.value(k)]))])
+                .unwrap();
+        self.t.insert(&b).unwrap();
+    }
+
+    fn settle(&self) {
+        while self.engine.flushes_in_flight() > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+
+    /// (files, rows in files) once flushes settle.
+    fn files(&self) -> (usize, u64) {
+        self.settle();
+        let s = self.t.stats().unwrap();
+        (s.files, s.file_rows)
+    }
+
+    /// The keys of `b`, each row's value checked.
+    fn keys(&self, b: &RecordBatch) -> Vec<i64> {
+        let k = b.column(0).as_any().downcast_ref::<Int64Array>().unwrap();
+        let v = b.column(1).as_any().downcast_ref::<arrow::array::StringArray>().unwrap();
+        (0..b.num_rows())
+            .map(|i| {
+                assert_eq!(v.value(i), self.value(k.value(i)), "key {}", k.value(i));
+                k.value(i)
+            })
+            .collect()
+    }
+}
+
 /// A scan whose snapshot holds a staged file (a flush's rows still in memory) reads those
 /// rows before it opens a committed file. Behind the committed files, at 2 MiB, the scan held
 /// the staged row's 395 KiB (`batch_blocks`, kept by the scan after the flush committed and let
@@ -695,68 +767,36 @@ fn a_batch_bigger_than_the_limit_beside_its_own_reader_is_refused_at_once() {
 /// `backpressure_timeout`, 11 scans of 12 beside a flush of the same rows (helper-45's F2).
 #[test]
 fn a_scan_beside_a_flush_reads_its_staged_rows_before_opening_a_file() {
-    use arrow::array::{ArrayRef, StringArray};
-    use arrow::datatypes::{DataType, Field, Schema};
-    use gritdb::vfs::FaultFs;
-    const LIMIT: usize = 2 << 20;
-    let dir = tempfile::tempdir().unwrap();
-    let fs = FaultFs::new();
-    let config = EngineConfig::default()
-        .memory_limit(LIMIT)
-        .writer_threads(1)
-        .flush_age(std::time::Duration::from_secs(3600))
-        .backpressure_timeout(std::time::Duration::from_secs(3))
-        .vfs(Arc::new(fs.clone()));
-    let engine = Engine::open(dir.path(), config).unwrap();
-    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", DataType::Utf8, true)]));
-    let t = engine.create_table("t", Arc::clone(&schema), &["k"]).unwrap();
-    // 2,000 bytes under the row bound beside the 8-byte key.
-    let len = gritdb::largest_readable_value(LIMIT) - 8 - 2_000;
-    let row = |k: i64| {
-        let v = random_text(len, k as u64, b'a', 26);
-        RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int64Array::from(vec![k])) as ArrayRef, Arc::new(StringArray::from(vec![v]))]).unwrap()
-    };
-    let settle = || {
-        while engine.flushes_in_flight() > 0 {
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
-    };
-    t.insert(&row(0)).unwrap();
-    t.flush().unwrap();
-    settle();
-    assert_eq!((t.stats().unwrap().files, t.stats().unwrap().file_rows), (1, 1));
+    let f = FlushBeside::new(std::time::Duration::from_secs(3), |_| FlushBeside::near_the_bound());
+    f.insert(0);
+    f.t.flush().unwrap();
+    assert_eq!(f.files(), (1, 1));
     // Row 1's flush (the one called here, or one the insert's pressure queued) stages its
     // file and hangs writing it.
-    fs.stall_paths(".parquet");
-    t.insert(&row(1)).unwrap();
+    f.fs.stall_paths(".parquet");
+    f.insert(1);
     let flushing = {
-        let t = t.clone();
+        let t = f.t.clone();
         std::thread::spawn(move || t.flush())
     };
-    while !fs.is_stalled() {
+    while !f.fs.is_stalled() {
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
-    assert_eq!(t.stats().unwrap().files, 2, "one committed file and one staged");
-    let scan = t.scan(ScanOptions::default()).unwrap();
+    assert_eq!(f.t.stats().unwrap().files, 2, "one committed file and one staged");
+    let scan = f.t.scan(ScanOptions::default()).unwrap();
     // The flush commits and lets go of its batches; the scan's snapshot still holds them.
-    fs.heal();
+    f.fs.heal();
     flushing.join().unwrap().unwrap();
-    settle();
-    assert_eq!((t.stats().unwrap().files, t.stats().unwrap().file_rows), (2, 2));
+    assert_eq!(f.files(), (2, 2));
     let mut keys = Vec::new();
     for b in scan {
         let b = b.unwrap_or_else(|e| panic!("keys read before the refusal {keys:?}: {e}"));
-        let v = b.column(1).as_any().downcast_ref::<StringArray>().unwrap();
-        for i in 0..b.num_rows() {
-            let k = b.column(0).as_any().downcast_ref::<Int64Array>().unwrap().value(i);
-            assert_eq!(v.value(i), random_text(len, k as u64, b'a', 26), "key {k}");
-            keys.push(k);
-        }
+        keys.extend(f.keys(&b));
     }
     // The staged row first.
     assert_eq!(keys, [1, 0]);
-    assert_eq!(engine.memory().category_bytes(Category::ScanBuffers), 0);
-    assert_eq!(engine.memory().category_bytes(Category::BatchBlocks), 0);
+    assert_eq!(f.engine.memory().category_bytes(Category::ScanBuffers), 0);
+    assert_eq!(f.engine.memory().category_bytes(Category::BatchBlocks), 0);
 }
 
 /// A scan that waits for memory for a batch it decoded lets go of its reader while it waits:
@@ -768,68 +808,34 @@ fn a_scan_beside_a_flush_reads_its_staged_rows_before_opening_a_file() {
 /// beside a flush of the same rows, after the staged rows were read first).
 #[test]
 fn a_scan_waiting_for_memory_lets_go_of_its_reader_so_a_flush_can_finish() {
-    use arrow::array::{ArrayRef, StringArray};
-    use arrow::datatypes::{DataType, Field, Schema};
-    use gritdb::vfs::FaultFs;
-    const LIMIT: usize = 2 << 20;
-    let dir = tempfile::tempdir().unwrap();
-    let fs = FaultFs::new();
-    let config = EngineConfig::default()
-        .memory_limit(LIMIT)
-        .writer_threads(1)
-        .flush_age(std::time::Duration::from_secs(3600))
-        .backpressure_timeout(std::time::Duration::from_secs(5))
-        .vfs(Arc::new(fs.clone()));
-    let engine = Engine::open(dir.path(), config).unwrap();
-    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", DataType::Utf8, true)]));
-    let t = engine.create_table("t", Arc::clone(&schema), &["k"]).unwrap();
-    // Row 0 2,000 bytes under the row bound beside the 8-byte key; row 1 of 300 KB.
-    let len = |k: i64| if k == 0 { gritdb::largest_readable_value(LIMIT) - 8 - 2_000 } else { 300_000 };
-    let row = |k: i64| {
-        let v = random_text(len(k), k as u64, b'a', 26);
-        RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int64Array::from(vec![k])) as ArrayRef, Arc::new(StringArray::from(vec![v]))]).unwrap()
-    };
-    let settle = || {
-        while engine.flushes_in_flight() > 0 {
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
-    };
-    t.insert(&row(0)).unwrap();
-    t.flush().unwrap();
-    settle();
+    // Row 0 near the row bound; row 1 of 300 KB.
+    let f = FlushBeside::new(std::time::Duration::from_secs(5), |k| if k == 0 { FlushBeside::near_the_bound() } else { 300_000 });
+    f.insert(0);
+    f.t.flush().unwrap();
+    assert_eq!(f.files(), (1, 1));
     // Row 1's flush fails and keeps its batches (the row's memory) for the retry.
-    fs.fail_paths(".parquet", 28);
-    t.insert(&row(1)).unwrap();
-    assert!(matches!(t.flush(), Err(Error::Storage(_))));
-    settle();
-    assert!(engine.memory().category_bytes(Category::BatchBlocks) >= 300_000);
-    let mut scan = t.scan(ScanOptions::default().batch_rows(1)).unwrap();
-    let mut keys = Vec::new();
-    let mut check = |b: RecordBatch| {
-        let v = b.column(1).as_any().downcast_ref::<StringArray>().unwrap();
-        for i in 0..b.num_rows() {
-            let k = b.column(0).as_any().downcast_ref::<Int64Array>().unwrap().value(i);
-            assert_eq!(v.value(i), random_text(len(k), k as u64, b'a', 26), "key {k}");
-            keys.push(k);
-        }
-    };
+    f.fs.fail_paths(".parquet", 28);
+    f.insert(1);
+    assert!(matches!(f.t.flush(), Err(Error::Storage(_))));
+    f.settle();
+    assert!(f.engine.memory().category_bytes(Category::BatchBlocks) >= 300_000);
+    let mut scan = f.t.scan(ScanOptions::default().batch_rows(1)).unwrap();
     // Row 1 first (the rows in memory), then row 0 from its file, while the disk heals.
-    check(scan.next().unwrap().unwrap());
+    let mut keys = f.keys(&scan.next().unwrap().unwrap());
     let healer = {
-        let fs = fs.clone();
+        let fs = f.fs.clone();
         std::thread::spawn(move || {
             std::thread::sleep(std::time::Duration::from_millis(100));
             fs.heal();
         })
     };
     for b in scan {
-        check(b.unwrap());
+        keys.extend(f.keys(&b.unwrap()));
     }
     healer.join().unwrap();
     assert_eq!(keys, [1, 0]);
     // The retried flush committed row 1.
-    settle();
-    assert_eq!((t.stats().unwrap().files, t.stats().unwrap().file_rows), (2, 2));
-    assert_eq!(engine.memory().category_bytes(Category::ScanBuffers), 0);
-    assert_eq!(engine.memory().category_bytes(Category::BatchBlocks), 0);
+    assert_eq!(f.files(), (2, 2));
+    assert_eq!(f.engine.memory().category_bytes(Category::ScanBuffers), 0);
+    assert_eq!(f.engine.memory().category_bytes(Category::BatchBlocks), 0);
 }

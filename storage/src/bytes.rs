@@ -40,17 +40,22 @@ pub(crate) fn range_bytes(data: &arrow_data::ArrayData, at: usize, len: usize) -
         // instead of walking the views (at most 48 bytes a row too many, never too few): the
         // walk, over views far out of the caches, made the bench's flush of lineitem (five
         // view columns of short strings, walked twice a batch) 4% slower, four pairs of four.
-        // Buffers larger than that, a slice's or a filtered array's among them, are walked.
+        // Buffers larger than that, a slice's or a filtered array's among them, are walked,
+        // over the valid views alone: a null view may name any bytes ([`valid_runs`]).
         DataType::Utf8View | DataType::BinaryView => {
             let views = 16 * len;
             let buffers = data.buffers()[1..].iter().map(arrow_buffer::Buffer::len).fold(0, usize::saturating_add);
             if buffers <= 3 * views {
                 views.saturating_add(buffers)
             } else {
-                data.buffer::<u128>(0)[at..at + len].iter().fold(views, |sum, v| {
-                    let n = (*v as u32) as usize;
-                    if n > 12 { sum.saturating_add(n) } else { sum }
-                })
+                let all = data.buffer::<u128>(0);
+                let long = |s: usize, e: usize| {
+                    all[s..e].iter().fold(0usize, |sum, v| {
+                        let n = (*v as u32) as usize;
+                        if n > 12 { sum.saturating_add(n) } else { sum }
+                    })
+                };
+                valid_runs(data, at, len, long).saturating_add(views)
             }
         }
         DataType::List(_) | DataType::Map(_, _) => {
@@ -123,7 +128,8 @@ pub(crate) const NULL_SPAN_COPY_BYTES: usize = 64 << 10;
 /// span values — `arrow::compute::nullif` keeps them, and Arrow's format allows any span for a
 /// null slot — which neither a delta's rows nor a data file hold: counted, a 2-row batch
 /// whose null spanned 4 MiB was refused at 2 MiB as a write of 8 MiB (helper-45's F8;
-/// `bytes::tests::a_nulls_span_of_values_is_not_counted`). The walk is over runs of the validity
+/// `bytes::tests::a_nulls_span_of_values_is_not_counted`). A null view naming a long value is
+/// the same case for view arrays. The walk is over runs of the validity
 /// bitmap, a word at a time.
 fn valid_runs(data: &arrow_data::ArrayData, at: usize, len: usize, span: impl Fn(usize, usize) -> usize) -> usize {
     match data.nulls() {
@@ -231,6 +237,14 @@ mod tests {
         let field = Arc::new(arrow_schema::Field::new("item", arrow_schema::DataType::Int32, false));
         let list = nulled(&ListArray::new(field, offsets, Arc::new(child), None));
         assert_eq!(batch_bytes(&batch(list)), 2 * 4 + 1 + 2 * 4);
+        // A null view naming a 4,000,000-byte value: two views, a bitmap byte, "hello" inline.
+        let v = nulled(&arrow_array::StringViewArray::from(vec![long.as_str(), "hello"]));
+        assert_eq!(batch_bytes(&batch(Arc::clone(&v))), 2 * 16 + 1);
+        assert_eq!(batch_bytes(&batch(v.slice(0, 1))), 16 + 1);
+        let longer = format!("{long}y");
+        let both = arrow_array::StringViewArray::from(vec![long.as_str(), longer.as_str()]);
+        assert_eq!(batch_bytes(&batch(Arc::new(both.clone()))), 2 * 16 + 8_000_001, "the buffers whole");
+        assert_eq!(batch_bytes(&batch(nulled(&both))), 2 * 16 + 4_000_001 + 1, "the valid view's value alone");
         // Without nulls, the whole span, as before.
         let plain: ArrayRef = Arc::new(StringArray::from(vec!["ab", "cde"]));
         assert_eq!(batch_bytes(&batch(Arc::clone(&plain))), 2 * 4 + 5);

@@ -639,7 +639,8 @@ fn narrowable(t: &arrow_schema::DataType) -> bool {
 ///   values (`arrow::compute::nullif` keeps them) are copied without those values: the IPC
 ///   encoder writes an array's values from its first offset to its last, and a 2-row batch
 ///   whose null spanned 4 MiB was a 4 MiB record, refused at a 2 MiB limit (helper-45's F8;
-///   `tests::a_nulls_span_of_values_is_not_logged`).
+///   `tests::a_nulls_span_of_values_is_not_logged`). The threshold is on the batch's spans
+///   together, so many columns each spanning a little are copied too.
 ///
 /// A view costs 16 bytes per value in Arrow IPC (plus the bytes of values over 12 bytes), an
 /// offset 4 plus the value's bytes; such a decimal 16 bytes against 8. TPC-H lineitem records
@@ -662,8 +663,12 @@ fn compact_for_log(batch: &RecordBatch, res: &mut Reservation) -> Result<Option<
     use arrow_schema::{DataType, Field, Schema};
     let schema = batch.schema();
     let views = |t: &DataType| matches!(t, DataType::Utf8View | DataType::BinaryView);
-    let nulls_span = |c: &arrow_array::ArrayRef| crate::bytes::null_span_bytes(c.as_ref()) >= crate::bytes::NULL_SPAN_COPY_BYTES;
-    if !schema.fields().iter().zip(batch.columns()).any(|(f, c)| views(f.data_type()) || narrowable(f.data_type()) || nulls_span(c)) {
+    // Null spans of the batch's columns together: 40 columns each spanning 60,000 bytes made a
+    // 2.4 MB record of a 2-row batch when the threshold was per column (helper-47's F4).
+    let spans: Vec<usize> = batch.columns().iter().map(|c| crate::bytes::null_span_bytes(c.as_ref())).collect();
+    let copy_spans = spans.iter().fold(0usize, |a, &b| a.saturating_add(b)) >= crate::bytes::NULL_SPAN_COPY_BYTES;
+    let nulls_span = |i: usize| copy_spans && spans[i] > 0;
+    if !schema.fields().iter().enumerate().any(|(i, f)| views(f.data_type()) || narrowable(f.data_type()) || nulls_span(i)) {
         return Ok(None);
     }
     let mut fields = Vec::with_capacity(schema.fields().len());
@@ -671,7 +676,7 @@ fn compact_for_log(batch: &RecordBatch, res: &mut Reservation) -> Result<Option<
     let mut changed = false;
     let n = batch.num_rows();
     let bitmap = n.div_ceil(8) + 128;
-    for (f, c) in schema.fields().iter().zip(batch.columns()) {
+    for (i, (f, c)) in schema.fields().iter().zip(batch.columns()).enumerate() {
         let logged: Option<arrow_array::ArrayRef> = match f.data_type() {
             DataType::Utf8View => {
                 res.try_grow(4 * (n + 1) + bitmap)?;
@@ -687,7 +692,7 @@ fn compact_for_log(batch: &RecordBatch, res: &mut Reservation) -> Result<Option<
             }
             // Values its nulls span are not logged: `take` copies the valid ones alone (its
             // indices, offsets, bitmap and values reserved first).
-            t if nulls_span(c) => {
+            t if nulls_span(i) => {
                 let width = if matches!(t, DataType::LargeUtf8 | DataType::LargeBinary) { 8 } else { 4 };
                 res.try_grow(8 * n + width * (n + 1) + bitmap + crate::bytes::range_bytes(&c.to_data(), 0, n))?;
                 let all = arrow_array::UInt64Array::from_iter_values(0..n as u64);
@@ -1515,6 +1520,41 @@ mod tests {
             );
         }
         assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0);
+    }
+
+    /// Null spans under the copy threshold each, over it together: 40 `Utf8` columns whose
+    /// row-0 null spans 60,000 bytes each (2.4 MB in all) made a 2.4 MB record, refused at
+    /// 2 MiB (helper-47's F4). Now every spanning column is copied: the record is small, and
+    /// replay gives the valid values back and the nulls as nulls.
+    #[test]
+    fn null_spans_under_the_threshold_each_are_copied_together() {
+        use arrow_array::{BooleanArray, Int64Array, StringArray};
+        const COLUMNS: usize = 40;
+        assert!(60_000 < crate::bytes::NULL_SPAN_COPY_BYTES && COLUMNS * 60_000 > 2 << 20);
+        let dir = tempfile::tempdir().unwrap();
+        let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(2 << 20), ..ControllerConfig::default() }).unwrap();
+        let mut fields = vec![Field::new("k", DataType::Int64, false)];
+        fields.extend((0..COLUMNS).map(|i| Field::new(format!("s{i}"), DataType::Utf8, true)));
+        let schema = Arc::new(Schema::new(fields));
+        let mut cols: Vec<Arc<dyn Array>> = vec![Arc::new(Int64Array::from(vec![1, 2]))];
+        for i in 0..COLUMNS {
+            let spanned = StringArray::from(vec!["z".repeat(60_000), format!("v{i}")]);
+            cols.push(arrow_select::nullif::nullif(&spanned, &BooleanArray::from(vec![true, false])).unwrap());
+        }
+        let batch = RecordBatch::try_new(Arc::clone(&schema), cols).unwrap();
+        let wal = Wal::open(dir.path(), Arc::new(StdFs), WalSync::PerBatch, &ctl, |_| Ok::<(), StorageError>(())).unwrap();
+        wal.append(WalOp::Put, 7, 1, 2, &batch).unwrap();
+        assert!(wal.bytes() < 64 << 10, "record of {} bytes", wal.bytes());
+        assert_eq!(ctl.category_bytes(Category::WriteBuffers), 0);
+        drop(wal);
+        let recs = replayed(dir.path(), &ctl);
+        assert_eq!(recs.len(), 1);
+        let back = recs[0].batch_as(&schema).unwrap();
+        for i in 0..COLUMNS {
+            let s = back.column(i + 1).as_any().downcast_ref::<StringArray>().unwrap();
+            assert!(s.is_null(0), "column {i}");
+            assert_eq!(s.value(1), format!("v{i}"));
+        }
     }
 
     fn replayed(dir: &Path, ctl: &Arc<MemoryController>) -> Vec<WalRecord> {

@@ -285,7 +285,8 @@ impl Scan {
                 // disk since it was committed or matched (a mismatch ends the scan:
                 // CorruptFile).
                 f.guard.verify()?;
-                let free = self.table.shared.ctl.limit().saturating_sub(self.table.shared.ctl.used());
+                // Free chunks the pool caches are given back on demand: free here.
+                let free = self.table.shared.ctl.limit().saturating_sub(self.table.shared.pressure_bytes());
                 let batch_bytes = scan_batch_bytes(&self.table.shared);
                 let spec = ReadSpec {
                     projection: self.projection.clone(),
@@ -657,7 +658,11 @@ impl Scan {
                 self.flush_room_given_up.store(true, Relaxed);
                 return Ok(None);
             }
-            let free = ctl.limit().saturating_sub(ctl.used()) >= need;
+            // Free chunks count as free (a reservation takes them back): counted as used, the
+            // chunks a flush left in the pool kept a scan of a row near the bound waiting out
+            // its whole `backpressure_timeout` after the flush it waited for was done
+            // (helper-47's F1).
+            let free = ctl.limit().saturating_sub(table.shared.pressure_bytes()) >= need;
             if free && !(short && self.engine.scan_flush_room_short(bytes)) {
                 return Ok(None);
             }

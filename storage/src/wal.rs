@@ -1530,7 +1530,7 @@ mod tests {
     fn null_spans_under_the_threshold_each_are_copied_together() {
         use arrow_array::{BooleanArray, Int64Array, StringArray};
         const COLUMNS: usize = 40;
-        assert!(60_000 < crate::bytes::NULL_SPAN_COPY_BYTES && COLUMNS * 60_000 > 2 << 20);
+        const { assert!(60_000 < crate::bytes::NULL_SPAN_COPY_BYTES && COLUMNS * 60_000 > 2 << 20) };
         let dir = tempfile::tempdir().unwrap();
         let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(2 << 20), ..ControllerConfig::default() }).unwrap();
         let mut fields = vec![Field::new("k", DataType::Int64, false)];

@@ -1055,9 +1055,17 @@ impl Table {
     /// [`TableStats::last_flush_error`] and `Engine::degraded_tables` (beginning with
     /// [`COMPACTION_FAILED`]) and retried by the next flush.
     ///
+    /// A flush refused memory while others hold some they give back — scans (their readers
+    /// and the batches their callers hold), writes being applied, other flushes — waits for
+    /// releases and tries again, up to `backpressure_timeout`, as a write does; with no such
+    /// holder, or once `Engine::close` has begun, the refusal is returned at once. Before, a
+    /// flush beside a scan reading a row near the bound was refused at once (helper-47's F3:
+    /// "requested 804.5 KiB for `write_buffers`", the scan's reader holding 3.2 MiB of 4 MiB,
+    /// done a few milliseconds later).
+    ///
     /// # Errors
     /// [`Error::Storage`] on I/O failure of the commit (the rows stay in memory and are
-    /// retried by the next flush), [`Error::MemoryLimit`].
+    /// retried by the next flush), [`Error::MemoryLimit`] (the rows stay in memory too).
     pub fn flush(&self) -> Result<u64> {
         {
             let mut g = self.inner.state()?;
@@ -1065,10 +1073,27 @@ impl Table {
                 self.inner.seal(st);
             }
         }
-        self.inner.flush_sealed(self.inner.shared.config.flush_threads).map_err(|e| match e {
-            Error::Closed(_) => e,
-            e => self.inner.explain(e),
-        })
+        let shared = &self.inner.shared;
+        let deadline = crate::engine::deadline_after(shared.config.backpressure_timeout);
+        // `Engine::close` (whose flushes come here) does not wait: batches a caller keeps
+        // across it would hold it for the whole timeout; its rows are in the log either way.
+        let others = || {
+            self.engine.check_writable().is_ok()
+                && (shared.ctl.category_bytes(Category::ScanBuffers) > 0 || shared.admitting() > 0 || self.engine.writer.in_flight() > 0)
+        };
+        loop {
+            match self.inner.flush_sealed(shared.config.flush_threads) {
+                Err(e) if e.is_memory_limit() && others() && self.engine.wait_for_memory(deadline) => {
+                    tracing::debug!(table = %self.inner.name, error = %e, "flush waiting for memory others hold");
+                }
+                r => {
+                    return r.map_err(|e| match e {
+                        Error::Closed(_) => e,
+                        e => self.inner.explain(e),
+                    });
+                }
+            }
+        }
     }
 
     /// Reads a consistent snapshot of the table: committed files minus deletion vectors,

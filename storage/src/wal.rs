@@ -1468,7 +1468,6 @@ mod tests {
         assert_eq!((d.value(0), d.value(1), d.value(2), d.is_null(3)), (max18, -max18, 2 * 7 - 9000, true));
     }
 
-    /// Every record a reopen of the log in `dir` replays, in order.
     /// A byte column whose null spans 4,000,000 bytes of values (`nullif`) is logged without
     /// them: the record of its two rows is under 4 KiB at a 2 MiB limit (it was 4 MB, refused),
     /// the write buffers come back to 0, and replay gives the same rows. A null spanning less
@@ -1557,6 +1556,7 @@ mod tests {
         }
     }
 
+    /// Every record a reopen of the log in `dir` replays, in order.
     fn replayed(dir: &Path, ctl: &Arc<MemoryController>) -> Vec<WalRecord> {
         let mut recs = Vec::new();
         Wal::open(dir, Arc::new(StdFs), WalSync::PerBatch, ctl, |r| {

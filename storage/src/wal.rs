@@ -170,9 +170,10 @@ impl Inner {
 /// the buffers `arrow_ipc::writer::StreamEncoder` gives (the stream's metadata and padding,
 /// and the column buffers themselves: slices of the batch's arrays, or of their compact copy
 /// for the log, not copies), written with one vectored `write`. Reserved under
-/// `write_buffers` while it exists: the compact copy, and every IPC buffer's length (the
-/// slices of the caller's arrays too, which over-counts them: the encoder's own allocations,
-/// e.g. re-based offsets of a sliced array, cannot be told apart). The table id and sequence
+/// `write_buffers` while it exists: the compact copy, and every IPC buffer's length but the
+/// slices of that copy (counted once, as the copy) — the slices of the caller's arrays too,
+/// which over-counts them: the encoder's own allocations, e.g. re-based offsets of a sliced
+/// array, are not told apart from them. The table id and sequence
 /// numbers are filled in, and the checksum completed, by [`Wal::append_record`]; encoding can
 /// thus run before the write is checked and numbered (the engine does it beside its key
 /// checks).
@@ -395,20 +396,33 @@ impl Wal {
         // The compact copy of view and decimal columns lives until the IPC encoding is done;
         // it is reserved column by column before each part is allocated.
         let compact = compact_for_log(batch, &mut res)?;
-        let batch = compact.as_ref().unwrap_or(batch);
+        let logged = compact.as_ref().unwrap_or(batch);
+        // The columns the compact copy made: fresh arrays at offset 0, whose buffers the
+        // encoder writes as they are (slices, not copies), so they are counted once, as the
+        // copy. Counting them again here refused, at 2 MiB, a 2-row insert of two 404 KB
+        // `Utf8View` values that `Utf8` took (helper-48's F1).
+        let copied: Vec<&arrow_array::ArrayRef> = logged.columns().iter().zip(batch.columns()).filter(|(l, c)| !Arc::ptr_eq(l, c)).map(|(l, _)| l).collect();
         // A slice's own rows, not its parent's buffers (the IPC encoder encodes only the
         // slice). The encoder's own allocations (its metadata, re-based offsets and shifted
-        // bitmaps of sliced arrays) are budgeted before it runs, at the batch's bytes.
+        // bitmaps of sliced arrays) are budgeted before it runs, at the other columns' bytes.
         let compacted = res.size();
-        res.try_grow(crate::batch_bytes(batch) + 1024)?;
-        let mut enc = StreamEncoder::try_new(batch.schema_ref())?;
-        let mut ipc = enc.encode(batch)?;
+        let others = logged
+            .columns()
+            .iter()
+            .filter(|c| !copied.iter().any(|d| Arc::ptr_eq(c, d)))
+            .map(|c| crate::bytes::range_bytes(&c.to_data(), 0, c.len()))
+            .fold(0, usize::saturating_add);
+        res.try_grow(others + 1024)?;
+        let mut enc = StreamEncoder::try_new(logged.schema_ref())?;
+        let mut ipc = enc.encode(logged)?;
         ipc.extend(enc.finish()?);
-        drop(compact);
         let ipc_len = ipc.iter().map(arrow_buffer::Buffer::len).sum::<usize>();
+        let in_copy = copy_slice_bytes(&ipc, &copied);
+        drop(copied);
+        drop(compact);
         // What the record holds until it is written: the compact copy (its arrays stay alive
-        // in `ipc`) and the IPC buffers.
-        res.try_resize(compacted + ipc_len)?;
+        // in `ipc`) and the IPC buffers that are not slices of it.
+        res.try_resize(compacted + (ipc_len - in_copy))?;
         let len = u32::try_from(PAYLOAD_HEADER + ipc_len).map_err(|_| StorageError::Io {
             path: self.dir.clone(),
             source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "WAL record above 4 GiB; write smaller batches"),
@@ -622,6 +636,34 @@ impl Wal {
         let g = self.lock();
         g.closed.iter().chain(g.active.as_ref().map(|a| &a.seg)).flat_map(|s| s.max_seq.keys().copied()).max().unwrap_or(0)
     }
+}
+
+/// Bytes of the buffers in `ipc` that lie inside a buffer of one of `columns` (validity,
+/// offsets, values, views, data buffers, and their children's): slices the IPC encoder took
+/// of those arrays rather than copies. A buffer is inside when its whole address range is.
+fn copy_slice_bytes(ipc: &[arrow_buffer::Buffer], columns: &[&arrow_array::ArrayRef]) -> usize {
+    fn ranges(d: &arrow_data::ArrayData, out: &mut Vec<(usize, usize)>) {
+        let span = |b: &arrow_buffer::Buffer| (b.as_ptr() as usize, b.as_ptr() as usize + b.len());
+        out.extend(d.buffers().iter().map(span));
+        out.extend(d.nulls().map(|n| span(n.buffer())));
+        for c in d.child_data() {
+            ranges(c, out);
+        }
+    }
+    if columns.is_empty() {
+        return 0;
+    }
+    let mut spans = Vec::new();
+    for c in columns {
+        ranges(&c.to_data(), &mut spans);
+    }
+    ipc.iter()
+        .filter(|b| {
+            let (at, end) = (b.as_ptr() as usize, b.as_ptr() as usize + b.len());
+            !b.is_empty() && spans.iter().any(|&(s, e)| s <= at && end <= e)
+        })
+        .map(arrow_buffer::Buffer::len)
+        .sum()
 }
 
 /// A `Decimal128` of precision ≤ 18 ([`arrow_schema::DECIMAL64_MAX_PRECISION`]): every value
@@ -1305,6 +1347,41 @@ mod tests {
         let s = back.column(1).as_any().downcast_ref::<StringViewArray>().unwrap();
         let got: Vec<Option<String>> = (0..s.len()).map(|i| (!s.is_null(i)).then(|| s.value(i).to_string())).collect();
         assert_eq!(got, vals);
+    }
+
+    /// A record of a view column holds its compact copy once: the IPC encoder writes the
+    /// copy's offsets, values and bitmap as slices, and the record counted them again beside
+    /// the copy (helper-48's F1: at 2 MiB, two 404 KB `Utf8View` values were refused where
+    /// `Utf8` took them). Exactly: copy (offsets 4 × (n + 1) and bitmap n / 8 + 128 bytes, then
+    /// values + 16) plus the IPC buffers that are not its slices; for the `Utf8` batch, its IPC
+    /// buffers. The view record holds at most 2 KiB more than the `Utf8` one.
+    #[test]
+    fn a_view_columns_copy_is_counted_once() {
+        const LEN: usize = 404_000;
+        let dir = tempfile::tempdir().unwrap();
+        let ctl = MemoryController::new(ControllerConfig::default()).unwrap();
+        let wal = Wal::open(dir.path(), Arc::new(StdFs), WalSync::PerBatch, &ctl, |_| Ok::<(), StorageError>(())).unwrap();
+        let held = || ctl.report().categories.iter().find(|c| c.category == Category::WriteBuffers).unwrap().bytes;
+        let (a, b) = ("a".repeat(LEN), "b".repeat(LEN));
+        let batch = |t: DataType| {
+            let s = arrow_cast::cast(&arrow_array::StringArray::from(vec![a.as_str(), b.as_str()]), &t).unwrap();
+            RecordBatch::try_new(Arc::new(Schema::new(vec![Field::new("s", t, true)])), vec![s]).unwrap()
+        };
+        let before = held();
+        let plain = wal.encode_record(WalOp::Put, &batch(DataType::Utf8)).unwrap();
+        let plain_held = held() - before;
+        assert_eq!(plain_held, plain.ipc_len, "a Utf8 record holds its IPC buffers");
+        for t in [DataType::Utf8View, DataType::BinaryView] {
+            let rec = wal.encode_record(WalOp::Put, &batch(t.clone())).unwrap();
+            let copy = 4 * 3 + (2usize.div_ceil(8) + 128) + 2 * LEN + 16;
+            let copied_in_ipc = 4 * 3 + 2 * LEN; // offsets and values (no nulls: no bitmap)
+            let view_held = held() - before - plain_held;
+            assert_eq!(view_held, copy + rec.ipc_len - copied_in_ipc, "{t}");
+            assert!(view_held < plain_held + 2048, "{t}: {view_held} bytes against Utf8's {plain_held}");
+            drop(rec);
+        }
+        drop(plain);
+        assert_eq!(held(), before);
     }
 
     /// `views_to_binary` gives the values, nulls and lengths `arrow_cast`'s view → offset cast

@@ -4,7 +4,7 @@ use crate::error::{Error, Result, io};
 use crate::table::{Table, TableInner, lock};
 use crate::writer::Writer;
 use arrow_schema::SchemaRef;
-use gritdb_memctl::{Category, ControllerConfig, MemoryController, MemoryReport};
+use gritdb_memctl::{Category, ControllerConfig, MemoryController, MemoryReport, TableAccount};
 use gritdb_storage::{TableStore, WAL_DIR, Wal, WalOp, WalRecord, WalSync};
 use gritdb_unify::RowCodec;
 use std::collections::{BTreeMap, HashMap};
@@ -410,6 +410,35 @@ impl Shared {
                 s.ctl.wait_for_release(FLUSH_MEMORY_WAIT.saturating_sub(waited).min(Duration::from_millis(20)));
             }
             s.file_writes_waiting.fetch_sub(1, Ordering::AcqRel);
+            others
+        })
+    }
+
+    /// How an export's Parquet writer (of `table`) waits for memory
+    /// (`gritdb_storage::WriteOptions::memory_wait`) before its smallest step goes bare and
+    /// before it budgets a closed row group's metadata: while other tables' scans hold
+    /// batches or readers ([`Category::ScanBuffers`] beyond `table`'s own), a write is
+    /// between its admission and the end of its apply, or a data-file write runs that is not
+    /// itself waiting — memory that comes back — for at most `backpressure_timeout` a step,
+    /// woken by every release; never once the engine is closing. With no such holder (the
+    /// export's own scan and batches are `table`'s) the refusal is returned at once. Before,
+    /// an export at 2 MiB beside 1.6 MB of another table's held batches was refused at once
+    /// ("requested 2.0 KiB for `write_buffers`", helper-48), though they were let go of soon
+    /// after (`scan_memory::an_export_beside_another_tables_held_batches_waits_for_them`).
+    pub(crate) fn export_memory_wait(self: &Arc<Self>, table: &TableAccount) -> gritdb_storage::MemoryWait {
+        let (shared, table) = (Arc::downgrade(self), table.clone());
+        gritdb_storage::MemoryWait::new(move |waited| {
+            let Some(s) = shared.upgrade() else { return false };
+            let timeout = s.config.backpressure_timeout;
+            if waited >= timeout || s.closed.load(Ordering::Acquire) {
+                return false;
+            }
+            let others = s.ctl.category_bytes(Category::ScanBuffers) > table.bytes(Category::ScanBuffers)
+                || s.admitting() > 0
+                || s.file_writes.load(Ordering::Acquire) > s.file_writes_waiting.load(Ordering::Acquire);
+            if others {
+                s.ctl.wait_for_release(timeout.saturating_sub(waited).min(Duration::from_millis(20)));
+            }
             others
         })
     }

@@ -293,6 +293,7 @@ impl Table {
         let steps = gritdb_storage::WriteOptions {
             row_group_bytes: options.row_group_bytes.min((self.inner.shared.write_soft_limit() / 4).max(64 << 10)),
             write_batch_rows: options.batch_rows,
+            memory_wait: Some(self.inner.shared.export_memory_wait(&self.inner.account)),
             ..gritdb_storage::WriteOptions::default()
         };
         let step = |e: gritdb_storage::StepError| match e {

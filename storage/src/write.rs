@@ -751,19 +751,26 @@ impl Budget {
     }
 
     /// Under [`WrittenMetadata::Budget`], reserves what the writer will keep of the row group
-    /// about to be closed.
-    fn before_close(&mut self) -> Result<(), gritdb_memctl::MemoryError> {
+    /// about to be closed; refused, it waits through [`WriteOptions::memory_wait`] (an
+    /// export's, for memory other holders give back) and asks again.
+    fn before_close(&mut self, opts: &WriteOptions) -> Result<(), gritdb_memctl::MemoryError> {
         if self.policy == WrittenMetadata::Budget {
-            self.held.try_resize(self.tally.bytes().saturating_add(self.tally.next_group_bytes()))?;
+            let mut waited_since = None;
+            let want = self.tally.bytes().saturating_add(self.tally.next_group_bytes());
+            while let Err(e) = self.held.try_resize(want) {
+                if !wait_for_room(opts, &mut waited_since) {
+                    return Err(e);
+                }
+            }
             self.note_peak();
         }
         Ok(())
     }
 
     /// Closes `w`'s open row group (no-op when it is empty), budgeted as [`Self::before_close`].
-    fn close(&mut self, w: &mut (impl BatchSink + ?Sized)) -> Result<(), StepError> {
+    fn close(&mut self, w: &mut (impl BatchSink + ?Sized), opts: &WriteOptions) -> Result<(), StepError> {
         if w.in_progress_rows() > 0 {
-            self.before_close()?;
+            self.before_close(opts)?;
         }
         w.flush().map_err(StepError::Parquet)?;
         self.update(&*w, w.memory_size());
@@ -855,7 +862,7 @@ fn write_steps(w: &mut impl BatchSink, batch: &RecordBatch, opts: &WriteOptions,
             let Err(e) = budget.buffers.try_resize(ahead) else { break };
             let smallest = len == 1 || step_bytes <= MIN_STEP_BYTES;
             if w.in_progress_rows() > 0 && budget.worth_closing(w.memory_size()) {
-                budget.close(w)?;
+                budget.close(w, opts)?;
             } else if budget.policy == WrittenMetadata::CountPastLimit
                 && budget.held.size() > 0
                 && budget.buffers.try_resize(ahead.saturating_sub(budget.held.size())).is_ok()
@@ -873,14 +880,14 @@ fn write_steps(w: &mut impl BatchSink, batch: &RecordBatch, opts: &WriteOptions,
             } else if w.in_progress_rows() > 0 {
                 // Last: a row group not worth closing (closing keeps more of its metadata
                 // than it frees) is closed only when even the bare step does not fit.
-                budget.close(w)?;
+                budget.close(w, opts)?;
             } else {
                 return Err(e.into());
             }
         }
         // A step that fills the row group's rows closes it.
         if w.in_progress_rows() + len >= max_rows {
-            budget.before_close()?;
+            budget.before_close(opts)?;
         }
         budget.note_peak();
         let (before, opened) = (w.memory_size(), w.in_progress_rows() == 0);
@@ -914,7 +921,7 @@ fn write_steps(w: &mut impl BatchSink, batch: &RecordBatch, opts: &WriteOptions,
         // keeps `WRITTEN_CHUNK_BYTES` a column of metadata to the file's end, and cutting
         // 200-column rows at 128 KiB kept 4.6 MB of it for a 20-row file at 2 MiB.
         if (buffered >= opts.row_group_bytes.max(2 * budget.opening) || over) && budget.worth_closing(buffered) {
-            budget.close(w)?;
+            budget.close(w, opts)?;
         }
         budget.buffers.force_resize(w.memory_size());
         budget.note_peak();
@@ -990,7 +997,7 @@ impl<W: std::io::Write + Send> StepWriter<W> {
     /// # Errors
     /// As [`Self::write`].
     pub fn finish(mut self) -> Result<(W, StepStats), StepError> {
-        self.budget.close(&mut self.w)?;
+        self.budget.close(&mut self.w, &self.opts)?;
         let stats = StepStats { row_groups: self.w.w.flushed_row_groups().len(), peak_bytes: self.budget.peak };
         let sink = self.w.w.into_inner().map_err(StepError::Parquet)?;
         Ok((sink, stats))

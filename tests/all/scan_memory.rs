@@ -918,3 +918,50 @@ fn a_flush_beside_a_scan_waits_for_the_memory_the_scan_gives_back() {
         assert_eq!(engine.memory().category_bytes(Category::ScanBuffers), 0);
     }
 }
+
+/// An export refused memory that another table's held scan batches take waits for them, as a
+/// write and a flush do. At 2 MiB, with 1.6 MB of table `a`'s batches held by a caller, an
+/// export of table `b` was refused its writer's buffers at once (helper-48); the caller lets
+/// go 300 ms later, and the export now finishes with every row of `b`.
+#[test]
+fn an_export_beside_another_tables_held_batches_waits_for_them() {
+    use arrow::datatypes::{DataType, Field, Schema};
+    const LIMIT: usize = 2 << 20;
+    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", DataType::Utf8, true)]));
+    let batch = |from: i64, n: i64, len: usize| {
+        let k = Int64Array::from_iter_values(from..from + n);
+        let v = arrow::array::StringArray::from_iter_values((from..from + n).map(|k| random_text(len, k as u64, b'a', 26)));
+        RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(k), Arc::new(v)]).unwrap()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let config = EngineConfig::default().memory_limit(LIMIT).backpressure_timeout(std::time::Duration::from_secs(20));
+    let engine = Engine::open(dir.path(), config).unwrap();
+    let a = engine.create_table("a", Arc::clone(&schema), &["k"]).unwrap();
+    let b = engine.create_table("b", Arc::clone(&schema), &["k"]).unwrap();
+    for from in (0..40).step_by(4) {
+        a.insert(&batch(from, 4, 40_000)).unwrap();
+        a.flush().unwrap();
+    }
+    b.insert(&batch(0, 2_000, 100)).unwrap();
+    b.flush().unwrap();
+    let held: Vec<RecordBatch> = a.scan(ScanOptions::default().batch_rows(1)).unwrap().map(Result::unwrap).collect();
+    assert_eq!(held.iter().map(RecordBatch::num_rows).sum::<usize>(), 40);
+    let held_bytes = engine.memory().category_bytes(Category::ScanBuffers);
+    assert!(held_bytes > 1_600_000, "{held_bytes} bytes held");
+    let target = out.path().join("b.parquet");
+    let exporting = {
+        let (b, target) = (b.clone(), target.clone());
+        std::thread::spawn(move || b.export_parquet(&target))
+    };
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    drop(held);
+    let stats = exporting.join().unwrap().unwrap_or_else(|e| panic!("export refused beside {held_bytes} bytes of held batches: {e}"));
+    assert_eq!(stats.rows, 2_000);
+    let file = std::fs::File::open(&target).unwrap();
+    let rows: usize =
+        gritdb::parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(file).unwrap().build().unwrap().map(|b| b.unwrap().num_rows()).sum();
+    assert_eq!(rows, 2_000);
+    assert_eq!(engine.memory().category_bytes(Category::ScanBuffers), 0);
+    assert_eq!(engine.memory().category_bytes(Category::WriteBuffers), 0);
+}

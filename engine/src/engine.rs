@@ -291,6 +291,14 @@ impl Shared {
         self.ctl.used().saturating_sub(self.ctl.category_bytes(Category::FreeChunks))
     }
 
+    /// Bytes free under the limit, the pool's cached free chunks counted as free (they are
+    /// given back on demand): `limit − pressure_bytes()`. What a scan waits for and sizes its
+    /// reader's decoding by; `limit − used` made a scan wait out its whole
+    /// `backpressure_timeout` for the very chunks a flush had just freed (helper-47's F1).
+    pub(crate) fn free_bytes(&self) -> usize {
+        self.ctl.limit().saturating_sub(self.pressure_bytes())
+    }
+
     /// Bytes a write of `bytes` Arrow bytes in `rows` rows adds to a delta, estimated for
     /// [`Self::flush_room_short`]: the Arrow bytes plus [`DELTA_ROW_OVERHEAD`] a row.
     pub(crate) fn delta_growth(bytes: usize, rows: usize) -> usize {

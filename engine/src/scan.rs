@@ -286,7 +286,7 @@ impl Scan {
                 // CorruptFile).
                 f.guard.verify()?;
                 // Free chunks the pool caches are given back on demand: free here.
-                let free = self.table.shared.ctl.limit().saturating_sub(self.table.shared.pressure_bytes());
+                let free = self.table.shared.free_bytes();
                 let batch_bytes = scan_batch_bytes(&self.table.shared);
                 let spec = ReadSpec {
                     projection: self.projection.clone(),
@@ -662,7 +662,7 @@ impl Scan {
             // chunks a flush left in the pool kept a scan of a row near the bound waiting out
             // its whole `backpressure_timeout` after the flush it waited for was done
             // (helper-47's F1).
-            let free = ctl.limit().saturating_sub(table.shared.pressure_bytes()) >= need;
+            let free = table.shared.free_bytes() >= need;
             if free && !(short && self.engine.scan_flush_room_short(bytes)) {
                 return Ok(None);
             }

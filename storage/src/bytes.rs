@@ -1,6 +1,6 @@
 //! How many bytes a caller's batch stands for.
 
-use arrow_array::{Array, RecordBatch};
+use arrow_array::{Array, ArrowNativeTypeOp, OffsetSizeTrait, RecordBatch};
 
 /// Bytes of `batch`'s own rows: per column [`range_bytes`] over all its rows, so a slice
 /// (`RecordBatch::slice`, or arrays with an offset) counts its rows' share of the buffers, not
@@ -26,14 +26,8 @@ pub(crate) fn range_bytes(data: &arrow_data::ArrayData, at: usize, len: usize) -
     use arrow_schema::DataType;
     let bitmap = if data.nulls().is_some() { len.div_ceil(8) } else { 0 };
     let values = match data.data_type() {
-        DataType::Utf8 | DataType::Binary => {
-            let o = data.buffer::<i32>(0);
-            valid_runs(data, at, len, |s, e| usize::try_from(o[e].wrapping_sub(o[s])).unwrap_or(0)).saturating_add(4 * len)
-        }
-        DataType::LargeUtf8 | DataType::LargeBinary => {
-            let o = data.buffer::<i64>(0);
-            valid_runs(data, at, len, |s, e| usize::try_from(o[e].wrapping_sub(o[s])).unwrap_or(0)).saturating_add(8 * len)
-        }
+        DataType::Utf8 | DataType::Binary => byte_array_bytes::<i32>(data, at, len),
+        DataType::LargeUtf8 | DataType::LargeBinary => byte_array_bytes::<i64>(data, at, len),
         // A view's low 32 bits are its value's length; a value of at most 12 bytes is inside
         // its view. (For a Parquet page's bound this still counts at least the values' bytes.)
         // When the data buffers are at most three times the views, they are counted whole
@@ -58,22 +52,8 @@ pub(crate) fn range_bytes(data: &arrow_data::ArrayData, at: usize, len: usize) -
                 valid_runs(data, at, len, long).saturating_add(views)
             }
         }
-        DataType::List(_) | DataType::Map(_, _) => {
-            let o = data.buffer::<i32>(0);
-            let child = |s: usize, e: usize| {
-                let (from, to) = (usize::try_from(o[s]).unwrap_or(0), usize::try_from(o[e]).unwrap_or(0));
-                range_bytes(&data.child_data()[0], from, to.saturating_sub(from))
-            };
-            valid_runs(data, at, len, child).saturating_add(4 * len)
-        }
-        DataType::LargeList(_) => {
-            let o = data.buffer::<i64>(0);
-            let child = |s: usize, e: usize| {
-                let (from, to) = (usize::try_from(o[s]).unwrap_or(0), usize::try_from(o[e]).unwrap_or(0));
-                range_bytes(&data.child_data()[0], from, to.saturating_sub(from))
-            };
-            valid_runs(data, at, len, child).saturating_add(8 * len)
-        }
+        DataType::List(_) | DataType::Map(_, _) => list_bytes::<i32>(data, at, len),
+        DataType::LargeList(_) => list_bytes::<i64>(data, at, len),
         DataType::FixedSizeList(_, size) => {
             let size = usize::try_from(*size).unwrap_or(0);
             range_bytes(&data.child_data()[0], (data.offset() + at) * size, len * size)
@@ -103,20 +83,44 @@ pub(crate) fn null_span_bytes(array: &dyn Array) -> usize {
         return 0;
     }
     let data = array.to_data();
-    let len = data.len();
     match data.data_type() {
-        DataType::Utf8 | DataType::Binary => {
-            let o = data.buffer::<i32>(0);
-            let span = |s: usize, e: usize| usize::try_from(o[e].wrapping_sub(o[s])).unwrap_or(0);
-            span(0, len).saturating_sub(valid_runs(&data, 0, len, span))
-        }
-        DataType::LargeUtf8 | DataType::LargeBinary => {
-            let o = data.buffer::<i64>(0);
-            let span = |s: usize, e: usize| usize::try_from(o[e].wrapping_sub(o[s])).unwrap_or(0);
-            span(0, len).saturating_sub(valid_runs(&data, 0, len, span))
-        }
+        DataType::Utf8 | DataType::Binary => offsets_null_span::<i32>(&data),
+        DataType::LargeUtf8 | DataType::LargeBinary => offsets_null_span::<i64>(&data),
         _ => 0,
     }
+}
+
+/// Bytes from offset `s` to offset `e` of `o`: `o[e] − o[s]`, or 0 when that is negative (an
+/// array built without validation; wrapped, then refused by the conversion).
+fn offset_span<O: OffsetSizeTrait + ArrowNativeTypeOp>(o: &[O], s: usize, e: usize) -> usize {
+    o[e].sub_wrapping(o[s]).to_usize().unwrap_or(0)
+}
+
+/// [`range_bytes`] of a byte array with offsets of `O` (`Utf8`/`Binary`: `i32`; their `Large`
+/// forms: `i64`): its valid rows' values and an offset a row.
+fn byte_array_bytes<O: OffsetSizeTrait + ArrowNativeTypeOp>(data: &arrow_data::ArrayData, at: usize, len: usize) -> usize {
+    let o = data.buffer::<O>(0);
+    valid_runs(data, at, len, |s, e| offset_span(o, s, e)).saturating_add(size_of::<O>() * len)
+}
+
+/// [`range_bytes`] of a list (or map) with offsets of `O`: its valid rows' child values and an
+/// offset a row.
+fn list_bytes<O: OffsetSizeTrait>(data: &arrow_data::ArrayData, at: usize, len: usize) -> usize {
+    let o = data.buffer::<O>(0);
+    let child = |s: usize, e: usize| {
+        let (from, to) = (o[s].to_usize().unwrap_or(0), o[e].to_usize().unwrap_or(0));
+        range_bytes(&data.child_data()[0], from, to.saturating_sub(from))
+    };
+    valid_runs(data, at, len, child).saturating_add(size_of::<O>() * len)
+}
+
+/// [`null_span_bytes`] of a byte array with offsets of `O`: the offsets' whole span less its
+/// valid rows'.
+fn offsets_null_span<O: OffsetSizeTrait + ArrowNativeTypeOp>(data: &arrow_data::ArrayData) -> usize {
+    let o = data.buffer::<O>(0);
+    let len = data.len();
+    let span = |s: usize, e: usize| offset_span(o, s, e);
+    span(0, len).saturating_sub(valid_runs(data, 0, len, span))
 }
 
 /// Null-spanned bytes ([`null_span_bytes`]) from which a column is copied out without them

@@ -356,6 +356,88 @@ fn decimal_values_beyond_their_precision_are_refused() {
     assert_eq!(want(&engine.table("d").unwrap()), before, "and a reopen");
 }
 
+/// A string value that is not UTF-8 (built with Arrow's `new_unchecked`, as FFI or unvalidated
+/// IPC can) is refused whole — as a value and as a key, in `Utf8`, `LargeUtf8` and `Utf8View`,
+/// by insert, upsert, update and delete — with nothing applied and nothing logged: accepted,
+/// it was acknowledged, and the next open refused the whole data directory when its WAL
+/// replay met it (helper-49's F4). The table reopens with its rows.
+#[test]
+fn string_values_that_are_not_utf8_are_refused() {
+    use arrow::array::{AsArray, LargeStringArray, StringViewArray};
+    use arrow::buffer::{Buffer, OffsetBuffer, ScalarBuffer};
+    for t in [DataType::Utf8, DataType::LargeUtf8, DataType::Utf8View] {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+        let schema = Arc::new(Schema::new(vec![Field::new("k", t.clone(), false), Field::new("v", t.clone(), true)]));
+        let table = engine.create_table("s", Arc::clone(&schema), &["k"]).unwrap();
+        let good = |vals: &[&str]| arrow::compute::cast(&StringArray::from(vals.to_vec()), &t).unwrap();
+        // "ok", then "b\xffd": valid offsets, invalid bytes.
+        // SAFETY: (test) in-bounds, monotonic offsets; the bytes are deliberately not UTF-8,
+        // which is what the engine must refuse.
+        let bad_utf8 =
+            unsafe { StringArray::new_unchecked(OffsetBuffer::new(ScalarBuffer::from(vec![0, 2, 5])), Buffer::from(vec![b'o', b'k', b'b', 0xff, b'd']), None) };
+        let bad: ArrayRef = match &t {
+            DataType::Utf8 => Arc::new(bad_utf8),
+            DataType::LargeUtf8 => {
+                // SAFETY: (test) as above.
+                Arc::new(unsafe {
+                    LargeStringArray::new_unchecked(
+                        OffsetBuffer::new(ScalarBuffer::from(vec![0i64, 2, 5])),
+                        Buffer::from(vec![b'o', b'k', b'b', 0xff, b'd']),
+                        None,
+                    )
+                })
+            }
+            _ => {
+                let mut v = StringViewArray::from(vec!["ok", "bxd"]).views().to_vec();
+                // The second value's inline bytes: b, 0xff, d.
+                let mut bytes = v[1].to_le_bytes();
+                bytes[5] = 0xff;
+                v[1] = u128::from_le_bytes(bytes);
+                // SAFETY: (test) inline views only (no buffer); the bytes are deliberately not
+                // UTF-8.
+                Arc::new(unsafe { StringViewArray::new_unchecked(ScalarBuffer::from(v), vec![], None) })
+            }
+        };
+        table.insert(&RecordBatch::try_new(Arc::clone(&schema), vec![good(&["a", "b"]), good(&["one", "two"])]).unwrap()).unwrap();
+        let rows = |table: &gritdb::Table| {
+            let mut out = Vec::new();
+            for b in table.scan(ScanOptions::default()).unwrap() {
+                let b = b.unwrap();
+                let (k, v) = (arrow::compute::cast(b.column(0), &DataType::Utf8).unwrap(), arrow::compute::cast(b.column(1), &DataType::Utf8).unwrap());
+                let (k, v) = (k.as_string::<i32>(), v.as_string::<i32>());
+                out.extend((0..b.num_rows()).map(|i| (k.value(i).to_string(), v.value(i).to_string())));
+            }
+            out.sort();
+            out
+        };
+        let before = vec![("a".to_string(), "one".to_string()), ("b".to_string(), "two".to_string())];
+        assert_eq!(rows(&table), before);
+        let wal = || std::fs::read_dir(dir.path().join("wal")).unwrap().map(|e| e.unwrap().metadata().unwrap().len()).sum::<u64>();
+        let logged = wal();
+        let as_value = RecordBatch::try_new(Arc::clone(&schema), vec![good(&["a", "c"]), Arc::clone(&bad)]).unwrap();
+        let as_key = RecordBatch::try_new(Arc::clone(&schema), vec![Arc::clone(&bad), good(&["x", "y"])]).unwrap();
+        for (what, b) in [("value", &as_value), ("key", &as_key)] {
+            for (op, res) in [("insert", table.insert(b)), ("upsert", table.upsert(b)), ("update", table.update(b))] {
+                match res {
+                    Err(Error::Input(e)) => assert!(e.to_string().contains("not UTF-8") && e.to_string().contains("row 1"), "{t} {what} {op}: {e}"),
+                    other => panic!("{t} {what} {op}: expected Error::Input, got {other:?}"),
+                }
+                assert_eq!(rows(&table), before, "{t} {what} {op}: nothing applied");
+            }
+        }
+        let keys = RecordBatch::try_new(Arc::new(Schema::new(vec![Field::new("k", t.clone(), false)])), vec![Arc::clone(&bad)]).unwrap();
+        assert!(matches!(table.delete(&keys), Err(Error::Input(_))), "{t} delete");
+        assert_eq!(rows(&table), before, "{t}: a refused delete deletes nothing");
+        assert_eq!(wal(), logged, "{t}: nothing logged");
+        // Dropped without close: the log replays.
+        drop(table);
+        drop(engine);
+        let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap_or_else(|e| panic!("{t}: reopen: {e}"));
+        assert_eq!(rows(&engine.table("s").unwrap()), before, "{t}: after the replay");
+    }
+}
+
 /// Two table directories whose manifests name the same table (exactly, or only by case — a
 /// copied or hand-edited manifest): the open is refused with a typed error naming both rather
 /// than one table silently hiding the other; with the manifest put back, both tables and their

@@ -249,6 +249,7 @@ impl RowCodec {
         check_columns(want.iter().map(|f| (f.name(), f.data_type())), got.fields().iter().map(|f| (f.name(), f.data_type())))?;
         for (i, f) in want.iter().enumerate() {
             check_decimal_precision(f, batch.column(i).as_ref())?;
+            check_utf8(f, batch.column(i).as_ref())?;
         }
         for (i, f) in want.iter().enumerate() {
             let col = batch.column(i);
@@ -277,6 +278,7 @@ impl RowCodec {
         for (j, &i) in self.keys.columns.iter().enumerate() {
             let col = batch.column(j);
             check_decimal_precision(self.schema.field(i), col.as_ref())?;
+            check_utf8(self.schema.field(i), col.as_ref())?;
             if col.null_count() > 0 {
                 return Err(UnifyError::NullKey { column: self.schema.field(i).name().clone(), row: first_null(col.as_ref()) });
             }
@@ -777,6 +779,106 @@ fn check_decimal_precision(field: &arrow_schema::Field, col: &dyn arrow_array::A
     }
 }
 
+/// Refuses a string column (`Utf8`, `LargeUtf8`, `Utf8View`) with a valid value that is not
+/// UTF-8 (nulls are not checked). Arrow's `new_unchecked` constructors, FFI and unvalidated
+/// IPC build such arrays; accepted, the row was acknowledged and logged, and the next open's
+/// WAL replay, which checks UTF-8 when it casts the record back, refused the whole data
+/// directory (helper-49's F4); a flushed file would fail every reader.
+///
+/// Cheap for valid input: an offsets column's value bytes are checked as one run
+/// (`std::str::from_utf8`, which skips ASCII a word at a time) and each valid row's start and
+/// end only for a character boundary; a view column's data buffers are checked whole, a long
+/// view's ends for boundaries and an inline view's bytes for ASCII (a mask). Only when that
+/// fails (bytes outside every valid value are not UTF-8, or a value is) is each valid value
+/// checked, to name the first bad row.
+fn check_utf8(field: &arrow_schema::Field, col: &dyn arrow_array::Array) -> Result<(), UnifyError> {
+    let bad = match col.data_type() {
+        DataType::Utf8 => first_bad_offsets_value(col.as_string::<i32>()),
+        DataType::LargeUtf8 => first_bad_offsets_value(col.as_string::<i64>()),
+        DataType::Utf8View => first_bad_view_value(col.as_string_view()),
+        _ => None,
+    };
+    match bad {
+        None => Ok(()),
+        Some(row) => Err(UnifyError::ValueOutOfRange {
+            column: field.name().clone(),
+            row,
+            detail: format!("the value's bytes are not UTF-8 (or not in its array), which a {} column must hold", col.data_type()),
+        }),
+    }
+}
+
+/// The first valid row of `a` whose bytes are not UTF-8 ([`check_utf8`]).
+fn first_bad_offsets_value<O: arrow_array::OffsetSizeTrait>(a: &arrow_array::GenericStringArray<O>) -> Option<usize> {
+    let offsets = a.value_offsets();
+    let bytes = a.value_data();
+    let (first, last) = (offsets.first()?.as_usize(), offsets.last()?.as_usize());
+    let valid = |i: usize| a.is_valid(i);
+    if let Some(run) = bytes.get(first..last)
+        && let Ok(text) = std::str::from_utf8(run)
+        && (0..a.len()).all(|i| {
+            let boundary = |o: O| o.as_usize().checked_sub(first).is_some_and(|j| text.is_char_boundary(j));
+            !valid(i) || (boundary(offsets[i]) && boundary(offsets[i + 1]))
+        })
+    {
+        return None;
+    }
+    (0..a.len()).find(|&i| {
+        valid(i) && {
+            let (s, e) = (offsets[i].as_usize(), offsets[i + 1].as_usize());
+            bytes.get(s..e).is_none_or(|v| std::str::from_utf8(v).is_err())
+        }
+    })
+}
+
+/// The first valid row of `a` whose bytes are not UTF-8 ([`check_utf8`]).
+fn first_bad_view_value(a: &arrow_array::StringViewArray) -> Option<usize> {
+    let views = a.views();
+    let buffers = a.data_buffers();
+    let value = |i: usize| -> Option<&[u8]> {
+        let v = views[i];
+        let len = v as u32 as usize;
+        if len <= 12 {
+            return None;
+        }
+        let (b, at) = ((v >> 64) as u32 as usize, (v >> 96) as u32 as usize);
+        buffers.get(b).and_then(|buf| buf.get(at..at + len))
+    };
+    let fast = buffers.iter().all(|b| std::str::from_utf8(b).is_ok())
+        && (0..a.len()).all(|i| {
+            if !a.is_valid(i) {
+                return true;
+            }
+            let v = views[i];
+            let len = v as u32 as usize;
+            if len <= 12 {
+                // The inline bytes, high bits of each: ASCII when none is set.
+                let mask = if len == 12 { u128::MAX } else { (1u128 << (8 * len)) - 1 };
+                return ((v >> 32) & mask & 0x8080_8080_8080_8080_8080_8080) == 0;
+            }
+            // A continuation byte is 0b10xx_xxxx: a value of a UTF-8 buffer starting and
+            // ending on a character boundary is UTF-8.
+            let (b, at) = ((v >> 64) as u32 as usize, (v >> 96) as u32 as usize);
+            let boundary = |buf: &[u8], j: usize| buf.get(j).is_none_or(|&c| (c as i8) >= -0x40);
+            buffers.get(b).is_some_and(|buf| at + len <= buf.len() && boundary(buf, at) && boundary(buf, at + len))
+        });
+    if fast {
+        return None;
+    }
+    (0..a.len()).find(|&i| {
+        if !a.is_valid(i) {
+            return false;
+        }
+        let v = views[i];
+        let len = v as u32 as usize;
+        if len <= 12 {
+            let inline = v.to_le_bytes();
+            return std::str::from_utf8(&inline[4..4 + len]).is_err();
+        }
+        value(i).is_none_or(|b| std::str::from_utf8(b).is_err())
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -852,6 +954,73 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Invalid UTF-8 in a valid value is refused with its row, in every string layout: an
+    /// offsets column (whole and sliced; a bad byte in the middle of a value, a value cut
+    /// inside a character), a view column (inline and long values); a null's bytes, and bytes
+    /// outside every value, are not checked; valid multi-byte text passes.
+    #[test]
+    fn invalid_utf8_is_refused_with_its_row() {
+        use arrow_array::{LargeStringArray, StringArray, StringViewArray};
+        use arrow_buffer::{Buffer, NullBuffer, OffsetBuffer, ScalarBuffer};
+        let f = |t: DataType| Field::new("s", t, true);
+        let row_of = |f: &Field, a: &dyn Array| match check_utf8(f, a) {
+            Ok(()) => None,
+            Err(UnifyError::ValueOutOfRange { row, column, .. }) => {
+                assert_eq!(column, "s");
+                Some(row)
+            }
+            Err(e) => panic!("{e}"),
+        };
+        // "ab", "ü" (2 bytes), "\xff", "cd", "é" cut after its first byte, "x".
+        let bytes: Vec<u8> = [b"ab".as_slice(), "ü".as_bytes(), &[0xff], b"cd", &"é".as_bytes()[..1], b"x"].concat();
+        let offsets = |ends: &[i32]| OffsetBuffer::new(ScalarBuffer::from(ends.to_vec()));
+        let ends = [0, 2, 4, 5, 7, 8, 9];
+        // SAFETY: (test) the offsets are in bounds and monotonic; the bytes are deliberately
+        // not all UTF-8, which `new_unchecked` allows and `check_utf8` exists to catch.
+        let all = unsafe { StringArray::new_unchecked(offsets(&ends), Buffer::from(bytes.clone()), None) };
+        assert_eq!(row_of(&f(DataType::Utf8), &all), Some(2));
+        assert_eq!(row_of(&f(DataType::Utf8), &all.slice(3, 3)), Some(1), "the cut character, row 4 of the parent");
+        assert_eq!(row_of(&f(DataType::Utf8), &all.slice(0, 2)), None, "\"ab\", \"ü\"");
+        assert_eq!(row_of(&f(DataType::Utf8), &all.slice(3, 1)), None, "\"cd\" alone");
+        // The same rows with the bad ones null: nothing to refuse.
+        let nulls = NullBuffer::from(vec![true, true, false, true, false, true]);
+        // SAFETY: (test) as above.
+        let masked = unsafe { StringArray::new_unchecked(offsets(&ends), Buffer::from(bytes.clone()), Some(nulls)) };
+        assert_eq!(row_of(&f(DataType::Utf8), &masked), None);
+        // A value ending inside a character of an otherwise valid run ("ü" cut in two).
+        // SAFETY: (test) as above.
+        let split = unsafe { StringArray::new_unchecked(offsets(&[0, 3, 4]), Buffer::from("abü".as_bytes().to_vec()), None) };
+        assert_eq!(row_of(&f(DataType::Utf8), &split), Some(0));
+        let large_ends: Vec<i64> = ends.iter().map(|&e| i64::from(e)).collect();
+        // SAFETY: (test) as above.
+        let large = unsafe { LargeStringArray::new_unchecked(OffsetBuffer::new(ScalarBuffer::from(large_ends)), Buffer::from(bytes.clone()), None) };
+        assert_eq!(row_of(&f(DataType::LargeUtf8), &large), Some(2));
+        // Views: a valid long and inline value, then an inline bad one, then a long bad one.
+        let good = StringViewArray::from(vec!["a long value über twelve bytes", "kurz ü"]);
+        assert_eq!(row_of(&f(DataType::Utf8View), &good), None);
+        let mut inline_bad = [0u8; 16];
+        inline_bad[..4].copy_from_slice(&3u32.to_le_bytes());
+        inline_bad[4..7].copy_from_slice(&[b'a', 0xc3, b'b']);
+        let long: Vec<u8> = [b"0123456789abcdef".as_slice(), &[0xff], b"xyz"].concat();
+        let long_view = |at: u32, len: u32| {
+            let mut v = [0u8; 16];
+            v[..4].copy_from_slice(&len.to_le_bytes());
+            v[4..8].copy_from_slice(&long[at as usize..at as usize + 4]);
+            v[8..12].copy_from_slice(&0u32.to_le_bytes());
+            v[12..].copy_from_slice(&at.to_le_bytes());
+            u128::from_le_bytes(v)
+        };
+        let views = ScalarBuffer::from(vec![long_view(0, 16), u128::from_le_bytes(inline_bad), long_view(0, 20)]);
+        // SAFETY: (test) every view is in bounds of buffer 0; the bytes are deliberately not
+        // all UTF-8.
+        let bad = unsafe { StringViewArray::new_unchecked(views.clone(), vec![Buffer::from(long.clone())], None) };
+        assert_eq!(row_of(&f(DataType::Utf8View), &bad), Some(1));
+        assert_eq!(row_of(&f(DataType::Utf8View), &bad.slice(2, 1)), Some(0), "the long value with 0xff");
+        assert_eq!(row_of(&f(DataType::Utf8View), &bad.slice(0, 1)), None, "a valid value of a buffer that is not UTF-8 throughout");
+        // Other types are not checked.
+        assert_eq!(row_of(&f(DataType::Binary), &arrow_array::BinaryArray::from(vec![[0xffu8].as_slice()])), None);
     }
 
     /// The precision bounds at both ends of Decimal128's range: precision 1 and 38 accept

@@ -505,8 +505,8 @@ fn drop_table_during_background_flushes() {
 /// copy's buffers as they are, and the record used to count them again beside the copy. At
 /// 2 MiB a 2-row insert of two 404 KB values was refused as a `Utf8View` ("requested 790.7
 /// KiB for write_buffers", helper-48's F1) where `Utf8` took it. Now each byte type takes it,
-/// reads it back, flushes it and replays it at the same limit, and `write_buffers` is back to
-/// 0 after every write.
+/// reads it back, flushes it and replays it at the same limit, and `write_buffers` comes back
+/// to 0.
 #[test]
 fn two_values_near_the_row_bound_are_written_as_views_at_a_small_limit() {
     const LIMIT: usize = 2 << 20;
@@ -535,7 +535,7 @@ fn two_values_near_the_row_bound_are_written_as_views_at_a_small_limit() {
             let engine = Engine::open(dir.path(), config()).unwrap();
             let t = engine.create_table("t", Arc::clone(&schema), &["k"]).unwrap();
             assert_eq!(t.insert(&batch).unwrap_or_else(|e| panic!("{data_type}: {e}")), 2);
-            assert_eq!(engine.memory().category_bytes(Category::WriteBuffers), 0, "{data_type}");
+            settled_write_buffers(&engine, &data_type);
             assert_eq!(read(&t), want, "{data_type}");
             t.flush().unwrap_or_else(|e| panic!("{data_type}: {e}"));
             assert_eq!(read(&t), want, "{data_type}");
@@ -546,7 +546,17 @@ fn two_values_near_the_row_bound_are_written_as_views_at_a_small_limit() {
         // Dropped without close: the upsert replays from the log at the same limit.
         let engine = Engine::open(dir.path(), config()).unwrap();
         assert_eq!(read(&engine.table("t").unwrap()), want, "{data_type}");
-        assert_eq!(engine.memory().category_bytes(Category::WriteBuffers), 0, "{data_type}");
+        settled_write_buffers(&engine, &data_type);
         engine.close().unwrap();
+    }
+}
+
+/// Waits (up to 20 s) for `write_buffers` to come back to 0: the WAL record is released when
+/// the write returns, but a background flush's Parquet writer counts there too while it runs.
+fn settled_write_buffers(engine: &Engine, what: &DataType) {
+    let start = std::time::Instant::now();
+    while engine.memory().category_bytes(Category::WriteBuffers) != 0 {
+        assert!(start.elapsed() < Duration::from_secs(20), "{what}: write_buffers {} bytes", engine.memory().category_bytes(Category::WriteBuffers));
+        std::thread::sleep(Duration::from_millis(5));
     }
 }

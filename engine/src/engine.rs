@@ -291,6 +291,14 @@ impl Shared {
         self.ctl.used().saturating_sub(self.ctl.category_bytes(Category::FreeChunks))
     }
 
+    /// Whether scans hold memory now (`scan_buffers`: their readers, and the batches they
+    /// handed out that callers still hold), which comes back when they let go: a write or a
+    /// flush refused memory waits for it (up to `backpressure_timeout`) rather than failing
+    /// at once. A caller holding batches itself while it writes waits out the timeout.
+    pub(crate) fn scans_hold(&self) -> bool {
+        self.ctl.category_bytes(Category::ScanBuffers) > 0
+    }
+
     /// Bytes free under the limit, the pool's cached free chunks counted as free (they are
     /// given back on demand): `limit − pressure_bytes()`. What a scan waits for and sizes its
     /// reader's decoding by; `limit − used` made a scan wait out its whole
@@ -428,8 +436,10 @@ impl Shared {
     /// batches or readers ([`Category::ScanBuffers`] beyond `table`'s own), a write is
     /// between its admission and the end of its apply, or a data-file write runs that is not
     /// itself waiting — memory that comes back — for at most `backpressure_timeout` a step,
-    /// woken by every release; never once the engine is closing. With no such holder (the
-    /// export's own scan and batches are `table`'s) the refusal is returned at once. Before,
+    /// woken by every release; never once the engine is closed. With no such holder (the
+    /// export's own scan and batches are `table`'s) the writer's refusal is returned at once
+    /// (the export's scan waits for memory as any scan does, `Scan::waiting_for_memory`,
+    /// and stops waiting once the engine is closed). Before,
     /// an export at 2 MiB beside 1.6 MB of another table's held batches was refused at once
     /// ("requested 2.0 KiB for `write_buffers`", helper-48), though they were let go of soon
     /// after (`scan_memory::an_export_beside_another_tables_held_batches_waits_for_them`).

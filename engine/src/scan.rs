@@ -280,6 +280,10 @@ impl Scan {
                 }
             }
             ScanSource::File(path) => {
+                // No file is opened once the engine is closed: its directory lock is released,
+                // and another engine may own the directory (a waiting export went on reading
+                // after `close`, beside a second engine that had opened it: helper-49's F1).
+                self.engine.check_open()?;
                 // A file loaded at open is checked against its manifest's checksum before
                 // its first read in this process, and any file again once it has changed on
                 // disk since it was committed or matched (a mismatch ends the scan:
@@ -627,7 +631,7 @@ impl Scan {
             return count().map(Some).map_err(Error::from);
         }
         let deadline = *deadline.get_or_insert_with(|| crate::engine::deadline_after(table.shared.config.backpressure_timeout));
-        let over = || Instant::now() >= deadline || table.is_dropped();
+        let over = || Instant::now() >= deadline || self.stop_waiting();
         let mut short = !self.flush_room_given_up.load(Relaxed) && self.engine.scan_flush_room_short(bytes);
         if short && (over() || !self.engine.relieve_pressure(true)) {
             // Nothing to flush, or the wait ran out: the hard limit alone decides, for the
@@ -649,7 +653,7 @@ impl Scan {
         let need = own.saturating_add(bytes);
         loop {
             self.engine.relieve_pressure(true);
-            if !self.engine.wait_for_memory(deadline) || table.is_dropped() {
+            if !self.engine.wait_for_memory(deadline) || self.stop_waiting() {
                 // The refusal, the reader already closed; or, waiting for a flush's room,
                 // the hard limit alone decides from now on.
                 if let Some(e) = refused {
@@ -722,7 +726,7 @@ impl Scan {
                 return attempt();
             }
             if !self.flush_room_given_up.load(Relaxed) && self.engine.scan_flush_room_short(bytes) {
-                if self.engine.relieve_pressure(true) && self.engine.wait_for_memory(deadline) && !self.table.is_dropped() {
+                if self.engine.relieve_pressure(true) && self.engine.wait_for_memory(deadline) && !self.stop_waiting() {
                     continue;
                 }
                 self.flush_room_given_up.store(true, Relaxed);
@@ -737,13 +741,21 @@ impl Scan {
                     // Waits even when nothing is left to flush: other scans' batches may be
                     // dropped.
                     self.engine.relieve_pressure(true);
-                    if !self.engine.wait_for_memory(deadline) || self.table.is_dropped() {
+                    if !self.engine.wait_for_memory(deadline) || self.stop_waiting() {
                         return Err(e);
                     }
                 }
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// Whether a wait for memory ends now: the table was dropped, or the engine closed (its
+    /// refusal then reads as `TableNotFound` or `Closed`, [`TableInner::explain`], and ends
+    /// the scan). Before the engine's check, an export waiting in its scan when `close`
+    /// returned waited out its whole timeout (helper-49's F2).
+    fn stop_waiting(&self) -> bool {
+        self.table.is_dropped() || self.engine.check_open().is_err()
     }
 
     /// Bytes this scan holds besides its open reader and has not handed out: the batches of

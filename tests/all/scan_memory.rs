@@ -965,3 +965,118 @@ fn an_export_beside_another_tables_held_batches_waits_for_them() {
     assert_eq!(engine.memory().category_bytes(Category::ScanBuffers), 0);
     assert_eq!(engine.memory().category_bytes(Category::WriteBuffers), 0);
 }
+
+/// A write refused memory that another thread's held scan batches take waits for them, as a
+/// flush and an export do. At 16 MiB, with 11 MB of table `a`'s batches held on another
+/// thread, a 3.3 MB insert into table `b` — nothing to flush, no other write — was refused
+/// at once, though the batches were let go of soon after (helper-48; its retry 20 ms later
+/// succeeded). The holder lets go 300 ms later; the insert now waits and lands whole.
+#[test]
+fn a_write_beside_another_threads_held_batches_waits_for_them() {
+    use arrow::datatypes::{DataType, Field, Schema};
+    const LIMIT: usize = 16 << 20;
+    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", DataType::Utf8, true)]));
+    let batch = |from: i64, n: i64, len: usize| {
+        let k = Int64Array::from_iter_values(from..from + n);
+        let v = arrow::array::StringArray::from_iter_values((from..from + n).map(|k| random_text(len, k as u64, b'a', 26)));
+        RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(k), Arc::new(v)]).unwrap()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let config = EngineConfig::default().memory_limit(LIMIT).backpressure_timeout(std::time::Duration::from_secs(20));
+    let engine = Engine::open(dir.path(), config).unwrap();
+    let a = engine.create_table("a", Arc::clone(&schema), &["k"]).unwrap();
+    let b = engine.create_table("b", Arc::clone(&schema), &["k"]).unwrap();
+    for from in (0..220).step_by(20) {
+        a.insert(&batch(from, 20, 50_000)).unwrap();
+        a.flush().unwrap();
+    }
+    let (held_tx, held_rx) = std::sync::mpsc::channel();
+    let holder = {
+        let a = a.clone();
+        std::thread::spawn(move || {
+            let held: Vec<RecordBatch> = a.scan(ScanOptions::default().batch_rows(4)).unwrap().map(Result::unwrap).collect();
+            held_tx.send(held.iter().map(RecordBatch::num_rows).sum::<usize>()).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            drop(held);
+        })
+    };
+    assert_eq!(held_rx.recv().unwrap(), 220);
+    let held_bytes = engine.memory().category_bytes(Category::ScanBuffers);
+    assert!(held_bytes > 10_000_000, "{held_bytes} bytes held");
+    let big = batch(0, 66, 50_000);
+    assert_eq!(b.insert(&big).unwrap_or_else(|e| panic!("insert refused beside {held_bytes} bytes of held batches: {e}")), 66);
+    holder.join().unwrap();
+    let rows: usize = b.scan(ScanOptions::default()).unwrap().map(|r| r.unwrap().num_rows()).sum();
+    assert_eq!(rows, 66);
+    assert_eq!(engine.memory().category_bytes(Category::ScanBuffers), 0);
+}
+
+/// An export waiting for memory when the engine is closed ends with `Error::Closed` at its
+/// next wake-up and leaves no file: before, its scan waited out the whole timeout, or, when
+/// the batches it waited for were let go of after `close`, went on reading the data directory
+/// — beside a second engine that had opened it meanwhile — and wrote the export (helper-49's
+/// F1 and F2). A scan opens no file once its engine is closed.
+#[test]
+fn an_export_waiting_when_the_engine_closes_ends_closed() {
+    use arrow::datatypes::{DataType, Field, Schema};
+    use gritdb::ExportError;
+    const LIMIT: usize = 2 << 20;
+    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", DataType::Utf8, true)]));
+    let batch = |from: i64, n: i64, len: usize| {
+        let k = Int64Array::from_iter_values(from..from + n);
+        let v = arrow::array::StringArray::from_iter_values((from..from + n).map(|k| random_text(len, k as u64, b'a', 26)));
+        RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(k), Arc::new(v)]).unwrap()
+    };
+    for release_after_close in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = tempfile::tempdir().unwrap();
+        // The scan holding `a`'s batches is refused after this timeout; an export still
+        // waiting when it runs out would end `MemoryLimit`, not `Closed`.
+        let config = || EngineConfig::default().memory_limit(LIMIT).backpressure_timeout(std::time::Duration::from_secs(3));
+        let engine = Engine::open(dir.path(), config()).unwrap();
+        let a = engine.create_table("a", Arc::clone(&schema), &["k"]).unwrap();
+        let b = engine.create_table("b", Arc::clone(&schema), &["k"]).unwrap();
+        for from in (0..60).step_by(4) {
+            a.insert(&batch(from, 4, 40_000)).unwrap();
+            a.flush().unwrap();
+        }
+        b.insert(&batch(0, 2_000, 100)).unwrap();
+        b.flush().unwrap();
+        // `a`'s batches, held until its scan is refused: the memory is full.
+        let mut held = Vec::new();
+        for r in a.scan(ScanOptions::default().batch_rows(1)).unwrap() {
+            match r {
+                Ok(b) => held.push(b),
+                Err(e) if e.is_memory_limit() => break,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert!(held.len() > 30 && held.len() < 60, "{} batches held", held.len());
+        let target = out.path().join("b.parquet");
+        let exporting = {
+            let (b, target) = (b.clone(), target.clone());
+            std::thread::spawn(move || (b.export_parquet(&target), std::time::Instant::now()))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let closed_at = std::time::Instant::now();
+        engine.close().unwrap();
+        // The directory is free for another engine.
+        let other = Engine::open(dir.path(), config()).unwrap();
+        if release_after_close {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            held.clear();
+        }
+        let (res, done) = exporting.join().unwrap();
+        match res {
+            Err(ExportError::Engine(Error::Closed(_))) => {}
+            other => panic!("release after close {release_after_close}: {other:?}"),
+        }
+        assert!(done.duration_since(closed_at) < std::time::Duration::from_secs(10), "ended {:?} after close", done.duration_since(closed_at));
+        assert_eq!(std::fs::read_dir(out.path()).unwrap().count(), 0, "no export file nor temp file");
+        drop(held);
+        // The second engine has every row.
+        let rows: usize = other.table("b").unwrap().scan(ScanOptions::default()).unwrap().map(|r| r.unwrap().num_rows()).sum();
+        assert_eq!(rows, 2_000);
+        other.close().unwrap();
+    }
+}

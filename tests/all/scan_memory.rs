@@ -925,26 +925,8 @@ fn a_flush_beside_a_scan_waits_for_the_memory_the_scan_gives_back() {
 /// go 300 ms later, and the export now finishes with every row of `b`.
 #[test]
 fn an_export_beside_another_tables_held_batches_waits_for_them() {
-    use arrow::datatypes::{DataType, Field, Schema};
-    const LIMIT: usize = 2 << 20;
-    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", DataType::Utf8, true)]));
-    let batch = |from: i64, n: i64, len: usize| {
-        let k = Int64Array::from_iter_values(from..from + n);
-        let v = arrow::array::StringArray::from_iter_values((from..from + n).map(|k| random_text(len, k as u64, b'a', 26)));
-        RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(k), Arc::new(v)]).unwrap()
-    };
-    let dir = tempfile::tempdir().unwrap();
+    let (_dir, engine, a, b, _) = two_tables(2 << 20, std::time::Duration::from_secs(20), (40, 40_000, 4), 2_000);
     let out = tempfile::tempdir().unwrap();
-    let config = EngineConfig::default().memory_limit(LIMIT).backpressure_timeout(std::time::Duration::from_secs(20));
-    let engine = Engine::open(dir.path(), config).unwrap();
-    let a = engine.create_table("a", Arc::clone(&schema), &["k"]).unwrap();
-    let b = engine.create_table("b", Arc::clone(&schema), &["k"]).unwrap();
-    for from in (0..40).step_by(4) {
-        a.insert(&batch(from, 4, 40_000)).unwrap();
-        a.flush().unwrap();
-    }
-    b.insert(&batch(0, 2_000, 100)).unwrap();
-    b.flush().unwrap();
     let held: Vec<RecordBatch> = a.scan(ScanOptions::default().batch_rows(1)).unwrap().map(Result::unwrap).collect();
     assert_eq!(held.iter().map(RecordBatch::num_rows).sum::<usize>(), 40);
     let held_bytes = engine.memory().category_bytes(Category::ScanBuffers);
@@ -973,23 +955,7 @@ fn an_export_beside_another_tables_held_batches_waits_for_them() {
 /// succeeded). The holder lets go 300 ms later; the insert now waits and lands whole.
 #[test]
 fn a_write_beside_another_threads_held_batches_waits_for_them() {
-    use arrow::datatypes::{DataType, Field, Schema};
-    const LIMIT: usize = 16 << 20;
-    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", DataType::Utf8, true)]));
-    let batch = |from: i64, n: i64, len: usize| {
-        let k = Int64Array::from_iter_values(from..from + n);
-        let v = arrow::array::StringArray::from_iter_values((from..from + n).map(|k| random_text(len, k as u64, b'a', 26)));
-        RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(k), Arc::new(v)]).unwrap()
-    };
-    let dir = tempfile::tempdir().unwrap();
-    let config = EngineConfig::default().memory_limit(LIMIT).backpressure_timeout(std::time::Duration::from_secs(20));
-    let engine = Engine::open(dir.path(), config).unwrap();
-    let a = engine.create_table("a", Arc::clone(&schema), &["k"]).unwrap();
-    let b = engine.create_table("b", Arc::clone(&schema), &["k"]).unwrap();
-    for from in (0..220).step_by(20) {
-        a.insert(&batch(from, 20, 50_000)).unwrap();
-        a.flush().unwrap();
-    }
+    let (_dir, engine, a, b, batch) = two_tables(16 << 20, std::time::Duration::from_secs(20), (220, 50_000, 20), 0);
     let (held_tx, held_rx) = std::sync::mpsc::channel();
     let holder = {
         let a = a.clone();
@@ -1018,30 +984,13 @@ fn a_write_beside_another_threads_held_batches_waits_for_them() {
 /// F1 and F2). A scan opens no file once its engine is closed.
 #[test]
 fn an_export_waiting_when_the_engine_closes_ends_closed() {
-    use arrow::datatypes::{DataType, Field, Schema};
     use gritdb::ExportError;
-    const LIMIT: usize = 2 << 20;
-    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", DataType::Utf8, true)]));
-    let batch = |from: i64, n: i64, len: usize| {
-        let k = Int64Array::from_iter_values(from..from + n);
-        let v = arrow::array::StringArray::from_iter_values((from..from + n).map(|k| random_text(len, k as u64, b'a', 26)));
-        RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(k), Arc::new(v)]).unwrap()
-    };
     for release_after_close in [false, true] {
-        let dir = tempfile::tempdir().unwrap();
-        let out = tempfile::tempdir().unwrap();
         // The scan holding `a`'s batches is refused after this timeout; an export still
         // waiting when it runs out would end `MemoryLimit`, not `Closed`.
-        let config = || EngineConfig::default().memory_limit(LIMIT).backpressure_timeout(std::time::Duration::from_secs(3));
-        let engine = Engine::open(dir.path(), config()).unwrap();
-        let a = engine.create_table("a", Arc::clone(&schema), &["k"]).unwrap();
-        let b = engine.create_table("b", Arc::clone(&schema), &["k"]).unwrap();
-        for from in (0..60).step_by(4) {
-            a.insert(&batch(from, 4, 40_000)).unwrap();
-            a.flush().unwrap();
-        }
-        b.insert(&batch(0, 2_000, 100)).unwrap();
-        b.flush().unwrap();
+        let timeout = std::time::Duration::from_secs(3);
+        let (dir, engine, a, b, _) = two_tables(2 << 20, timeout, (60, 40_000, 4), 2_000);
+        let out = tempfile::tempdir().unwrap();
         // `a`'s batches, held until its scan is refused: the memory is full.
         let mut held = Vec::new();
         for r in a.scan(ScanOptions::default().batch_rows(1)).unwrap() {
@@ -1061,7 +1010,7 @@ fn an_export_waiting_when_the_engine_closes_ends_closed() {
         let closed_at = std::time::Instant::now();
         engine.close().unwrap();
         // The directory is free for another engine.
-        let other = Engine::open(dir.path(), config()).unwrap();
+        let other = Engine::open(dir.path(), EngineConfig::default().memory_limit(2 << 20).backpressure_timeout(timeout)).unwrap();
         if release_after_close {
             std::thread::sleep(std::time::Duration::from_millis(300));
             held.clear();
@@ -1079,4 +1028,39 @@ fn an_export_waiting_when_the_engine_closes_ends_closed() {
         assert_eq!(rows, 2_000);
         other.close().unwrap();
     }
+}
+
+/// Table `a` (`rows_a` rows of `len_a`-byte text, flushed `per_file` rows to a file) and table
+/// `b` (`rows_b` rows of 100 bytes, flushed), `(k Int64, v Utf8)`, in an engine at `limit` with
+/// `timeout` of backpressure; and a batch maker `(from, rows, bytes a value)`.
+#[allow(clippy::type_complexity)]
+fn two_tables(
+    limit: usize,
+    timeout: std::time::Duration,
+    (rows_a, len_a, per_file): (i64, usize, i64),
+    rows_b: i64,
+) -> (tempfile::TempDir, Engine, gritdb::Table, gritdb::Table, Box<dyn Fn(i64, i64, usize) -> RecordBatch>) {
+    use arrow::datatypes::{DataType, Field, Schema};
+    let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", DataType::Utf8, true)]));
+    let batch = {
+        let schema = Arc::clone(&schema);
+        move |from: i64, n: i64, len: usize| {
+            let k = Int64Array::from_iter_values(from..from + n);
+            let v = arrow::array::StringArray::from_iter_values((from..from + n).map(|k| random_text(len, k as u64, b'a', 26)));
+            RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(k), Arc::new(v)]).unwrap()
+        }
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(limit).backpressure_timeout(timeout)).unwrap();
+    let a = engine.create_table("a", Arc::clone(&schema), &["k"]).unwrap();
+    let b = engine.create_table("b", Arc::clone(&schema), &["k"]).unwrap();
+    for from in (0..rows_a).step_by(usize::try_from(per_file).unwrap()) {
+        a.insert(&batch(from, per_file, len_a)).unwrap();
+        a.flush().unwrap();
+    }
+    if rows_b > 0 {
+        b.insert(&batch(0, rows_b, 100)).unwrap();
+        b.flush().unwrap();
+    }
+    (dir, engine, a, b, Box::new(batch))
 }

@@ -709,7 +709,19 @@ fn compact_for_log(batch: &RecordBatch, res: &mut Reservation) -> Result<Option<
     // 2.4 MB record of a 2-row batch when the threshold was per column (helper-47's F4).
     let spans: Vec<usize> = batch.columns().iter().map(|c| crate::bytes::null_span_bytes(c.as_ref())).collect();
     let copy_spans = spans.iter().fold(0usize, |a, &b| a.saturating_add(b)) >= crate::bytes::NULL_SPAN_COPY_BYTES;
-    let nulls_span = |i: usize| copy_spans && spans[i] > 0;
+    // A string column whose null slots hold bytes that are not UTF-8 (or cut a character) is
+    // copied whatever their size: the IPC encoder logs every byte between the first offset and
+    // the last, and replay's IPC reader checks UTF-8 over every slot, nulls included — an
+    // acknowledged 3-row insert made the next open refuse the directory (helper-50's F1). The
+    // writes' check (`unify`'s `check_utf8`) has passed its valid values; this checks the
+    // rest, for columns whose nulls span bytes only.
+    let bad_null_text: Vec<bool> = batch
+        .columns()
+        .iter()
+        .zip(&spans)
+        .map(|(c, &span)| span > 0 && matches!(c.data_type(), DataType::Utf8 | DataType::LargeUtf8) && c.to_data().validate_values().is_err())
+        .collect();
+    let nulls_span = |i: usize| (copy_spans && spans[i] > 0) || bad_null_text[i];
     if !schema.fields().iter().enumerate().any(|(i, f)| views(f.data_type()) || narrowable(f.data_type()) || nulls_span(i)) {
         return Ok(None);
     }

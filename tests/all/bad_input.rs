@@ -438,6 +438,108 @@ fn string_values_that_are_not_utf8_are_refused() {
     }
 }
 
+/// Null slots are not values: a `Utf8` or `LargeUtf8` null over bytes that are not UTF-8, or
+/// over half a character, is taken, read back as null, and replays — the WAL copies such a
+/// column without its nulls' bytes, which the replay's IPC reader would check: the next open
+/// refused the directory (helper-50's F1). Offsets that run backwards, in a value, a key, a
+/// `Binary` column or a null row, are refused with the row, nothing applied or logged: as a
+/// value they panicked after the WAL record was written, as a key they aborted the process
+/// (helper-50's F2).
+#[test]
+fn null_slots_over_bad_bytes_are_taken_and_disordered_offsets_refused() {
+    use arrow::array::{Array, AsArray, BinaryArray, LargeStringArray};
+    use arrow::buffer::{Buffer, NullBuffer, OffsetBuffer, ScalarBuffer};
+    let bytes = b"ok\xff\xfe\xc3\xa9".to_vec();
+    let nulls = || Some(NullBuffer::from(vec![true, false, true]));
+    // SAFETY: (test) in-bounds, monotonic offsets; row 1, a null, holds bytes that are not
+    // UTF-8 (Arrow leaves a null slot's bytes undefined).
+    let utf8 = unsafe { StringArray::new_unchecked(OffsetBuffer::new(ScalarBuffer::from(vec![0, 2, 4, 6])), Buffer::from(bytes.clone()), nulls()) };
+    // SAFETY: (test) as above.
+    let large = unsafe { LargeStringArray::new_unchecked(OffsetBuffer::new(ScalarBuffer::from(vec![0i64, 2, 4, 6])), Buffer::from(bytes.clone()), nulls()) };
+    // "é" cut in two by its offsets, both halves null, between two valid values.
+    // SAFETY: (test) as above.
+    let cut = unsafe {
+        StringArray::new_unchecked(
+            OffsetBuffer::new(ScalarBuffer::from(vec![0, 1, 2, 3, 4])),
+            Buffer::from(b"a\xc3\xa9b".to_vec()),
+            Some(NullBuffer::from(vec![true, false, false, true])),
+        )
+    };
+    for (what, v) in [("Utf8", Arc::new(utf8) as ArrayRef), ("LargeUtf8", Arc::new(large)), ("a cut character", Arc::new(cut))] {
+        let dir = tempfile::tempdir().unwrap();
+        let config = || EngineConfig::default().memory_limit(64 << 20);
+        let engine = Engine::open(dir.path(), config()).unwrap();
+        let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", v.data_type().clone(), true)]));
+        let t = engine.create_table("t", Arc::clone(&schema), &["k"]).unwrap();
+        let n = v.len() as i64;
+        assert_eq!(t.insert(&RecordBatch::try_new(Arc::clone(&schema), vec![Arc::new(Int64Array::from_iter_values(0..n)), v]).unwrap()).unwrap(), n as usize);
+        let read = |t: &gritdb::Table| {
+            let mut rows = Vec::new();
+            for b in t.scan(ScanOptions::default()).unwrap() {
+                let b = b.unwrap();
+                let s = arrow::compute::cast(b.column(1), &DataType::Utf8).unwrap();
+                let (k, s) = (b.column(0).as_any().downcast_ref::<Int64Array>().unwrap(), s.as_string::<i32>());
+                rows.extend((0..b.num_rows()).map(|i| (k.value(i), s.is_valid(i).then(|| s.value(i).to_string()))));
+            }
+            rows.sort();
+            rows
+        };
+        let want = read(&t);
+        assert_eq!(want.iter().filter(|(_, v)| v.is_none()).count(), if what == "a cut character" { 2 } else { 1 }, "{what}: {want:?}");
+        drop(t);
+        drop(engine);
+        let engine = Engine::open(dir.path(), config()).unwrap_or_else(|e| panic!("{what}: reopen: {e}"));
+        assert_eq!(read(&engine.table("t").unwrap()), want, "{what}: after the replay");
+    }
+    // Offsets that run backwards: in row 1 (3 > 1), valid or null.
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default().memory_limit(64 << 20)).unwrap();
+    let disordered = |null: bool| -> (ArrayRef, ArrayRef) {
+        let offsets = || {
+            // SAFETY: (test) deliberately not monotonic, which the engine must refuse.
+            unsafe { OffsetBuffer::new_unchecked(ScalarBuffer::from(vec![0, 3, 1, 5])) }
+        };
+        let nulls = null.then(|| NullBuffer::from(vec![true, false, true]));
+        // SAFETY: (test) as above; every offset is within the 5 bytes.
+        let s = unsafe { StringArray::new_unchecked(offsets(), Buffer::from(b"abcde".to_vec()), nulls.clone()) };
+        // SAFETY: (test) as above.
+        let b = unsafe { BinaryArray::new_unchecked(offsets(), Buffer::from(b"abcde".to_vec()), nulls) };
+        (Arc::new(s), Arc::new(b))
+    };
+    let schema =
+        Arc::new(Schema::new(vec![Field::new("k", DataType::Utf8, false), Field::new("s", DataType::Utf8, true), Field::new("b", DataType::Binary, true)]));
+    let t = engine.create_table("d", Arc::clone(&schema), &["k"]).unwrap();
+    let good_keys: ArrayRef = Arc::new(StringArray::from(vec!["x", "y", "z"]));
+    let good_s: ArrayRef = Arc::new(StringArray::from(vec![Some("1"), None, Some("3")]));
+    let good_b: ArrayRef = Arc::new(BinaryArray::from(vec![Some(b"1".as_slice()), None, Some(b"3".as_slice())]));
+    let wal = || std::fs::read_dir(dir.path().join("wal")).unwrap().map(|e| e.unwrap().metadata().unwrap().len()).sum::<u64>();
+    let logged = wal();
+    for null in [false, true] {
+        let (s, b) = disordered(null);
+        let cases = [
+            ("value", vec![Arc::clone(&good_keys), Arc::clone(&s), Arc::clone(&good_b)]),
+            ("binary value", vec![Arc::clone(&good_keys), Arc::clone(&good_s), Arc::clone(&b)]),
+            ("key", vec![Arc::clone(&s), Arc::clone(&good_s), Arc::clone(&good_b)]),
+        ];
+        for (what, cols) in cases {
+            if null && what == "key" {
+                continue; // a null key is refused as one
+            }
+            let batch = RecordBatch::try_new(Arc::clone(&schema), cols).unwrap();
+            for (op, res) in [("insert", t.insert(&batch)), ("upsert", t.upsert(&batch))] {
+                match res {
+                    Err(Error::Input(e)) => assert!(e.to_string().contains("row 1"), "{what} {op} (null {null}): {e}"),
+                    other => panic!("{what} {op} (null {null}): expected Error::Input, got {other:?}"),
+                }
+            }
+        }
+    }
+    let keys = RecordBatch::try_new(Arc::new(Schema::new(vec![Field::new("k", DataType::Utf8, false)])), vec![disordered(false).0]).unwrap();
+    assert!(matches!(t.delete(&keys), Err(Error::Input(_))));
+    assert_eq!(t.scan(ScanOptions::default()).unwrap().map(|b| b.unwrap().num_rows()).sum::<usize>(), 0, "nothing applied");
+    assert_eq!(wal(), logged, "nothing logged");
+}
+
 /// Two table directories whose manifests name the same table (exactly, or only by case — a
 /// copied or hand-edited manifest): the open is refused with a typed error naming both rather
 /// than one table silently hiding the other; with the manifest put back, both tables and their

@@ -780,7 +780,9 @@ fn check_decimal_precision(field: &arrow_schema::Field, col: &dyn arrow_array::A
 }
 
 /// Refuses a string column (`Utf8`, `LargeUtf8`, `Utf8View`) with a valid value that is not
-/// UTF-8 (nulls are not checked). Arrow's `new_unchecked` constructors, FFI and unvalidated
+/// UTF-8 (nulls' bytes are not checked: the WAL logs them only when they are UTF-8, storage's
+/// `compact_for_log`), and a byte column (those and `Binary`, `LargeBinary`) whose offsets run
+/// backwards or past its values in any row. Arrow's `new_unchecked` constructors, FFI and unvalidated
 /// IPC build such arrays; accepted, the row was acknowledged and logged, and the next open's
 /// WAL replay, which checks UTF-8 when it casts the record back, refused the whole data
 /// directory (helper-49's F4); a flushed file would fail every reader.
@@ -796,6 +798,8 @@ fn check_utf8(field: &arrow_schema::Field, col: &dyn arrow_array::Array) -> Resu
         DataType::Utf8 => first_bad_offsets_value(col.as_string::<i32>()),
         DataType::LargeUtf8 => first_bad_offsets_value(col.as_string::<i64>()),
         DataType::Utf8View => first_bad_view_value(col.as_string_view()),
+        DataType::Binary => first_disordered_offset(col.as_binary::<i32>().value_offsets(), col.as_binary::<i32>().value_data().len()),
+        DataType::LargeBinary => first_disordered_offset(col.as_binary::<i64>().value_offsets(), col.as_binary::<i64>().value_data().len()),
         _ => None,
     };
     match bad {
@@ -803,15 +807,28 @@ fn check_utf8(field: &arrow_schema::Field, col: &dyn arrow_array::Array) -> Resu
         Some(row) => Err(UnifyError::ValueOutOfRange {
             column: field.name().clone(),
             row,
-            detail: format!("the value's bytes are not UTF-8 (or not in its array), which a {} column must hold", col.data_type()),
+            detail: format!("the value's bytes are not UTF-8 or its offsets are out of order or past its values ({} column)", col.data_type()),
         }),
     }
+}
+
+/// The first row whose offsets run backwards (`offsets[i] > offsets[i + 1]`) or past the
+/// `values` bytes, null rows included.
+fn first_disordered_offset<O: arrow_array::OffsetSizeTrait>(offsets: &[O], values: usize) -> Option<usize> {
+    (0..offsets.len().saturating_sub(1)).find(|&i| offsets[i] > offsets[i + 1] || offsets[i + 1].as_usize() > values)
 }
 
 /// The first valid row of `a` whose bytes are not UTF-8 ([`check_utf8`]).
 fn first_bad_offsets_value<O: arrow_array::OffsetSizeTrait>(a: &arrow_array::GenericStringArray<O>) -> Option<usize> {
     let offsets = a.value_offsets();
     let bytes = a.value_data();
+    // Any row, null or not, whose offsets run backwards or past the values: the IPC encoder,
+    // the row encoder and `arrow_row` index by them (non-monotonic key offsets aborted the
+    // process in a 576 PB allocation; value offsets panicked after the WAL record was
+    // written, helper-50's F2).
+    if let Some(row) = first_disordered_offset(offsets, bytes.len()) {
+        return Some(row);
+    }
     let (first, last) = (offsets.first()?.as_usize(), offsets.last()?.as_usize());
     let valid = |i: usize| a.is_valid(i);
     if let Some(run) = bytes.get(first..last)

@@ -401,17 +401,13 @@ impl Wal {
         // encoder writes as they are (slices, not copies), so they are counted once, as the
         // copy. Counting them again here refused, at 2 MiB, a 2-row insert of two 404 KB
         // `Utf8View` values that `Utf8` took (helper-48's F1).
-        let copied: Vec<&arrow_array::ArrayRef> = logged.columns().iter().zip(batch.columns()).filter(|(l, c)| !Arc::ptr_eq(l, c)).map(|(l, _)| l).collect();
+        let (copied, kept): (Vec<_>, Vec<_>) = logged.columns().iter().zip(batch.columns()).partition(|(l, c)| !Arc::ptr_eq(l, c));
+        let copied: Vec<&arrow_array::ArrayRef> = copied.into_iter().map(|(l, _)| l).collect();
         // A slice's own rows, not its parent's buffers (the IPC encoder encodes only the
         // slice). The encoder's own allocations (its metadata, re-based offsets and shifted
         // bitmaps of sliced arrays) are budgeted before it runs, at the other columns' bytes.
         let compacted = res.size();
-        let others = logged
-            .columns()
-            .iter()
-            .filter(|c| !copied.iter().any(|d| Arc::ptr_eq(c, d)))
-            .map(|c| crate::bytes::range_bytes(&c.to_data(), 0, c.len()))
-            .fold(0, usize::saturating_add);
+        let others = kept.iter().map(|(c, _)| crate::bytes::range_bytes(&c.to_data(), 0, c.len())).fold(0, usize::saturating_add);
         res.try_grow(others + 1024)?;
         let mut enc = StreamEncoder::try_new(logged.schema_ref())?;
         let mut ipc = enc.encode(logged)?;
@@ -657,10 +653,21 @@ fn copy_slice_bytes(ipc: &[arrow_buffer::Buffer], columns: &[&arrow_array::Array
     for c in columns {
         ranges(&c.to_data(), &mut spans);
     }
+    // Sorted by start, each with the furthest end of any span starting at or before it: a
+    // buffer is inside some span exactly when that furthest end, over the spans starting at
+    // or before its start, reaches its end. One binary search a buffer (a wide table of
+    // thousands of copied columns would make a scan of every span per buffer quadratic).
+    spans.sort_unstable();
+    let mut furthest = 0;
+    for span in &mut spans {
+        furthest = furthest.max(span.1);
+        span.1 = furthest;
+    }
     ipc.iter()
         .filter(|b| {
             let (at, end) = (b.as_ptr() as usize, b.as_ptr() as usize + b.len());
-            !b.is_empty() && spans.iter().any(|&(s, e)| s <= at && end <= e)
+            let before = spans.partition_point(|&(s, _)| s <= at);
+            !b.is_empty() && before > 0 && spans[before - 1].1 >= end
         })
         .map(arrow_buffer::Buffer::len)
         .sum()

@@ -799,8 +799,8 @@ fn check_utf8(field: &arrow_schema::Field, col: &dyn arrow_array::Array) -> Resu
         DataType::Utf8 => first_bad_offsets_value(col.as_string::<i32>()),
         DataType::LargeUtf8 => first_bad_offsets_value(col.as_string::<i64>()),
         DataType::Utf8View => first_bad_view_value(col.as_string_view()),
-        DataType::Binary => first_disordered_offset(col.as_binary::<i32>().value_offsets(), col.as_binary::<i32>().value_data().len()),
-        DataType::LargeBinary => first_disordered_offset(col.as_binary::<i64>().value_offsets(), col.as_binary::<i64>().value_data().len()),
+        DataType::Binary => binary_disordered_offset(col.as_binary::<i32>()),
+        DataType::LargeBinary => binary_disordered_offset(col.as_binary::<i64>()),
         _ => None,
     };
     match bad {
@@ -817,6 +817,11 @@ fn check_utf8(field: &arrow_schema::Field, col: &dyn arrow_array::Array) -> Resu
 /// `values` bytes, null rows included.
 fn first_disordered_offset<O: arrow_array::OffsetSizeTrait>(offsets: &[O], values: usize) -> Option<usize> {
     (0..offsets.len().saturating_sub(1)).find(|&i| offsets[i] > offsets[i + 1] || offsets[i + 1].as_usize() > values)
+}
+
+/// [`first_disordered_offset`] of a binary column's offsets over its value bytes.
+fn binary_disordered_offset<O: arrow_array::OffsetSizeTrait>(a: &arrow_array::GenericBinaryArray<O>) -> Option<usize> {
+    first_disordered_offset(a.value_offsets(), a.value_data().len())
 }
 
 /// The first valid row of `a` whose bytes are not UTF-8 ([`check_utf8`]).

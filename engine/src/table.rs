@@ -317,7 +317,7 @@ impl TableInner {
         if let Some(st) = lock(&self.state).as_mut() {
             self.seal(st);
         }
-        self.flush_sealed(self.shared.config.flush_threads)
+        self.flush_sealed(self.shared.config.flush_threads, None)
     }
 
     /// Bytes of this table's active and sealed deltas (what [`Self::seal_and_flush`] frees).
@@ -333,8 +333,13 @@ impl TableInner {
     /// Writes every sealed delta and staged file of this table; returns rows written.
     /// Holds the table state lock only for in-memory steps, never across encode/write/fsync.
     /// `threads`: the threads this flush and its compactions use (`flush_threads` when a caller
-    /// waits for it, `background_flush_threads` on the background writer).
-    pub(crate) fn flush_sealed(&self, threads: usize) -> Result<u64> {
+    /// waits for it, `background_flush_threads` on the background writer). `before`: when
+    /// given, only deltas whose rows all have sequence numbers below it (those sealed before
+    /// a caller's [`Table::flush`] read it) are written; the first newer one ends the flush.
+    /// Without it a writer sealing delta after delta kept a caller's flush going as long as
+    /// it wrote (helper-52's F2: a `flush()` beside a loop of upserts returned 57 s after the
+    /// loop stopped).
+    pub(crate) fn flush_sealed(&self, threads: usize, before: Option<u64>) -> Result<u64> {
         let _flush = lock(&self.flush_lock);
         let mut rows = 0u64;
         loop {
@@ -343,8 +348,8 @@ impl TableInner {
                 let g = self.state()?;
                 let Some(st) = g.as_ref() else { break };
                 match st.sealed.front() {
-                    Some(s) => Arc::clone(s),
-                    None => break,
+                    Some(s) if before.is_none_or(|b| s.max_seq() < b) => Arc::clone(s),
+                    _ => break,
                 }
             };
             match self.flush_delta(sealed, threads)? {
@@ -1060,6 +1065,8 @@ impl Table {
     /// this call wrote to new files. A flush the background writer is running is waited for
     /// and its rows are not counted, so after a steady load this is often 0 (or only the
     /// rows of the last, unsealed delta) although everything is durable when it returns.
+    /// "So far" is the moment of the call: rows other threads write while it runs are left to
+    /// the background writer (or the next flush), so a steady writer cannot keep it going.
     ///
     /// A compaction that runs after the commit (merging small files, rewriting files with
     /// many deleted rows) and fails does not fail the flush: its rows are durable when it
@@ -1079,19 +1086,23 @@ impl Table {
     /// [`Error::Storage`] on I/O failure of the commit (the rows stay in memory and are
     /// retried by the next flush), [`Error::MemoryLimit`] (the rows stay in memory too).
     pub fn flush(&self) -> Result<u64> {
-        {
+        // Every row written before this call has a sequence number below `before` (a write
+        // takes its numbers under the table lock), and so does every delta sealed here or
+        // earlier; deltas sealed by later writes are left to the background writer.
+        let before = {
             let mut g = self.inner.state()?;
             if let Some(st) = g.as_mut() {
                 self.inner.seal(st);
             }
-        }
+            self.inner.seq.load(Ordering::Acquire)
+        };
         let shared = &self.inner.shared;
         let deadline = crate::engine::deadline_after(shared.config.backpressure_timeout);
         // `Engine::close` (whose flushes come here) does not wait: batches a caller keeps
         // across it would hold it for the whole timeout; its rows are in the log either way.
         let others = || self.engine.check_writable().is_ok() && (shared.scans_hold() || shared.admitting() > 0 || self.engine.writer.in_flight() > 0);
         loop {
-            match self.inner.flush_sealed(shared.config.flush_threads) {
+            match self.inner.flush_sealed(shared.config.flush_threads, Some(before)) {
                 Err(e) if e.is_memory_limit() && others() && self.engine.wait_for_memory(deadline) => {
                     tracing::debug!(table = %self.inner.name, error = %e, "flush waiting for memory others hold");
                 }

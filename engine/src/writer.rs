@@ -125,7 +125,7 @@ impl Writer {
 
 fn run_flush(table: &TableInner) {
     set_background_priority(table.shared.config.background_priority);
-    let res = std::panic::catch_unwind(AssertUnwindSafe(|| table.flush_sealed(table.shared.config.background_flush_threads)));
+    let res = std::panic::catch_unwind(AssertUnwindSafe(|| table.flush_sealed(table.shared.config.background_flush_threads, None)));
     match res {
         Ok(Ok(rows)) => tracing::debug!(table = %table.name, rows, "background flush done"),
         Ok(Err(Error::TableNotFound { .. } | Error::Closed(_))) => {} // dropped or engine closed meanwhile

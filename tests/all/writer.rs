@@ -88,3 +88,46 @@ fn memory_report_as_an_arrow_batch() {
     assert_eq!(engine_total as usize, engine.memory().used());
     assert!(name.is_null(0));
 }
+
+/// `Table::flush` writes the deltas sealed when it was called, not those writes seal while it
+/// runs: a steady writer kept a caller's flush going as long as it wrote (helper-52's F2: a
+/// `flush()` beside a loop of upserts returned 57 s after the loop stopped). Here the flush is
+/// held in its Parquet write while three more deltas are sealed; healed, it returns the 100
+/// rows it was called for, and the later deltas are the background writer's to write.
+/// Nothing is lost: every key holds its last value after a second flush and after reopen.
+#[test]
+fn a_flush_writes_the_deltas_sealed_before_it_not_those_sealed_while_it_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let fs = FaultFs::new();
+    // 100 rows stay below the 96 KiB threshold (one 64 KiB row-block chunk), so only the
+    // flush below seals them; each 2,000-row upsert passes it and is sealed by its write.
+    let cfg = || EngineConfig::default().memory_limit(64 << 20).table_flush_bytes(96 << 10);
+    let engine = Engine::open(dir.path(), cfg().vfs(Arc::new(fs.clone()))).unwrap();
+    let t = engine.create_table("f", composite_schema(), &["k1", "k2"]).unwrap();
+    let mut model: BTreeMap<_, _> = rows(0..100, "a").into_iter().collect();
+    t.insert(&composite_batch(&rows(0..100, "a"))).unwrap();
+    assert_eq!(t.stats().unwrap().sealed_deltas, 0);
+    fs.stall_paths(".parquet");
+    let t2 = t.clone();
+    let flusher = std::thread::spawn(move || t2.flush());
+    while !fs.is_stalled() {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    for tag in ["b", "c", "d"] {
+        t.upsert(&composite_batch(&rows(0..2000, tag))).unwrap();
+        model.extend(rows(0..2000, tag));
+    }
+    let st = t.stats().unwrap();
+    assert_eq!((st.sealed_deltas, st.files), (3, 1), "the three sealed while the flush is held (its own delta's file is committed)");
+    fs.heal();
+    assert_eq!(flusher.join().unwrap().unwrap(), 100, "only the delta sealed when flush was called");
+    assert_eq!(collect_composite(t.scan(ScanOptions::default()).unwrap()), model);
+    t.flush().unwrap();
+    let st = t.stats().unwrap();
+    assert_eq!((st.sealed_deltas, st.active_delta_bytes, st.file_rows), (0, 0, 2000));
+    assert_eq!(collect_composite(t.scan(ScanOptions::default()).unwrap()), model);
+    drop(t);
+    engine.close().unwrap();
+    let engine = Engine::open(dir.path(), cfg()).unwrap();
+    assert_eq!(collect_composite(engine.table("f").unwrap().scan(ScanOptions::default()).unwrap()), model, "after reopen");
+}

@@ -522,7 +522,7 @@ impl EngineInner {
     /// [`Error::Closed`] once the engine is closing or closed.
     pub(crate) fn check_writable(&self) -> Result<()> {
         if self.closing.load(Ordering::Acquire) {
-            return Err(Error::Closed("the engine (closing)".into()));
+            return Err(Error::Closed("the engine".into()));
         }
         self.check_open()
     }
@@ -539,7 +539,7 @@ impl EngineInner {
         let gate = match self.write_gate.try_read() {
             Ok(gate) => gate,
             Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => return Err(Error::Closed("the engine (closing)".into())),
+            Err(std::sync::TryLockError::WouldBlock) => return Err(Error::Closed("the engine".into())),
         };
         self.check_writable()?;
         Ok(gate)

@@ -167,11 +167,49 @@ pub fn encode_keys(conv: &RowConverter, cols: Vec<ArrayRef>) -> Result<Rows, Arr
     conv.convert_columns(&canonical_key_columns(cols))
 }
 
+/// Bytes `arrow-row` encodes a non-null variable-width value (`Utf8`, `LargeUtf8`,
+/// `Utf8View`, `Binary`, `LargeBinary`, `BinaryView`) of `len` bytes into, as one key column:
+/// a sentinel byte, then up to 32 bytes in four 8-byte mini-blocks of 9 bytes (each with its
+/// continuation byte), longer values in 33-byte blocks of 32. The formula is arrow-row
+/// 59.3's `non_null_padded_length` (`src/variable.rs`, not public); the test
+/// `variable_key_bytes_is_the_encoders_length` holds it to the encoder. So a key's encoded
+/// length with that value cut to `cut` bytes is `key − variable_key_bytes(len) +
+/// variable_key_bytes(cut)`.
+#[must_use]
+pub const fn variable_key_bytes(len: usize) -> usize {
+    const BLOCK: usize = 32;
+    const MINI: usize = 8;
+    if len <= BLOCK { 1 + len.div_ceil(MINI) * (MINI + 1) } else { BLOCK / MINI + len.div_ceil(BLOCK) * (BLOCK + 1) }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use arrow_array::{Float32Array, Float64Array, Int64Array};
     use arrow_schema::Field;
+
+    /// [`variable_key_bytes`] is the length the encoder gives a one-column key of every
+    /// variable-width type, at each block edge (0, 1, 8, 9, 32, 33, 64, 65) and far past them.
+    #[test]
+    fn variable_key_bytes_is_the_encoders_length() {
+        use arrow_array::{BinaryArray, BinaryViewArray, LargeStringArray, StringArray, StringViewArray};
+        let lens = [0usize, 1, 7, 8, 9, 16, 31, 32, 33, 63, 64, 65, 100, 1000, 150_000];
+        let texts: Vec<String> = lens.iter().map(|&n| "x".repeat(n)).collect();
+        let cols: Vec<ArrayRef> = vec![
+            Arc::new(StringArray::from_iter_values(&texts)),
+            Arc::new(LargeStringArray::from_iter_values(&texts)),
+            Arc::new(StringViewArray::from_iter_values(&texts)),
+            Arc::new(BinaryArray::from_iter_values(texts.iter().map(String::as_bytes))),
+            Arc::new(BinaryViewArray::from_iter_values(texts.iter().map(String::as_bytes))),
+        ];
+        for col in cols {
+            let conv = key_converter([col.data_type().clone()]).unwrap();
+            let rows = encode_keys(&conv, vec![Arc::clone(&col)]).unwrap();
+            for (i, &n) in lens.iter().enumerate() {
+                assert_eq!(rows.row(i).as_ref().len(), variable_key_bytes(n), "{} of {n} bytes", col.data_type());
+            }
+        }
+    }
 
     #[test]
     fn canonical_key_columns_fixes_zero_signs_and_nans_only() {

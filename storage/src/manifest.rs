@@ -1,5 +1,6 @@
 use crate::error::{StorageError, io};
 use crate::vfs::Vfs;
+use crate::wal::SEQ_LIMIT;
 use arrow_schema::Schema;
 use serde::{Deserialize, Serialize};
 use std::fs;
@@ -155,6 +156,18 @@ impl Manifest {
         }
         if m.format >= 2 && !checked {
             return Err(corrupt(unchecked_detail(text, m.format)));
+        }
+        // The counters the table continues from with `+ 1`: the next commit's version (which
+        // also names its deletion vectors) and the next write's sequence number. At the end
+        // of `u64` they wrapped (writes numbered from 0 were then skipped at replay as
+        // already flushed).
+        for (name, value) in [("version", m.version), ("flushed_seq", m.flushed_seq)] {
+            if value >= SEQ_LIMIT {
+                return Err(corrupt(format!(
+                    "{name} {value} is out of range (below {SEQ_LIMIT}): the engine continues from it, and no table commits or \
+                     writes that many times"
+                )));
+            }
         }
         for f in &m.files {
             if f.id >= m.next_file_id || f.name.contains('/') || f.deleted > f.rows {
@@ -327,6 +340,28 @@ mod tests {
         assert_eq!(v[MANIFEST_CHECKSUM_KEY].as_u64(), Some(u64::from(crc32fast::hash(body))));
         assert_eq!(v["format"].as_u64(), Some(2));
         assert_eq!(Manifest::parse(&bytes, Path::new("m")).unwrap(), m);
+    }
+
+    /// Written by the engine, sealed, but with a counter the table continues from at or past
+    /// [`SEQ_LIMIT`] (`flushed_seq`, `version`) is refused (`CorruptManifest`), saying which;
+    /// the sample itself reads.
+    #[test]
+    fn a_sealed_manifest_the_engine_could_not_have_written_is_refused() {
+        type Edit = fn(&mut Manifest);
+        let cases: [(Edit, &str); 3] = [
+            (|m| m.flushed_seq = u64::MAX, "flushed_seq 18446744073709551615 is out of range"),
+            (|m| m.flushed_seq = SEQ_LIMIT, "flushed_seq 9223372036854775808 is out of range"),
+            (|m| m.version = u64::MAX - 1, "version 18446744073709551614 is out of range"),
+        ];
+        assert!(Manifest::parse(&sample().to_bytes().unwrap(), Path::new("m")).is_ok());
+        for (edit, want) in cases {
+            let mut m = sample();
+            edit(&mut m);
+            match Manifest::parse(&m.to_bytes().unwrap(), Path::new("m")) {
+                Err(StorageError::CorruptManifest { detail, .. }) => assert!(detail.contains(want), "{want:?} not in {detail}"),
+                other => panic!("{want}: {other:?}"),
+            }
+        }
     }
 
     /// Every single-bit flip of every byte of a written manifest is refused

@@ -45,6 +45,16 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 const HEADER: usize = 8;
 const PAYLOAD_HEADER: usize = 1 + 8 + 8 + 8;
+
+/// Sequence numbers on disk — a WAL record's, a manifest's `flushed_seq` — and manifest
+/// versions are below this bound. A write takes one sequence number per row and a commit one
+/// version, so no table reaches 2^63 (three centuries at a billion rows a second); and since
+/// the engine continues from them with `+ 1` (the next write, the next commit), a bound this
+/// far below `u64::MAX` means no write's `seq + rows - 1` can wrap. A number at or past it
+/// was not written by gritdb (a crafted or hand-edited file): refused. Before, only
+/// `u64::MAX` itself was refused in a record: one ending at `u64::MAX - 1` replayed, the next
+/// write was numbered `u64::MAX`, and the open after it refused the whole log.
+pub(crate) const SEQ_LIMIT: u64 = 1 << 63;
 /// Segment size at which a new segment is started, in bytes.
 pub const SEGMENT_BYTES: u64 = 16 << 20;
 
@@ -1149,9 +1159,10 @@ fn decode(payload: &[u8], position: WalPosition) -> Result<WalRecord, String> {
     let u64_at = |i: usize| u64::from_le_bytes(payload[i..i + 8].try_into().expect("8 bytes")); // infallible
     let (table, first_seq, last_seq) = (u64_at(1), u64_at(9), u64_at(17));
     // Replay continues numbering at `last_seq + 1` and the manifest's `flushed_seq` covers
-    // every record up to it: a record claiming `u64::MAX` (or a reversed range) would wrap
-    // the sequence, and later acknowledged writes would be skipped as already flushed.
-    if first_seq > last_seq || last_seq == u64::MAX || first_seq == 0 {
+    // every record up to it: a record claiming a number near `u64::MAX` (or a reversed range)
+    // would wrap the sequence, and later acknowledged writes would be skipped as already
+    // flushed or numbered `u64::MAX` (refused at the next open). See [`SEQ_LIMIT`].
+    if first_seq > last_seq || last_seq >= SEQ_LIMIT || first_seq == 0 {
         return Err(format!("the record's sequence numbers {first_seq}..={last_seq} are out of range"));
     }
     // The stream's framing is walked before arrow-ipc reads it: its reader allocates a
@@ -2059,7 +2070,8 @@ mod tests {
     }
 
     /// A checksum-valid record whose sequence numbers are reversed, start at 0 or reach
-    /// `u64::MAX` is refused at that record (replay continues at `last_seq + 1`, which wrapped).
+    /// [`SEQ_LIMIT`] is refused at that record (replay continues at `last_seq + 1`, which
+    /// wrapped at `u64::MAX`, and the next write's numbers after it).
     #[test]
     fn a_record_with_sequence_numbers_out_of_range_is_refused() {
         let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(64 << 20), ..ControllerConfig::default() }).unwrap();
@@ -2068,7 +2080,9 @@ mod tests {
         let last = u64::from_le_bytes(b[HEADER + 17..HEADER + 25].try_into().unwrap());
         assert!(first >= 1 && first <= last, "{first}..={last}");
         assert_eq!(decode_segment(&[&a[..], &b[..]].concat()).map(|r| r.len()), Ok(2));
-        for (f, l) in [(last + 1, last), (0, last), (first, u64::MAX), (u64::MAX, u64::MAX)] {
+        for (f, l) in
+            [(last + 1, last), (0, last), (first, u64::MAX), (u64::MAX, u64::MAX), (first, u64::MAX - 1), (first, SEQ_LIMIT), (SEQ_LIMIT, SEQ_LIMIT + 1)]
+        {
             let mut rec = b.clone();
             rec[HEADER + 9..HEADER + 17].copy_from_slice(&f.to_le_bytes());
             rec[HEADER + 17..HEADER + 25].copy_from_slice(&l.to_le_bytes());

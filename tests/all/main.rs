@@ -34,6 +34,7 @@ mod backpressure;
 mod bad_input;
 mod big_strings;
 mod breaker_audit14;
+mod breaker_audit16;
 mod breaker_damage15;
 mod breaker_encode6;
 mod breaker_flush5;

@@ -1,0 +1,182 @@
+//! Breaker audit 16: a second panic audit of the library code (`unwrap`, `expect`, indexing
+//! and arithmetic reachable from the public API; breaker_audit14 was the first), here the
+//! values a data directory's files hand the engine that no build of it wrote, each pinned by a
+//! test of its own:
+//!
+//! - A manifest whose `flushed_seq` or `version` is at the end of `u64`, or a WAL record whose
+//!   sequence numbers are: the engine continues from them with `+ 1` (a panic with overflow
+//!   checks; without, a wrap: writes numbered from 0 were then skipped at replay as already
+//!   flushed, and a write numbered `u64::MAX` made the next open refuse the whole log).
+//!   Sequence numbers and versions on disk are now below 2^63, which no table reaches.
+
+use arrow::array::{Array, Int64Array, RecordBatch};
+use arrow::datatypes::{DataType, Field, Int64Type, Schema, SchemaRef};
+use gritdb::{Engine, EngineConfig, Error, ScanOptions, StorageError};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+const MIB: usize = 1 << 20;
+
+fn cfg() -> EngineConfig {
+    EngineConfig::default().memory_limit(64 * MIB).flush_age(Duration::from_secs(3600)).backpressure_timeout(Duration::from_secs(5))
+}
+
+fn kv_schema() -> SchemaRef {
+    Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false), Field::new("v", DataType::Int64, true)]))
+}
+
+fn kv(keys: impl Iterator<Item = i64> + Clone) -> RecordBatch {
+    RecordBatch::try_new(kv_schema(), vec![Arc::new(Int64Array::from_iter_values(keys.clone())), Arc::new(Int64Array::from_iter_values(keys.map(|k| k * 10)))])
+        .unwrap()
+}
+
+/// `(count, sum of k, sum of v)` of table `t`'s rows.
+fn totals(engine: &Engine) -> (usize, i64, i64) {
+    let t = engine.table("t").unwrap();
+    let mut out = (0, 0, 0);
+    for b in t.scan(ScanOptions::default()).unwrap() {
+        let b = b.unwrap();
+        let k = b.column(0).as_any().downcast_ref::<Int64Array>().unwrap();
+        let v = b.column(1).as_any().downcast_ref::<Int64Array>().unwrap();
+        out.0 += b.num_rows();
+        out.1 += arrow::compute::sum(k).unwrap_or(0);
+        out.2 += arrow::compute::sum::<Int64Type>(v).unwrap_or(0);
+    }
+    out
+}
+
+fn table_dir(root: &Path) -> PathBuf {
+    std::fs::read_dir(root.join("tables")).unwrap().flatten().next().unwrap().path()
+}
+
+/// Manifest text with its checksum line recomputed for the (edited) lines after it, as the
+/// reseal snippet of docs/architecture.md does.
+fn reseal(text: &str) -> String {
+    let (first, rest) = text.split_once('\n').unwrap();
+    let (line, body) = rest.split_once('\n').unwrap();
+    assert!(line.starts_with("  \"manifest_crc32\": "), "{line}");
+    format!("{first}\n  \"manifest_crc32\": {},\n{body}", crc32fast::hash(body.as_bytes()))
+}
+
+/// A table `t` (`k` key, `v`) with rows 0..100 in one data file with a deletion vector (rows
+/// 0 and 1 deleted) and rows 100..150 in a second file; closed. Its manifest's text.
+fn table_with_two_files(dir: &Path) -> String {
+    let engine = Engine::open(dir, cfg()).unwrap();
+    let t = engine.create_table("t", kv_schema(), &["k"]).unwrap();
+    t.insert(&kv(0..100)).unwrap();
+    t.flush().unwrap();
+    t.delete(
+        &RecordBatch::try_new(Arc::new(Schema::new(vec![Field::new("k", DataType::Int64, false)])), vec![Arc::new(Int64Array::from_iter_values(0..2))])
+            .unwrap(),
+    )
+    .unwrap();
+    t.insert(&kv(100..150)).unwrap();
+    t.flush().unwrap();
+    drop(t);
+    engine.close().unwrap();
+    std::fs::read_to_string(table_dir(dir).join("manifest.json")).unwrap()
+}
+
+/// The rows of [`table_with_two_files`]: 148 rows, keys 2..150.
+fn two_file_totals() -> (usize, i64, i64) {
+    let s: i64 = (2..150).sum();
+    (148, s, s * 10)
+}
+
+/// What opening `dir` with its manifest replaced by `text` (resealed) does, writes and a
+/// flush included, panics caught: `Ok(())` when it all succeeds.
+fn open_with_manifest(dir: &Path, text: &str) -> Result<Result<(), Error>, String> {
+    std::fs::write(table_dir(dir).join("manifest.json"), reseal(text)).unwrap();
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<(), Error> {
+        let engine = Engine::open(dir, cfg())?;
+        let t = engine.table("t")?;
+        t.upsert(&kv(1000..1100))?;
+        t.flush()?;
+        t.upsert(&kv(2000..2010))?;
+        drop(t);
+        engine.close()
+    }))
+    .map_err(|p| p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_owned())).unwrap_or_default())
+}
+
+/// Asserts `got` is a `CorruptManifest` whose detail holds `fragment`.
+fn assert_corrupt_manifest(what: &str, got: Result<Result<(), Error>, String>, fragment: &str) {
+    match got {
+        Ok(Err(Error::Storage(StorageError::CorruptManifest { detail, .. }))) => assert!(detail.contains(fragment), "{what}: {fragment:?} not in {detail}"),
+        Ok(other) => panic!("{what}: expected CorruptManifest, got {other:?}"),
+        Err(p) => panic!("{what}: expected CorruptManifest, panicked: {p}"),
+    }
+}
+
+/// A manifest whose `flushed_seq` or `version` is at or past 2^63 is `CorruptManifest` at
+/// open: the engine continues from them with `+ 1`, which wrapped at `u64::MAX` (a panic with
+/// overflow checks; without, writes numbered from 0 that replay skipped as flushed). The
+/// manifest put back, the table opens with its rows as they were.
+#[test]
+fn a_manifest_counter_at_the_end_of_u64_is_corrupt_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = table_with_two_files(dir.path());
+    // `text` with field `name`'s number replaced by `value`.
+    let with = |name: &str, value: u64| {
+        let at = text.find(&format!("\"{name}\": ")).unwrap() + name.len() + 4;
+        let end = at + text[at..].find(',').unwrap();
+        format!("{}{value}{}", &text[..at], &text[end..])
+    };
+    for name in ["flushed_seq", "version"] {
+        for value in [u64::MAX, u64::MAX - 1, 1 << 63] {
+            let edited = with(name, value);
+            assert_corrupt_manifest(&format!("{name} {value}"), open_with_manifest(dir.path(), &edited), &format!("{name} {value} is out of range"));
+        }
+    }
+    std::fs::write(table_dir(dir.path()).join("manifest.json"), &text).unwrap();
+    let engine = Engine::open(dir.path(), cfg()).unwrap();
+    assert_eq!(totals(&engine), two_file_totals());
+    engine.close().unwrap();
+}
+
+/// A checksum-valid WAL record whose sequence numbers reach 2^63 is `CorruptWal` at open.
+/// Before, only `u64::MAX` itself was refused: a record ending at `u64::MAX - 1` replayed, the
+/// table numbered its next write `u64::MAX`, and the open after that refused the whole log (the
+/// write acknowledged, then lost). The segment put back, the directory opens with its rows.
+#[test]
+fn a_wal_record_with_sequence_numbers_past_2_pow_63_is_corrupt_wal() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let engine = Engine::open(dir.path(), cfg()).unwrap();
+        let t = engine.create_table("t", kv_schema(), &["k"]).unwrap();
+        t.insert(&kv(0..10)).unwrap();
+        // Dropped without a flush: the record stays in the log.
+    }
+    let seg_path = dir.path().join("wal").join("wal-00000001.log");
+    let seg = std::fs::read(&seg_path).unwrap();
+    assert_eq!(8 + u32::from_le_bytes(seg[..4].try_into().unwrap()) as usize, seg.len(), "one record");
+    for (first, last) in [(u64::MAX - 10, u64::MAX - 1), (1 << 63, (1 << 63) + 9), ((1 << 63) - 9, 1 << 63)] {
+        let mut bytes = seg.clone();
+        // The payload: op (1 byte), table id, first and last sequence number (8 bytes each).
+        bytes[8 + 9..8 + 17].copy_from_slice(&first.to_le_bytes());
+        bytes[8 + 17..8 + 25].copy_from_slice(&last.to_le_bytes());
+        let crc = crc32fast::hash(&bytes[8..]);
+        bytes[4..8].copy_from_slice(&crc.to_le_bytes());
+        std::fs::write(&seg_path, &bytes).unwrap();
+        let got = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<(), Error> {
+            let engine = Engine::open(dir.path(), cfg())?;
+            engine.table("t")?.insert(&kv(10..11))?;
+            engine.close()
+        }));
+        match got {
+            Ok(Err(Error::Storage(StorageError::CorruptWal { path, offset: 0, detail }))) => {
+                assert_eq!(path, seg_path);
+                assert!(detail.contains("out of range"), "{first}..={last}: {detail}");
+            }
+            Ok(other) => panic!("{first}..={last}: expected CorruptWal, got {other:?}"),
+            Err(_) => panic!("{first}..={last}: panicked"),
+        }
+        assert_eq!(std::fs::read(&seg_path).unwrap(), bytes, "{first}..={last}: the refused segment is left as it was");
+    }
+    std::fs::write(&seg_path, &seg).unwrap();
+    let engine = Engine::open(dir.path(), cfg()).unwrap();
+    let s: i64 = (0..10).sum();
+    assert_eq!(totals(&engine), (10, s, s * 10));
+    engine.close().unwrap();
+}

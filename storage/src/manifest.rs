@@ -169,14 +169,47 @@ impl Manifest {
                 )));
             }
         }
+        // Each entry named as gritdb names its file id, each id once: a flush or compaction
+        // names its new file by `next_file_id` and a commit its deletion vectors by file id
+        // and version, so an entry under another name could be replaced by a later file (its
+        // rows lost), and of two entries with one id only the last was read.
+        let mut ids = std::collections::HashSet::new();
         for f in &m.files {
-            if f.id >= m.next_file_id || f.name.contains('/') || f.deleted > f.rows {
-                return Err(StorageError::CorruptManifest { path, detail: format!("bad file entry {f:?}") });
+            if f.id >= m.next_file_id || f.deleted > f.rows {
+                return Err(corrupt(format!("bad file entry {f:?}")));
+            }
+            let name = crate::table::file_name(f.id);
+            if f.name != name {
+                return Err(corrupt(format!(
+                    "file id {} is not named `{name}` but {:?}: gritdb names a data file by its id, and a later file of that name \
+                     would replace it",
+                    f.id, f.name
+                )));
+            }
+            if let Some(dv) = &f.dv
+                && !dv_name_fits(dv, f.id, m.version)
+            {
+                return Err(corrupt(format!(
+                    "deletion vector {dv:?} of file id {} is not named `f{:06}.dv<version>` with a version up to the manifest's {}",
+                    f.id, f.id, m.version
+                )));
+            }
+            if !ids.insert(f.id) {
+                return Err(corrupt(format!("lists file id {} twice", f.id)));
             }
         }
-        for k in &m.primary_key {
+        // The key as `create_table` requires it: at least one column, each once. With none,
+        // every row's key was the empty key and writes applied nothing while reporting their
+        // rows written.
+        if m.primary_key.is_empty() {
+            return Err(corrupt("no primary-key column: a table's key has at least one".into()));
+        }
+        for (i, k) in m.primary_key.iter().enumerate() {
             if m.schema.index_of(k).is_err() {
-                return Err(StorageError::CorruptManifest { path, detail: format!("primary key column `{k}` not in schema") });
+                return Err(corrupt(format!("primary key column `{k}` not in schema")));
+            }
+            if m.primary_key[..i].contains(k) {
+                return Err(corrupt(format!("primary key names column `{k}` twice")));
             }
         }
         Ok(m)
@@ -220,6 +253,12 @@ impl Manifest {
         out.extend_from_slice(body);
         Ok(out)
     }
+}
+
+/// Whether `dv` is the name a commit gives a deletion vector of file `id` at a version up to
+/// `version`: `f<id, 6 digits>.dv<version, no leading zeros>`.
+fn dv_name_fits(dv: &str, id: u32, version: u64) -> bool {
+    dv.strip_prefix(&format!("f{id:06}.dv")).and_then(|v| crate::canonical_id(v, 1)).is_some_and(|v| v <= version)
 }
 
 /// Where the docs show how to reseal a hand-edited manifest, for error texts.
@@ -342,16 +381,24 @@ mod tests {
         assert_eq!(Manifest::parse(&bytes, Path::new("m")).unwrap(), m);
     }
 
-    /// Written by the engine, sealed, but with a counter the table continues from at or past
-    /// [`SEQ_LIMIT`] (`flushed_seq`, `version`) is refused (`CorruptManifest`), saying which;
-    /// the sample itself reads.
+    /// Written by the engine, sealed, but holding what no build wrote — a counter at the end
+    /// of `u64`, a file entry not named for its id or an id twice, a deletion vector named for
+    /// another file or a later version, an empty or repeated key — is refused
+    /// (`CorruptManifest`), each saying what is wrong; the sample itself reads.
     #[test]
     fn a_sealed_manifest_the_engine_could_not_have_written_is_refused() {
         type Edit = fn(&mut Manifest);
-        let cases: [(Edit, &str); 3] = [
+        let cases: [(Edit, &str); 10] = [
             (|m| m.flushed_seq = u64::MAX, "flushed_seq 18446744073709551615 is out of range"),
             (|m| m.flushed_seq = SEQ_LIMIT, "flushed_seq 9223372036854775808 is out of range"),
             (|m| m.version = u64::MAX - 1, "version 18446744073709551614 is out of range"),
+            (|m| m.files[0].name = "f000002.parquet".into(), "file id 1 is not named `f000001.parquet`"),
+            (|m| m.files[1].name = "../f000002.parquet".into(), "file id 2 is not named `f000002.parquet`"),
+            (|m| m.files[0].dv = Some("f000002.dv7".into()), "deletion vector \"f000002.dv7\" of file id 1"),
+            (|m| m.files[0].dv = Some("f000001.dv8".into()), "with a version up to the manifest's 7"),
+            (|m| m.files[1] = m.files[0].clone(), "lists file id 1 twice"),
+            (|m| m.primary_key.clear(), "no primary-key column"),
+            (|m| m.primary_key = vec!["k".into(), "v".into(), "k".into()], "primary key names column `k` twice"),
         ];
         assert!(Manifest::parse(&sample().to_bytes().unwrap(), Path::new("m")).is_ok());
         for (edit, want) in cases {

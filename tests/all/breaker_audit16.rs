@@ -3,11 +3,18 @@
 //! values a data directory's files hand the engine that no build of it wrote, each pinned by a
 //! test of its own:
 //!
+//! - A manifest whose `primary_key` is empty or names a column twice (edited by hand and
+//!   resealed): `create_table` refuses both, the open took them. With no key column every
+//!   write panicked (the key encoder returns no rows for a batch of n, and the write indexed
+//!   them); the open now refuses the manifest as `CorruptManifest`.
 //! - A manifest whose `flushed_seq` or `version` is at the end of `u64`, or a WAL record whose
 //!   sequence numbers are: the engine continues from them with `+ 1` (a panic with overflow
 //!   checks; without, a wrap: writes numbered from 0 were then skipped at replay as already
 //!   flushed, and a write numbered `u64::MAX` made the next open refuse the whole log).
 //!   Sequence numbers and versions on disk are now below 2^63, which no table reaches.
+//! - A manifest file entry not named as gritdb names that file id (`f<id>.parquet`, deletion
+//!   vectors `f<id>.dv<version>`), or naming an id twice: a later flush wrote its new file
+//!   under the name of a live one, and two entries with one id hid one of them.
 
 use arrow::array::{Array, Int64Array, RecordBatch};
 use arrow::datatypes::{DataType, Field, Int64Type, Schema, SchemaRef};
@@ -109,6 +116,38 @@ fn assert_corrupt_manifest(what: &str, got: Result<Result<(), Error>, String>, f
     }
 }
 
+/// A manifest whose primary key is empty or names a column twice is `CorruptManifest` at
+/// open (before: the open took it, and with no key column every write panicked indexing the
+/// keys of its rows). The manifest put back, the table opens with its rows as they were.
+#[test]
+fn a_manifest_with_no_or_a_repeated_primary_key_column_is_corrupt_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = table_with_two_files(dir.path());
+    let key = "\"primary_key\": [\n    \"k\"\n  ],";
+    assert!(text.contains(key), "{text}");
+    // A table without data files: the open took the empty key, and the first write panicked.
+    let empty = tempfile::tempdir().unwrap();
+    {
+        let engine = Engine::open(empty.path(), cfg()).unwrap();
+        drop(engine.create_table("t", kv_schema(), &["k"]).unwrap());
+        engine.close().unwrap();
+    }
+    let empty_text = std::fs::read_to_string(table_dir(empty.path()).join("manifest.json")).unwrap();
+    assert!(empty_text.contains(key), "{empty_text}");
+    let no_key = empty_text.replace(key, "\"primary_key\": [],");
+    assert_corrupt_manifest("no key column, no data file", open_with_manifest(empty.path(), &no_key), "no primary-key column");
+    for (what, edit, fragment) in [
+        ("no key column", "\"primary_key\": [],", "no primary-key column"),
+        ("a repeated key column", "\"primary_key\": [\n    \"k\",\n    \"k\"\n  ],", "primary key names column `k` twice"),
+    ] {
+        assert_corrupt_manifest(what, open_with_manifest(dir.path(), &text.replace(key, edit)), fragment);
+    }
+    std::fs::write(table_dir(dir.path()).join("manifest.json"), &text).unwrap();
+    let engine = Engine::open(dir.path(), cfg()).unwrap();
+    assert_eq!(totals(&engine), two_file_totals());
+    engine.close().unwrap();
+}
+
 /// A manifest whose `flushed_seq` or `version` is at or past 2^63 is `CorruptManifest` at
 /// open: the engine continues from them with `+ 1`, which wrapped at `u64::MAX` (a panic with
 /// overflow checks; without, writes numbered from 0 that replay skipped as flushed). The
@@ -130,6 +169,56 @@ fn a_manifest_counter_at_the_end_of_u64_is_corrupt_at_open() {
         }
     }
     std::fs::write(table_dir(dir.path()).join("manifest.json"), &text).unwrap();
+    let engine = Engine::open(dir.path(), cfg()).unwrap();
+    assert_eq!(totals(&engine), two_file_totals());
+    engine.close().unwrap();
+}
+
+/// A manifest file entry whose data file or deletion vector is not named as gritdb names it
+/// for its id (`f<id>.parquet`, `f<id>.dv<version>` with a version up to the manifest's), or
+/// that repeats an id, is `CorruptManifest` at open. Before, the open took them: a data file
+/// listed under id 1 as `f000003.parquet` was overwritten by the table's third file (its rows
+/// lost), and of two entries with one id only the last was read. The manifest put back, the
+/// table opens with its rows as they were.
+#[test]
+fn a_manifest_file_entry_not_named_for_its_id_is_corrupt_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = table_with_two_files(dir.path());
+    let tdir = table_dir(dir.path());
+    let dv = std::fs::read_dir(&tdir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().into_string().unwrap())
+        .find(|n| n.contains(".dv"))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(dv.starts_with("f000001.dv"), "{dv}");
+    assert!(text.contains("\"next_file_id\": 3,"), "{text}");
+    // Data file 1 moved to the name a third file would get; the manifest lists it there.
+    std::fs::rename(tdir.join("f000001.parquet"), tdir.join("f000003.parquet")).unwrap();
+    let moved = text.replace("\"name\": \"f000001.parquet\"", "\"name\": \"f000003.parquet\"");
+    assert_corrupt_manifest("data file named for another id", open_with_manifest(dir.path(), &moved), "is not named `f000001.parquet`");
+    std::fs::rename(tdir.join("f000003.parquet"), tdir.join("f000001.parquet")).unwrap();
+    // The deletion vector named for file 2, or for a version after the manifest's.
+    let dv2 = dv.replace("f000001", "f000002");
+    std::fs::copy(tdir.join(&dv), tdir.join(&dv2)).unwrap();
+    assert_corrupt_manifest(
+        "deletion vector named for another id",
+        open_with_manifest(dir.path(), &text.replace(&format!("\"dv\": \"{dv}\""), &format!("\"dv\": \"{dv2}\""))),
+        "deletion vector",
+    );
+    std::fs::remove_file(tdir.join(&dv2)).unwrap();
+    let later = "f000001.dv99";
+    std::fs::copy(tdir.join(&dv), tdir.join(later)).unwrap();
+    assert_corrupt_manifest(
+        "deletion vector of a later version",
+        open_with_manifest(dir.path(), &text.replace(&format!("\"dv\": \"{dv}\""), &format!("\"dv\": \"{later}\""))),
+        "deletion vector",
+    );
+    std::fs::remove_file(tdir.join(later)).unwrap();
+    // File 2 listed under id 1 as well as its own, with file 1's name.
+    let repeated = text.replace("\"id\": 2,", "\"id\": 1,").replace("\"name\": \"f000002.parquet\"", "\"name\": \"f000001.parquet\"");
+    assert_corrupt_manifest("an id listed twice", open_with_manifest(dir.path(), &repeated), "lists file id 1 twice");
+    std::fs::write(tdir.join("manifest.json"), &text).unwrap();
     let engine = Engine::open(dir.path(), cfg()).unwrap();
     assert_eq!(totals(&engine), two_file_totals());
     engine.close().unwrap();

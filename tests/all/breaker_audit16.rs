@@ -142,10 +142,7 @@ fn a_manifest_with_no_or_a_repeated_primary_key_column_is_corrupt_at_open() {
     ] {
         assert_corrupt_manifest(what, open_with_manifest(dir.path(), &text.replace(key, edit)), fragment);
     }
-    std::fs::write(table_dir(dir.path()).join("manifest.json"), &text).unwrap();
-    let engine = Engine::open(dir.path(), cfg()).unwrap();
-    assert_eq!(totals(&engine), two_file_totals());
-    engine.close().unwrap();
+    put_back_and_check(dir.path(), &text);
 }
 
 /// A manifest whose `flushed_seq` or `version` is at or past 2^63 is `CorruptManifest` at
@@ -168,10 +165,7 @@ fn a_manifest_counter_at_the_end_of_u64_is_corrupt_at_open() {
             assert_corrupt_manifest(&format!("{name} {value}"), open_with_manifest(dir.path(), &edited), &format!("{name} {value} is out of range"));
         }
     }
-    std::fs::write(table_dir(dir.path()).join("manifest.json"), &text).unwrap();
-    let engine = Engine::open(dir.path(), cfg()).unwrap();
-    assert_eq!(totals(&engine), two_file_totals());
-    engine.close().unwrap();
+    put_back_and_check(dir.path(), &text);
 }
 
 /// A manifest file entry whose data file or deletion vector is not named as gritdb names it
@@ -218,10 +212,7 @@ fn a_manifest_file_entry_not_named_for_its_id_is_corrupt_at_open() {
     // File 2 listed under id 1 as well as its own, with file 1's name.
     let repeated = text.replace("\"id\": 2,", "\"id\": 1,").replace("\"name\": \"f000002.parquet\"", "\"name\": \"f000001.parquet\"");
     assert_corrupt_manifest("an id listed twice", open_with_manifest(dir.path(), &repeated), "lists file id 1 twice");
-    std::fs::write(tdir.join("manifest.json"), &text).unwrap();
-    let engine = Engine::open(dir.path(), cfg()).unwrap();
-    assert_eq!(totals(&engine), two_file_totals());
-    engine.close().unwrap();
+    put_back_and_check(dir.path(), &text);
 }
 
 /// A checksum-valid WAL record whose sequence numbers reach 2^63 is `CorruptWal` at open.
@@ -267,5 +258,14 @@ fn a_wal_record_with_sequence_numbers_past_2_pow_63_is_corrupt_wal() {
     let engine = Engine::open(dir.path(), cfg()).unwrap();
     let s: i64 = (0..10).sum();
     assert_eq!(totals(&engine), (10, s, s * 10));
+    engine.close().unwrap();
+}
+
+/// Writes the table's manifest `text` back and checks the table opens with its two files'
+/// rows as they were.
+fn put_back_and_check(dir: &Path, text: &str) {
+    std::fs::write(table_dir(dir).join("manifest.json"), text).unwrap();
+    let engine = Engine::open(dir, cfg()).unwrap();
+    assert_eq!(totals(&engine), two_file_totals());
     engine.close().unwrap();
 }

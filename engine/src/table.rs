@@ -812,7 +812,7 @@ impl Table {
                 // fits with that value cut to `len`, its encoded key cut with it. (Before, the
                 // encoded key stayed the refused value's: a 200,000-byte key at 1 MiB was told
                 // "at most 142633 bytes" while 160,000 fit; helper-52's F3.)
-                let key_with = |len: usize| key - gritdb_keys::variable_key_bytes(v.largest) + gritdb_keys::variable_key_bytes(len);
+                let key_with = |len: usize| key.saturating_sub(gritdb_keys::variable_key_bytes(v.largest)) + gritdb_keys::variable_key_bytes(len);
                 let fits =
                     |len: usize| gritdb_storage::row_memory_bytes(len, v.values - v.largest + len, v.key_values - v.largest + len, key_with(len)) <= budget;
                 let (mut lo, mut hi) = (0, v.largest);

@@ -475,6 +475,14 @@ pub(crate) struct BuiltKeys {
     res: Reservation,
 }
 
+impl BuiltKeys {
+    /// The set's keys in row order (= key order), in their stored form
+    /// ([`KeyIndex::find_stored`]).
+    pub(crate) fn stored_keys(&self) -> impl Iterator<Item = &[u8]> {
+        (0..self.keys.len).map(|i| self.keys.get(i))
+    }
+}
+
 impl KeyBuilder {
     /// The key set of a file whose keys, in row order, are those of `parts` one after the
     /// other (must be strictly ascending). Its memory is budgeted before it is built (the
@@ -636,6 +644,11 @@ impl KeyIndex {
         self.account();
     }
 
+    /// Bytes of file `id`'s key set (0 when the file is not indexed).
+    pub fn file_bytes(&self, id: u32) -> usize {
+        self.files.binary_search_by_key(&id, |(i, _)| *i).map_or(0, |at| self.files[at].1.bytes())
+    }
+
     /// Forgets file `id`.
     pub(crate) fn remove_file(&mut self, id: u32) {
         if let Ok(at) = self.files.binary_search_by_key(&id, |(i, _)| *i) {
@@ -687,6 +700,14 @@ impl KeyIndex {
                 out
             }
         };
+        self.find_stored(stored, deleted)
+    }
+
+    /// [`Self::find`] for a key in its stored form (as a file's key set holds it: fixed-width
+    /// keys without `arrow-row`'s validity bytes, others as encoded), such as
+    /// [`BuiltKeys::stored_keys`] gives: a flush looks the older versions of its puts up by
+    /// the keys of the set it installs, without keeping their `arrow-row` encoding.
+    pub fn find_stored(&self, stored: &[u8], deleted: impl Fn(Loc) -> bool) -> Option<Loc> {
         let h = key_hash(stored);
         if (1..=16).contains(&stored.len()) && self.width == Some(stored.len()) {
             // Fixed-width keys of at most 16 bytes: the key as an integer, computed once.

@@ -318,17 +318,13 @@ pub struct PutKeyEncoder {
     builder: crate::index::KeyBuilder,
 }
 
-/// A flush's puts with their keys: `arrow-row` encoded (for the older versions
-/// [`TableStore::stage_keyed`] looks up) and as the key-index set of the file they become,
-/// both budgeted under `key_index` until staged (released when dropped unstaged).
+/// A flush's puts with their keys as the key-index set of the file they become, budgeted
+/// under `key_index` until staged (released when dropped unstaged). [`TableStore::stage_keyed`]
+/// looks the older versions of the puts up by the set's keys.
 #[derive(Debug)]
 pub struct PutKeys {
     schema: SchemaRef,
     puts: Vec<RecordBatch>,
-    keys: Vec<arrow_row::Rows>,
-    /// Budgets `keys` (`Rows::size`); before, the encoded keys of a flush waiting for the
-    /// table's lock (13 B a row for lineitem's key) were held outside the limit.
-    keys_res: Reservation,
     /// `None` without put rows; `Err(detail)` when the keys are not strictly ascending.
     built: Option<crate::index::BuildResult>,
 }
@@ -337,21 +333,40 @@ impl PutKeyEncoder {
     /// Encodes the keys of `puts` (empty batches are left out) and builds their key-index set.
     /// The puts must be sorted strictly ascending by key across batches, as a flush writes them.
     ///
+    /// One batch's `arrow-row` keys exist at a time, budgeted under `key_index` beside the
+    /// set while they are copied into it. Before, every batch's encoded keys were kept for
+    /// the lookups of [`TableStore::stage_keyed`]: a flush held a variable-width key three
+    /// times beside its batch (encoded, in the set, in the batch), and one-row inserts of
+    /// 30–200 KB keys admitted at 1 MiB left deltas no flush could get that memory for
+    /// (helper-52's F1, `big_keys`); for lineitem's key it was 17 B a row.
+    ///
     /// # Errors
     /// [`StorageError::Arrow`] (a batch of another shape), [`StorageError::Memory`] when the
-    /// key-index set cannot be budgeted.
+    /// key-index set or one batch's encoded keys cannot be budgeted.
     pub fn encode(&self, puts: &[RecordBatch]) -> Result<PutKeys, StorageError> {
         let puts: Vec<RecordBatch> = puts.iter().filter(|b| b.num_rows() > 0).cloned().collect();
-        let conv = key_converter(&self.schema, &self.key_cols)?;
-        let mut keys_res = self.builder.reservation();
-        let mut keys = Vec::with_capacity(puts.len());
-        for b in &puts {
-            let k = encode_keys(&conv, b, &self.key_cols)?;
-            keys_res.try_grow(k.size())?;
-            keys.push(k);
+        if puts.is_empty() {
+            return Ok(PutKeys { schema: Arc::clone(&self.schema), puts, built: None });
         }
-        let built = if keys.is_empty() { None } else { Some(self.builder.build(&keys)?) };
-        Ok(PutKeys { schema: Arc::clone(&self.schema), puts, keys, keys_res, built })
+        let conv = key_converter(&self.schema, &self.key_cols)?;
+        let mut part_res = self.builder.reservation();
+        let mut set = self.builder.start(puts.iter().map(RecordBatch::num_rows).sum())?;
+        let mut failed = None;
+        for b in &puts {
+            let part = encode_keys(&conv, b, &self.key_cols)?;
+            part_res.try_grow(part.size())?;
+            if let Err(detail) = set.push(&part)? {
+                failed = Some(detail);
+                break;
+            }
+            drop(part);
+            part_res.free();
+        }
+        let built = match failed {
+            Some(detail) => Err(detail),
+            None => set.finish(),
+        };
+        Ok(PutKeys { schema: Arc::clone(&self.schema), puts, built: Some(built) })
     }
 }
 
@@ -765,6 +780,19 @@ impl TableStore {
         self.files.values().map(|f| f.meta.rows - f.dv_live.len()).sum()
     }
 
+    /// Key-index bytes of the files with a live row: what the index keeps once the files
+    /// whose rows are all deleted are dropped, which the next compaction does without
+    /// reading them ([`Self::has_dead_files`]).
+    pub fn live_index_bytes(&self) -> usize {
+        self.files.values().filter(|f| f.meta.rows > f.dv_live.len()).map(|f| self.index.file_bytes(f.meta.id)).sum()
+    }
+
+    /// Whether a committed file has no live row: the next compaction drops it, reading and
+    /// writing no data file (only the manifest).
+    pub fn has_dead_files(&self) -> bool {
+        self.files.values().any(|f| f.pending.is_none() && f.meta.rows == f.dv_live.len())
+    }
+
     /// The key index.
     pub fn index(&self) -> &KeyIndex {
         &self.index
@@ -805,7 +833,7 @@ impl TableStore {
     /// As [`Self::stage`]; [`StorageError::Arrow`] when `keyed` was encoded for another
     /// schema; [`StorageError::CorruptFile`] when the puts' keys are not strictly ascending.
     pub fn stage_keyed(&mut self, keyed: PutKeys, delete_keys: &RecordBatch, max_seq: u64) -> Result<Option<Staged>, StorageError> {
-        let PutKeys { schema, puts, keys, keys_res, built } = keyed;
+        let PutKeys { schema, puts, built } = keyed;
         if schema != self.schema {
             return Err(arrow_schema::ArrowError::InvalidArgumentError(format!("put keys encoded for another schema than table {}'s", self.name)).into());
         }
@@ -831,15 +859,14 @@ impl TableStore {
         }
         if let (Some(id), Some(built)) = (file_id, built) {
             let built = built.map_err(|detail| StorageError::CorruptFile { path: self.dir.join(file_name(id)), detail })?;
-            // Older live versions of the put keys (looked up before the new file is indexed).
-            for r in keys.iter().flat_map(arrow_row::Rows::iter) {
-                if let Some(old) = self.find_key(r.as_ref()) {
+            // Older live versions of the put keys (looked up before the new file is indexed),
+            // by the new set's stored keys.
+            for k in built.stored_keys() {
+                if let Some(old) = self.index.find_stored(k, |l| self.is_deleted(l)) {
                     additions.push(old);
                 }
             }
             self.index.install(id, built);
-            drop(keys);
-            drop(keys_res);
             self.next_file_id += 1;
             let meta =
                 FileMeta { id, name: file_name(id), rows: put_rows as u64, bytes: 0, dv: None, deleted: 0, crc32: None, dv_crc32: None, decoded_bytes: None };

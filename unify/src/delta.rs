@@ -272,6 +272,8 @@ pub struct DeltaStore {
     puts: usize,
     tombstones: usize,
     max_seq: u64,
+    /// Encoded key bytes of the keys held ([`Self::key_bytes`]).
+    key_bytes: usize,
 }
 
 impl std::fmt::Debug for DeltaStore {
@@ -294,6 +296,7 @@ impl DeltaStore {
             puts: 0,
             tombstones: 0,
             max_seq: 0,
+            key_bytes: 0,
         }
     }
 
@@ -337,6 +340,15 @@ impl DeltaStore {
     /// Accounted bytes: row blocks plus the key map.
     pub fn bytes(&self) -> usize {
         self.arena.bytes() + self.map_res.size()
+    }
+
+    /// The `arrow-row` bytes of the [`Self::len`] keys held (put rows and tombstones). A
+    /// flush of the delta holds these keys again beside its batches, in the key-index set it
+    /// builds (and one batch's keys at a time while it builds it), so the engine's estimate
+    /// of what the flush needs counts them: [`Self::bytes`] alone left out a key's width,
+    /// and deltas of wide keys were admitted that no flush could write.
+    pub fn key_bytes(&self) -> usize {
+        self.key_bytes
     }
 
     /// Accounted bytes of the key map alone (part of [`Self::bytes`]).
@@ -503,6 +515,7 @@ impl DeltaStore {
         let committed = commit_beside(run, &mut encode);
         self.settle_places(committed, hashes, &refs, replaced, mark, before)?;
         self.puts += n;
+        self.key_bytes += keys.lengths().sum::<usize>();
         self.max_seq = self.max_seq.max(seq + n as u64 - 1);
         Ok(())
     }
@@ -581,7 +594,13 @@ impl DeltaStore {
     }
 
     fn count_removed(&mut self, r: RowRef) {
-        if op_of(self.arena.get(r)) == OP_PUT { self.puts -= 1 } else { self.tombstones -= 1 }
+        let row = self.arena.get(r);
+        if op_of(row) == OP_PUT {
+            self.puts -= 1;
+        } else {
+            self.tombstones -= 1;
+        }
+        self.key_bytes -= key_of(row).len();
     }
 
     /// Deletes keys: `items` lists `(row index in keys, tombstone)`. With `tombstone` the key
@@ -669,6 +688,7 @@ impl DeltaStore {
         let committed = commit_beside(run, &mut place);
         self.settle_places(committed, &tomb_hashes, &refs, replaced, mark, before)?;
         self.tombstones += refs.len();
+        self.key_bytes += sizes.iter().sum::<usize>() - HEADER * sizes.len();
         for &(i, t) in items {
             if t {
                 continue;
@@ -1180,6 +1200,40 @@ mod tests {
         let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(64 << 20), ..ControllerConfig::default() }).unwrap();
         let b = batch();
         DeltaStore::new(Arc::new(RowCodec::new(b.schema(), &[0], 1 << 20).unwrap()), &ctl, None)
+    }
+
+    /// `key_bytes` follows the keys the delta holds: put rows and tombstones add their
+    /// encoded keys, a replaced row's key leaves with it, a removed key leaves, and a write
+    /// whose commit fails changes nothing. The lengths are arrow-row's for `Utf8`:
+    /// `variable_key_bytes` (1 + 9 per started 8 bytes up to 32, then 4 + 33 per 32).
+    #[test]
+    fn key_bytes_count_the_keys_held() {
+        let schema = Arc::new(Schema::new(vec![Field::new("k", DataType::Utf8, false), Field::new("v", DataType::Int64, true)]));
+        let ctl = MemoryController::new(ControllerConfig { memory_limit: Some(64 << 20), ..ControllerConfig::default() }).unwrap();
+        let mut d = DeltaStore::new(Arc::new(RowCodec::new(Arc::clone(&schema), &[0], 1 << 20).unwrap()), &ctl, None);
+        let put = |d: &mut DeltaStore, ks: &[&str], seq: u64, ok: bool| {
+            let b = RecordBatch::try_new(
+                Arc::clone(&schema),
+                vec![Arc::new(StringArray::from(ks.to_vec())), Arc::new(Int64Array::from_iter_values(0..ks.len() as i64))],
+            )
+            .unwrap();
+            let keys = d.codec().keys().encode_batch(&b).unwrap();
+            d.apply_puts(&b, &keys, seq, || if ok { Ok(()) } else { Err(UnifyError::Arrow(arrow_schema::ArrowError::ComputeError("commit failed".into()))) })
+        };
+        let long = "x".repeat(100);
+        let (a, l, c) = (gritdb_keys::variable_key_bytes(1), gritdb_keys::variable_key_bytes(100), gritdb_keys::variable_key_bytes(3));
+        assert_eq!((a, l, c), (10, 136, 10));
+        put(&mut d, &["a", &long], 1, true).unwrap();
+        assert_eq!(d.key_bytes(), a + l);
+        put(&mut d, &[&long], 3, true).unwrap();
+        assert_eq!((d.key_bytes(), d.len()), (a + l, 2), "the replaced row's key left with it");
+        assert!(put(&mut d, &["ccc"], 4, false).is_err());
+        assert_eq!(d.key_bytes(), a + l, "a failed write adds nothing");
+        let del = d.codec().keys().encode_key_columns(&[Arc::new(StringArray::from(vec!["a", "ccc"])) as ArrayRef]).unwrap();
+        d.apply_deletes(&del, &[(0, false), (1, true)], 5, || Ok::<(), UnifyError>(())).unwrap();
+        assert_eq!((d.key_bytes(), d.puts(), d.tombstones()), (l + c, 1, 1), "`a` removed, `ccc` a tombstone");
+        put(&mut d, &["ccc"], 7, true).unwrap();
+        assert_eq!((d.key_bytes(), d.puts(), d.tombstones()), (l + c, 2, 0), "the put replaced the tombstone");
     }
 
     #[test]

@@ -63,7 +63,7 @@ struct WriteQueue {
 
 /// [`Shared::flush_room_certain`] with `pressure` bytes in use under `limit`.
 fn flush_room_certain_at(pressure: usize, limit: usize, bytes: usize) -> bool {
-    2usize.saturating_mul(pressure.saturating_add(bytes)) <= limit
+    3usize.saturating_mul(pressure.saturating_add(bytes)) <= limit
 }
 
 /// [`Shared::flush_room_short`] with `pressure` bytes in use under `limit` (0 for
@@ -307,16 +307,44 @@ impl Shared {
         self.ctl.limit().saturating_sub(self.pressure_bytes())
     }
 
-    /// Bytes a write of `bytes` Arrow bytes in `rows` rows adds to a delta, estimated for
-    /// [`Self::flush_room_short`]: the Arrow bytes plus [`DELTA_ROW_OVERHEAD`] a row.
-    pub(crate) fn delta_growth(bytes: usize, rows: usize) -> usize {
-        bytes.saturating_add(rows.saturating_mul(DELTA_ROW_OVERHEAD))
+    /// Bytes a write of `bytes` Arrow bytes in `rows` rows, whose encoded keys
+    /// (`arrow-row`) take `key_bytes`, adds to a delta, estimated for
+    /// [`Self::flush_room_short`]: the Arrow bytes plus [`DELTA_ROW_OVERHEAD`] a row plus
+    /// [`wide_key_bytes`]. A row holds its key twice, as a column value and as the encoded
+    /// key its row header keeps for lookups (a one-row insert with a 150,000-byte key took
+    /// 297.6 KiB of `row_blocks`: `big_keys`).
+    pub(crate) fn delta_growth(bytes: usize, rows: usize, key_bytes: usize) -> usize {
+        bytes.saturating_add(rows.saturating_mul(DELTA_ROW_OVERHEAD)).saturating_add(wide_key_bytes(key_bytes, rows))
+    }
+
+    /// Bytes flushing a write of `bytes` Arrow bytes in `rows` rows, whose encoded keys take
+    /// `key_bytes`, needs beside its delta, estimated for [`Self::flush_room_short`] (its
+    /// `convert`): the Arrow bytes of its batches plus the key-index growth,
+    /// [`FLUSH_ROW_OVERHEAD`] a row plus [`wide_key_bytes`] (a file's key index keeps a
+    /// variable-width key as encoded: `gritdb_storage::KeyIndex`), plus [`wide_key_bytes`]
+    /// again for the batch of encoded keys the set is built from
+    /// (`gritdb_storage::PutKeyEncoder::encode`).
+    pub(crate) fn flush_need(bytes: usize, rows: usize, key_bytes: usize) -> usize {
+        let wide = wide_key_bytes(key_bytes, rows);
+        bytes.saturating_add(rows.saturating_mul(FLUSH_ROW_OVERHEAD)).saturating_add(wide.saturating_mul(2))
+    }
+
+    /// What flushing delta `d` needs at most beside it, for [`Self::flush_room_short`]: its
+    /// bytes (they bound its batches, key-index growth at [`FLUSH_ROW_OVERHEAD`] a key
+    /// included) plus [`wide_key_bytes`] of its keys (the wider keys' place in the set and
+    /// in the batch of encoded keys it is built from, beyond the key each row holds: at most
+    /// twice its bytes, which [`Self::flush_room_certain`] assumes).
+    pub(crate) fn delta_flush_need(d: &gritdb_unify::DeltaStore) -> usize {
+        d.bytes().saturating_add(wide_key_bytes(d.key_bytes(), d.len()))
     }
 
     /// Whether a write adding `bytes` to a delta ([`Self::delta_growth`]) is admitted by
-    /// [`Self::flush_room_short`] whatever the deltas' sizes: `2 × (pressure + bytes) ≤
+    /// [`Self::flush_room_short`] whatever the deltas' sizes: `3 × (pressure + bytes) ≤
     /// limit`, because the delta a flush must convert is never larger than the memory in use
-    /// after the write.
+    /// after the write, and converting it needs at most twice its bytes
+    /// ([`Self::delta_flush_need`]; the write's own `convert` is at most twice its growth).
+    /// Before wide keys were counted it was `2 ×`: a delta's conversion was taken to need
+    /// its bytes at most.
     pub(crate) fn flush_room_certain(&self, bytes: usize) -> bool {
         flush_room_certain_at(self.pressure_bytes(), self.ctl.limit(), bytes)
     }
@@ -329,9 +357,9 @@ impl Shared {
     /// means short. The caller adds to `bytes` the writes being admitted to other tables
     /// ([`Self::admit`]), so deltas of other tables that are about to grow count too.
     ///
-    /// `convert` is what flushing this write's rows needs beside its delta: their Arrow bytes
-    /// plus [`FLUSH_ROW_OVERHEAD`] a row of key-index growth (a sealed delta's own bytes bound
-    /// its conversion from above).
+    /// `convert` is what flushing this write's rows needs beside its delta
+    /// ([`Self::flush_need`]: their Arrow bytes plus their key-index growth; a sealed delta's
+    /// own bytes bound its conversion from above).
     ///
     /// Returns `Some(bytes + that)` when short: what the write must find free, for itself and
     /// to flush what it leaves (the `requested` of its `MemoryLimit` refusal, so that `used +
@@ -481,7 +509,19 @@ pub(crate) const DELTA_ROW_OVERHEAD: usize = 64;
 
 /// Key-index bytes a flushed row adds, for the write admission rule's conversion estimate
 /// (the trial above: its flush asked 542 KiB of key index for 60,000 keys, 9 B a key).
+/// Encoded keys longer than this on average add the rest ([`wide_key_bytes`]).
 pub(crate) const FLUSH_ROW_OVERHEAD: usize = 16;
+
+/// Bytes of `rows` encoded keys totalling `key_bytes` beyond [`FLUSH_ROW_OVERHEAD`] a row:
+/// what [`DELTA_ROW_OVERHEAD`] and [`FLUSH_ROW_OVERHEAD`], measured on 9-byte `Int64` keys,
+/// leave out for wider keys. A delta's row header and a file's key index each hold a key as
+/// encoded, so with these left out one-row inserts of 30–200 KB `Binary` keys at 1 MiB were
+/// all admitted and then no flush, scan or `close` could get the memory for them (42 of 200
+/// runs of `big_keys::wide_keys_admitted_at_a_small_limit_stay_flushable_and_scannable`;
+/// helper-52's F1).
+pub(crate) fn wide_key_bytes(key_bytes: usize, rows: usize) -> usize {
+    key_bytes.saturating_sub(rows.saturating_mul(FLUSH_ROW_OVERHEAD))
+}
 
 pub(crate) struct EngineInner {
     pub(crate) dir: PathBuf,
@@ -609,19 +649,20 @@ impl EngineInner {
     /// largest delta, active or sealed, of any table: `pressure + bytes + that > limit`, the
     /// bound of the write admission rule ([`Shared::flush_room_short`]: a flush holds a
     /// delta's rows and their Arrow batches at once). `false` without deltas, and at once
-    /// when `2 × (pressure + bytes) ≤ limit` ([`Shared::flush_room_certain`]), so the tables
-    /// are only visited when memory is more than half used.
+    /// when `3 × (pressure + bytes) ≤ limit` ([`Shared::flush_room_certain`]), so the tables
+    /// are only visited when memory is more than a third used.
     pub(crate) fn scan_flush_room_short(&self, bytes: usize) -> bool {
         let shared = &self.shared;
         if shared.flush_room_certain(bytes) {
             return false;
         }
-        let active = self.all_tables().iter().map(|t| t.active_bytes()).max().unwrap_or(0);
+        let active = self.all_tables().iter().map(|t| t.active_flush_need()).max().unwrap_or(0);
         let largest = active.max(self.largest_sealed_delta());
         largest > 0 && shared.pressure_bytes().saturating_add(bytes).saturating_add(largest) > shared.ctl.limit()
     }
 
-    /// Bytes of the largest sealed delta of any table (see [`Shared::flush_room_short`]).
+    /// What flushing the largest sealed delta of any table needs ([`Shared::delta_flush_need`];
+    /// see [`Shared::flush_room_short`]).
     pub(crate) fn largest_sealed_delta(&self) -> usize {
         self.tables_read().values().map(|t| t.largest_sealed.load(Ordering::Acquire)).max().unwrap_or(0)
     }
@@ -632,6 +673,15 @@ impl EngineInner {
     /// compactions are building).
     pub(crate) fn file_index_bytes(&self) -> usize {
         self.all_tables().iter().map(|t| lock(&t.state).as_ref().map_or(0, |st| st.store.index().bytes())).sum()
+    }
+
+    /// [`Self::file_index_bytes`] less the key sets of files with no live row, which the
+    /// compaction after the next flush drops: the key index that stays, for the checks that
+    /// refuse a row for good (`Table::check_value_sizes`). With them counted, upserts of one
+    /// 100 KB key at 1 MiB were refused as `ValueTooLarge` while three dead files of that key
+    /// waited for the compaction at the end of a long background flush (`big_keys`).
+    pub(crate) fn live_file_index_bytes(&self) -> usize {
+        self.all_tables().iter().map(|t| lock(&t.state).as_ref().map_or(0, |st| st.store.live_index_bytes())).sum()
     }
 
     /// Bytes of sealed deltas not yet turned into flush batches (what flushing them will
@@ -1068,12 +1118,19 @@ impl Engine {
                 WalOp::Delete => (0, rec.first_seq.max(flushed + 1)),
             };
             let sizes = row_bytes(&rec.batch);
+            // Each row's key-column bytes, about its encoded key (within arrow-row's 1 byte in
+            // 32 and a few), for the estimates below: a delete record holds key columns only.
+            let key_sizes = match rec.op {
+                WalOp::Put => rec.batch.project(t.codec.keys().columns()).map_or_else(|_| sizes.clone(), |b| row_bytes(&b)),
+                WalOp::Delete => sizes.clone(),
+            };
             let flush_bytes = shared.table_flush_bytes();
             while at < n {
                 // Rows up to about one flush threshold of Arrow bytes (at least one row).
-                let (mut len, mut need) = (1, sizes[at]);
+                let (mut len, mut need, mut key_bytes) = (1, sizes[at], key_sizes[at]);
                 while at + len < n && need + sizes[at + len] <= flush_bytes {
                     need += sizes[at + len];
+                    key_bytes += key_sizes[at + len];
                     len += 1;
                 }
                 let part = WalRecord {
@@ -1088,8 +1145,18 @@ impl Engine {
                 // slice would take memory past the write soft limit, the largest tables'
                 // deltas are flushed inline first. Else a log written under a larger limit
                 // fills memory to the hard limit, and the table can then be neither scanned
-                // nor flushed at this one.
-                let over = || shared.pressure_bytes() + need > shared.write_soft_limit();
+                // nor flushed at this one. The slice's growth and the room to flush it are
+                // estimated as a write's are (`Table::with_backpressure`), wide keys
+                // included: counting Arrow bytes alone, six 100 KB-key rows logged under
+                // 64 MiB replayed at 2 MiB into 1.5 MB of deltas that no scan could read
+                // (`big_keys::wide_keys_logged_under_a_large_limit_replay_at_a_small_one`).
+                let growth = Shared::delta_growth(need, len, key_bytes);
+                let convert = Shared::flush_need(need, len, key_bytes);
+                let over = || {
+                    let largest_sealed = by_id.values().map(|t| t.largest_sealed.load(Ordering::Acquire)).max().unwrap_or(0);
+                    shared.pressure_bytes() + growth > shared.write_soft_limit()
+                        || shared.flush_room_short(growth + shared.ctl.chunk_size(), convert, t.active_flush_need(), largest_sealed).is_some()
+                };
                 if over() {
                     let mut by_size: Vec<(usize, &Arc<TableInner>)> = by_id.values().map(|t| (t.delta_bytes(), t)).collect();
                     by_size.sort_by_key(|b| std::cmp::Reverse(b.0));

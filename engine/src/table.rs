@@ -106,7 +106,8 @@ pub(crate) struct TableInner {
     pub(crate) flush_lock: Mutex<()>,
     pub(crate) flush_scheduled: AtomicBool,
     pub(crate) seq: AtomicU64,
-    /// Bytes of this table's largest sealed delta (0 when none), kept beside
+    /// What flushing this table's largest sealed delta needs ([`Shared::delta_flush_need`];
+    /// 0 when none), kept beside
     /// `state.sealed` so the write admission rule ([`Shared::flush_room_short`]) can read
     /// every table's without taking their locks.
     pub(crate) largest_sealed: AtomicUsize,
@@ -213,7 +214,7 @@ impl TableInner {
             return false;
         }
         let old = std::mem::replace(&mut st.active, self.new_delta().with_key_hint(key_hint));
-        self.largest_sealed.fetch_max(old.bytes(), Ordering::AcqRel);
+        self.largest_sealed.fetch_max(Shared::delta_flush_need(&old), Ordering::AcqRel);
         st.sealed.push_back(Arc::new(old));
         st.active_since = None;
         true
@@ -325,6 +326,12 @@ impl TableInner {
         lock(&self.state).as_ref().map_or(0, |st| st.active.bytes() + st.sealed.iter().map(|d| d.bytes()).sum::<usize>())
     }
 
+    /// What flushing the active delta needs ([`Shared::delta_flush_need`]), for
+    /// [`EngineInner::scan_flush_room_short`].
+    pub(crate) fn active_flush_need(&self) -> usize {
+        lock(&self.state).as_ref().map_or(0, |s| Shared::delta_flush_need(&s.active))
+    }
+
     /// Active delta bytes (for choosing what to flush under pressure).
     pub(crate) fn active_bytes(&self) -> usize {
         lock(&self.state).as_ref().map_or(0, |s| s.active.bytes())
@@ -355,6 +362,14 @@ impl TableInner {
             match self.flush_delta(sealed, threads)? {
                 Some(n) => rows += n,
                 None => break, // the table was dropped
+            }
+            // Files this delta left with no live row are dropped now (no data file is read
+            // or written, only the manifest), not after the last delta of a long flush: with
+            // a writer sealing delta after delta, upserts of one 100 KB key at 1 MiB held
+            // four files of it, three dead, and the writes waited for their memory
+            // (`big_keys`). A failure is left to the compaction below, which reports it.
+            if self.state()?.as_ref().is_some_and(|st| st.store.has_dead_files()) {
+                let _ = self.compact(1, threads);
             }
         }
         // Every row this flush took is committed (manifest durable) by now: the flush has
@@ -436,7 +451,7 @@ impl TableInner {
                 st.store.stage_keyed(keyed, &batches.delete_keys, if last { sealed.max_seq() } else { 0 })?;
                 if last && st.sealed.front().is_some_and(|s| Arc::ptr_eq(s, &sealed)) {
                     st.sealed.pop_front();
-                    self.largest_sealed.store(st.sealed.iter().map(|d| d.bytes()).max().unwrap_or(0), Ordering::Release);
+                    self.largest_sealed.store(st.sealed.iter().map(|d| Shared::delta_flush_need(d)).max().unwrap_or(0), Ordering::Release);
                 }
             }
             rows += batches.puts.iter().map(|b| b.num_rows() as u64).sum::<u64>();
@@ -686,7 +701,7 @@ impl Table {
         // every layer; a delete that finds none drops its record unwritten.
         let overlap = unique.len() >= OVERLAP_WAL_ROWS && wal.syncs_each_append();
         let id = self.inner.id;
-        self.with_backpressure(gritdb_storage::batch_bytes(keys), keys.num_rows(), |st| {
+        self.with_backpressure(gritdb_storage::batch_bytes(keys), keys.num_rows(), encoded_bytes(&rows), |st| {
             let pending = if overlap { Some(PendingAppend::start(&self.inner.shared, WalOp::Delete, keys, id)?) } else { None };
             let mut items = Vec::new();
             for &i in &unique {
@@ -747,7 +762,7 @@ impl Table {
         // `breaker_walpool7`.)
         let overlap = n >= OVERLAP_WAL_ROWS;
         let id = self.inner.id;
-        self.with_backpressure(gritdb_storage::batch_bytes(batch), n, |st| {
+        self.with_backpressure(gritdb_storage::batch_bytes(batch), n, encoded_bytes(&keys), |st| {
             if !overlap {
                 self.check_keys(st, batch, &keys, &hashes, mode)?;
                 let seq = self.inner.seq.fetch_add(n as u64, Ordering::AcqRel);
@@ -778,7 +793,9 @@ impl Table {
 
     /// Refuses a batch with a row no scan could read back, no flush write or no open rebuild
     /// the key of, under the limit in force (the lower value a lowering heads for, if one is
-    /// in progress) beside the key indexes of every table's files, which stay held: the row's
+    /// in progress) beside the key indexes of every table's files with a live row, which stay
+    /// held (`EngineInner::live_file_index_bytes`; files with none are dropped by the next
+    /// compaction): the row's
     /// [`gritdb_storage::row_memory_bytes`] (from its largest string or binary value, all of
     /// them, those of its key columns, and its encoded key) plus those indexes must be within
     /// the limit. Cheap for usual
@@ -797,7 +814,7 @@ impl Table {
         if gritdb_storage::row_memory_bytes(batch_bytes, batch_bytes, batch_bytes, key_bytes).saturating_add(held) <= limit {
             return Ok(());
         }
-        let key_index = self.engine.file_index_bytes();
+        let key_index = self.engine.live_file_index_bytes();
         let budget = limit.saturating_sub(key_index);
         let key_columns = self.inner.codec.keys().columns();
         for (row, v) in self.inner.codec.value_bytes_by_row(batch).into_iter().enumerate() {
@@ -883,8 +900,16 @@ impl Table {
 
     /// Runs `apply` under the table lock; when it fails for memory, asks the writer to flush
     /// the largest deltas and waits (bounded by `backpressure_timeout`) before trying again.
-    /// Writes that wait are admitted first come, first served (`Shared::queue`).
-    fn with_backpressure(&self, batch_bytes_hint: usize, rows: usize, mut apply: impl FnMut(&mut TableState) -> Result<usize>) -> Result<usize> {
+    /// Writes that wait are admitted first come, first served (`Shared::queue`). The write
+    /// has `rows` rows of `batch_bytes_hint` Arrow bytes whose encoded keys take `key_bytes`
+    /// ([`encoded_bytes`]).
+    fn with_backpressure(
+        &self,
+        batch_bytes_hint: usize,
+        rows: usize,
+        key_bytes: usize,
+        mut apply: impl FnMut(&mut TableState) -> Result<usize>,
+    ) -> Result<usize> {
         let deadline = crate::engine::deadline_after(self.inner.shared.config.backpressure_timeout);
         let mut waited = false;
         let shared = &self.inner.shared;
@@ -895,10 +920,10 @@ impl Table {
         let mut flushing;
         // What the write holds at its peak: its delta growth and its WAL record (about the
         // batch's Arrow bytes; the record is freed once written).
-        let growth = Shared::delta_growth(batch_bytes_hint, rows);
+        let growth = Shared::delta_growth(batch_bytes_hint, rows, key_bytes);
         let peak = growth.saturating_add(batch_bytes_hint);
         // What flushing this write's rows needs beside its delta (`Shared::flush_room_short`).
-        let convert = batch_bytes_hint.saturating_add(rows.saturating_mul(crate::engine::FLUSH_ROW_OVERHEAD));
+        let convert = Shared::flush_need(batch_bytes_hint, rows, key_bytes);
         // This write's place among the writes waiting for memory, taken when it first waits
         // and kept until it returns (`Shared::queue`).
         let mut place = None;
@@ -946,9 +971,14 @@ impl Table {
                 }
                 continue;
             }
+            // What the write adds to its delta for the room-to-flush check below: its growth
+            // plus one chunk, as rows are carved from whole chunks (a 14.7 KB row that opened
+            // a chunk took 64 KiB at 1 MiB, and the flush of the 136 KiB-key delta beside it
+            // then found 5 KiB too little: `big_keys`).
+            let room_growth = growth.saturating_add(shared.ctl.chunk_size());
             // Read before the table lock (it reads every table); 0 when the cheap bound in
             // `flush_room_short` already admits the write.
-            let largest_sealed = if shared.flush_room_certain(growth.saturating_add(shared.admitting())) { 0 } else { self.engine.largest_sealed_delta() };
+            let largest_sealed = if shared.flush_room_certain(room_growth.saturating_add(shared.admitting())) { 0 } else { self.engine.largest_sealed_delta() };
             let res = {
                 let mut g = self.inner.state()?;
                 // From here to the end of the apply, this write's peak (its delta growth and
@@ -962,8 +992,8 @@ impl Table {
                 // filled the engine with deltas larger than the free memory left a table no
                 // flush or scan could get memory for (8 writers of 0.5-3 MB batches at 8 MiB:
                 // `breaker_session12::many_writers_at_tiny_limits_with_big_batches_never_hang`).
-                let active = g.as_ref().map_or(0, |st| st.active.bytes());
-                if let Some(need) = shared.flush_room_short(growth.saturating_add(others), convert, active, largest_sealed) {
+                let active = g.as_ref().map_or(0, |st| Shared::delta_flush_need(&st.active));
+                if let Some(need) = shared.flush_room_short(room_growth.saturating_add(others), convert, active, largest_sealed) {
                     drop(admission);
                     drop(g);
                     let e: Error = shared.ctl.limit_error(gritdb_memctl::Category::RowBlocks, need.max(1)).into();
@@ -1270,6 +1300,12 @@ fn walk_keys(rows: &arrow_row::Rows, hashes: &[u64], mut seen_before: impl FnMut
         }
     }
     firsts
+}
+
+/// Bytes of all of `rows`' encoded keys (without the offsets), for the admission estimates
+/// (`Shared::delta_growth`, `Shared::flush_need`).
+fn encoded_bytes(rows: &arrow_row::Rows) -> usize {
+    rows.lengths().sum()
 }
 
 /// Indices of the first occurrence of each distinct key.

@@ -32,6 +32,7 @@ static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 mod accounting;
 mod backpressure;
 mod bad_input;
+mod big_keys;
 mod big_strings;
 mod breaker_audit14;
 mod breaker_audit16;

@@ -824,6 +824,14 @@ fn binary_disordered_offset<O: arrow_array::OffsetSizeTrait>(a: &arrow_array::Ge
     first_disordered_offset(a.value_offsets(), a.value_data().len())
 }
 
+/// Whether UTF-8 byte `c` starts a character (is not a continuation byte, `0b10xx_xxxx`):
+/// as a signed byte, continuation bytes are −128..=−65. `str::is_char_boundary`'s test, on a
+/// byte, so the checks below need no `str` (their bytes are not yet known to be UTF-8).
+#[inline]
+fn starts_char(c: u8) -> bool {
+    (c as i8) >= -0x40
+}
+
 /// The first valid row of `a` whose bytes are not UTF-8 ([`check_utf8`]).
 fn first_bad_offsets_value<O: arrow_array::OffsetSizeTrait>(a: &arrow_array::GenericStringArray<O>) -> Option<usize> {
     let offsets = a.value_offsets();
@@ -841,7 +849,7 @@ fn first_bad_offsets_value<O: arrow_array::OffsetSizeTrait>(a: &arrow_array::Gen
     // Then every value, null or not, is UTF-8.
     if let Some(run) = bytes.get(first..last)
         && std::str::from_utf8(run).is_ok()
-        && offsets.iter().fold(true, |ok, &o| ok & run.get(o.as_usize() - first).is_none_or(|&c| (c as i8) >= -0x40))
+        && offsets.iter().fold(true, |ok, &o| ok & run.get(o.as_usize() - first).is_none_or(|&c| starts_char(c)))
     {
         return None;
     }
@@ -898,7 +906,7 @@ fn views_are_utf8(views: &[u128], buffers: &[arrow_buffer::Buffer]) -> bool {
         }
         m
     };
-    let boundary = |buf: &[u8], j: usize| buf.get(j).is_none_or(|&c| (c as i8) >= -0x40);
+    let boundary = |buf: &[u8], j: usize| buf.get(j).is_none_or(|&c| starts_char(c));
     let mut high = 0u128;
     let mut ok = true;
     for &v in views {

@@ -17,7 +17,9 @@ pub struct EngineConfig {
     /// asks for memory (nothing is applied).
     pub max_row_bytes: usize,
     /// A table's active delta is sealed and flushed when it holds this many bytes.
-    /// `None` = limit / 16, clamped to 1 MiB..=64 MiB.
+    /// `None` = limit / 16, clamped to 1 MiB..=64 MiB. Any value is then held to at most
+    /// limit / 8 and at least one row-block chunk (so 0 means one chunk), under the limit in
+    /// force.
     pub table_flush_bytes: Option<usize>,
     /// How long a write waits for the background writer to free memory before it returns
     /// [`crate::Error::MemoryLimit`]. Default 30 s; `Duration::MAX` waits without end.
@@ -141,7 +143,8 @@ impl EngineConfig {
         self
     }
 
-    /// Sets the per-table flush threshold in bytes.
+    /// Sets the per-table flush threshold in bytes (held to one chunk..=limit / 8: see
+    /// [`Self::table_flush_bytes`]).
     #[must_use]
     pub fn table_flush_bytes(mut self, bytes: usize) -> Self {
         self.table_flush_bytes = Some(bytes);

@@ -321,7 +321,9 @@ impl TableStore {
                 total = 0;
             }
             for f in small {
-                if total + live(f) > max_rows || bytes + live_bytes(f) > budget {
+                // Saturating: `decoded_bytes` comes from the manifest, and a hand-edited
+                // one near `u64::MAX` wrapped the sum (a panic with overflow checks).
+                if total.saturating_add(live(f)) > max_rows || bytes.saturating_add(live_bytes(f)) > budget {
                     break;
                 }
                 total += live(f);

@@ -15,6 +15,8 @@
 //! - A manifest file entry not named as gritdb names that file id (`f<id>.parquet`, deletion
 //!   vectors `f<id>.dv<version>`), or naming an id twice: a later flush wrote its new file
 //!   under the name of a live one, and two entries with one id hid one of them.
+//! - A manifest whose files claim `decoded_bytes` near the end of `u64`: the merge planner's
+//!   sum of them wrapped, and the files looked small enough to merge.
 
 use arrow::array::{Array, Int64Array, RecordBatch};
 use arrow::datatypes::{DataType, Field, Int64Type, Schema, SchemaRef};
@@ -267,5 +269,54 @@ fn put_back_and_check(dir: &Path, text: &str) {
     std::fs::write(table_dir(dir).join("manifest.json"), text).unwrap();
     let engine = Engine::open(dir, cfg()).unwrap();
     assert_eq!(totals(&engine), two_file_totals());
+    engine.close().unwrap();
+}
+
+/// A manifest whose files claim `decoded_bytes` near the end of `u64` (edited by hand and
+/// resealed): the merge planner summed the inputs' decoded bytes with `+`, which wrapped
+/// (a panic with overflow checks) and made the absurd files look small enough to merge.
+/// The sum saturates now: such files are too big for a merge's budget, no merge is planned,
+/// and the table's rows read back as they were.
+#[test]
+fn decoded_bytes_at_the_end_of_u64_do_not_wrap_the_merge_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), cfg()).unwrap();
+    let t = engine.create_table("t", kv_schema(), &["k"]).unwrap();
+    for i in 0..3 {
+        t.insert(&kv(i * 10..i * 10 + 10)).unwrap();
+        t.flush().unwrap();
+    }
+    assert_eq!(t.stats().unwrap().files, 3, "three small files: below the merge trigger of 4");
+    drop(t);
+    engine.close().unwrap();
+    let path = table_dir(dir.path()).join("manifest.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut seen = 0;
+    let edited: String = text
+        .lines()
+        .map(|l| {
+            if l.trim_start().starts_with("\"decoded_bytes\":") {
+                seen += 1;
+                // The first file keeps its size; the others claim u64::MAX - 7.
+                if seen > 1 {
+                    let indent = &l[..l.len() - l.trim_start().len()];
+                    let comma = if l.trim_end().ends_with(',') { "," } else { "" };
+                    return format!("{indent}\"decoded_bytes\": {}{comma}", u64::MAX - 7);
+                }
+            }
+            l.to_owned()
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert_eq!(seen, 3, "one decoded_bytes per file:\n{text}");
+    std::fs::write(&path, reseal(&(edited + "\n"))).unwrap();
+    let engine = Engine::open(dir.path(), cfg()).unwrap();
+    let t = engine.table("t").unwrap();
+    t.insert(&kv(30..40)).unwrap();
+    t.flush().unwrap();
+    assert_eq!(t.stats().unwrap().files, 4, "no merge of files whose decoded bytes are past any budget");
+    drop(t);
+    let s: i64 = (0..40).sum();
+    assert_eq!(totals(&engine), (40, s, s * 10));
     engine.close().unwrap();
 }

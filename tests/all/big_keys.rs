@@ -150,3 +150,24 @@ fn wide_keys_logged_under_a_large_limit_replay_at_a_small_one() {
     drop(t);
     engine.close().unwrap();
 }
+
+/// A wide key inserted and flushed at 1 MiB can be deleted (helper-53: `236cb0a` charged a
+/// delete as a put, wide-key bytes for a key set its flush never builds, and a delete of a
+/// flushed 162 KB key asked for 890 KB and was refused with `MemoryLimit` for good; `386e76e`
+/// deleted it).
+#[test]
+fn a_flushed_wide_key_can_be_deleted_at_a_small_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), cfg(MIB).flush_age(Duration::from_secs(3600))).unwrap();
+    let t = engine.create_table("t", schema(), &["k"]).unwrap();
+    let big = vec![0u8; 162_000];
+    t.insert(&row(&big, 1)).unwrap();
+    t.insert(&row(&[1u8; 8_000], 2)).unwrap();
+    t.insert(&row(&[2u8; 8_000], 3)).unwrap();
+    t.flush().unwrap();
+    assert_eq!(t.delete(&keys_only(&big)).unwrap(), 1);
+    t.flush().unwrap();
+    assert_eq!(totals(&t).unwrap(), (2, 5, 16_000));
+    drop(t);
+    engine.close().unwrap();
+}
